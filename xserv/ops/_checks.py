@@ -1,0 +1,44 @@
+"""Argument checks shared by every op launcher: a wrong call raises ValueError naming the argument and never
+reaches the GPU."""
+from __future__ import annotations
+
+from ..tensor import Tensor
+
+
+def check_tensor(name: str, t, *, dtype=None, ndim: int | None = None, shape: tuple | None = None,
+                 device: str | None = None) -> Tensor:
+    """`shape` may hold None for a free dimension."""
+    if not isinstance(t, Tensor):
+        raise ValueError(f"{name}: expected a Tensor, got {type(t).__name__}")
+    if dtype is not None:
+        allowed = dtype if isinstance(dtype, (tuple, list)) else (dtype,)
+        if t.dtype not in allowed:
+            raise ValueError(f"{name}: dtype {t.dtype}, expected {' or '.join(str(d) for d in allowed)}")
+    if ndim is not None and t.ndim != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {t.shape}")
+    if shape is not None:
+        if len(shape) != t.ndim or any(s is not None and s != d for s, d in zip(shape, t.shape)):
+            want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+            raise ValueError(f"{name}: shape {list(t.shape)}, expected {want}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name}: on {t.device}, expected {device}")
+    return t
+
+
+def same_device(**tensors: Tensor) -> str:
+    devices = {n: t.device for n, t in tensors.items() if t is not None}
+    if len(set(devices.values())) > 1:
+        raise ValueError("tensors on different devices: " + ", ".join(f"{n} on {d}" for n, d in devices.items()))
+    return next(iter(devices.values()))
+
+
+def check_aligned(name: str, t: Tensor, nbytes: int = 16) -> None:
+    if t.is_cuda and t.ptr % nbytes:
+        raise ValueError(f"{name}: device address 0x{t.ptr:x} is not {nbytes}-byte aligned")
+
+
+def output(name: str, out: Tensor | None, shape: tuple, dtype, device: str) -> Tensor:
+    """The given output tensor, checked, or a new one."""
+    if out is None:
+        return Tensor.empty(shape, dtype, device)
+    return check_tensor(name, out, dtype=dtype, shape=shape, device=device)

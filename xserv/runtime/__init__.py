@@ -1,0 +1,67 @@
+"""The runtime context: the only process-wide state in xserv (device, stream, allocator, kernel cache, cuBLAS).
+
+Created on first use by any CUDA path; a CPU-only program never creates it.
+"""
+from __future__ import annotations
+
+from .errors import CompileError, CublasError, CudaError, DeviceOutOfMemory, check_driver
+from .device import Device, device_count
+
+_runtime = None
+
+
+class Runtime:
+    def __init__(self, device_index: int = 0):
+        from .allocator import CachingAllocator
+        from .kernels import KernelCache
+
+        self.device = Device(device_index)
+        self.allocator = CachingAllocator(self.device.memory_info)
+        self.kernels = KernelCache(self.device)
+        self._cublas = None
+
+    @property
+    def cublas(self):
+        if self._cublas is None:
+            from .cublas import Cublas
+
+            self._cublas = Cublas(self.device, self.allocator)
+        return self._cublas
+
+
+def get_runtime() -> Runtime:
+    global _runtime
+    if _runtime is None:
+        _runtime = Runtime()
+    return _runtime
+
+
+def cuda_available() -> bool:
+    return device_count() > 0
+
+
+def get_device() -> Device:
+    return get_runtime().device
+
+
+def kernel(family: str, name: str):
+    """The launchable kernel `name` from cuda_src/<family>.cu (compiled and loaded on first use)."""
+    return get_runtime().kernels.get(family, name)
+
+
+def synchronize() -> None:
+    get_runtime().device.synchronize()
+
+
+def memory_stats():
+    return get_runtime().allocator.stats
+
+
+def empty_cache() -> None:
+    get_runtime().allocator.empty_cache()
+
+
+__all__ = [
+    "Runtime", "get_runtime", "get_device", "kernel", "synchronize", "cuda_available", "memory_stats",
+    "empty_cache", "CudaError", "CompileError", "CublasError", "DeviceOutOfMemory", "check_driver",
+]

@@ -1,0 +1,106 @@
+"""A caching device allocator.
+
+Requests are rounded up to a size class; a freed block goes back to the free list of its class and is handed to
+the next request of that class, so a steady-state loop (a decode step, a benchmark) calls cuMemAlloc zero times.
+All work runs on one stream, so a block freed by Python and reused by a later launch is ordered after every
+earlier use of it on that stream.
+"""
+from __future__ import annotations
+
+import weakref
+from collections import defaultdict
+from dataclasses import dataclass
+
+from .errors import CudaError, DeviceOutOfMemory, check_driver
+
+_SMALL = 1 << 20  # below 1 MiB: 512-byte granules
+_LARGE_GRANULE = 2 << 20  # above: 2 MiB granules
+
+
+def size_class(nbytes: int) -> int:
+    if nbytes <= 0:
+        return 512
+    if nbytes < _SMALL:
+        return (nbytes + 511) & ~511
+    return (nbytes + _LARGE_GRANULE - 1) // _LARGE_GRANULE * _LARGE_GRANULE
+
+
+@dataclass
+class AllocatorStats:
+    bytes_in_use: int = 0
+    peak_bytes_in_use: int = 0
+    bytes_cached: int = 0  # held by the allocator but free, ready for reuse
+    device_allocations: int = 0  # cuMemAlloc calls made so far
+    device_frees: int = 0
+
+
+class DeviceBuffer:
+    """A block of device memory. Returned to its allocator's cache when garbage-collected or `free()`d."""
+
+    __slots__ = ("ptr", "nbytes", "_finalizer", "__weakref__")
+
+    def __init__(self, ptr: int, nbytes: int, allocator: "CachingAllocator"):
+        self.ptr = ptr
+        self.nbytes = nbytes
+        self._finalizer = weakref.finalize(self, allocator._release, ptr, nbytes)
+
+    def free(self) -> None:
+        self._finalizer()
+
+    def __repr__(self):
+        return f"DeviceBuffer(ptr=0x{self.ptr:x}, nbytes={self.nbytes})"
+
+
+class CachingAllocator:
+    def __init__(self, memory_info=None):
+        self._free: dict[int, list[int]] = defaultdict(list)
+        self._memory_info = memory_info
+        self.stats = AllocatorStats()
+
+    def allocate(self, nbytes: int) -> DeviceBuffer:
+        size = size_class(nbytes)
+        free_list = self._free.get(size)
+        if free_list:
+            ptr = free_list.pop()
+            self.stats.bytes_cached -= size
+        else:
+            ptr = self._device_alloc(size)
+        self.stats.bytes_in_use += size
+        self.stats.peak_bytes_in_use = max(self.stats.peak_bytes_in_use, self.stats.bytes_in_use)
+        return DeviceBuffer(ptr, size, self)
+
+    def _device_alloc(self, size: int) -> int:
+        from cuda.bindings import driver
+
+        err, ptr = driver.cuMemAlloc(size)
+        if err == driver.CUresult.CUDA_ERROR_OUT_OF_MEMORY:
+            self.empty_cache()
+            err, ptr = driver.cuMemAlloc(size)
+        if err == driver.CUresult.CUDA_ERROR_OUT_OF_MEMORY:
+            free, total = self._memory_info() if self._memory_info else (-1, -1)
+            raise DeviceOutOfMemory(
+                f"out of device memory: asked for {size / 2**20:.1f} MiB, {free / 2**20:.1f} MiB free of "
+                f"{total / 2**20:.1f} MiB total ({self.stats.bytes_in_use / 2**20:.1f} MiB in use by xserv)"
+            )
+        check_driver((err,), f"cuMemAlloc({size})")
+        self.stats.device_allocations += 1
+        return int(ptr)
+
+    def _release(self, ptr: int, size: int) -> None:
+        self.stats.bytes_in_use -= size
+        self.stats.bytes_cached += size
+        self._free[size].append(ptr)
+
+    def empty_cache(self) -> None:
+        """Give every cached (free) block back to the driver."""
+        from cuda.bindings import driver
+
+        for size, ptrs in self._free.items():
+            for ptr in ptrs:
+                try:
+                    check_driver(driver.cuMemFree(ptr), "cuMemFree")
+                except CudaError:
+                    pass
+                self.stats.bytes_cached -= size
+                self.stats.device_frees += 1
+        self._free.clear()

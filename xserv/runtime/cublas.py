@@ -1,0 +1,119 @@
+"""cuBLASLt through nvmath-python's low-level bindings: `out = x @ w^T` with bf16 (or fp16/fp32) inputs and fp32
+accumulation, strided-batched, algorithm chosen by cuBLASLt's heuristic once per shape and cached.
+
+Weights are stored [out_features, in_features] as in the checkpoints. cuBLASLt is column-major, so a row-major
+[M, N] output is the column-major N x M matrix  W(as K x N col-major, transposed) @ X(as K x M col-major).
+All calls run on xserv's stream with a preallocated workspace, so they can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import CublasError
+
+# cudaDataType_t and cublasComputeType_t values (ABI-stable enums of the CUDA headers).
+_CUDA_TYPE = {np.dtype("float32"): 0, np.dtype("float16"): 2}
+_CUDA_R_16BF = 14
+_COMPUTE_32F = 68
+_OP_N, _OP_T = 0, 1
+WORKSPACE_BYTES = 32 << 20
+
+
+def _cuda_type(dtype) -> int:
+    from ..tensor import bfloat16
+
+    if dtype == bfloat16:
+        return _CUDA_R_16BF
+    if dtype not in _CUDA_TYPE:
+        raise ValueError(f"cuBLAS GEMM does not take dtype {dtype}")
+    return _CUDA_TYPE[dtype]
+
+
+def _lt():
+    try:
+        from nvmath.bindings import cublasLt
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise CublasError("nvmath-python is not installed (pip install nvmath-python); xserv uses it for cuBLAS") from exc
+    return cublasLt
+
+
+def _call(what: str, fn, *args):
+    L = _lt()
+    try:
+        return fn(*args)
+    except L.cuBLASLtError as exc:
+        raise CublasError(f"{what} failed: {exc}") from exc
+
+
+class _Plan:
+    """Descriptors, layouts and the chosen algorithm for one (M, N, K, batch, dtypes) problem."""
+
+    def __init__(self, handle: int, m, n, k, batch, in_type, out_type, stride_x, stride_w, stride_out, workspace_bytes):
+        L = _lt()
+        self.handles = []
+        self.desc = _call("cublasLtMatmulDescCreate", L.matmul_desc_create, _COMPUTE_32F, 0)
+        for attr, value in ((L.MatmulDescAttribute.TRANSA, _OP_T), (L.MatmulDescAttribute.TRANSB, _OP_N)):
+            buf = np.array(value, np.int32)
+            _call("cublasLtMatmulDescSetAttribute", L.matmul_desc_set_attribute, self.desc, attr, buf.ctypes.data, 4)
+
+        def layout(dtype, rows, cols, ld, stride):
+            lay = _call("cublasLtMatrixLayoutCreate", L.matrix_layout_create, dtype, rows, cols, ld)
+            if batch > 1:
+                count, offset = np.array(batch, np.int32), np.array(stride, np.int64)
+                L.matrix_layout_set_attribute(lay, L.MatrixLayoutAttribute.BATCH_COUNT, count.ctypes.data, 4)
+                L.matrix_layout_set_attribute(lay, L.MatrixLayoutAttribute.STRIDED_BATCH_OFFSET, offset.ctypes.data, 8)
+            self.handles.append(lay)
+            return lay
+
+        self.a = layout(in_type, k, n, k, stride_w)  # the weight, [N, K] row-major
+        self.b = layout(in_type, k, m, k, stride_x)  # the input, [M, K] row-major
+        self.c = layout(out_type, n, m, n, stride_out)  # the output, [M, N] row-major
+        pref = _call("cublasLtMatmulPreferenceCreate", L.matmul_preference_create)
+        ws = np.array(workspace_bytes, np.uint64)
+        L.matmul_preference_set_attribute(pref, L.MatmulPreferenceAttribute.MAX_WORKSPACE_BYTES, ws.ctypes.data, 8)
+        self.result = np.zeros(1, L.matmul_heuristic_result_dtype)
+        count = np.zeros(1, np.int32)
+        _call(
+            "cublasLtMatmulAlgoGetHeuristic", L.matmul_algo_get_heuristic,
+            handle, self.desc, self.a, self.b, self.c, self.c, pref, 1, self.result.ctypes.data, count.ctypes.data,
+        )
+        L.matmul_preference_destroy(pref)
+        if count[0] < 1:
+            raise CublasError(f"cuBLASLt found no algorithm for M={m} N={n} K={k} batch={batch}")
+        self.algo_ptr = self.result.ctypes.data  # the algo struct is the first field of the heuristic result
+
+
+class Cublas:
+    """One cuBLASLt handle for xserv's stream, with its workspace."""
+
+    def __init__(self, device, allocator):
+        L = _lt()
+        self.device = device
+        self.handle = _call("cublasLtCreate", L.create)
+        self.workspace = allocator.allocate(WORKSPACE_BYTES)
+        self._plans: dict[tuple, _Plan] = {}
+        self._alpha = np.array(1.0, np.float32)
+        self._beta = np.array(0.0, np.float32)
+        self._beta_one = np.array(1.0, np.float32)
+
+    def version(self) -> int:
+        return _lt().get_version()
+
+    def gemm(self, x_ptr, w_ptr, out_ptr, m, n, k, in_dtype, out_dtype, batch=1,
+             stride_x=0, stride_w=0, stride_out=0, accumulate=False) -> None:
+        """out[b, M, N] (+)= x[b, M, K] @ w[b, N, K]^T on raw device pointers."""
+        key = (m, n, k, batch, in_dtype, out_dtype, stride_x, stride_w, stride_out)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = _Plan(
+                self.handle, m, n, k, batch, _cuda_type(in_dtype), _cuda_type(out_dtype),
+                stride_x, stride_w, stride_out, WORKSPACE_BYTES,
+            )
+        L = _lt()
+        beta = self._beta_one if accumulate else self._beta
+        _call(
+            "cublasLtMatmul", L.matmul,
+            self.handle, plan.desc, self._alpha.ctypes.data, w_ptr, plan.a, x_ptr, plan.b, beta.ctypes.data,
+            out_ptr, plan.c, out_ptr, plan.c, plan.algo_ptr, self.workspace.ptr, WORKSPACE_BYTES,
+            self.device.stream_handle,
+        )

@@ -1,0 +1,103 @@
+"""The device context: which GPU, its properties, the default stream."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import CudaError, check_driver
+
+
+def device_count() -> int:
+    """Number of CUDA devices; 0 when there is no driver or no GPU (never raises)."""
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        return 0
+    try:
+        (err,) = driver.cuInit(0)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            return 0
+        err, n = driver.cuDeviceGetCount()
+        return n if err == driver.CUresult.CUDA_SUCCESS else 0
+    except Exception:  # a missing libcuda.so surfaces as various loader errors
+        return 0
+
+
+def arch_for(major: int, minor: int) -> str:
+    """The NVRTC target for a compute capability; Hopper gets the arch-specific sm_90a (wgmma, setmaxnreg)."""
+    if (major, minor) == (9, 0):
+        return "sm_90a"
+    if major >= 10:
+        return f"sm_{major}{minor}a"
+    return f"sm_{major}{minor}"
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    index: int
+    name: str
+    compute_capability: tuple[int, int]
+    arch: str
+    multiprocessor_count: int
+    l2_cache_bytes: int
+    max_shared_memory_per_block_optin: int
+
+
+class Device:
+    """Owns the primary context of one GPU and the stream xserv launches on."""
+
+    def __init__(self, index: int = 0):
+        n = device_count()
+        if n == 0:
+            raise RuntimeError("no CUDA device found; use --device cpu")
+        if not 0 <= index < n:
+            raise RuntimeError(f"CUDA device {index} does not exist; this machine has {n} device(s)")
+        from cuda.bindings import driver
+        from cuda.core import Device as CoreDevice
+
+        self._core = CoreDevice(index)
+        self._core.set_current()
+        self.stream = self._core.create_stream()
+        self.stream_handle = int(self.stream.handle)
+        attr = driver.CUdevice_attribute
+
+        def get(a):
+            return check_driver(driver.cuDeviceGetAttribute(a, index), "cuDeviceGetAttribute")
+
+        major = get(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+        minor = get(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)
+        self.info = DeviceInfo(
+            index=index,
+            name=self._core.name,
+            compute_capability=(major, minor),
+            arch=arch_for(major, minor),
+            multiprocessor_count=get(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
+            l2_cache_bytes=get(attr.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE),
+            max_shared_memory_per_block_optin=get(attr.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN),
+        )
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+    @property
+    def arch(self) -> str:
+        return self.info.arch
+
+    @property
+    def multiprocessor_count(self) -> int:
+        return self.info.multiprocessor_count
+
+    def memory_info(self) -> tuple[int, int]:
+        """(free, total) bytes of device memory."""
+        from cuda.bindings import driver
+
+        free, total = check_driver(driver.cuMemGetInfo(), "cuMemGetInfo")
+        return int(free), int(total)
+
+    def synchronize(self) -> None:
+        from cuda.bindings import driver
+
+        check_driver(driver.cuStreamSynchronize(self.stream_handle), "cuStreamSynchronize")
+
+
+__all__ = ["Device", "DeviceInfo", "device_count", "arch_for", "CudaError"]

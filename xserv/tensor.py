@@ -1,0 +1,269 @@
+"""A minimal tensor: shape and dtype on the host, data either in device memory (CUDA backend) or in a NumPy
+array (CPU backend). Always contiguous (row-major); views share storage. Arithmetic goes through xserv.ops."""
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import ml_dtypes
+import numpy as np
+
+bfloat16 = np.dtype(ml_dtypes.bfloat16)
+float16 = np.dtype(np.float16)
+float32 = np.dtype(np.float32)
+int32 = np.dtype(np.int32)
+int64 = np.dtype(np.int64)
+uint8 = np.dtype(np.uint8)
+
+DTYPES = {"bfloat16": bfloat16, "float16": float16, "float32": float32, "int32": int32, "int64": int64, "uint8": uint8}
+DEVICES = ("cpu", "cuda")
+
+
+def as_dtype(dtype) -> np.dtype:
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"unsupported dtype {dtype!r}; expected one of {sorted(DTYPES)}")
+        return DTYPES[dtype]
+    dt = np.dtype(dtype)
+    if dt not in DTYPES.values():
+        raise ValueError(f"unsupported dtype {dt}; expected one of {sorted(DTYPES)}")
+    return dt
+
+
+def _shape(shape) -> tuple[int, ...]:
+    if isinstance(shape, (int, np.integer)):
+        shape = (shape,)
+    shape = tuple(int(s) for s in shape)
+    if any(s < 0 for s in shape):
+        raise ValueError(f"negative dimension in shape {shape}")
+    return shape
+
+
+def _check_device(device: str) -> str:
+    if device not in DEVICES:
+        raise ValueError(f"unknown device {device!r}; expected 'cpu' or 'cuda'")
+    return device
+
+
+class Tensor:
+    __slots__ = ("shape", "dtype", "device", "_buffer", "_offset", "_array")
+
+    def __init__(self, shape, dtype, *, array: np.ndarray | None = None, buffer=None, offset: int = 0):
+        self.shape = _shape(shape)
+        self.dtype = as_dtype(dtype)
+        self._array = array
+        self._buffer = buffer
+        self._offset = offset  # bytes into buffer
+        self.device = "cpu" if array is not None else "cuda"
+
+    # ---- construction -------------------------------------------------------------------------------------
+    @classmethod
+    def empty(cls, shape, dtype, device: str = "cuda") -> "Tensor":
+        shape, dtype = _shape(shape), as_dtype(dtype)
+        if _check_device(device) == "cpu":
+            return cls(shape, dtype, array=np.empty(shape, dtype))
+        from .runtime import get_runtime
+
+        nbytes = math.prod(shape) * dtype.itemsize
+        return cls(shape, dtype, buffer=get_runtime().allocator.allocate(nbytes))
+
+    @classmethod
+    def zeros(cls, shape, dtype, device: str = "cuda") -> "Tensor":
+        t = cls.empty(shape, dtype, device)
+        if t.device == "cpu":
+            t._array[...] = 0
+        elif t.nbytes:
+            from cuda.bindings import driver
+
+            from .runtime import check_driver, get_device
+
+            check_driver(driver.cuMemsetD8Async(t.ptr, 0, t.nbytes, get_device().stream_handle), "cuMemsetD8Async")
+        return t
+
+    @classmethod
+    def full(cls, shape, value, dtype, device: str = "cuda") -> "Tensor":
+        return cls.from_numpy(np.full(_shape(shape), value, as_dtype(dtype)), device)
+
+    @classmethod
+    def from_numpy(cls, array, device: str = "cuda", dtype=None) -> "Tensor":
+        array = np.asarray(array)
+        dtype = as_dtype(dtype if dtype is not None else array.dtype)
+        array = np.ascontiguousarray(array, dtype=dtype)
+        if _check_device(device) == "cpu":
+            return cls(array.shape, dtype, array=array)
+        t = cls.empty(array.shape, dtype, "cuda")
+        t._upload(array)
+        return t
+
+    # ---- properties ---------------------------------------------------------------------------------------
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        """Strides in elements (always the contiguous ones)."""
+        strides, acc = [], 1
+        for s in reversed(self.shape):
+            strides.append(acc)
+            acc *= s
+        return tuple(reversed(strides))
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device == "cuda"
+
+    @property
+    def ptr(self) -> int:
+        """Device address of the first element (CUDA tensors only)."""
+        if self._buffer is None:
+            raise ValueError("a CPU tensor has no device pointer")
+        return self._buffer.ptr + self._offset
+
+    @property
+    def array(self) -> np.ndarray:
+        """The NumPy array behind a CPU tensor (shares memory)."""
+        if self._array is None:
+            raise ValueError("a CUDA tensor has no host array; use .numpy() to copy it to the host")
+        return self._array
+
+    # ---- views --------------------------------------------------------------------------------------------
+    def view(self, *shape) -> "Tensor":
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+            shape = tuple(shape[0])
+        shape = list(shape)
+        if shape.count(-1) > 1:
+            raise ValueError("view: at most one dimension may be -1")
+        if -1 in shape:
+            known = math.prod(s for s in shape if s != -1)
+            if known == 0 or self.numel % known:
+                raise ValueError(f"view: cannot infer -1 in {tuple(shape)} for {self.numel} elements")
+            shape[shape.index(-1)] = self.numel // known
+        shape = _shape(shape)
+        if math.prod(shape) != self.numel:
+            raise ValueError(f"view: shape {shape} has {math.prod(shape)} elements, tensor has {self.numel}")
+        if self._array is not None:
+            return Tensor(shape, self.dtype, array=self._array.reshape(shape))
+        return Tensor(shape, self.dtype, buffer=self._buffer, offset=self._offset)
+
+    reshape = view
+
+    def __getitem__(self, index) -> "Tensor":
+        """Index or slice along the first dimension, without a copy (step 1 only)."""
+        if self.ndim == 0:
+            raise ValueError("cannot index a 0-d tensor")
+        n = self.shape[0]
+        if isinstance(index, (int, np.integer)):
+            i = int(index) + (n if index < 0 else 0)
+            if not 0 <= i < n:
+                raise IndexError(f"index {index} out of range for dimension of size {n}")
+            start, stop, squeeze = i, i + 1, True
+        elif isinstance(index, slice):
+            start, stop, step = index.indices(n)
+            if step != 1:
+                raise ValueError("only step-1 slices are supported (views stay contiguous)")
+            stop, squeeze = max(start, stop), False
+        else:
+            raise TypeError(f"tensors are indexed along the first dimension by int or slice, not {type(index).__name__}")
+        shape = ((stop - start),) + self.shape[1:]
+        if squeeze:
+            shape = shape[1:]
+        if self._array is not None:
+            arr = self._array[start:stop]
+            return Tensor(shape, self.dtype, array=arr.reshape(shape))
+        row = math.prod(self.shape[1:]) * self.itemsize
+        return Tensor(shape, self.dtype, buffer=self._buffer, offset=self._offset + start * row)
+
+    # ---- data movement ------------------------------------------------------------------------------------
+    def numpy(self) -> np.ndarray:
+        """A host copy for a CUDA tensor (synchronises the stream); the array itself for a CPU tensor."""
+        if self._array is not None:
+            return self._array
+        from cuda.bindings import driver
+
+        from .runtime import check_driver, get_device
+
+        out = np.empty(self.shape, self.dtype)
+        if self.nbytes:
+            dev = get_device()
+            check_driver(driver.cuMemcpyDtoHAsync(out.ctypes.data, self.ptr, self.nbytes, dev.stream_handle), "cuMemcpyDtoHAsync")
+            dev.synchronize()
+        return out
+
+    def _upload(self, array: np.ndarray) -> None:
+        from cuda.bindings import driver
+
+        from .runtime import check_driver, get_device
+
+        if array.nbytes:
+            # From pageable memory the call returns once the bytes are staged, so `array` may be dropped after.
+            check_driver(
+                driver.cuMemcpyHtoDAsync(self.ptr, array.ctypes.data, array.nbytes, get_device().stream_handle),
+                "cuMemcpyHtoDAsync",
+            )
+
+    def copy_(self, src: "Tensor | np.ndarray") -> "Tensor":
+        """Copy `src` (same shape and dtype; any device) into this tensor."""
+        if isinstance(src, np.ndarray):
+            src = Tensor(src.shape, src.dtype, array=np.ascontiguousarray(src))
+        if src.shape != self.shape or src.dtype != self.dtype:
+            raise ValueError(f"copy_: source {src.shape} {src.dtype} does not match destination {self.shape} {self.dtype}")
+        if self.device == "cpu":
+            self._array[...] = src.numpy()
+        elif src.device == "cpu":
+            self._upload(np.ascontiguousarray(src._array))
+        elif self.nbytes:
+            from cuda.bindings import driver
+
+            from .runtime import check_driver, get_device
+
+            check_driver(driver.cuMemcpyDtoDAsync(self.ptr, src.ptr, self.nbytes, get_device().stream_handle), "cuMemcpyDtoDAsync")
+        return self
+
+    def to(self, device: str) -> "Tensor":
+        """This tensor on `device` (itself if already there)."""
+        if _check_device(device) == self.device:
+            return self
+        if device == "cpu":
+            return Tensor.from_numpy(self.numpy(), "cpu")
+        return Tensor.from_numpy(self._array, "cuda")
+
+    def cast(self, dtype) -> "Tensor":
+        """A copy converted to `dtype` (a kernel on CUDA; round-to-nearest-even to bf16 on both backends)."""
+        from .ops.cast import cast
+
+        return cast(self, as_dtype(dtype))
+
+    def clone(self) -> "Tensor":
+        return Tensor.empty(self.shape, self.dtype, self.device).copy_(self)
+
+    def __repr__(self):
+        return f"Tensor(shape={self.shape}, dtype={self.dtype}, device={self.device})"
+
+
+def empty(shape, dtype, device="cuda") -> Tensor:
+    return Tensor.empty(shape, dtype, device)
+
+
+def zeros(shape, dtype, device="cuda") -> Tensor:
+    return Tensor.zeros(shape, dtype, device)
+
+
+def full(shape, value, dtype, device="cuda") -> Tensor:
+    return Tensor.full(shape, value, dtype, device)
+
+
+def from_numpy(array, device="cuda", dtype=None) -> Tensor:
+    return Tensor.from_numpy(array, device, dtype)
