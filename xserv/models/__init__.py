@@ -1,0 +1,1 @@
+"""Qwen3: configuration, checkpoint reading, random test checkpoints."""
