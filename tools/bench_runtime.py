@@ -36,7 +36,7 @@ def bench_gemm(vs_torch: bool) -> None:
     for name, n, k in GEMM_SHAPES:
         # Enough weight copies that rotating through them leaves L2 (50-60 MB on Hopper).
         copies = max(2, int(np.ceil(200e6 / (n * k * 2))))
-        w_np = [rng.standard_normal((n, k), np.float32).astype(bfloat16) * 0.02 for _ in range(min(copies, 4))]
+        w_np = [(rng.standard_normal((n, k), np.float32) * 0.02).astype(bfloat16) for _ in range(min(copies, 4))]
         ws = [Tensor.from_numpy(w_np[i % len(w_np)]) for i in range(copies)]
         tw = [torch.from_numpy(w.view(np.int16)).view(torch.bfloat16).cuda() for w in w_np] if torch else []
         tws = [tw[i % len(tw)].clone() for i in range(copies)] if torch else []
@@ -46,7 +46,7 @@ def bench_gemm(vs_torch: bool) -> None:
             x_np = rng.standard_normal((m, k), np.float32).astype(bfloat16)
             x = Tensor.from_numpy(x_np)
             out = Tensor.empty((m, n), bfloat16)
-            ms = benchmark([lambda w=w: linear(x, w, out) for w in ws], warmup=5, iters=30)
+            ms = benchmark([lambda w=w: linear(x, w, out) for w in ws], warmup=5)
             flops = 2 * m * n * k
             nbytes = 2 * (m * k + n * k + m * n)
             row = f"{name:14s} {m:5d} {n:6d} {k:6d} {ms * 1e3:9.1f} {flops / ms / 1e9:8.1f} {nbytes / ms / 1e6:6.0f}"
@@ -59,19 +59,22 @@ def bench_gemm(vs_torch: bool) -> None:
             print(row)
 
 
-def _torch_median(torch, fns, warmup=5, iters=30) -> float:
+def _torch_median(torch, fns, warmup=5, iters=30, inner=10) -> float:
+    """The same protocol as xserv.runtime.timing.benchmark, with torch's events on torch's stream."""
     import statistics
 
     for i in range(warmup):
         fns[i % len(fns)]()
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for i in range(iters):
+    times, n = [], 0
+    for _ in range(iters):
         start.record()
-        fns[i % len(fns)]()
+        for _ in range(inner):
+            fns[n % len(fns)]()
+            n += 1
         stop.record()
         stop.synchronize()
-        times.append(start.elapsed_time(stop))
+        times.append(start.elapsed_time(stop) / inner)
     return statistics.median(times)
 
 

@@ -175,21 +175,11 @@ def _torch_inputs(inputs: dict):
 
 
 def _time_torch(fn, sets) -> float:
-    import statistics
-
     import torch
 
-    for i in range(10):
-        fn(sets[i % len(sets)])
-    times = []
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for i in range(50):
-        start.record()
-        fn(sets[i % len(sets)])
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
+    from tools.bench_runtime import _torch_median
+
+    return _torch_median(torch, [lambda s=s: fn(s) for s in sets])
 
 
 def cmd_bench(args) -> int:
@@ -258,7 +248,7 @@ def main(argv=None) -> int:
         s.add_argument("--seed", type=int, default=None, help="seed for the random inputs (default: fresh)")
         if name == "bench":
             s.add_argument("--vs", choices=["torch"], help="also time the PyTorch equivalent")
-            s.add_argument("--iters", type=int, default=50)
+            s.add_argument("--iters", type=int, default=30)
     sub.add_parser("ceilings", help="measure copy bandwidth and a large cuBLAS GEMM")
     args = p.parse_args(argv)
     try:

@@ -30,14 +30,18 @@ class EventTimer:
         return check_driver(driver.cuEventElapsedTime(self._start, self._stop), "cuEventElapsedTime") / repeat
 
 
-def benchmark(fns: list[Callable[[], None]], warmup: int = 10, iters: int = 50, inner: int = 1) -> float:
-    """Median milliseconds of one call, rotating among `fns` (the same work on different buffers, so that the
-    input set of one call is out of L2 by the time it comes round again)."""
+def benchmark(fns: list[Callable[[], None]], warmup: int = 10, iters: int = 30, inner: int = 10) -> float:
+    """Median milliseconds of one call. Each timed sample runs `inner` calls back to back, cycling through `fns`
+    (the same work on different buffers, so that an input set is out of L2 by the time it comes round again);
+    back-to-back calls keep the GPU queue fed, so the host's launch cost does not show as GPU idle time."""
     timer = EventTimer()
     for i in range(warmup):
         fns[i % len(fns)]()
-    times = []
-    for i in range(iters):
-        fn = fns[i % len(fns)]
-        times.append(timer.time_ms(fn, inner))
-    return statistics.median(times)
+    state = {"i": 0}
+
+    def batch():
+        for _ in range(inner):
+            fns[state["i"] % len(fns)]()
+            state["i"] += 1
+
+    return statistics.median(timer.time_ms(batch) / inner for _ in range(iters))
