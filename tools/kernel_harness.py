@@ -185,6 +185,7 @@ def _time_torch(fn, sets) -> float:
 def cmd_bench(args) -> int:
     from xserv.runtime import get_device
     from xserv.runtime.timing import benchmark
+    from xserv.testing import no_poisoning
 
     specs = _specs()
     names = list(specs) if args.op == "all" else [args.op]
@@ -212,7 +213,8 @@ def cmd_bench(args) -> int:
             per_set = sum(v.nbytes for v in inputs.values() if isinstance(v, np.ndarray))
             n_sets = max(1, min(8, (3 * dev.info.l2_cache_bytes) // max(per_set, 1) + 1))
             sets = [_to_device(inputs)] + [_to_device(spec.make_inputs(rng, shape)) for _ in range(n_sets - 1)]
-            ms = benchmark([lambda s=s: spec.run(s) for s in sets], warmup=5, iters=args.iters)
+            with no_poisoning():
+                ms = benchmark([lambda s=s: spec.run(s) for s in sets], warmup=5, iters=args.iters)
             us = ms * 1e3
             row = f"{name:24s} {'x'.join(map(str, shape)):22s} {us:9.1f}"
             if spec.bytes_moved:

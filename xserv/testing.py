@@ -1,6 +1,8 @@
 """Helpers for checking kernels against their references (used by tests and the kernel harness)."""
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from .tensor import Tensor
@@ -23,8 +25,24 @@ def random_array(rng: np.random.Generator, shape, dtype, mean: float = 0.1, std:
     return (rng.standard_normal(shape) * std + mean).astype(np.float32).astype(dtype)
 
 
+_poisoning = True
+
+
+@contextlib.contextmanager
+def no_poisoning():
+    """Within this block `poisoned` returns plain uninitialised buffers: benchmarks must not time the fill."""
+    global _poisoning
+    saved, _poisoning = _poisoning, False
+    try:
+        yield
+    finally:
+        _poisoning = saved
+
+
 def poisoned(shape, dtype, device="cuda") -> Tensor:
     """An output buffer filled with NaN (or -1 for integers) so that unwritten elements show."""
     dt = np.dtype(dtype)
+    if not _poisoning:
+        return Tensor.empty(shape, dt, device)
     fill = -1 if np.issubdtype(dt, np.integer) else np.nan
     return Tensor.full(shape, fill, dt, device)
