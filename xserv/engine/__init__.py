@@ -1,0 +1,1 @@
+"""The engine: KV cache, batches, model runner, generation loop."""

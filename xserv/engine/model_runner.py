@@ -1,0 +1,154 @@
+"""Runs the model on batches: builds the batch metadata, owns the activation workspace, samples greedy rows
+on the device, and on CUDA replays decode steps from CUDA graphs captured per batch-size bucket."""
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+
+import numpy as np
+
+from ..tensor import Tensor, int32
+from .batch import Batch, SeqChunk, build_host_arrays, make_batch
+
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
+
+
+class ModelRunner:
+    def __init__(self, model, kv_cache, *, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
+                 workspace=None, logits_chunk: int = 512):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = model.device
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.block_size = kv_cache.block_size
+        self.logits_chunk = logits_chunk
+        self.workspace = workspace or model.make_workspace(max(max_num_batched_tokens, max_num_seqs), max_num_seqs)
+        self.argmax_out = Tensor.empty((max_num_seqs,), int32, self.device)
+        self.graphs: dict[int, object] = {}
+        self._graph_inputs = None
+        self._graph_keepalive: list = []
+
+    # ---- forward ------------------------------------------------------------------------------------------
+    def forward(self, chunks: list[SeqChunk]) -> tuple[Tensor, Batch]:
+        if self.graphs and self._graph_eligible(chunks):
+            return self._replay(chunks)
+        batch = make_batch(chunks, self.block_size, self.device)
+        return self.model.forward(batch, self.kv_cache, self.workspace), batch
+
+    def run_and_sample(self, chunks, greedy: list[bool], sample_host, seqs) -> list[int]:
+        """Forward, then one token per sequence in `seqs` (those whose chunk asked for logits, in order)."""
+        logits, _batch = self.forward(chunks)
+        n = len(seqs)
+        if n == 0:
+            return []
+        if logits.shape[0] != n:
+            raise RuntimeError(f"internal: {logits.shape[0]} logit rows for {n} sequences")
+        if all(greedy):
+            from ..ops.argmax import argmax
+
+            return [int(t) for t in argmax(logits, out=self.argmax_out[:n]).numpy()]
+        host = logits.numpy()
+        return [int(np.argmax(host[i])) if g else sample_host(seq, host[i]) for i, (g, seq) in enumerate(zip(greedy, seqs))]
+
+    def logits(self, token_ids: list[int], chunk: int | None = None) -> np.ndarray:
+        """Logits at every position of one sequence, prefilled `chunk` tokens at a time through the paged cache
+        (blocks borrowed for the call and given back)."""
+        chunk = chunk or self.logits_chunk
+        alloc = self.kv_cache.allocator
+        need = self.kv_cache.blocks_for(len(token_ids))
+        if not alloc.can_allocate(need):
+            raise RuntimeError(f"KV cache busy: {need} blocks needed, {alloc.num_free} free")
+        table = alloc.allocate(need)
+        try:
+            out = np.empty((len(token_ids), self.model.config.vocab_size), np.float32)
+            for start in range(0, len(token_ids), chunk):
+                piece = token_ids[start:start + chunk]
+                batch = make_batch([SeqChunk(piece, start, table, "all")], self.block_size, self.device)
+                out[start:start + len(piece)] = self.model.forward(batch, self.kv_cache).numpy()
+            return out
+        finally:
+            alloc.free(table)
+
+    # ---- CUDA graphs for decode ---------------------------------------------------------------------------
+    def _graph_eligible(self, chunks) -> bool:
+        return (len(chunks) <= max(self.graphs) and all(len(c.token_ids) == 1 and c.logits == "last" for c in chunks))
+
+    def _bucket(self, n: int) -> int:
+        return min(b for b in self.graphs if b >= n)
+
+    @contextmanager
+    def _keep_allocations(self):
+        """Buffers allocated while capturing are baked into the graph: keep them alive as long as the graphs."""
+        from ..runtime import get_runtime
+
+        allocator = get_runtime().allocator
+        original = allocator.allocate
+
+        def allocate(nbytes):
+            buf = original(nbytes)
+            self._graph_keepalive.append(buf)
+            return buf
+
+        allocator.allocate = allocate
+        try:
+            yield
+        finally:
+            del allocator.allocate  # back to the class method
+
+    def capture_decode_graphs(self, max_batch_size: int | None = None) -> list[int]:
+        """Capture one decode step per batch-size bucket up to `max_batch_size` (default max_num_seqs)."""
+        if self.device != "cuda":
+            return []
+        from ..runtime import synchronize
+        from ..runtime.graphs import CUDAGraph
+
+        max_bs = min(max_batch_size or self.max_num_seqs, self.max_num_seqs)
+        sizes = [b for b in GRAPH_BATCH_SIZES if b < max_bs] + [max_bs]
+        max_blocks = math.ceil(self.max_model_len / self.block_size)
+        d = self.device
+        g = {
+            "input_ids": Tensor.zeros((max_bs,), int32, d),
+            "positions": Tensor.zeros((max_bs,), int32, d),
+            "cu_seqlens_q": Tensor.from_numpy(np.arange(max_bs + 1, dtype=np.int32), d),
+            "kv_lens": Tensor.from_numpy(np.ones(max_bs, np.int32), d),
+            "block_tables": Tensor.zeros((max_bs, max_blocks), int32, d),
+            "slot_mapping": Tensor.full((max_bs,), -1, int32, d),
+        }
+        self._graph_inputs = g
+        self._graph_max_blocks = max_blocks
+        self._graph_batches = {}
+        for bs in sorted(sizes, reverse=True):
+            batch = Batch(
+                input_ids=g["input_ids"][:bs], positions=g["positions"][:bs], cu_seqlens_q=g["cu_seqlens_q"][:bs + 1],
+                kv_lens=g["kv_lens"][:bs], block_tables=g["block_tables"][:bs], slot_mapping=g["slot_mapping"][:bs],
+                logits_indices=None, num_tokens=bs, num_seqs=bs, max_q_len=1, max_kv_len=self.max_model_len,
+                logits_rows=np.arange(bs, dtype=np.int32), logits_per_seq=[(i, 1) for i in range(bs)])
+            self.model.forward(batch, self.kv_cache, self.workspace)  # warm-up: compiles kernels, plans GEMMs
+            synchronize()
+            graph = CUDAGraph()
+            with self._keep_allocations():
+                with graph.capture():
+                    self.model.forward(batch, self.kv_cache, self.workspace)
+            synchronize()
+            self.graphs[bs] = graph
+            self._graph_batches[bs] = batch
+        return sorted(self.graphs)
+
+    def _replay(self, chunks) -> tuple[Tensor, Batch]:
+        n = len(chunks)
+        bs = self._bucket(n)
+        h = build_host_arrays(chunks, self.block_size, self._graph_max_blocks)
+        pad = bs - n
+
+        def padded(a, fill):
+            return np.concatenate([a, np.full((pad,) + a.shape[1:], fill, np.int32)]) if pad else a
+
+        g = self._graph_inputs
+        g["input_ids"][:bs].copy_(padded(h["input_ids"], 0))
+        g["positions"][:bs].copy_(padded(h["positions"], 0))
+        g["kv_lens"][:bs].copy_(padded(h["kv_lens"], 1))
+        g["slot_mapping"][:bs].copy_(padded(h["slot_mapping"], -1))
+        g["block_tables"][:bs].copy_(padded(h["block_tables"], 0))
+        self.graphs[bs].replay()
+        return self.workspace.logits[:n], self._graph_batches[bs]

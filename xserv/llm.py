@@ -1,0 +1,143 @@
+"""The library entry point: `LLM(model).generate(prompts, SamplingParams(...))`, chat, streaming and logits."""
+from __future__ import annotations
+
+import sys
+from typing import Iterator
+
+import numpy as np
+
+from .engine.kv_cache import DEFAULT_BLOCK_SIZE, DEFAULT_GPU_MEMORY_FRACTION, KVCache, KVCacheSpec
+from .engine.llm_engine import LLMEngine, RequestOutput
+from .engine.model_runner import ModelRunner
+
+CPU_KV_BYTES = 1 << 30
+
+
+def pick_device(device: str | None, notice=True) -> str:
+    from .runtime import cuda_available
+
+    if device is None:
+        if cuda_available():
+            return "cuda"
+        if notice:
+            print("xserv: no CUDA GPU found; running on the CPU (NumPy backend, float32, slow)", file=sys.stderr)
+        return "cpu"
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if device == "cuda" and not cuda_available():
+        raise ValueError("device='cuda' asked for, but no CUDA GPU was found; use device='cpu'")
+    return device
+
+
+class LLM:
+    """A Qwen3 model ready to generate.
+
+    model: a local Hugging Face folder or a hub id. device: "cuda", "cpu", or None (cuda when a GPU exists).
+    max_model_len: the longest sequence (prompt + output); default the model's max_position_embeddings, capped
+    by the KV cache. kv_cache_tokens: the KV pool size in tokens; default from free device memory
+    (gpu_memory_fraction of it) on CUDA, about 1 GiB on CPU. seed: the default sampling seed of requests that
+    give none.
+    """
+
+    def __init__(self, model: str, device: str | None = None, max_model_len: int | None = None,
+                 kv_cache_tokens: int | None = None, seed: int = 0, *, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int | None = None, gpu_memory_fraction: float = DEFAULT_GPU_MEMORY_FRACTION,
+                 block_size: int = DEFAULT_BLOCK_SIZE, cuda_graphs: bool = True, progress: bool = True):
+        from .models.checkpoint import CheckpointReader, resolve_model_source
+        from .models.config import Qwen3Config
+        from .models.qwen3 import Qwen3Model
+        from .tokenizer import Tokenizer
+
+        for name, value in (("max_model_len", max_model_len), ("kv_cache_tokens", kv_cache_tokens),
+                            ("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
+                            ("block_size", block_size)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.device = pick_device(device)
+        self.folder = resolve_model_source(model)
+        self.config = config = Qwen3Config.from_pretrained(self.folder)
+        if max_model_len is not None and max_model_len > config.max_position_embeddings:
+            raise ValueError(f"max_model_len {max_model_len} is longer than the model's max_position_embeddings "
+                             f"({config.max_position_embeddings})")
+        max_len = max_model_len or config.max_position_embeddings
+        self.tokenizer = Tokenizer.from_folder(self.folder)
+        reader = CheckpointReader(self.folder)
+        self.model = Qwen3Model.from_checkpoint(config, reader, self.device, progress=progress, max_positions=max_len)
+        del reader
+
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = 8192 if self.device == "cuda" else 2048
+        max_num_batched_tokens = max(max_num_batched_tokens, max_num_seqs)
+        workspace = self.model.make_workspace(max_num_batched_tokens, max_num_seqs)
+        spec = KVCacheSpec(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, block_size)
+        if kv_cache_tokens is None and self.device == "cpu":
+            per_token = spec.bytes_per_token(np.float32)
+            kv_cache_tokens = min(4 * max_len, max(CPU_KV_BYTES // per_token, 2048))
+        self.kv_cache = KVCache.create(spec, self.device, num_tokens=kv_cache_tokens, memory_fraction=gpu_memory_fraction)
+        self.max_model_len = min(max_len, self.kv_cache.num_tokens)
+        self.runner = ModelRunner(self.model, self.kv_cache, max_num_batched_tokens=max_num_batched_tokens,
+                                  max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, workspace=workspace)
+        eos = set(config.eos_token_id) | set(self.tokenizer.eos_token_ids)
+        self.engine = LLMEngine(self.runner, self.tokenizer, max_model_len=self.max_model_len, eos_token_ids=eos,
+                                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, seed=seed)
+        if self.device == "cuda" and cuda_graphs:
+            self.runner.capture_decode_graphs()
+
+    # ---- prompts ------------------------------------------------------------------------------------------
+    def _encode(self, prompt) -> tuple[list[int], str | None]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt)), prompt
+        ids = [int(t) for t in prompt]
+        return ids, None
+
+    def _normalize_prompts(self, prompts) -> list:
+        if isinstance(prompts, str):
+            return [prompts]
+        prompts = list(prompts)
+        if prompts and all(isinstance(t, (int, np.integer)) for t in prompts):
+            return [prompts]  # one prompt given as token ids
+        return prompts
+
+    @staticmethod
+    def _params_list(params, n: int) -> list:
+        from .sampling import SamplingParams
+
+        if params is None:
+            return [SamplingParams() for _ in range(n)]
+        if isinstance(params, (list, tuple)):
+            if len(params) != n:
+                raise ValueError(f"{len(params)} sampling params for {n} prompts")
+            return list(params)
+        return [params] * n
+
+    # ---- generation ---------------------------------------------------------------------------------------
+    def generate(self, prompts, params=None) -> list[RequestOutput]:
+        """prompts: a string, a list of strings, or a list of token-id lists. One output per prompt, in order."""
+        prompts = self._normalize_prompts(prompts)
+        encoded = [self._encode(p) for p in prompts]
+        params_list = self._params_list(params, len(prompts))
+        for ids, _ in encoded:
+            self.engine.check_prompt(ids)
+        return self.engine.generate([e[0] for e in encoded], params_list, [e[1] for e in encoded])
+
+    def chat_prompt(self, messages, enable_thinking: bool = True) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=enable_thinking)
+
+    def chat(self, messages, params=None, enable_thinking: bool = True) -> list[RequestOutput]:
+        """messages: one conversation (a list of {"role", "content"} dicts) or a list of conversations."""
+        if messages and isinstance(messages[0], dict):
+            conversations = [messages]
+        else:
+            conversations = list(messages)
+        prompts = [self.chat_prompt(c, enable_thinking) for c in conversations]
+        return self.generate(prompts, params)
+
+    def stream(self, prompt, params=None) -> Iterator[str]:
+        """Text deltas as tokens come (never past a stop string). Closing the iterator early ends the request."""
+        ids, text = self._encode(prompt)
+        params = self._params_list(params, 1)[0]
+        return self.engine.stream(ids, params, text)
+
+    def logits(self, token_ids) -> np.ndarray:
+        """float32 [len(token_ids), vocab]: the next-token logits at every position."""
+        return self.engine.logits(list(token_ids))
