@@ -151,3 +151,22 @@ def test_linear_cpu_and_argument_errors(rng):
         linear(Tensor.from_numpy(x, "cpu"), Tensor.from_numpy(w[:, :7].copy(), "cpu"))
     with pytest.raises(ValueError, match="out: shape"):
         linear(Tensor.from_numpy(x, "cpu"), Tensor.from_numpy(w, "cpu"), out=Tensor.empty((3, 4), np.float32, "cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("autotune", [False, True])
+def test_cublas_with_and_without_autotuning(rng, autotune):
+    from xserv.ops.linear import linear
+    from xserv.runtime import get_runtime
+    from xserv.tensor import Tensor, bfloat16
+
+    cublas = get_runtime().cublas
+    saved, cublas.autotune = cublas.autotune, autotune
+    try:
+        m, n, k = 3 + autotune, 520, 264  # a shape no other test plans
+        x = random_array(rng, (m, k), bfloat16)
+        w = random_array(rng, (n, k), bfloat16)
+        out = linear(Tensor.from_numpy(x), Tensor.from_numpy(w), Tensor.full((m, n), np.nan, bfloat16))
+        assert rel_error(out.numpy(), x.astype(np.float64) @ w.astype(np.float64).T) < 1e-2
+    finally:
+        cublas.autotune = saved

@@ -48,7 +48,8 @@ def _call(what: str, fn, *args):
 class _Plan:
     """Descriptors, layouts and the chosen algorithm for one (M, N, K, batch, dtypes) problem."""
 
-    def __init__(self, handle: int, m, n, k, batch, in_type, out_type, stride_x, stride_w, stride_out, workspace_bytes):
+    def __init__(self, handle: int, m, n, k, batch, in_type, out_type, stride_x, stride_w, stride_out, workspace_bytes,
+                 candidates: int = 1):
         L = _lt()
         self.handles = []
         self.desc = _call("cublasLtMatmulDescCreate", L.matmul_desc_create, _COMPUTE_32F, 0)
@@ -71,22 +72,41 @@ class _Plan:
         pref = _call("cublasLtMatmulPreferenceCreate", L.matmul_preference_create)
         ws = np.array(workspace_bytes, np.uint64)
         L.matmul_preference_set_attribute(pref, L.MatmulPreferenceAttribute.MAX_WORKSPACE_BYTES, ws.ctypes.data, 8)
-        self.result = np.zeros(1, L.matmul_heuristic_result_dtype)
+        self.results = np.zeros(candidates, L.matmul_heuristic_result_dtype)
         count = np.zeros(1, np.int32)
         _call(
             "cublasLtMatmulAlgoGetHeuristic", L.matmul_algo_get_heuristic,
-            handle, self.desc, self.a, self.b, self.c, self.c, pref, 1, self.result.ctypes.data, count.ctypes.data,
+            handle, self.desc, self.a, self.b, self.c, self.c, pref, candidates, self.results.ctypes.data, count.ctypes.data,
         )
         L.matmul_preference_destroy(pref)
         if count[0] < 1:
             raise CublasError(f"cuBLASLt found no algorithm for M={m} N={n} K={k} batch={batch}")
-        self.algo_ptr = self.result.ctypes.data  # the algo struct is the first field of the heuristic result
+        self.results = self.results[: int(count[0])]
+        self.choose(0)
+
+    def choose(self, index: int) -> None:
+        self.chosen = index
+        # The algo struct is the first field of a heuristic result, so its address is the result's address.
+        self.algo_ptr = self.results.ctypes.data + index * self.results.dtype.itemsize
+
+
+def _autotune_default() -> bool:
+    import os
+
+    return os.environ.get("XSERV_GEMM_AUTOTUNE", "1") != "0"
 
 
 class Cublas:
-    """One cuBLASLt handle for xserv's stream, with its workspace."""
+    """One cuBLASLt handle for xserv's stream, with its workspace.
 
-    def __init__(self, device, allocator):
+    With autotuning on (default; XSERV_GEMM_AUTOTUNE=0 turns it off), the first call of a shape outside CUDA-graph
+    capture times cuBLASLt's top heuristic candidates on the call's own buffers and keeps the fastest, as
+    PyTorch's TunableOp does; the heuristic's first choice is often not the fastest for skinny decode GEMMs.
+    """
+
+    TUNE_CANDIDATES = 8
+
+    def __init__(self, device, allocator, autotune: bool | None = None):
         L = _lt()
         self.device = device
         self.handle = _call("cublasLtCreate", L.create)
@@ -95,6 +115,7 @@ class Cublas:
         self._alpha = np.array(1.0, np.float32)
         self._beta = np.array(0.0, np.float32)
         self._beta_one = np.array(1.0, np.float32)
+        self.autotune = _autotune_default() if autotune is None else autotune
 
     def version(self) -> int:
         return _lt().get_version()
@@ -107,8 +128,14 @@ class Cublas:
         if plan is None:
             plan = self._plans[key] = _Plan(
                 self.handle, m, n, k, batch, _cuda_type(in_dtype), _cuda_type(out_dtype),
-                stride_x, stride_w, stride_out, WORKSPACE_BYTES,
+                stride_x, stride_w, stride_out, WORKSPACE_BYTES, self.TUNE_CANDIDATES if self.autotune else 1,
             )
+            # Timing overwrites `out`, so an accumulating call keeps the heuristic's choice.
+            if len(plan.results) > 1 and not accumulate and not self._capturing():
+                self._tune(plan, x_ptr, w_ptr, out_ptr)
+        self._matmul(plan, x_ptr, w_ptr, out_ptr, accumulate)
+
+    def _matmul(self, plan: _Plan, x_ptr, w_ptr, out_ptr, accumulate: bool) -> None:
         L = _lt()
         beta = self._beta_one if accumulate else self._beta
         _call(
@@ -117,3 +144,27 @@ class Cublas:
             out_ptr, plan.c, out_ptr, plan.c, plan.algo_ptr, self.workspace.ptr, WORKSPACE_BYTES,
             self.device.stream_handle,
         )
+
+    def _capturing(self) -> bool:
+        from cuda.bindings import driver
+
+        from .errors import check_driver
+
+        status = check_driver(driver.cuStreamIsCapturing(self.device.stream_handle), "cuStreamIsCapturing")
+        return status != driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
+
+    def _tune(self, plan: _Plan, x_ptr, w_ptr, out_ptr, reps: int = 5) -> None:
+        from .timing import EventTimer
+
+        timer = EventTimer()
+        best, best_ms = 0, float("inf")
+        for i in range(len(plan.results)):
+            plan.choose(i)
+            try:
+                self._matmul(plan, x_ptr, w_ptr, out_ptr, False)  # warm-up; some candidates fail at run time
+                ms = min(timer.time_ms(lambda: self._matmul(plan, x_ptr, w_ptr, out_ptr, False)) for _ in range(reps))
+            except CublasError:
+                continue
+            if ms < best_ms:
+                best, best_ms = i, ms
+        plan.choose(best)
