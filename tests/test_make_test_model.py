@@ -1,0 +1,130 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from xserv.models.checkpoint import CheckpointReader
+from xserv.models.config import Qwen3Config
+from xserv.models.random_checkpoint import bundled_tiny_model, make_test_model, parse_size
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_test_model("tiny", tmp_path_factory.mktemp("m") / "tiny", seed=0)
+
+
+def test_tiny_folder(tiny):
+    for f in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (tiny / f).is_file(), f
+    cfg = json.loads((tiny / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3ForCausalLM"] and cfg["model_type"] == "qwen3"
+    assert cfg["torch_dtype"] == "bfloat16"
+    c = Qwen3Config.from_pretrained(tiny)
+    assert c == Qwen3Config.preset("tiny")
+    r = CheckpointReader(tiny)
+    r.validate(c.weight_shapes())
+    assert "lm_head.weight" not in r
+    assert all(str(r.dtype(n)) == "bfloat16" for n in r.names())
+    emb = r.get("model.embed_tokens.weight").astype(np.float32)
+    assert abs(emb.std() - 0.02) < 1e-3 and abs(emb.mean()) < 1e-3
+    assert np.all(r.get("model.layers.1.self_attn.k_norm.weight").astype(np.float32) == 1.0)
+    gen = json.loads((tiny / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == [151645, 151643]
+    assert (tiny / "model.safetensors").stat().st_size < 25e6
+
+
+def test_deterministic_and_seeded(tiny, tmp_path):
+    again = make_test_model("tiny", tmp_path / "again", seed=0)
+    other = make_test_model("tiny", tmp_path / "other", seed=1)
+    a, b, c = CheckpointReader(tiny), CheckpointReader(again), CheckpointReader(other)
+    name = "model.layers.0.mlp.up_proj.weight"
+    assert np.array_equal(a.get(name).view(np.uint16), b.get(name).view(np.uint16))
+    assert not np.array_equal(a.get(name).view(np.uint16), c.get(name).view(np.uint16))
+    # different tensors get different values
+    assert not np.array_equal(a.get("model.layers.0.mlp.up_proj.weight").view(np.uint16),
+                              a.get("model.layers.0.mlp.gate_proj.weight").view(np.uint16))
+
+
+def test_sharded_untied_perturbed(tiny, tmp_path):
+    out = make_test_model("tiny", tmp_path / "sh", seed=0, shard_size="4MB", perturb_norms=True,
+                          overrides={"tie_word_embeddings": False})
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) >= 3 and not (out / "model.safetensors").exists()
+    assert all((out / s).is_file() for s in shards)
+    c = Qwen3Config.from_pretrained(out)
+    assert not c.tie_word_embeddings
+    r = CheckpointReader(out)
+    r.validate(c.weight_shapes())
+    assert index["metadata"]["total_size"] == r.total_bytes
+    # same seed -> same values whatever the sharding
+    name = "model.layers.1.self_attn.o_proj.weight"
+    assert np.array_equal(r.get(name).view(np.uint16), CheckpointReader(tiny).get(name).view(np.uint16))
+    qn = r.get("model.layers.0.self_attn.q_norm.weight").astype(np.float32)
+    kn = r.get("model.layers.0.self_attn.k_norm.weight").astype(np.float32)
+    assert not np.allclose(qn, 1.0) and not np.allclose(qn, kn) and abs(qn.mean() - 1) < 0.05
+
+
+def test_float32_dtype(tmp_path):
+    out = make_test_model("tiny", tmp_path / "f32", dtype="float32", overrides={"num_hidden_layers": 1})
+    assert Qwen3Config.from_pretrained(out).dtype == "float32"
+    r = CheckpointReader(out)
+    assert r.dtype("model.norm.weight") == np.float32
+    assert "model.layers.1.mlp.up_proj.weight" not in r
+
+
+def test_bad_arguments(tmp_path):
+    with pytest.raises(ValueError, match="preset"):
+        make_test_model("3b", tmp_path / "x")
+    with pytest.raises(ValueError, match="dtype"):
+        make_test_model("tiny", tmp_path / "x", dtype="int8")
+    with pytest.raises(ValueError, match="seed"):
+        make_test_model("tiny", tmp_path / "x", seed=-1)
+    with pytest.raises(ValueError):
+        parse_size("lots")
+    assert not (tmp_path / "x").exists()
+    assert not list(tmp_path.glob(".x.tmp-*"))
+
+
+def test_parse_size():
+    assert parse_size("4GB") == 4 * 10**9
+    assert parse_size("2GiB") == 2 * 2**30
+    assert parse_size("500MB") == 500 * 10**6
+    assert parse_size(123) == 123
+
+
+def test_bundled_tiny_model(tmp_path, monkeypatch):
+    monkeypatch.setenv("XSERV_CACHE_DIR", str(tmp_path / "cache"))
+    p = bundled_tiny_model()
+    assert p == tmp_path / "cache" / "models" / "tiny-random"
+    mtime = (p / "model.safetensors").stat().st_mtime_ns
+    assert bundled_tiny_model() == p
+    assert (p / "model.safetensors").stat().st_mtime_ns == mtime  # made once
+    (p / "xserv_random.json").write_text("{}")  # stale marker -> remade
+    assert bundled_tiny_model() == p
+    assert json.loads((p / "xserv_random.json").read_text())["preset"] == "tiny"
+
+
+def test_cli(tmp_path):
+    out = tmp_path / "cli"
+    res = subprocess.run([sys.executable, "-m", "tools.make_test_model", "--preset", "tiny", "--out", str(out),
+                          "--seed", "3", "--layers", "1", "--untied", "--no-progress"],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "wrote" in res.stdout
+    c = Qwen3Config.from_pretrained(out)
+    assert c.num_hidden_layers == 1 and not c.tie_word_embeddings
+    res = subprocess.run([sys.executable, "-m", "tools.make_test_model", "--preset", "huge", "--out", str(out)],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0
+
+
+def test_transformers_reads_config(tiny):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.AutoConfig.from_pretrained(tiny)
+    assert cfg.model_type == "qwen3" and cfg.head_dim == 64 and cfg.tie_word_embeddings

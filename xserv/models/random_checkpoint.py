@@ -1,0 +1,260 @@
+"""Hugging Face-format Qwen3 checkpoint folders with random weights, at any preset's real shapes.
+
+Initialised like transformers initialises Qwen3ForCausalLM: linear and embedding weights ~ N(0, initializer_range),
+RMSNorm weights 1 (or 1 + N(0, 0.1) with perturb_norms, so a test can tell q_norm from k_norm). Tensors are
+generated and written one at a time, large ones in row chunks, so an 8B model is written with bounded RAM. Each
+tensor's values depend only on (seed, tensor name): the same seed gives the same weights whatever the sharding.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import struct
+import tempfile
+import zlib
+from statistics import NormalDist
+from pathlib import Path
+from typing import Callable, Iterable
+
+import numpy as np
+
+from .checkpoint import INDEX_FILE, NUMPY_TO_SAFETENSORS, SINGLE_FILE
+from .config import Qwen3Config, preset_dict, presets_dir
+
+DEFAULT_SHARD_SIZE = 4 * 10**9  # like HF's save_pretrained: shard above ~4 GB
+CHUNK_ELEMENTS = 1 << 24  # rows of at most this many elements are generated at once (64 MB of float32)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+_DTYPES = {"bfloat16", "float16", "float32"}
+
+
+def parse_size(size) -> int:
+    """Bytes from an int or a string like '4GB' (10**9), '2GiB' (2**30), '500MB', '123'."""
+    if isinstance(size, (int, np.integer)):
+        n = int(size)
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(?:([KMGT])(i?)B?|B)?\s*", str(size), re.IGNORECASE)
+        if not m:
+            raise ValueError(f"cannot parse size {size!r}; use e.g. 4GB, 500MB, 2GiB or a byte count")
+        power = " KMGT".index(m.group(2).upper()) if m.group(2) else 0
+        n = int(float(m.group(1)) * (1024 if m.group(3) else 1000) ** power)
+    if n < 1:
+        raise ValueError(f"size must be positive, got {size!r}")
+    return n
+
+
+# ---- safetensors writing ----------------------------------------------------------------------------------------
+class _Entry:
+    __slots__ = ("name", "dtype", "shape", "fill")
+
+    def __init__(self, name: str, dtype: np.dtype, shape: tuple[int, ...], fill: Callable):
+        self.name, self.dtype, self.shape, self.fill = name, np.dtype(dtype), tuple(shape), fill
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def _header_bytes(entries: list[_Entry], metadata: dict | None) -> bytes:
+    header: dict = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for e in entries:
+        header[e.name] = {"dtype": NUMPY_TO_SAFETENSORS[e.dtype], "shape": list(e.shape),
+                          "data_offsets": [offset, offset + e.nbytes]}
+        offset += e.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # keep the data section 8-byte aligned, as the safetensors library does
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _write_file(path: Path, entries: list[_Entry], progress=None, metadata=None) -> None:
+    with open(path, "wb") as f:
+        f.write(_header_bytes(entries, metadata))
+        for e in entries:
+            before = f.tell()
+            for chunk in e.fill():
+                chunk = np.ascontiguousarray(chunk, dtype=e.dtype)
+                f.write(memoryview(chunk.reshape(-1).view(np.uint8)))
+                if progress is not None:
+                    progress.update(chunk.nbytes)
+            if f.tell() - before != e.nbytes:
+                raise RuntimeError(f"internal error: wrote {f.tell() - before} bytes for {e.name}, expected {e.nbytes}")
+
+
+def save_safetensors(path, tensors: dict[str, np.ndarray], metadata: dict | None = None) -> Path:
+    """Write NumPy arrays to one safetensors file (any dtype the format has, bf16 via ml_dtypes)."""
+    path = Path(path)
+    entries = [_Entry(n, a.dtype, a.shape, (lambda a=a: [a])) for n, a in tensors.items()]
+    _write_file(path, entries, metadata=metadata or {"format": "pt"})
+    return path
+
+
+def write_sharded(folder, entries: list[_Entry], shard_size: int, progress=None) -> list[Path]:
+    """`model.safetensors`, or `model-0000i-of-0000n.safetensors` + `model.safetensors.index.json` when the total
+    exceeds shard_size (tensors are never split; a shard holds at least one tensor)."""
+    folder = Path(folder)
+    shards: list[list[_Entry]] = [[]]
+    size = 0
+    for e in entries:
+        if shards[-1] and size + e.nbytes > shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(e)
+        size += e.nbytes
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        _write_file(folder / SINGLE_FILE, shards[0], progress, meta)
+        return [folder / SINGLE_FILE]
+    n = len(shards)
+    names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    for name, shard in zip(names, shards):
+        _write_file(folder / name, shard, progress, meta)
+    index = {"metadata": {"total_size": sum(e.nbytes for e in entries)},
+             "weight_map": {e.name: name for name, shard in zip(names, shards) for e in shard}}
+    (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    return [folder / name for name in names]
+
+
+# ---- random Qwen3 weights ---------------------------------------------------------------------------------------
+def _rng_for(seed: int, name: str) -> np.random.Generator:
+    return np.random.default_rng([seed, zlib.crc32(name.encode())])
+
+
+@functools.lru_cache(maxsize=1)
+def _normal_quantiles() -> np.ndarray:
+    """Phi^-1((k + 0.5) / 65536), k = 0..65535: indexing it with uniform 16-bit integers draws from N(0, 1)
+    discretised to 65536 equal-probability levels (tails cut at 4.3 sigma) - finer than bf16 resolution, and five
+    times faster than Generator.standard_normal, which matters for writing an 8B model."""
+    nd = NormalDist()
+    return np.array([nd.inv_cdf((k + 0.5) / 65536) for k in range(65536)], dtype=np.float64)
+
+
+def _normal_fill(seed: int, name: str, shape, std: float, mean: float, dtype: np.dtype):
+    def fill() -> Iterable[np.ndarray]:
+        rng = _rng_for(seed, name)
+        table = (_normal_quantiles() * std + mean).astype(np.float32).astype(dtype)
+        rows = shape[0]
+        row_elems = math.prod(shape[1:])
+        step = max(1, CHUNK_ELEMENTS // max(row_elems, 1))
+        for r in range(0, rows, step):
+            n = min(step, rows - r)
+            idx = rng.integers(0, 65536, (n,) + tuple(shape[1:]), dtype=np.uint16)
+            yield table[idx]
+    return fill
+
+
+def _ones_fill(shape, dtype):
+    return lambda: [np.ones(shape, dtype)]
+
+
+def random_weight_entries(config: Qwen3Config, seed: int = 0, dtype: str = "bfloat16",
+                          perturb_norms: bool = False) -> list[_Entry]:
+    """The tensors of a random Qwen3ForCausalLM checkpoint, in Hugging Face order, not yet generated."""
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    from ..tensor import as_dtype
+
+    dt = as_dtype(dtype)
+    std = config.initializer_range
+    entries = []
+    for name, shape in config.weight_shapes().items():
+        if name.endswith("norm.weight"):
+            fill = _normal_fill(seed, name, shape, 0.1, 1.0, dt) if perturb_norms else _ones_fill(shape, dt)
+        else:
+            fill = _normal_fill(seed, name, shape, std, 0.0, dt)
+        entries.append(_Entry(name, dt, shape, fill))
+    return entries
+
+
+def generation_config_dict(config: Qwen3Config) -> dict:
+    d = json.loads((presets_dir() / "generation_config.json").read_text())
+    if config.bos_token_id is not None:
+        d["bos_token_id"] = config.bos_token_id
+    return d
+
+
+def make_test_model(preset: str | Qwen3Config, out_dir, seed: int = 0, *, dtype: str = "bfloat16",
+                    perturb_norms: bool = False, shard_size=DEFAULT_SHARD_SIZE, overrides: dict | None = None,
+                    progress: bool | None = None, overwrite: bool = True) -> Path:
+    """Write a Hugging Face-format Qwen3 folder with random weights to out_dir and return its path.
+
+    preset: 'tiny', '0.6b', '1.7b', '4b', '8b', '14b', '32b' or a Qwen3Config. overrides: config.json fields to
+    change (e.g. {"tie_word_embeddings": False, "num_hidden_layers": 1}). The folder is built next to out_dir and
+    renamed into place, so a reader never sees a half-written model."""
+    if isinstance(preset, Qwen3Config):
+        d = preset.to_dict()
+    else:
+        d = preset_dict(preset)
+    d.update(overrides or {})
+    d["torch_dtype"] = dtype
+    d.pop("dtype", None)
+    config = Qwen3Config.from_dict(d)
+    if not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    out = Path(out_dir).expanduser().resolve()
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out} exists and is not empty")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    entries = random_weight_entries(config, int(seed), dtype, perturb_norms)
+    total = sum(e.nbytes for e in entries)
+
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
+    try:
+        config_json = config.to_dict()
+        config_json["torch_dtype"] = dtype
+        (tmp / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
+        (tmp / "generation_config.json").write_text(json.dumps(generation_config_dict(config), indent=2) + "\n")
+        for name in TOKENIZER_FILES:
+            shutil.copyfile(presets_dir() / "tokenizer" / name, tmp / name)
+        bar = None
+        show = progress if progress is not None else (total > 256 * 1024**2)
+        if show:
+            from tqdm import tqdm
+
+            bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"writing {out.name}")
+        try:
+            write_sharded(tmp, entries, parse_size(shard_size), bar)
+        finally:
+            if bar is not None:
+                bar.close()
+        (tmp / "xserv_random.json").write_text(json.dumps({
+            "preset": preset if isinstance(preset, str) else None, "seed": int(seed), "dtype": dtype,
+            "perturb_norms": perturb_norms, "overrides": overrides or {}, "config_hash": _config_hash(config_json),
+        }, indent=2) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _config_hash(d: dict) -> str:
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("XSERV_CACHE_DIR") or Path.home() / ".cache" / "xserv").expanduser()
+
+
+def bundled_tiny_model() -> Path:
+    """The tiny random model under $XSERV_CACHE_DIR/models/tiny-random (default ~/.cache/xserv), made on first
+    use (and remade if the tiny preset changed since)."""
+    path = cache_dir() / "models" / "tiny-random"
+    want = Qwen3Config.preset("tiny").to_dict()
+    marker = path / "xserv_random.json"
+    try:
+        info = json.loads(marker.read_text())
+        ok = info.get("config_hash") == _config_hash(want) and (path / SINGLE_FILE).is_file() and all(
+            (path / f).is_file() for f in TOKENIZER_FILES)
+    except (OSError, json.JSONDecodeError):
+        ok = False
+    if not ok:
+        make_test_model("tiny", path, seed=0, progress=False)
+    return path
