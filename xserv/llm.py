@@ -71,9 +71,10 @@ class LLM:
         workspace = self.model.make_workspace(max_num_batched_tokens, max_num_seqs)
         spec = KVCacheSpec(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, block_size)
         if kv_cache_tokens is None and self.device == "cpu":
-            per_token = spec.bytes_per_token(np.float32)
+            per_token = spec.bytes_per_token(self.model.dtype)
             kv_cache_tokens = min(4 * max_len, max(CPU_KV_BYTES // per_token, 2048))
-        self.kv_cache = KVCache.create(spec, self.device, num_tokens=kv_cache_tokens, memory_fraction=gpu_memory_fraction)
+        self.kv_cache = KVCache.create(spec, self.device, num_tokens=kv_cache_tokens,
+                                        memory_fraction=gpu_memory_fraction, dtype=self.model.dtype)
         self.max_model_len = min(max_len, self.kv_cache.num_tokens)
         self.runner = ModelRunner(self.model, self.kv_cache, max_num_batched_tokens=max_num_batched_tokens,
                                   max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, workspace=workspace)

@@ -82,11 +82,11 @@ class KVCache:
     @classmethod
     def create(cls, spec: KVCacheSpec, device: str, *, num_tokens: int | None = None,
                memory_fraction: float = DEFAULT_GPU_MEMORY_FRACTION, reserve_bytes: int = 0,
-               min_tokens: int = 0) -> "KVCache":
+               min_tokens: int = 0, dtype=None) -> "KVCache":
         """A pool of `num_tokens` tokens, or (when None) sized from memory: on CUDA `memory_fraction` of the free
         device memory less `reserve_bytes` (activations); on CPU at most CPU_POOL_BYTES and at least
         `min_tokens`."""
-        dtype = bfloat16 if device == "cuda" else float32
+        dtype = np.dtype(dtype) if dtype is not None else (bfloat16 if device == "cuda" else float32)
         per_token = spec.bytes_per_token(dtype)
         if num_tokens is None:
             if device == "cuda":

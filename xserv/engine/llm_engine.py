@@ -319,20 +319,55 @@ class LLMEngine:
                 self.abort(s)
         return [s.output() for s in seqs]
 
-    def stream(self, prompt_ids, params, prompt: str | None = None):
-        """Text deltas of one request as they come (the request is aborted if the consumer stops early)."""
-        seq = self.add_request(prompt_ids, params, prompt)
-        try:
-            while not seq.is_finished:
-                for s, delta in self.step():
-                    if s is seq and delta:
-                        yield delta
-        finally:
-            self.abort(seq)
-        self.last_stream_output = seq.output()
+    def stream(self, prompt_ids, params, prompt: str | None = None) -> "TextStream":
+        """An iterator of one request's text deltas as they come; `.output` holds the request so far."""
+        return TextStream(self, self.add_request(prompt_ids, params, prompt))
 
     def logits(self, token_ids) -> np.ndarray:
         """float32 [len, vocab]: the logits at every position of `token_ids` (prefilled in chunks)."""
         token_ids = [int(t) for t in token_ids]
         self.check_prompt(token_ids)
         return self.runner.logits(token_ids, chunk=self.runner.logits_chunk)
+
+
+class TextStream:
+    """Text deltas of one request, stepping the engine on demand. Closing it (or breaking out of the loop and
+    dropping it, or an exception such as KeyboardInterrupt inside the loop) aborts the request."""
+
+    def __init__(self, engine: LLMEngine, seq: Sequence):
+        self.engine = engine
+        self.seq = seq
+        self._pending: deque[str] = deque()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> str:
+        try:
+            while not self._pending:
+                if self.seq.is_finished:
+                    raise StopIteration
+                for s, delta in self.engine.step():
+                    if s is self.seq and delta:
+                        self._pending.append(delta)
+        except BaseException:
+            self.close()
+            raise
+        return self._pending.popleft()
+
+    def close(self) -> None:
+        self.engine.abort(self.seq)
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    @property
+    def output(self) -> RequestOutput:
+        return self.seq.output()
+
+    @property
+    def num_tokens(self) -> int:
+        return self.seq.num_output_tokens

@@ -16,9 +16,12 @@ from ..ops.embedding import embedding
 from ..ops.linear import linear
 from ..ops.rmsnorm import fused_add_rmsnorm, rmsnorm
 from ..ops.rope import qk_norm_rope, rope_cos_sin_table
-from ..tensor import Tensor, bfloat16, float32, int32
+from ..tensor import Tensor, as_dtype, bfloat16, float32
 
 LAYER_PREFIX = "model.layers.{i}."
+# The ops take bf16 activations and weights on both backends (the NumPy references compute in float32 and round
+# where the kernels round), so the CPU model is the reference of the CUDA one step by step.
+WEIGHT_DTYPE = {"cuda": bfloat16, "cpu": bfloat16}
 
 
 @dataclass
@@ -87,15 +90,16 @@ class Qwen3Model:
     # ---- loading ------------------------------------------------------------------------------------------
     @classmethod
     def from_checkpoint(cls, config, reader, device: str = "cuda", progress: bool = True,
-                        max_positions: int | None = None) -> "Qwen3Model":
-        """Upload a checkpoint: bf16 on CUDA (other float dtypes cast one tensor at a time on the host),
-        float32 NumPy arrays on CPU. Fused q/k/v and gate/up weights are filled slice by slice in place."""
+                        max_positions: int | None = None, dtype=None) -> "Qwen3Model":
+        """Upload a checkpoint into `dtype` tensors (default: WEIGHT_DTYPE[device]; other float dtypes in the file
+        are cast one tensor at a time on the host). Fused q/k/v and gate/up weights are filled slice by slice in
+        place; on CUDA every tensor goes from the memory-mapped file straight to device memory."""
         shapes = expected_shapes(config)
         extra = {}
         if config.tie_word_embeddings and "lm_head.weight" in reader.names():
             extra["lm_head.weight"] = (config.vocab_size, config.hidden_size)  # present but unused
         reader.validate({**shapes, **extra})
-        dtype = bfloat16 if device == "cuda" else float32
+        dtype = as_dtype(dtype) if dtype is not None else WEIGHT_DTYPE[device]
         c = config
         q, kv, h, inter = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.hidden_size, c.intermediate_size
 

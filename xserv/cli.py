@@ -1,0 +1,207 @@
+"""The `xserv` command: `xserv generate` (one shot to stdout) and `xserv chat` (interactive, streaming).
+
+Errors a user can fix (a bad model path, an unsupported architecture, an invalid sampling value) print one line
+and exit with status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+EXIT_USAGE = 2
+
+CHAT_HELP = """\
+commands:  /reset         forget the conversation
+           /system TEXT   set the system prompt (and forget the conversation)
+           /exit          quit (also Ctrl-D)
+           Ctrl-C         stop the current answer (the session goes on)"""
+
+
+def _add_model_args(p: argparse.ArgumentParser, model_required: bool) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", "-m", required=model_required, default=None,
+                   help="a Hugging Face Qwen3 folder or hub id" + ("" if model_required else
+                        " (default: the bundled tiny model, random weights)"))
+    g.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="where to run (default: cuda when a GPU is present, else cpu)")
+    g.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                   help="longest sequence, prompt + output (default: the model's context, capped by the KV cache)")
+    g.add_argument("--kv-cache-tokens", type=int, default=None, metavar="N",
+                   help="KV cache size in tokens (default: from free memory)")
+    g.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps without CUDA graphs")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens, metavar="N",
+                   help=f"most tokens to generate (default {max_tokens})")
+    g.add_argument("--temperature", "-t", type=float, default=None, metavar="T",
+                   help="0 = greedy (default: the sampler's default)")
+    g.add_argument("--top-p", type=float, default=None, metavar="P", help="nucleus sampling, in (0, 1]")
+    g.add_argument("--top-k", type=int, default=None, metavar="K", help="keep the K most likely tokens")
+    g.add_argument("--min-p", type=float, default=None, metavar="P", help="drop tokens below P x the top probability")
+    g.add_argument("--repetition-penalty", type=float, default=None, metavar="R", help="> 1 discourages repeats")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible output)")
+    g.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="stop when this text appears (repeatable); the text is not printed")
+    g.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence tokens")
+    g.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction, default=True,
+                   help="let the chat template open a <think> block (Qwen3's thinking mode; default on)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="xserv", description="xserv: a Qwen3 inference engine with its own CUDA kernels.",
+        epilog="Run `xserv COMMAND --help` for a command's options.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    gen = sub.add_parser("generate", help="generate a completion for one prompt and print it",
+                         description="Generate a completion for one prompt and print it to stdout.",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    _add_model_args(gen, model_required=True)
+    gen.add_argument("--prompt", "-p", required=True, help="the prompt text")
+    gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=False,
+                     help="wrap the prompt as a user message in the model's chat template")
+    _add_sampling_args(gen, max_tokens=256)
+
+    chat = sub.add_parser("chat", help="chat with a model in the terminal (streams answers)",
+                          description="Chat with a model in the terminal: answers stream as they are generated, "
+                                      "the conversation is kept through the chat template.\n\n" + CHAT_HELP,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_model_args(chat, model_required=False)
+    chat.add_argument("--system", default=None, metavar="TEXT", help="a system prompt")
+    _add_sampling_args(chat, max_tokens=1024)
+    return parser
+
+
+def _sampling_params(args):
+    from .sampling import SamplingParams
+
+    kw = {"max_tokens": args.max_tokens}
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop"):
+        value = getattr(args, name)
+        if value is not None:
+            kw[name] = value
+    if args.ignore_eos:
+        kw["ignore_eos"] = True
+    return SamplingParams(**kw)
+
+
+def _load(args, model: str):
+    from .llm import LLM
+
+    print(f"xserv: loading {model} ...", file=sys.stderr, flush=True)
+    return LLM(model, device=args.device, max_model_len=args.max_model_len, kv_cache_tokens=args.kv_cache_tokens,
+               cuda_graphs=not args.no_cuda_graphs, max_num_seqs=8)
+
+
+def cmd_generate(args) -> int:
+    params = _sampling_params(args)
+    llm = _load(args, args.model)
+    prompt = args.prompt
+    if args.chat:
+        prompt = llm.chat_prompt([{"role": "user", "content": prompt}], enable_thinking=args.enable_thinking)
+    stream = llm.stream(prompt, params)
+    for delta in stream:
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def cmd_chat(args) -> int:
+    params = _sampling_params(args)
+    model = args.model
+    if model is None:
+        from .models.random_checkpoint import bundled_tiny_model
+
+        model = str(bundled_tiny_model())
+        print("xserv: no --model given, using the bundled tiny model. Its weights are RANDOM: the answers are "
+              "gibberish. Pass --model PATH (a Qwen3 folder or hub id) for a real model.", file=sys.stderr)
+    llm = _load(args, model)
+    system = args.system
+    history: list[dict] = []
+    print(f"xserv chat: {model} on {llm.device}. Type a message; /exit to quit, Ctrl-C stops an answer.\n"
+          f"{CHAT_HELP}", file=sys.stderr)
+    while True:
+        try:
+            line = input(">>> ")
+        except EOFError:
+            print()
+            return 0
+        except KeyboardInterrupt:
+            print()
+            continue
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            return 0
+        if text == "/reset":
+            history.clear()
+            print("(conversation reset)")
+            continue
+        if text == "/system" or text.startswith("/system "):
+            system = text[len("/system"):].strip() or None
+            history.clear()
+            print(f"(system prompt {'set' if system else 'cleared'}; conversation reset)")
+            continue
+        if text in ("/help", "/?"):
+            print(CHAT_HELP)
+            continue
+        if text.startswith("/"):
+            print(f"unknown command {text.split()[0]}; /help lists the commands")
+            continue
+        history.append({"role": "user", "content": line})
+        messages = ([{"role": "system", "content": system}] if system else []) + history
+        try:
+            prompt = llm.chat_prompt(messages, enable_thinking=args.enable_thinking)
+            stream = llm.stream(prompt, params)
+        except ValueError as e:  # e.g. the conversation outgrew the context
+            history.pop()
+            print(f"xserv: {e} (/reset starts over)")
+            continue
+        answer, interrupted, start = [], False, time.perf_counter()
+        try:
+            for delta in stream:
+                answer.append(delta)
+                sys.stdout.write(delta)
+                sys.stdout.flush()
+        except KeyboardInterrupt:
+            interrupted = True
+            stream.close()
+        elapsed = time.perf_counter() - start
+        n = stream.num_tokens
+        history.append({"role": "assistant", "content": "".join(answer)})
+        note = "interrupted, " if interrupted else ""
+        rate = n / elapsed if elapsed > 0 else 0.0
+        print(f"\n[{note}{n} tokens, {rate:.1f} tok/s]", file=sys.stderr, flush=True)
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return EXIT_USAGE
+    try:
+        if args.command == "generate":
+            return cmd_generate(args)
+        if args.command == "chat":
+            return cmd_chat(args)
+        parser.error(f"unknown command {args.command}")
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except (ValueError, FileNotFoundError, NotADirectoryError, PermissionError) as e:
+        print(f"xserv: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except RuntimeError as e:
+        print(f"xserv: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
