@@ -1,0 +1,285 @@
+// Causal attention for variable-length query chunks packed along tokens, K/V read from the paged KV cache
+// (layout in attention.cuh). Query i (0-based within sequence s's chunk) sits at absolute position
+// kv_lens[s] - q_len_s + i and attends to key positions <= that. GQA: q head h reads kv head h / (Hq / Hkv).
+//
+// Common arguments:
+//   q:             token t's head h at q + t * q_row_stride + h * D   (q_row_stride = Hq*D, or (Hq+2Hkv)*D when
+//                  q is the packed qkv tensor)
+//   k_cache/v_cache: [num_blocks, block_size, num_kv_heads, D]
+//   cu_seqlens_q:  [num_seqs + 1] int32, query chunk of sequence s = tokens [cu[s], cu[s+1])
+//   kv_lens:       [num_seqs] int32, keys of sequence s = positions [0, kv_lens[s]) (kv_lens[s] >= q_len_s)
+//   block_tables:  [num_seqs, max_blocks_per_seq] int32
+//   out:           [num_tokens, num_q_heads, D] bf16
+//   scale_log2:    softmax scale * log2(e)
+#include "attention.cuh"
+
+using namespace xserv;
+
+// ------------------------------------------------------------------------------------------------------------
+// v1: one warp per (query token, head), scalar online softmax over every visible key. Slow (a warp reduction per
+// key) but simple; kept as an independent GPU cross-check of the tensor-core kernel.
+// grid (ceil(max_q_len / 4), Hq, num_seqs), block 128 (warp w handles query blockIdx.x * 4 + w).
+template <int D>
+__device__ void prefill_simple(const __nv_bfloat16* __restrict__ q, long long q_row_stride,
+                               const __nv_bfloat16* __restrict__ k_cache, const __nv_bfloat16* __restrict__ v_cache,
+                               const int* __restrict__ cu_seqlens_q, const int* __restrict__ kv_lens,
+                               const int* __restrict__ block_tables, int max_blocks_per_seq, int block_size,
+                               int num_q_heads, int num_kv_heads, float scale_log2, __nv_bfloat16* __restrict__ out) {
+    constexpr int E = D / 32;  // elements per lane
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int s = blockIdx.z, h = blockIdx.y;
+    const int q_start = cu_seqlens_q[s], q_len = cu_seqlens_q[s + 1] - q_start;
+    const int i = blockIdx.x * 4 + warp;
+    if (i >= q_len) return;
+    const int kv_len = kv_lens[s];
+    const int pos = kv_len - q_len + i;
+    const int kv_head = h / (num_q_heads / num_kv_heads);
+    const int* table = block_tables + (long long)s * max_blocks_per_seq;
+
+    float qv[E], acc[E];
+    const __nv_bfloat16* qrow = q + (long long)(q_start + i) * q_row_stride + (long long)h * D + lane * E;
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+        qv[e] = __bfloat162float(qrow[e]) * scale_log2;
+        acc[e] = 0.f;
+    }
+    float m = neg_inf(), l = 0.f;
+    for (int j = 0; j <= pos; ++j) {
+        const long long off = paged_row_offset(table, j, block_size, num_kv_heads, D, kv_head) + lane * E;
+        float dot = 0.f;
+#pragma unroll
+        for (int e = 0; e < E; ++e) dot += qv[e] * __bfloat162float(k_cache[off + e]);
+        dot = warp_sum(dot);
+        const float m_new = fmaxf(m, dot);
+        const float alpha = exp2f(m - m_new), p = exp2f(dot - m_new);
+        l = l * alpha + p;
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[e] = acc[e] * alpha + p * __bfloat162float(v_cache[off + e]);
+        m = m_new;
+    }
+    __nv_bfloat16* orow = out + ((long long)(q_start + i) * num_q_heads + h) * D + lane * E;
+#pragma unroll
+    for (int e = 0; e < E; ++e) orow[e] = __float2bfloat16(acc[e] / l);
+}
+
+#define XSERV_PREFILL_ARGS                                                                                        \
+    const __nv_bfloat16 *__restrict__ q, long long q_row_stride, const __nv_bfloat16 *__restrict__ k_cache,      \
+        const __nv_bfloat16 *__restrict__ v_cache, const int *__restrict__ cu_seqlens_q,                         \
+        const int *__restrict__ kv_lens, const int *__restrict__ block_tables, int max_blocks_per_seq,           \
+        int block_size, int num_q_heads, int num_kv_heads, float scale_log2, __nv_bfloat16 *__restrict__ out
+#define XSERV_PREFILL_PASS                                                                                        \
+    q, q_row_stride, k_cache, v_cache, cu_seqlens_q, kv_lens, block_tables, max_blocks_per_seq, block_size,       \
+        num_q_heads, num_kv_heads, scale_log2, out
+
+extern "C" __global__ void __launch_bounds__(128) attention_prefill_simple_d64(XSERV_PREFILL_ARGS) {
+    prefill_simple<64>(XSERV_PREFILL_PASS);
+}
+extern "C" __global__ void __launch_bounds__(128) attention_prefill_simple_d128(XSERV_PREFILL_ARGS) {
+    prefill_simple<128>(XSERV_PREFILL_PASS);
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// v2: FlashAttention-2 on tensor cores (mma.sync m16n8k16 bf16, fp32 accumulators).
+//
+// A CTA owns BQ = 16 * WARPS query rows of one (sequence, head); warp w owns rows [16w, 16w + 16). The Q tile
+// stays in registers (ldmatrix'd once); K/V tiles of BKV = 64 keys stream through shared memory with cp.async
+// in a 2-stage pipeline (tile kt+1 in flight while tile kt is computed). Per tile:
+//   S = Q K^T (K rows are the mma's "col" B operand as stored), online softmax in the exp2 domain, O += P V
+//   (P re-packed from the S accumulators into A fragments in registers; V through ldmatrix.trans).
+// Causal: only tiles holding keys <= the tile's last query position are visited, and only tiles that reach past
+// the tile's first query position are masked. Rows past the chunk and keys past kv_len are zero-filled by
+// cp.async (never loaded), so NaN in unused cache slots cannot leak.
+// grid (ceil(max_q_len / BQ), Hq, num_seqs) with x reversed (the longest causal rows start first), block 32*WARPS,
+// dynamic smem (BQ + 4 * BKV) * D * 2 bytes.
+template <int D, int WARPS>
+__device__ void prefill_fa2(XSERV_PREFILL_ARGS) {
+    constexpr int BQ = 16 * WARPS, BKV = 64;
+    constexpr int CH = D / 8;  // 16-byte chunks per row
+    constexpr int THREADS = 32 * WARPS;
+    static_assert(THREADS % CH == 0, "each thread copies a fixed chunk column");
+    constexpr int KV_ROWS_PER_PASS = THREADS / CH;
+
+    extern __shared__ uint4 smem_raw[];
+    __nv_bfloat16* sQ = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // [BQ][D], swizzled chunks
+    __nv_bfloat16* sK = sQ + BQ * D;                                  // [2][BKV][D]
+    __nv_bfloat16* sV = sK + 2 * BKV * D;                             // [2][BKV][D]
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int s = blockIdx.z, h = blockIdx.y;
+    const int q_start = cu_seqlens_q[s], q_len = cu_seqlens_q[s + 1] - q_start;
+    const int i0 = (gridDim.x - 1 - blockIdx.x) * BQ;
+    if (i0 >= q_len) return;
+    const int kv_len = kv_lens[s];
+    const int offset = kv_len - q_len;  // absolute position of query i is offset + i
+    const int kv_head = h / (num_q_heads / num_kv_heads);
+    const int* table = block_tables + (long long)s * max_blocks_per_seq;
+    const int kv_end = min(kv_len, offset + min(i0 + BQ, q_len));  // keys [0, kv_end) are visible to some row
+    const int n_tiles = (kv_end + BKV - 1) / BKV;
+
+    // ---- Q tile -> shared (rows past the chunk zero-filled)
+    for (int c = tid; c < BQ * CH; c += THREADS) {
+        const int row = c / CH, ch = c % CH;
+        const bool valid = i0 + row < q_len;
+        const __nv_bfloat16* src = valid ? q + (long long)(q_start + i0 + row) * q_row_stride + (long long)h * D + ch * 8 : q;
+        cp_async16(smem_u32(sQ + row * D + swizzled_chunk(row, ch) * 8), src, valid);
+    }
+
+    // ---- K/V tile kt -> stage: each thread copies chunk column (tid % CH) of rows tid / CH + pass * KV_ROWS_PER_PASS
+    const int my_ch = tid % CH, my_row0 = tid / CH;
+    auto load_kv = [&](int kt, int stage) {
+        __nv_bfloat16* dK = sK + stage * BKV * D;
+        __nv_bfloat16* dV = sV + stage * BKV * D;
+#pragma unroll
+        for (int pass = 0; pass < BKV / KV_ROWS_PER_PASS; ++pass) {
+            const int row = my_row0 + pass * KV_ROWS_PER_PASS;
+            const int j = kt * BKV + row;
+            const bool valid = j < kv_end;
+            long long off = 0;
+            if (valid) off = paged_row_offset(table, j, block_size, num_kv_heads, D, kv_head) + my_ch * 8;
+            const int sm = row * D + swizzled_chunk(row, my_ch) * 8;
+            cp_async16(smem_u32(dK + sm), k_cache + off, valid);
+            cp_async16(smem_u32(dV + sm), v_cache + off, valid);
+        }
+    };
+    load_kv(0, 0);
+    cp_async_commit();  // group 0: Q and tile 0
+
+    unsigned qf[D / 16][4];          // this warp's 16 query rows as A fragments, one per 16-wide slice of D
+    float o[D / 8][4];               // O accumulators: 16 rows x D, n-tiles of 8 columns
+    float m_row[2] = {neg_inf(), neg_inf()};  // running max (log2 domain) of rows lane/4 and lane/4 + 8
+    float l_row[2] = {0.f, 0.f};              // running sum of this thread's columns (quad-reduced at the end)
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+
+    const int r_lo = warp * 16 + (lane >> 2);  // tile rows of this thread's C fragments: r_lo, r_lo + 8
+    const int pos_lo = offset + i0 + r_lo, pos_hi = pos_lo + 8;
+    const int first_pos = offset + i0;
+
+    for (int kt = 0; kt < n_tiles; ++kt) {
+        // Prefetch tile kt+1 into the other stage; that stage was last read in iteration kt-1, which every warp
+        // finished before the trailing barrier of kt-1.
+        if (kt + 1 < n_tiles) load_kv(kt + 1, (kt + 1) & 1);
+        cp_async_commit();   // (possibly empty) group, so that "all but the newest group" always means tile kt
+        cp_async_wait<1>();
+        __syncthreads();     // tile kt (and, at kt == 0, Q) written by every thread's cp.async is now visible
+
+        if (kt == 0) {
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                const int row = warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+                const int ch = kk * 2 + (lane >> 4);
+                ldmatrix_x4(qf[kk], smem_u32(sQ + row * D + swizzled_chunk(row, ch) * 8));
+            }
+        }
+        const __nv_bfloat16* tK = sK + (kt & 1) * BKV * D;
+        const __nv_bfloat16* tV = sV + (kt & 1) * BKV * D;
+
+        // ---- S = Q K^T  (16 x 64 per warp)
+        float sacc[BKV / 8][4];
+#pragma unroll
+        for (int nt = 0; nt < BKV / 8; ++nt) {
+            sacc[nt][0] = sacc[nt][1] = sacc[nt][2] = sacc[nt][3] = 0.f;
+#pragma unroll
+            for (int kk2 = 0; kk2 < D / 32; ++kk2) {
+                // matrices i = 0..3: K rows nt*8..+7, columns (kk2*4 + i)*8..+7 -> B fragments of two k-steps
+                unsigned b[4];
+                const int row = nt * 8 + (lane & 7);
+                const int ch = kk2 * 4 + (lane >> 3);
+                ldmatrix_x4(b, smem_u32(tK + row * D + swizzled_chunk(row, ch) * 8));
+                mma_bf16_16816(sacc[nt], qf[2 * kk2], b[0], b[1]);
+                mma_bf16_16816(sacc[nt], qf[2 * kk2 + 1], b[2], b[3]);
+            }
+        }
+
+        // ---- online softmax (log2 domain); mask only tiles that reach past the CTA's first query position
+        const bool need_mask = kt * BKV + BKV - 1 > first_pos;
+        float mx[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+        for (int nt = 0; nt < BKV / 8; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float x = sacc[nt][e] * scale_log2;
+                if (need_mask) {
+                    const int j = kt * BKV + nt * 8 + 2 * (lane & 3) + (e & 1);
+                    if (j > (e < 2 ? pos_lo : pos_hi)) x = neg_inf();
+                }
+                sacc[nt][e] = x;
+                mx[e >> 1] = fmaxf(mx[e >> 1], x);
+            }
+        }
+        float alpha[2], m_use[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            // the 4 lanes of a quad share a row
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+            const float m_new = fmaxf(m_row[r], mx[r]);
+            m_use[r] = m_new == neg_inf() ? 0.f : m_new;  // a fully masked row so far: keep exp2 away from inf - inf
+            alpha[r] = exp2f(m_row[r] - m_use[r]);
+            m_row[r] = m_new;
+            l_row[r] *= alpha[r];
+        }
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            o[n][0] *= alpha[0]; o[n][1] *= alpha[0];
+            o[n][2] *= alpha[1]; o[n][3] *= alpha[1];
+        }
+        unsigned pa[BKV / 16][4];  // P as A fragments of the PV product, one per 16 keys
+#pragma unroll
+        for (int nt = 0; nt < BKV / 8; ++nt) {
+            const float p0 = exp2f(sacc[nt][0] - m_use[0]), p1 = exp2f(sacc[nt][1] - m_use[0]);
+            const float p2 = exp2f(sacc[nt][2] - m_use[1]), p3 = exp2f(sacc[nt][3] - m_use[1]);
+            l_row[0] += p0 + p1;
+            l_row[1] += p2 + p3;
+            // S n-tile 2k -> a[0] (row g), a[1] (row g+8); n-tile 2k+1 -> a[2], a[3] (columns +8)
+            pa[nt >> 1][(nt & 1) * 2 + 0] = pack_bf16x2(p0, p1);
+            pa[nt >> 1][(nt & 1) * 2 + 1] = pack_bf16x2(p2, p3);
+        }
+
+        // ---- O += P V  (16 x D per warp); V's B fragments through ldmatrix.trans
+#pragma unroll
+        for (int ks = 0; ks < BKV / 16; ++ks) {
+#pragma unroll
+            for (int dp = 0; dp < D / 16; ++dp) {
+                // matrices: (keys ks*16+0..7, d dp*16+0..7), (keys +8, same d), (keys +0, d +8), (keys +8, d +8)
+                unsigned b[4];
+                const int row = ks * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+                const int ch = dp * 2 + (lane >> 4);
+                ldmatrix_x4_trans(b, smem_u32(tV + row * D + swizzled_chunk(row, ch) * 8));
+                mma_bf16_16816(o[2 * dp], pa[ks], b[0], b[1]);
+                mma_bf16_16816(o[2 * dp + 1], pa[ks], b[2], b[3]);
+            }
+        }
+        __syncthreads();  // every warp is done with stage kt&1 before iteration kt+1 refills it with tile kt+2
+    }
+
+    // ---- epilogue: O / l, rows past the chunk dropped
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        l_row[r] += __shfl_xor_sync(0xffffffffu, l_row[r], 1);
+        l_row[r] += __shfl_xor_sync(0xffffffffu, l_row[r], 2);
+    }
+    const float inv[2] = {l_row[0] > 0.f ? 1.f / l_row[0] : 0.f, l_row[1] > 0.f ? 1.f / l_row[1] : 0.f};
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int i = i0 + r_lo + r * 8;
+        if (i >= q_len) continue;
+        __nv_bfloat16* orow = out + ((long long)(q_start + i) * num_q_heads + h) * D + 2 * (lane & 3);
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n)
+            *reinterpret_cast<unsigned*>(orow + n * 8) = pack_bf16x2(o[n][2 * r] * inv[r], o[n][2 * r + 1] * inv[r]);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(128) attention_prefill_fa2_d64_w4(XSERV_PREFILL_ARGS) {
+    prefill_fa2<64, 4>(XSERV_PREFILL_PASS);
+}
+extern "C" __global__ void __launch_bounds__(128) attention_prefill_fa2_d128_w4(XSERV_PREFILL_ARGS) {
+    prefill_fa2<128, 4>(XSERV_PREFILL_PASS);
+}
+extern "C" __global__ void __launch_bounds__(256) attention_prefill_fa2_d64_w8(XSERV_PREFILL_ARGS) {
+    prefill_fa2<64, 8>(XSERV_PREFILL_PASS);
+}
+extern "C" __global__ void __launch_bounds__(256) attention_prefill_fa2_d128_w8(XSERV_PREFILL_ARGS) {
+    prefill_fa2<128, 8>(XSERV_PREFILL_PASS);
+}
