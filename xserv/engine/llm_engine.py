@@ -139,6 +139,7 @@ class LLMEngine:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._ids = itertools.count()
+        self.num_preemptions = 0
 
     # ---- requests -----------------------------------------------------------------------------------------
     def check_prompt(self, prompt_ids) -> None:
@@ -201,6 +202,7 @@ class LLMEngine:
         return True
 
     def _preempt(self, seq: Sequence) -> None:
+        self.num_preemptions += 1
         self.running.remove(seq)
         self._release(seq)
         seq.status = WAITING

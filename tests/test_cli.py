@@ -1,0 +1,81 @@
+"""`xserv generate` and `xserv chat` as a user runs them (subprocesses, tiny model, CPU)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from qwen3_reference import tiny_model_dir  # noqa: F401
+
+from xserv.cli import build_parser
+
+
+def xserv(*args, stdin=None, timeout=120):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", "xserv", *args], input=stdin, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_generate_prints_text(tiny_model_dir):  # noqa: F811
+    r = xserv("generate", "--model", str(tiny_model_dir), "--device", "cpu", "--prompt", "Hello",
+              "--max-tokens", "16", "--temperature", "0")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip()
+    again = xserv("generate", "--model", str(tiny_model_dir), "--device", "cpu", "--prompt", "Hello",
+                  "--max-tokens", "16", "--temperature", "0")
+    assert again.stdout == r.stdout
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--model", "/no/such/model"], "not found"),
+    (["--temperature", "-1"], "temperature"),
+    (["--top-p", "1.5"], "top_p"),
+    (["--max-tokens", "0"], "max_tokens"),
+])
+def test_errors_are_one_line(tiny_model_dir, args, needle):  # noqa: F811
+    base = ["generate", "--model", str(tiny_model_dir), "--device", "cpu", "--prompt", "Hi"]
+    r = xserv(*base, *args)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    error_lines = [line for line in r.stderr.splitlines() if "error" in line]
+    assert len(error_lines) == 1 and needle in error_lines[0], r.stderr
+
+
+def test_unsupported_architecture(tiny_model_dir, tmp_path):  # noqa: F811
+    import json
+    import shutil
+
+    folder = tmp_path / "moe"
+    shutil.copytree(tiny_model_dir, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["architectures"] = ["Qwen3MoeForCausalLM"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    r = xserv("generate", "--model", str(folder), "--device", "cpu", "--prompt", "Hi")
+    assert r.returncode == 2 and "Qwen3MoeForCausalLM" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_chat_session(tiny_model_dir):  # noqa: F811
+    script = "Hello\n/system You are terse.\nHow are you?\n/reset\n/bogus\nAgain\n/exit\n"
+    r = xserv("chat", "--model", str(tiny_model_dir), "--device", "cpu", "--max-tokens", "8", "--temperature", "0",
+              stdin=script)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("tok/s") == 3
+    assert "system prompt set" in r.stdout and "conversation reset" in r.stdout and "unknown command" in r.stdout
+
+
+def test_chat_without_model_says_weights_are_random(tiny_model_dir):  # noqa: F811
+    r = xserv("chat", "--device", "cpu", "--max-tokens", "4", stdin="/exit\n")
+    assert r.returncode == 0, r.stderr
+    assert "RANDOM" in r.stderr
+
+
+def test_help_lists_commands_and_options(capsys):
+    parser = build_parser()
+    help_text = parser.format_help()
+    assert "generate" in help_text and "chat" in help_text
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "--help"])
+    out = capsys.readouterr().out
+    for flag in ("--max-tokens", "--temperature", "--top-p", "--top-k", "--min-p", "--repetition-penalty",
+                 "--seed", "--device", "--chat", "--enable-thinking"):
+        assert flag in out

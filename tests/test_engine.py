@@ -1,0 +1,117 @@
+"""The generation engine on the NumPy backend: block allocator, stop strings, batching, chunked prefill,
+preemption, finish reasons."""
+import numpy as np
+import pytest
+
+from qwen3_reference import perturbed_model_dir  # noqa: F401
+from xserv.engine.kv_cache import BlockAllocator
+from xserv.engine.llm_engine import StopStringMatcher
+from xserv.sampling import SamplingParams
+
+GREEDY = dict(temperature=0.0)
+
+
+def test_block_allocator():
+    a = BlockAllocator(4)
+    x = a.allocate(3)
+    assert x == [0, 1, 2] and a.num_free == 1 and not a.can_allocate(2)
+    with pytest.raises(RuntimeError, match="out of blocks"):
+        a.allocate(2)
+    a.free(x)
+    assert a.num_free == 4
+    with pytest.raises(RuntimeError, match="twice"):
+        a.free([1])
+
+
+def test_stop_string_matcher_holds_back_possible_starts():
+    m = StopStringMatcher(["</end>", "STOP"])
+    out = []
+    for delta in ["Hello </", "en", "d is not </e", "x S", "TO", "P and more"]:
+        m.push(delta)
+        out.append(m.take())
+    assert out == ["Hello ", "", "</end is not ", "</ex ", "", ""]
+    assert m.stopped and m.text == "Hello </end is not </ex "
+    m2 = StopStringMatcher(["ab"])
+    m2.push("xxa")
+    assert m2.take() == "xx" and m2.take(final=True) == "a"
+
+
+@pytest.fixture(scope="module")
+def llm(perturbed_model_dir):  # noqa: F811
+    from xserv import LLM
+
+    return LLM(str(perturbed_model_dir), device="cpu", max_model_len=256, progress=False)
+
+
+PROMPTS = [[791, 6722, 315, 9625, 374], [9707], list(range(1000, 1037)), [151644, 872, 198, 13048, 151645, 198]]
+
+
+def test_batched_equals_one_at_a_time(llm):
+    params = SamplingParams(max_tokens=12, ignore_eos=True, **GREEDY)
+    batched = llm.generate(PROMPTS, params)
+    alone = [llm.generate([p], params)[0] for p in PROMPTS]
+    assert [o.token_ids for o in batched] == [o.token_ids for o in alone]
+    assert all(len(o.token_ids) == 12 and o.finish_reason == "length" for o in batched)
+    assert len({tuple(o.token_ids) for o in batched}) > 1  # the prompts matter
+    again = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in again] == [o.token_ids for o in batched]  # deterministic
+
+
+def test_chunked_prefill_and_preemption_match(perturbed_model_dir, llm):  # noqa: F811
+    from xserv import LLM
+
+    params = SamplingParams(max_tokens=10, ignore_eos=True, **GREEDY)
+    want = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    # prompts prefilled 8 tokens per step; a pool of 16 blocks of 4 tokens cannot hold all four sequences at once
+    small = LLM(str(perturbed_model_dir), device="cpu", max_model_len=64, kv_cache_tokens=64, block_size=4,
+                max_num_batched_tokens=8, max_num_seqs=4, progress=False)
+    got = [o.token_ids for o in small.generate(PROMPTS, params)]
+    assert got == want
+    assert small.engine.num_preemptions > 0
+    assert small.kv_cache.allocator.num_free == small.kv_cache.num_blocks  # every block came back
+
+
+def test_max_tokens_stop_token_ids_and_stop_strings(llm):
+    base = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=16, ignore_eos=True, **GREEDY))[0]
+    assert base.finish_reason == "length" and len(base.token_ids) == 16
+
+    stop_id = base.token_ids[5]
+    first = base.token_ids.index(stop_id)
+    out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=16, stop_token_ids=[stop_id], **GREEDY))[0]
+    assert out.finish_reason == "stop" and out.token_ids == base.token_ids[:first + 1]
+
+    text = base.text
+    assert len(text) > 6
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=16, stop=[stop], **GREEDY))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == text[:text.index(stop)]
+    assert stop not in out.text
+
+
+def test_context_limit_finishes_with_length(llm):
+    prompt = list(range(2000, 2000 + 250))
+    out = llm.generate([prompt], SamplingParams(max_tokens=100, ignore_eos=True, **GREEDY))[0]
+    assert out.finish_reason == "length" and len(prompt) + len(out.token_ids) == 256
+
+
+def test_prompt_too_long_raises(llm):
+    with pytest.raises(ValueError, match="300 tokens.*256"):
+        llm.generate([list(range(300))], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]], SamplingParams(max_tokens=4))
+    assert not llm.engine.has_unfinished()
+
+
+def test_greedy_tokens_are_argmax_of_logits(llm):
+    out = llm.generate([PROMPTS[2]], SamplingParams(max_tokens=8, ignore_eos=True, **GREEDY))[0]
+    logits = llm.logits(PROMPTS[2] + out.token_ids[:-1])
+    assert logits.shape == (len(PROMPTS[2]) + 7, llm.config.vocab_size) and logits.dtype == np.float32
+    assert np.argmax(logits[len(PROMPTS[2]) - 1:], -1).tolist() == out.token_ids
+
+
+def test_seeded_sampling_reproducible(llm):
+    p = SamplingParams(temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+    a = llm.generate([PROMPTS[0], PROMPTS[1]], p)
+    b = llm.generate([PROMPTS[0], PROMPTS[1]], p)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
