@@ -261,10 +261,13 @@ class IncrementalDetokenizer:
             return self._advance(prefix_text, new_text, len(self.ids))
         if len(self.ids) - self.read_offset <= self.MAX_PENDING:
             return ""
-        # Long pending tail ending in U+FFFD: emit up to the last token boundary that ends on a whole character.
-        for end in range(len(self.ids) - 1, max(self.read_offset, len(self.ids) - 4), -1):
+        # A long pending tail still ending in U+FFFD holds invalid bytes for good. Emit up to the latest token
+        # boundary whose text is a prefix of the current text and cannot change: it ends on a whole character, or
+        # at least 3 tokens (>= 3 bytes, the longest incomplete UTF-8 tail) lie after it.
+        n = len(self.ids)
+        for end in range(n - 1, self.read_offset, -1):
             text = self._decode(self.ids[self.prefix_offset:end])
-            if not text.endswith("\ufffd"):
+            if new_text.startswith(text) and (end <= n - 3 or not text.endswith("\ufffd")):
                 return self._advance(prefix_text, text, end)
         return ""
 
