@@ -167,7 +167,8 @@ class LLMEngine:
         stop_ids = set(params.stop_token_ids or ())
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
-        seq = Sequence(seq_id, prompt_ids, params, make_rng(seed), self.tokenizer.detokenizer(), prompt, stop_ids)
+        detokenizer = self.tokenizer.detokenizer(skip_special_tokens=True, prompt_ids=prompt_ids)
+        seq = Sequence(seq_id, prompt_ids, params, make_rng(seed), detokenizer, prompt, stop_ids)
         self.waiting.append(seq)
         return seq
 

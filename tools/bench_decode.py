@@ -1,0 +1,67 @@
+"""Decode throughput of xserv on the GPU: tokens per second at batch 1 (and other batch sizes if asked).
+
+    python -m tools.bench_decode --model DIR [--context 512 --steps 256 --batch-sizes 1,8,32]
+
+Times the engine's decode steps after the prefill (CUDA graphs unless --no-cuda-graphs), greedy sampling on the
+device, host loop included: what a user of `xserv chat` sees. Prints the device name, tok/s and the weight bytes
+read per second (the memory-bandwidth bound of batch-1 decode).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--context", type=int, default=512, help="prompt tokens before decoding")
+    ap.add_argument("--steps", type=int, default=256, help="timed decode steps")
+    ap.add_argument("--warmup", type=int, default=16)
+    ap.add_argument("--batch-sizes", default="1")
+    ap.add_argument("--no-cuda-graphs", action="store_true")
+    args = ap.parse_args(argv)
+
+    from xserv import LLM, SamplingParams
+    from xserv.runtime import get_device, synchronize
+
+    sizes = [int(s) for s in args.batch_sizes.split(",")]
+    max_len = args.context + args.warmup + args.steps + 8
+    t = time.perf_counter()
+    llm = LLM(args.model, device="cuda", max_model_len=max_len, max_num_seqs=max(sizes),
+              kv_cache_tokens=max(sizes) * max_len + 1024, cuda_graphs=not args.no_cuda_graphs)
+    load = time.perf_counter() - t
+    weight_bytes = llm.model.weight_bytes()
+    print(f"device: {get_device().name}")
+    print(f"model: {args.model} ({weight_bytes / 1e9:.2f} GB of weights, loaded in {load:.1f}s), context "
+          f"{args.context}, {args.steps} steps, cuda graphs {'off' if args.no_cuda_graphs else 'on'}")
+    print(f"{'batch':>6}{'ms/step':>10}{'tok/s':>12}{'tok/s/seq':>12}{'weights GB/s':>14}")
+    rng = np.random.default_rng(0)
+    params = SamplingParams(temperature=0.0, max_tokens=args.warmup + args.steps + 1, ignore_eos=True)
+    eng = llm.engine
+    for bs in sizes:
+        seqs = [eng.add_request(rng.integers(0, 150000, args.context).tolist(), params) for _ in range(bs)]
+        while any(s.num_computed < len(s.token_ids) - 1 or s.num_output_tokens == 0 for s in seqs):
+            eng.step()  # prefill
+        for _ in range(args.warmup):
+            eng.step()
+        synchronize()
+        t = time.perf_counter()
+        for _ in range(args.steps):
+            eng.step()
+        synchronize()
+        dt = (time.perf_counter() - t) / args.steps
+        for s in seqs:
+            eng.abort(s)
+        print(f"{bs:>6}{dt * 1e3:>10.3f}{bs / dt:>12.1f}{1 / dt:>12.1f}{weight_bytes / dt / 1e9:>14.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

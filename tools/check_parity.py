@@ -1,0 +1,151 @@
+"""Parity of xserv's CUDA backend with Hugging Face transformers on one checkpoint folder (GPU machine).
+
+    python -m tools.check_parity --model DIR [--prompt-len 1000 --decode-steps 64]
+
+1. transformers bf16, greedy from a random prompt: the reference tokens and each step's top-2 margin.
+2. xserv (CUDA): logits at every prompt position (llm.logits), then decode steps through the engine's model
+   runner (CUDA graphs when enabled) fed the reference tokens, recording each step's logits and argmax.
+3. transformers float32 on prompt + reference tokens: logits at every position.
+Reports relative L2 error per position (max and mean) for the prompt and the decode steps, and whether xserv's
+greedy token equals transformers' bf16 one at every step whose top-2 margin exceeds --margin. Exit status 1 when
+an error exceeds --tol or a confident token differs.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def rel_err_rows(out, ref) -> np.ndarray:
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    return np.linalg.norm(out - ref, axis=-1) / np.linalg.norm(ref, axis=-1)
+
+
+def hf_greedy_bf16(folder, prompt, steps):
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    model = Qwen3ForCausalLM.from_pretrained(folder, torch_dtype=torch.bfloat16).cuda().eval()
+    tokens, margins = [], []
+    with torch.no_grad():
+        ids = torch.tensor([prompt], device="cuda")
+        out = model(ids, use_cache=True)
+        past = out.past_key_values
+        for _ in range(steps):
+            last = out.logits[0, -1].float()
+            top2 = torch.topk(last, 2).values
+            tok = int(torch.argmax(last))
+            tokens.append(tok)
+            margins.append(float(top2[0] - top2[1]))
+            out = model(torch.tensor([[tok]], device="cuda"), past_key_values=past, use_cache=True)
+            past = out.past_key_values
+    del model, out, past
+    return tokens, np.array(margins)
+
+
+def hf_logits_fp32(folder, ids):
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    model = Qwen3ForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).cuda().eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids], device="cuda")).logits[0].float().cpu().numpy()
+    del model
+    return logits
+
+
+def xserv_logits(folder, prompt, forced, cuda_graphs: bool):
+    from xserv import LLM
+    from xserv.engine.batch import SeqChunk
+
+    total = len(prompt) + len(forced)
+    llm = LLM(folder, device="cuda", max_model_len=total + 16, kv_cache_tokens=total + 256, cuda_graphs=cuda_graphs,
+              max_num_seqs=8)
+    t0 = time.perf_counter()
+    prefill = llm.logits(prompt)
+    t_prefill = time.perf_counter() - t0
+    runner, kv = llm.runner, llm.kv_cache
+    table = kv.allocator.allocate(kv.blocks_for(total))
+    runner.forward([SeqChunk(prompt, 0, table, "none")])
+    decode, argmax = [], []
+    for i, tok in enumerate(forced):
+        logits, _ = runner.forward([SeqChunk([tok], len(prompt) + i, table, "last")])
+        row = logits.numpy()[0].copy()
+        decode.append(row)
+        argmax.append(int(np.argmax(row)))
+    kv.allocator.free(table)
+    del llm, runner, kv
+    gc.collect()
+    from xserv.runtime import empty_cache
+
+    empty_cache()
+    return prefill, np.stack(decode), argmax, t_prefill
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="a Qwen3 checkpoint folder")
+    ap.add_argument("--prompt-len", type=int, default=1000)
+    ap.add_argument("--decode-steps", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tol", type=float, default=2e-2, help="largest allowed relative L2 error per position")
+    ap.add_argument("--margin", type=float, default=0.1, help="top-2 logit margin above which tokens must agree")
+    ap.add_argument("--no-cuda-graphs", action="store_true")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from xserv.models.config import Qwen3Config
+    from xserv.runtime import get_device
+
+    folder = str(Path(args.model).expanduser())
+    config = Qwen3Config.from_pretrained(folder)
+    rng = np.random.default_rng(args.seed)
+    prompt = rng.integers(0, min(config.vocab_size, 151643), args.prompt_len).tolist()
+    print(f"device: {get_device().name} (torch sees {torch.cuda.get_device_name()})")
+    print(f"model: {folder}  layers={config.num_hidden_layers} hidden={config.hidden_size} "
+          f"heads={config.num_attention_heads}/{config.num_key_value_heads} vocab={config.vocab_size}")
+
+    t = time.perf_counter()
+    ref_tokens, margins = hf_greedy_bf16(folder, prompt, args.decode_steps)
+    gc.collect()
+    torch.cuda.empty_cache()
+    print(f"transformers bf16 greedy: {args.decode_steps} steps in {time.perf_counter() - t:.1f}s")
+
+    prefill, decode, xs_argmax, t_prefill = xserv_logits(folder, prompt, ref_tokens, not args.no_cuda_graphs)
+    print(f"xserv: prompt logits in {t_prefill:.2f}s")
+
+    ref = hf_logits_fp32(folder, prompt + ref_tokens)
+    gc.collect()
+    torch.cuda.empty_cache()
+    err_prefill = rel_err_rows(prefill, ref[:len(prompt)])
+    err_decode = rel_err_rows(decode, ref[len(prompt):])
+
+    confident = margins > args.margin
+    agree = np.array(xs_argmax) == np.array(ref_tokens)
+    bad_steps = np.nonzero(confident & ~agree)[0].tolist()
+
+    print()
+    print(f"{'what':<28}{'positions':>10}{'max rel err':>14}{'mean rel err':>14}{'worst at':>10}")
+    for name, err, offset in (("prompt logits (llm.logits)", err_prefill, 0),
+                              ("decode-step logits", err_decode, len(prompt))):
+        print(f"{name:<28}{len(err):>10}{err.max():>14.3e}{err.mean():>14.3e}{int(err.argmax()) + offset:>10}")
+    print(f"greedy tokens vs transformers bf16: {int(confident.sum())} steps with top-2 margin > {args.margin}, "
+          f"{int((confident & agree).sum())} agree; all steps: {int(agree.sum())}/{len(agree)} agree")
+    if bad_steps:
+        print("  confident disagreements at steps " + ", ".join(
+            f"{s} (xserv {xs_argmax[s]}, hf {ref_tokens[s]}, margin {margins[s]:.3f})" for s in bad_steps))
+    ok = err_prefill.max() <= args.tol and err_decode.max() <= args.tol and not bad_steps
+    print("PASS" if ok else "FAIL", f"(tolerance {args.tol})")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
