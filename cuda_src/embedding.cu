@@ -1,0 +1,27 @@
+// Embedding gather: out[t, :] = table[ids[t], :]. An id outside [0, vocab) writes a zero row (the engine validates
+// ids before this point; the kernel never reads outside the table). bf16 rows copied bit-exactly.
+// grid = num_tokens (one CTA per row), block = launcher's thread count.
+#include "common.cuh"
+
+// ids: [num_tokens] int32; table: [vocab, hidden] as uint4 (8 bf16 each), chunks = hidden / 8;
+// out: [num_tokens, hidden] as uint4. Needs hidden % 8 == 0 and 16-byte aligned table and out (launcher checks).
+extern "C" __global__ void embedding_bf16_vec(const int* __restrict__ ids, const uint4* __restrict__ table,
+                                              uint4* __restrict__ out, int vocab, int chunks) {
+    const long long t = blockIdx.x;
+    const int id = ids[t];
+    const bool valid = id >= 0 && id < vocab;
+    const uint4* src = table + (long long)(valid ? id : 0) * chunks;
+    uint4* dst = out + t * chunks;
+    for (int c = threadIdx.x; c < chunks; c += blockDim.x) dst[c] = valid ? src[c] : make_uint4(0u, 0u, 0u, 0u);
+}
+
+// ids: [num_tokens] int32; table: [vocab, hidden] bf16 bits; out: [num_tokens, hidden] bf16 bits. Any alignment.
+extern "C" __global__ void embedding_bf16_scalar(const int* __restrict__ ids, const unsigned short* __restrict__ table,
+                                                 unsigned short* __restrict__ out, int vocab, int hidden) {
+    const long long t = blockIdx.x;
+    const int id = ids[t];
+    const bool valid = id >= 0 && id < vocab;
+    const unsigned short* src = table + (long long)(valid ? id : 0) * hidden;
+    unsigned short* dst = out + t * hidden;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) dst[i] = valid ? src[i] : (unsigned short)0;
+}

@@ -1,0 +1,127 @@
+// Rotary position embedding, Qwen3 / GPT-NeoX rotate-half layout. For a head vector v of D values (D = 64 or 128)
+// at position p, with c_i = cos_sin[p][i] and s_i = cos_sin[p][D/2 + i] for i < D/2:
+//     out[i]       = v[i] * c_i - v[i + D/2] * s_i
+//     out[i + D/2] = v[i + D/2] * c_i + v[i] * s_i
+// cos_sin is an fp32 table (YaRN's attention factor already folded in); math in fp32, one rounding to bf16 at the
+// store. (HF in bf16 rounds cos/sin to bf16 and rounds after each multiply and add; we round once, which is closer
+// to the fp32 result.)
+//
+//   rope:          out = rope(x);  `out` may alias `x` (each lane reads its values before writing them).
+//   qk_norm_rope:  in place on the packed QKV GEMM output: q heads get head-RMSNorm(q_weight) then RoPE, k heads
+//                  head-RMSNorm(k_weight) then RoPE, v heads are not touched. The normalised value is rounded to
+//                  bf16 before RoPE, as HF's q_norm/k_norm return bf16.
+//
+// Positions are read on the device and cannot be checked by the launcher: a position outside [0, max_pos) does not
+// read the table; the kernel writes NaN into that head row instead, so the bug shows.
+//
+// One warp per head row (layout in norm.cuh), kRowsPerWarp rows per warp with all loads issued before any math.
+// The row index is warp-uniform, so bounds checks keep whole warps together (warp_sum needs all 32 lanes).
+#include "norm.cuh"
+
+namespace {
+
+constexpr int kRowsPerWarp = 2;
+
+template <int D>
+__device__ __forceinline__ void rope_regs(xserv::HeadRow<D>& r, const float* __restrict__ cs_row, int lane) {
+    constexpr int EH = xserv::HeadRow<D>::EH;
+    const int i = lane * EH;
+#pragma unroll
+    for (int e = 0; e < EH; ++e) {
+        const float c = cs_row[i + e], s = cs_row[D / 2 + i + e];
+        const float lo = r.lo[e], hi = r.hi[e];
+        r.lo[e] = lo * c - hi * s;
+        r.hi[e] = hi * c + lo * s;
+    }
+}
+
+template <int D, bool PAIRED>
+__device__ __forceinline__ void rope_rows(const __nv_bfloat16* x, const int* __restrict__ positions,
+                                          const float* __restrict__ cos_sin, __nv_bfloat16* out, long long rows,
+                                          int num_heads, int max_pos) {
+    const int lane = threadIdx.x & 31;
+    const long long first = ((long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * kRowsPerWarp;
+    xserv::HeadRow<D> r[kRowsPerWarp];
+#pragma unroll
+    for (int k = 0; k < kRowsPerWarp; ++k)
+        if (first + k < rows) xserv::head_load<D, PAIRED>(x + (first + k) * D, r[k], lane);
+#pragma unroll
+    for (int k = 0; k < kRowsPerWarp; ++k) {
+        const long long row = first + k;
+        if (row < rows) {
+            const int pos = positions[row / num_heads];
+            if (pos >= 0 && pos < max_pos)
+                rope_regs<D>(r[k], cos_sin + (long long)pos * D, lane);
+            else
+                xserv::head_fill<D>(r[k], xserv::quiet_nan());
+            xserv::head_store<D, PAIRED>(out + row * D, r[k], lane);
+        }
+    }
+}
+
+template <int D, bool PAIRED>
+__device__ __forceinline__ void qk_norm_rope_rows(__nv_bfloat16* qkv, const __nv_bfloat16* __restrict__ q_weight,
+                                                  const __nv_bfloat16* __restrict__ k_weight,
+                                                  const int* __restrict__ positions, const float* __restrict__ cos_sin,
+                                                  int num_tokens, int num_q_heads, int num_kv_heads, int max_pos,
+                                                  float eps) {
+    const int lane = threadIdx.x & 31;
+    const int qk_heads = num_q_heads + num_kv_heads;        // heads this kernel rewrites, per token
+    const int all_heads = num_q_heads + 2 * num_kv_heads;   // heads per token in the packed buffer
+    const long long rows = (long long)num_tokens * qk_heads;
+    const long long first = ((long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * kRowsPerWarp;
+    xserv::HeadRow<D> r[kRowsPerWarp];
+    long long offset[kRowsPerWarp];
+#pragma unroll
+    for (int k = 0; k < kRowsPerWarp; ++k) {
+        const long long row = first + k;
+        const long long token = row / qk_heads;
+        offset[k] = (token * all_heads + (row - token * qk_heads)) * D;
+        if (row < rows) xserv::head_load<D, PAIRED>(qkv + offset[k], r[k], lane);
+    }
+#pragma unroll
+    for (int k = 0; k < kRowsPerWarp; ++k) {
+        const long long row = first + k;
+        if (row < rows) {
+            const long long token = row / qk_heads;
+            const int head = (int)(row - token * qk_heads);
+            xserv::head_rmsnorm_regs<D>(r[k], head < num_q_heads ? q_weight : k_weight, eps, lane);
+            const int pos = positions[token];
+            if (pos >= 0 && pos < max_pos)
+                rope_regs<D>(r[k], cos_sin + (long long)pos * D, lane);
+            else
+                xserv::head_fill<D>(r[k], xserv::quiet_nan());
+            xserv::head_store<D, PAIRED>(qkv + offset[k], r[k], lane);
+        }
+    }
+}
+
+}  // namespace
+
+// x, out: [num_tokens, num_heads, D] bf16 (rows = num_tokens * num_heads); positions: [num_tokens] int32;
+// cos_sin: [max_pos, D] fp32. grid = ceil(rows / (kRowsPerWarp * blockDim.x / 32)).
+// The D=128 non-_scalar kernel needs x and out 4-byte aligned.
+#define XSERV_ROPE(NAME, D, PAIRED)                                                                                  \
+    extern "C" __global__ void NAME(const __nv_bfloat16* x, const int* positions, const float* cos_sin,              \
+                                    __nv_bfloat16* out, long long rows, int num_heads, int max_pos) {                \
+        rope_rows<D, PAIRED>(x, positions, cos_sin, out, rows, num_heads, max_pos);                                  \
+    }
+XSERV_ROPE(rope_d64_bf16, 64, false)
+XSERV_ROPE(rope_d128_bf16, 128, true)
+XSERV_ROPE(rope_d128_bf16_scalar, 128, false)
+#undef XSERV_ROPE
+
+// qkv: [num_tokens, num_q_heads + 2 * num_kv_heads, D] bf16, in place; q_weight, k_weight: [D] bf16;
+// positions: [num_tokens] int32; cos_sin: [max_pos, D] fp32.
+// grid = ceil(num_tokens * (num_q_heads + num_kv_heads) / (kRowsPerWarp * blockDim.x / 32)).
+#define XSERV_QK_NORM_ROPE(NAME, D, PAIRED)                                                                          \
+    extern "C" __global__ void NAME(__nv_bfloat16* qkv, const __nv_bfloat16* q_weight,                               \
+                                    const __nv_bfloat16* k_weight, const int* positions, const float* cos_sin,       \
+                                    int num_tokens, int num_q_heads, int num_kv_heads, int max_pos, float eps) {     \
+        qk_norm_rope_rows<D, PAIRED>(qkv, q_weight, k_weight, positions, cos_sin, num_tokens, num_q_heads,           \
+                                     num_kv_heads, max_pos, eps);                                                    \
+    }
+XSERV_QK_NORM_ROPE(qk_norm_rope_d64_bf16, 64, false)
+XSERV_QK_NORM_ROPE(qk_norm_rope_d128_bf16, 128, true)
+XSERV_QK_NORM_ROPE(qk_norm_rope_d128_bf16_scalar, 128, false)
+#undef XSERV_QK_NORM_ROPE

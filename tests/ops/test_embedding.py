@@ -1,0 +1,68 @@
+import numpy as np
+import pytest
+
+from xserv.ops.embedding import embedding, embedding_reference
+from xserv.tensor import Tensor, bfloat16
+from xserv.testing import poisoned, random_array
+
+
+def _inputs(rng, t, v, h):
+    return rng.integers(0, v, t).astype(np.int32), random_array(rng, (v, h), bfloat16)
+
+
+def test_reference_gathers_rows_and_zeroes_bad_ids(rng):
+    ids, table = _inputs(rng, 9, 50, 24)
+    ids[2], ids[5] = -1, 50
+    ref = embedding_reference(ids, table)
+    expect = np.zeros((9, 24))
+    for i, j in enumerate(ids):
+        if 0 <= j < 50:
+            expect[i] = table[j].astype(np.float64)
+    assert ref.dtype == bfloat16
+    np.testing.assert_array_equal(ref.astype(np.float64), expect)
+
+
+def test_cpu_dispatch(rng):
+    ids, table = _inputs(rng, 7, 30, 16)
+    out = embedding(Tensor.from_numpy(ids, "cpu"), Tensor.from_numpy(table, "cpu"))
+    assert out.device == "cpu" and out.shape == (7, 16) and out.dtype == bfloat16
+    np.testing.assert_array_equal(out.array, table[ids])
+
+
+@pytest.mark.parametrize("bad, name", [("ids_dtype", "ids"), ("table_dtype", "table"), ("out_shape", "out"),
+                                       ("ids_ndim", "ids")])
+def test_errors_name_the_argument(rng, bad, name):
+    ids, table = _inputs(rng, 4, 10, 8)
+    kw = {}
+    if bad == "ids_dtype":
+        ids = ids.astype(np.int64)
+    elif bad == "table_dtype":
+        table = table.astype(np.float32)
+    elif bad == "out_shape":
+        kw["out"] = Tensor.empty((4, 9), bfloat16, "cpu")
+    elif bad == "ids_ndim":
+        ids = ids.reshape(2, 2)
+    with pytest.raises(ValueError, match=name):
+        embedding(Tensor.from_numpy(ids, "cpu"), Tensor.from_numpy(table, "cpu"), **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t, v, h", [(1, 100, 128), (7, 1000, 1024), (1023, 3000, 4096), (5, 50, 1000), (3, 40, 5120)])
+def test_cuda_matches_reference(rng, t, v, h):
+    ids, table = _inputs(rng, t, v, h)
+    ids[0] = v - 1
+    if t > 2:
+        ids[1], ids[2] = -3, v  # out of range -> zero rows
+    out = poisoned((t, h), bfloat16)
+    embedding(Tensor.from_numpy(ids), Tensor.from_numpy(table), out=out)
+    np.testing.assert_array_equal(out.numpy().view(np.uint16), embedding_reference(ids, table).view(np.uint16))
+
+
+@pytest.mark.gpu
+def test_cuda_unaligned_table_uses_scalar_path(rng):
+    ids, table = _inputs(rng, 6, 20, 64)
+    flat = Tensor.from_numpy(np.concatenate([np.zeros(1, bfloat16), table.reshape(-1)]))
+    table_dev = flat[1:].view(20, 64)  # 2 bytes past a 16-byte boundary
+    out = poisoned((6, 64), bfloat16)
+    embedding(Tensor.from_numpy(ids), table_dev, out=out)
+    np.testing.assert_array_equal(out.numpy().view(np.uint16), table[ids].view(np.uint16))

@@ -1,0 +1,60 @@
+"""Small helpers shared by the kernel launchers of xserv.ops (grid arithmetic, alignment and aliasing tests)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..tensor import Tensor
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def round_up(a: int, b: int) -> int:
+    return cdiv(a, b) * b
+
+
+def aligned(*tensors: Tensor | None, nbytes: int = 16) -> bool:
+    """True when every given CUDA tensor's device address is a multiple of `nbytes`."""
+    return all(t.ptr % nbytes == 0 for t in tensors if t is not None)
+
+
+def _span(t: Tensor) -> tuple[int, int]:
+    if t.device == "cpu":
+        start = t.array.__array_interface__["data"][0]
+    else:
+        start = t.ptr
+    return start, start + t.nbytes
+
+
+def overlaps(a: Tensor, b: Tensor) -> bool:
+    """Do the memory ranges of two tensors (same device) intersect?"""
+    if a.device != b.device or a.nbytes == 0 or b.nbytes == 0:
+        return False
+    (a0, a1), (b0, b1) = _span(a), _span(b)
+    return a0 < b1 and b0 < a1
+
+
+def identical(a: Tensor, b: Tensor) -> bool:
+    """Same device, same first byte, same size: one is the other (possibly as a different view)."""
+    return a.device == b.device and _span(a) == _span(b)
+
+
+def check_alias(name: str, out: Tensor, other_name: str, other: Tensor, allow_identical: bool) -> None:
+    """`out` must not overlap `other`, except (when allowed) by being exactly the same memory."""
+    if overlaps(out, other) and not (allow_identical and identical(out, other)):
+        how = "partially overlaps" if allow_identical else "overlaps"
+        raise ValueError(f"{name}: {how} {other_name}" + (f" (only {name} is {other_name} is allowed)" if allow_identical else ""))
+
+
+def check_eps(eps) -> np.float32:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float, np.floating, np.integer)) or not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"eps: expected a finite number >= 0, got {eps!r}")
+    return np.float32(eps)
+
+
+def check_int32_range(name: str, value: int) -> None:
+    if value >= 2**31:
+        raise ValueError(f"{name}: {value} does not fit the kernel's int32 index")

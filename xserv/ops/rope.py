@@ -1,0 +1,192 @@
+"""Rotary position embedding (Qwen3 / GPT-NeoX rotate-half layout), its cos/sin table (default or YaRN, as Hugging
+Face transformers computes them), and the fused q/k head-RMSNorm + RoPE applied in place to the packed QKV.
+
+For a head vector v of D values at position p, with c_i = cos_sin[p, i], s_i = cos_sin[p, D/2 + i], i < D/2:
+    out[i] = v[i] c_i - v[i + D/2] s_i,    out[i + D/2] = v[i + D/2] c_i + v[i] s_i.
+Positions live on the device, so the CUDA launcher cannot check them: a position outside [0, max_pos) makes the
+kernel write NaN into that head row (it never reads outside the table); the CPU path raises ValueError.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..tensor import Tensor, bfloat16, float32, int32
+from ._checks import check_tensor, output, same_device
+from ._launch import aligned, cdiv, check_alias, check_eps, check_int32_range
+from .rmsnorm import HEAD_DIMS, head_rmsnorm_reference
+
+_BLOCK = 256  # 8 warps
+_ROWS_PER_WARP = 2  # kRowsPerWarp in rope.cu
+
+
+# ---- the table ---------------------------------------------------------------------------------------------------
+def _yarn_inv_freq(dim: int, base: float, scaling: dict, pos_freqs: np.ndarray) -> tuple[np.ndarray, float]:
+    """transformers' `_compute_yarn_parameters` (float32 where it computes in float32)."""
+    factor = scaling.get("factor")
+    original = scaling.get("original_max_position_embeddings")
+    if factor is None or original is None:
+        raise ValueError("rope_scaling: yarn needs 'factor' and 'original_max_position_embeddings'")
+    factor = float(factor)
+
+    def get_mscale(scale, mscale=1.0):
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = get_mscale(factor)
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def correction_dim(num_rotations):
+        return dim * math.log(original / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: avoids a division by zero
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    extrapolation_factor = np.float32(1) - ramp.astype(np.float32)
+    inv_extrapolation = np.float32(1) / pos_freqs
+    inv_interpolation = np.float32(1) / (np.float32(factor) * pos_freqs)
+    inv_freq = inv_interpolation * (np.float32(1) - extrapolation_factor) + inv_extrapolation * extrapolation_factor
+    return inv_freq.astype(np.float32), float(attention_factor)
+
+
+def rope_cos_sin_table(head_dim: int, max_positions: int, theta: float, rope_scaling: dict | None = None) -> np.ndarray:
+    """float32 [max_positions, head_dim]: cos(p * inv_freq_i) in the first half, sin in the second (times YaRN's
+    attention factor). Computed like transformers' Qwen3 rotary embedding in float32: inv_freq in float32, the
+    angle p * inv_freq rounded to float32, then cos/sin of that angle."""
+    if head_dim <= 0 or head_dim % 2:
+        raise ValueError(f"head_dim: expected a positive even number, got {head_dim}")
+    if max_positions <= 0:
+        raise ValueError(f"max_positions: expected > 0, got {max_positions}")
+    if not theta > 1:
+        raise ValueError(f"theta: expected > 1, got {theta}")
+    exponent = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+    pos_freqs = np.power(np.float64(theta), exponent.astype(np.float64)).astype(np.float32)
+    rope_type = None if rope_scaling is None else rope_scaling.get("rope_type", rope_scaling.get("type"))
+    if rope_type in (None, "default"):
+        inv_freq, attention_factor = np.float32(1) / pos_freqs, 1.0
+    elif rope_type == "yarn":
+        inv_freq, attention_factor = _yarn_inv_freq(head_dim, float(theta), rope_scaling, pos_freqs)
+    else:
+        raise ValueError(f"rope_scaling: rope_type {rope_type!r} is not supported (supported: default, yarn)")
+    angle = np.arange(max_positions, dtype=np.float32)[:, None] * inv_freq[None, :].astype(np.float32)
+    cos = np.cos(angle.astype(np.float64)).astype(np.float32)
+    sin = np.sin(angle.astype(np.float64)).astype(np.float32)
+    if attention_factor != 1.0:
+        cos, sin = cos * np.float32(attention_factor), sin * np.float32(attention_factor)
+    return np.ascontiguousarray(np.concatenate([cos, sin], axis=1), dtype=np.float32)
+
+
+# ---- references --------------------------------------------------------------------------------------------------
+def rope_reference(x: np.ndarray, positions: np.ndarray, cos_sin: np.ndarray) -> np.ndarray:
+    """x [T, H, D] -> float32 [T, H, D]."""
+    positions = np.asarray(positions).astype(np.int64)
+    if positions.size and (positions.min() < 0 or positions.max() >= cos_sin.shape[0]):
+        raise ValueError(f"positions: values must lie in [0, {cos_sin.shape[0]}), got [{positions.min()}, {positions.max()}]")
+    half = x.shape[-1] // 2
+    table = cos_sin.astype(np.float32)[positions][:, None, :]  # [T, 1, D]
+    c, s = table[..., :half], table[..., half:]
+    xf = x.astype(np.float32)
+    lo, hi = xf[..., :half], xf[..., half:]
+    return np.concatenate([lo * c - hi * s, hi * c + lo * s], axis=-1)
+
+
+def qk_norm_rope_reference(qkv: np.ndarray, q_weight: np.ndarray, k_weight: np.ndarray, positions: np.ndarray,
+                           cos_sin: np.ndarray, num_q_heads: int, num_kv_heads: int, eps: float) -> np.ndarray:
+    """The new packed qkv (its dtype): head RMSNorm rounded to the dtype (as HF's q_norm/k_norm), then RoPE."""
+    out = qkv.copy()
+    for start, stop, weight in ((0, num_q_heads, q_weight), (num_q_heads, num_q_heads + num_kv_heads, k_weight)):
+        normed = head_rmsnorm_reference(qkv[:, start:stop], weight, eps).astype(qkv.dtype)
+        out[:, start:stop] = rope_reference(normed, positions, cos_sin).astype(qkv.dtype)
+    return out
+
+
+# ---- ops ---------------------------------------------------------------------------------------------------------
+def _check_head_dim(name: str, head_dim: int) -> None:
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"{name}: head_dim {head_dim} is not supported (supported: {HEAD_DIMS})")
+
+
+def _check_positions_table(positions: Tensor, cos_sin: Tensor, num_tokens: int, head_dim: int) -> None:
+    check_tensor("positions", positions, dtype=int32, shape=(num_tokens,))
+    check_tensor("cos_sin", cos_sin, dtype=float32, ndim=2)
+    if cos_sin.shape[1] != head_dim:
+        raise ValueError(f"cos_sin: shape {list(cos_sin.shape)}, expected [max_positions, {head_dim}]")
+    check_int32_range("cos_sin", cos_sin.shape[0])
+
+
+def rope(x: Tensor, positions: Tensor, cos_sin: Tensor, out: Tensor | None = None) -> Tensor:
+    """x: bf16 [T, num_heads, D], positions: int32 [T], cos_sin: float32 [max_pos, D] -> out (may be x)."""
+    check_tensor("x", x, dtype=bfloat16, ndim=3)
+    num_tokens, num_heads, head_dim = x.shape
+    _check_head_dim("x", head_dim)
+    _check_positions_table(positions, cos_sin, num_tokens, head_dim)
+    check_int32_range("x", num_heads)
+    device = same_device(x=x, positions=positions, cos_sin=cos_sin, out=out)
+    out = output("out", out, x.shape, bfloat16, device)
+    check_alias("out", out, "x", x, allow_identical=True)
+    rows = num_tokens * num_heads
+    if rows == 0:
+        return out
+    if device == "cpu":
+        out.array[...] = rope_reference(x.array, positions.array, cos_sin.array).astype(out.dtype)
+        return out
+    from ..runtime import kernel
+
+    name = f"rope_d{head_dim}_bf16"
+    if head_dim == 128 and not aligned(x, out, nbytes=4):
+        name += "_scalar"
+    grid = cdiv(rows, _ROWS_PER_WARP * _BLOCK // 32)
+    kernel("rope", name)(grid, _BLOCK, x, positions, cos_sin, out, np.int64(rows), np.int32(num_heads),
+                         np.int32(cos_sin.shape[0]))
+    return out
+
+
+def qk_norm_rope(qkv: Tensor, q_weight: Tensor, k_weight: Tensor, positions: Tensor, cos_sin: Tensor,
+                 num_q_heads: int, num_kv_heads: int, eps: float) -> Tensor:
+    """In place on the packed QKV projection qkv: bf16 [T, Hq + 2 Hkv, D]: heads [0, Hq) get head-RMSNorm(q_weight)
+    then RoPE, heads [Hq, Hq + Hkv) head-RMSNorm(k_weight) then RoPE, the v heads are untouched. Returns qkv."""
+    check_tensor("qkv", qkv, dtype=bfloat16, ndim=3)
+    num_tokens, all_heads, head_dim = qkv.shape
+    for name, value in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+            raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    if all_heads != num_q_heads + 2 * num_kv_heads:
+        raise ValueError(f"qkv: {all_heads} heads, expected num_q_heads + 2 * num_kv_heads = "
+                         f"{num_q_heads + 2 * num_kv_heads}")
+    _check_head_dim("qkv", head_dim)
+    check_int32_range("qkv", all_heads)
+    check_tensor("q_weight", q_weight, dtype=bfloat16, shape=(head_dim,))
+    check_tensor("k_weight", k_weight, dtype=bfloat16, shape=(head_dim,))
+    _check_positions_table(positions, cos_sin, num_tokens, head_dim)
+    eps32 = check_eps(eps)
+    device = same_device(qkv=qkv, q_weight=q_weight, k_weight=k_weight, positions=positions, cos_sin=cos_sin)
+    for name, t in (("q_weight", q_weight), ("k_weight", k_weight), ("positions", positions), ("cos_sin", cos_sin)):
+        check_alias(name, t, "qkv", qkv, allow_identical=False)
+    if num_tokens == 0:
+        return qkv
+    if device == "cpu":
+        qkv.array[...] = qk_norm_rope_reference(qkv.array, q_weight.array, k_weight.array, positions.array,
+                                                cos_sin.array, int(num_q_heads), int(num_kv_heads), eps32)
+        return qkv
+    check_int32_range("qkv", num_tokens)
+    from ..runtime import kernel
+
+    name = f"qk_norm_rope_d{head_dim}_bf16"
+    if head_dim == 128 and not aligned(qkv, nbytes=4):
+        name += "_scalar"
+    rows = num_tokens * (num_q_heads + num_kv_heads)
+    grid = cdiv(rows, _ROWS_PER_WARP * _BLOCK // 32)
+    kernel("rope", name)(grid, _BLOCK, qkv, q_weight, k_weight, positions, cos_sin, np.int32(num_tokens),
+                         np.int32(num_q_heads), np.int32(num_kv_heads), np.int32(cos_sin.shape[0]), eps32)
+    return qkv
