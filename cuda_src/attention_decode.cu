@@ -13,7 +13,7 @@
 //
 //   q:            sequence s's head h at q + s * q_row_stride + h * D   (q or the packed qkv tensor)
 //   k_cache/v_cache: [num_blocks, block_size, num_kv_heads, D] bf16
-//   kv_lens:      [num_seqs] int32 (>= 1)
+//   kv_lens:      [num_seqs] int32 (0 gives a zero output row)
 //   block_tables: [num_seqs, max_blocks_per_seq] int32
 //   out:          [num_seqs, num_q_heads, D] bf16
 //   part_o:       [num_seqs, num_q_heads, num_splits, D] fp32    (unused when num_splits == 1)
@@ -69,7 +69,13 @@ __device__ void decode_split(const __nv_bfloat16* __restrict__ q, long long q_ro
     const int s = blockIdx.z, kv_head = blockIdx.y, split = blockIdx.x;
     const int kv_len = kv_lens[s];
     const int start = split * chunk_len;
-    if (start >= kv_len) return;
+    if (start >= kv_len) {
+        // kv_len == 0 (a padding row of a captured batch): a defined zero output instead of garbage
+        if (kv_len == 0 && num_splits == 1)
+            for (int idx = threadIdx.x; idx < G * D; idx += kWarps * 32)
+                out[((long long)s * num_q_heads + kv_head * G) * D + idx] = __float2bfloat16(0.f);
+        return;
+    }
     const int end = min(start + chunk_len, kv_len);
     const int h0 = kv_head * G;
     const int* table = block_tables + (long long)s * max_blocks_per_seq;
@@ -250,5 +256,5 @@ extern "C" __global__ void attention_decode_combine(const float* __restrict__ pa
         den += w;
         num += w * part_o[(row * num_splits + i) * head_dim + d];
     }
-    out[row * head_dim + d] = __float2bfloat16(num / den);
+    out[row * head_dim + d] = __float2bfloat16(n > 0 ? num / den : 0.f);  // kv_len == 0: zeros
 }

@@ -11,6 +11,8 @@
 //   block_tables:  [num_seqs, max_blocks_per_seq] int32
 //   out:           [num_tokens, num_q_heads, D] bf16
 //   scale_log2:    softmax scale * log2(e)
+//   causal:        0 lets every query see all kv_len keys (benchmarks against non-causal peers; the simple kernel
+//                  ignores it)
 #include "attention.cuh"
 
 using namespace xserv;
@@ -24,7 +26,8 @@ __device__ void prefill_simple(const __nv_bfloat16* __restrict__ q, long long q_
                                const __nv_bfloat16* __restrict__ k_cache, const __nv_bfloat16* __restrict__ v_cache,
                                const int* __restrict__ cu_seqlens_q, const int* __restrict__ kv_lens,
                                const int* __restrict__ block_tables, int max_blocks_per_seq, int block_size,
-                               int num_q_heads, int num_kv_heads, float scale_log2, __nv_bfloat16* __restrict__ out) {
+                               int num_q_heads, int num_kv_heads, float scale_log2, __nv_bfloat16* __restrict__ out,
+                               int /*causal: always*/) {
     constexpr int E = D / 32;  // elements per lane
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int s = blockIdx.z, h = blockIdx.y;
@@ -66,10 +69,11 @@ __device__ void prefill_simple(const __nv_bfloat16* __restrict__ q, long long q_
     const __nv_bfloat16 *__restrict__ q, long long q_row_stride, const __nv_bfloat16 *__restrict__ k_cache,      \
         const __nv_bfloat16 *__restrict__ v_cache, const int *__restrict__ cu_seqlens_q,                         \
         const int *__restrict__ kv_lens, const int *__restrict__ block_tables, int max_blocks_per_seq,           \
-        int block_size, int num_q_heads, int num_kv_heads, float scale_log2, __nv_bfloat16 *__restrict__ out
+        int block_size, int num_q_heads, int num_kv_heads, float scale_log2, __nv_bfloat16 *__restrict__ out,     \
+        int causal
 #define XSERV_PREFILL_PASS                                                                                        \
     q, q_row_stride, k_cache, v_cache, cu_seqlens_q, kv_lens, block_tables, max_blocks_per_seq, block_size,       \
-        num_q_heads, num_kv_heads, scale_log2, out
+        num_q_heads, num_kv_heads, scale_log2, out, causal
 
 extern "C" __global__ void __launch_bounds__(128) attention_prefill_simple_d64(XSERV_PREFILL_ARGS) {
     prefill_simple<64>(XSERV_PREFILL_PASS);
@@ -113,7 +117,8 @@ __device__ void prefill_fa2(XSERV_PREFILL_ARGS) {
     const int offset = kv_len - q_len;  // absolute position of query i is offset + i
     const int kv_head = h / (num_q_heads / num_kv_heads);
     const int* table = block_tables + (long long)s * max_blocks_per_seq;
-    const int kv_end = min(kv_len, offset + min(i0 + BQ, q_len));  // keys [0, kv_end) are visible to some row
+    // keys [0, kv_end) are visible to some row of the tile
+    const int kv_end = causal ? min(kv_len, offset + min(i0 + BQ, q_len)) : kv_len;
     const int n_tiles = (kv_end + BKV - 1) / BKV;
 
     // ---- Q tile -> shared (rows past the chunk zero-filled)
@@ -152,8 +157,9 @@ __device__ void prefill_fa2(XSERV_PREFILL_ARGS) {
     for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
 
     const int r_lo = warp * 16 + (lane >> 2);  // tile rows of this thread's C fragments: r_lo, r_lo + 8
-    const int pos_lo = offset + i0 + r_lo, pos_hi = pos_lo + 8;
-    const int first_pos = offset + i0;
+    // last key position each of this thread's two rows sees, and the smallest over the CTA's rows
+    const int pos_lo = causal ? offset + i0 + r_lo : kv_len - 1, pos_hi = causal ? pos_lo + 8 : kv_len - 1;
+    const int first_pos = causal ? offset + i0 : kv_len - 1;
 
     for (int kt = 0; kt < n_tiles; ++kt) {
         // Prefetch tile kt+1 into the other stage; that stage was last read in iteration kt-1, which every warp

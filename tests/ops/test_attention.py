@@ -159,6 +159,18 @@ def test_prefill_gpu_packed_and_public(rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_prefill_gpu_noncausal(rng, head_dim):
+    case = make_case(rng, [1, 70, 129], [1, 300, 129], 8, 2, head_dim, 16)
+    t = on("cuda", case)
+    out = A.attention_prefill(t["q"], t["k_cache"], t["v_cache"], t["cu_seqlens_q"], t["kv_lens"], t["block_tables"],
+                              case["scale"], max_q_len=129, causal=False)
+    ref = A.attention_prefill_reference(case["q"], case["k_cache"], case["v_cache"], case["cu"], case["kv_lens"],
+                                        case["tables"], case["scale"], dtype=np.float64, causal=False)
+    assert rel_error(out.numpy(), ref) < TOL
+
+
+@pytest.mark.gpu
 def test_prefill_gpu_long(rng):
     # a 4096-token prompt from scratch, and a 64-token chunk at the end of a 32768-token context
     case = make_case(rng, [4096, 64], [4096, 32768], 4, 1, 128, 16)

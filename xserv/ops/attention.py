@@ -53,9 +53,10 @@ def gather_kv(k_cache: np.ndarray, v_cache: np.ndarray, block_table_row: np.ndar
 
 def attention_prefill_reference(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, cu_seqlens_q: np.ndarray,
                                 kv_lens: np.ndarray, block_tables: np.ndarray, scale: float,
-                                num_q_heads: int | None = None, dtype=np.float32, q_block: int = 512) -> np.ndarray:
+                                num_q_heads: int | None = None, dtype=np.float32, q_block: int = 512,
+                                causal: bool = True) -> np.ndarray:
     """Causal paged attention in `dtype`: out [T, Hq, D]. Query i of sequence s sits at position
-    kv_lens[s] - q_len_s + i and sees keys 0..that position. Work is vectorised over heads, `q_block` query rows
+    kv_lens[s] - q_len_s + i and sees keys 0..that position (all kv_len keys with causal=False). Work is vectorised over heads, `q_block` query rows
     at a time (bounds the [Hkv, G, rows, kv_len] score array)."""
     num_q_heads = q.shape[1] if num_q_heads is None else num_q_heads
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
@@ -75,7 +76,8 @@ def attention_prefill_reference(q: np.ndarray, k_cache: np.ndarray, v_cache: np.
             qs = qs.reshape(r1 - r0, num_kv_heads, group, head_dim).transpose(1, 2, 0, 3)  # [Hkv, G, rows, D]
             scores = (qs @ kt) * dtype(scale)  # [Hkv, G, rows, kv_len]
             pos = kv_len - q_len + np.arange(r0, r1)
-            scores[..., np.arange(kv_len)[None, :] > pos[:, None]] = -np.inf
+            if causal:
+                scores[..., np.arange(kv_len)[None, :] > pos[:, None]] = -np.inf
             scores -= scores.max(axis=-1, keepdims=True)
             p = np.exp(scores)
             p /= p.sum(axis=-1, keepdims=True)
@@ -219,10 +221,11 @@ def write_kv_packed(qkv: Tensor, num_q_heads: int, k_cache: Tensor, v_cache: Ten
 
 def attention_prefill(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Tensor, kv_lens: Tensor,
                       block_tables: Tensor, scale: float, max_q_len: int, out: Tensor | None = None,
-                      num_q_heads: int | None = None) -> Tensor:
+                      num_q_heads: int | None = None, causal: bool = True) -> Tensor:
     """Causal attention of packed query chunks against the paged cache (which already holds their K/V).
     q [T, Hq, D] (or packed qkv with num_q_heads), cu_seqlens_q int32 [B+1], kv_lens int32 [B] (>= q_len),
-    block_tables int32 [B, max_blocks]; max_q_len >= every q_len (sizes the grid) -> out bf16 [T, Hq, D]."""
+    block_tables int32 [B, max_blocks]; max_q_len >= every q_len (sizes the grid) -> out bf16 [T, Hq, D].
+    causal=False (every query sees all kv_len keys) exists for benchmarks against non-causal peers."""
     _, block_size, num_kv_heads, head_dim = _check_cache(k_cache, v_cache)
     num_q_heads = _query_heads(q, num_q_heads, num_kv_heads, head_dim)
     check_tensor("cu_seqlens_q", cu_seqlens_q, dtype=int32, ndim=1)
@@ -242,23 +245,25 @@ def attention_prefill(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q:
     if device == "cpu":
         out.array[...] = attention_prefill_reference(
             q.array, k_cache.array, v_cache.array, cu_seqlens_q.array, kv_lens.array, block_tables.array, scale,
-            num_q_heads).astype(bfloat16)
+            num_q_heads, causal=causal).astype(bfloat16)
         return out
     _prefill_cuda(q, k_cache, v_cache, cu_seqlens_q, kv_lens, block_tables, scale, max_q_len, out, num_q_heads,
-                  PREFILL_IMPL, PREFILL_WARPS)
+                  PREFILL_IMPL if causal else "fa2", PREFILL_WARPS, causal)
     return out
 
 
 def _prefill_cuda(q, k_cache, v_cache, cu_seqlens_q, kv_lens, block_tables, scale, max_q_len, out, num_q_heads,
-                  impl: str = "fa2", warps: int = 4) -> None:
+                  impl: str = "fa2", warps: int = 4, causal: bool = True) -> None:
     from ..runtime import kernel
 
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     num_seqs = cu_seqlens_q.shape[0] - 1
     args = (q, np.int64(q.shape[1] * head_dim), k_cache, v_cache, cu_seqlens_q, kv_lens, block_tables,
             np.int32(block_tables.shape[1]), np.int32(block_size), np.int32(num_q_heads), np.int32(num_kv_heads),
-            np.float32(scale * math.log2(math.e)), out)
+            np.float32(scale * math.log2(math.e)), out, np.int32(bool(causal)))
     if impl == "simple":
+        if not causal:
+            raise ValueError("the simple prefill kernel is causal only")
         kernel("attention_prefill", f"attention_prefill_simple_d{head_dim}")(
             ((max_q_len + 3) // 4, num_q_heads, num_seqs), (128, 1, 1), *args)
         return

@@ -1,0 +1,146 @@
+"""Attention benchmark: our prefill and decode kernels against PyTorch SDPA with its FLASH_ATTENTION and
+CUDNN_ATTENTION backends (and EFFICIENT_ATTENTION for decode), in the same run, on the same data (dense copies of
+the paged cache for SDPA). Prints TFLOP/s (prefill) or GB/s (decode), ratios, and the device name.
+
+    python -m tools.bench_attention [--quick] [--skip-torch]
+
+Prefill is timed as plain launches (ms-scale kernels), decode as CUDA-graph replays (the engine's decode step;
+also proves the op is capturable). Median of many, rotating input sets larger than L2.
+FLOPs and bytes as in tools/harness_specs/attention.py.
+"""
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+PREFILL = [  # (label, B, HQ, HKV, LQ, LKV, D, causal)
+    ("causal 1x32hx4096 d128", 1, 32, 32, 4096, 4096, 128, True),
+    ("causal 1x32/8hx4096 d128 gqa", 1, 32, 8, 4096, 4096, 128, True),
+    ("noncausal 1x8hx4096x8192 d128", 1, 8, 8, 4096, 8192, 128, False),
+    ("causal 1x16/8hx2048 d64", 1, 16, 8, 2048, 2048, 64, True),
+]
+DECODE = [  # (label, B, HQ, HKV, LKV, D, block)
+    ("decode 64x4096 32/8 bs16", 64, 32, 8, 4096, 128, 16),
+    ("decode 64x4096 32/8 bs256", 64, 32, 8, 4096, 128, 256),
+    ("decode 1x32768 32/8 bs16", 1, 32, 8, 32768, 128, 16),
+    ("decode 8x8192 16/8 bs16", 8, 16, 8, 8192, 128, 16),
+]
+
+
+def _sets(make, rng, shape, per_set_bytes, l2):
+    n = max(1, min(4, (3 * l2) // max(per_set_bytes, 1) + 1))
+    return [make(rng, shape) for _ in range(n)]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="fewer iterations")
+    p.add_argument("--skip-torch", action="store_true")
+    p.add_argument("--warps", default="4,8", help="fa2 prefill variants to time (warps per CTA)")
+    args = p.parse_args(argv)
+
+    from tools.harness_specs import attention as S
+    from tools.kernel_harness import _to_device, _torch_inputs, copy_bandwidth_gbs
+    from xserv.ops import attention as A
+    from xserv.runtime import get_device
+    from xserv.runtime.timing import benchmark, benchmark_graph
+    from xserv.tensor import Tensor, bfloat16
+
+    dev = get_device()
+    l2 = dev.info.l2_cache_bytes
+    iters = 10 if args.quick else 30
+    copy = copy_bandwidth_gbs()
+    print(f"device: {dev.name} ({dev.arch}, {dev.multiprocessor_count} SMs, L2 {l2 >> 20} MiB); "
+          f"copy bandwidth {copy:.0f} GB/s (read+write)")
+    torch = None
+    if not args.skip_torch:
+        try:
+            import torch
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            from tools.bench_runtime import _torch_graph_median, _torch_median
+            print(f"torch {torch.__version__}")
+        except ImportError:
+            print("PyTorch not importable: no peers")
+            torch = None
+    rng = np.random.default_rng(0)
+    rows = []
+
+    def torch_time(sets_np, fn, backend, graph=False):
+        if torch is None:
+            return None
+        tsets = [_torch_inputs(x) for x in sets_np]
+        try:
+            with sdpa_kernel([backend]):
+                for t in tsets:
+                    fn(t)
+                torch.cuda.synchronize()
+                fns = [lambda t=t: fn(t) for t in tsets]
+                return _torch_graph_median(torch, fns) if graph else _torch_median(torch, fns, 3, iters, 3)
+        except Exception as exc:  # a backend that does not take this shape
+            print(f"  ({backend.name}: {type(exc).__name__}: {str(exc).splitlines()[0][:100]})")
+            return None
+        finally:
+            del tsets
+            torch.cuda.empty_cache()
+
+    # ---- prefill
+    print(f"\n{'prefill':32s} {'impl':10s} {'ms':>8s} {'TFLOP/s':>8s} {'vs flash':>8s} {'vs cudnn':>8s}")
+    for label, b, hq, hkv, lq, lkv, d, causal in PREFILL:
+        shape = (b, hq, hkv, lq, lkv, d)
+        flops = S._prefill_flops(shape, causal)
+        make = lambda r, s, c=causal: S._prefill_inputs(r, s, causal=c)
+        sets_np = _sets(make, rng, shape, S._prefill_bytes(shape), l2)
+        results = {}
+        if torch is not None:
+            for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+                results[name] = torch_time(sets_np, S._prefill_torch, backend)
+        sets = [_to_device(x) for x in sets_np]
+        outs = [Tensor.empty(x["q"].shape, bfloat16) for x in sets_np]
+        for w in [int(v) for v in args.warps.split(",")]:
+            fns = [lambda t=t, o=o, w=w: A._prefill_cuda(
+                t["q"], t["k_cache"], t["v_cache"], t["cu_seqlens_q"], t["kv_lens"], t["block_tables"], t["scale"],
+                t["max_q_len"], o, hq, "fa2", w, causal) for t, o in zip(sets, outs)]
+            results[f"fa2 w{w}"] = benchmark(fns, warmup=3, iters=iters)
+        del sets, outs
+        for name, ms in results.items():
+            if ms is None:
+                continue
+            tf = flops / ms / 1e9
+            vs = lambda peer: f"{results[peer] / ms:7.2f}x" if results.get(peer) else f"{'-':>8s}"
+            print(f"{label:32s} {name:10s} {ms:8.3f} {tf:8.1f} {vs('flash')} {vs('cudnn')}")
+            rows.append((label, name, ms, tf))
+
+    # ---- decode
+    print(f"\n{'decode':32s} {'impl':10s} {'us':>8s} {'GB/s':>8s} {'%copy':>6s} {'vs flash':>8s} {'splits':>6s}")
+    for label, b, hq, hkv, lkv, d, block in DECODE:
+        shape = (b, hq, hkv, lkv, d, block)
+        nbytes = S._decode_bytes(shape)
+        sets_np = _sets(S._decode_inputs, rng, shape, nbytes, l2)
+        results = {}
+        if torch is not None:
+            for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
+                                  ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+                results[name] = torch_time(sets_np, S._decode_torch, backend, graph=True)
+        sets = [_to_device(x) for x in sets_np]
+        outs = [Tensor.empty(x["q"].shape, bfloat16) for x in sets_np]
+        fns = [lambda t=t, o=o: A.attention_decode(t["q"], t["k_cache"], t["v_cache"], t["kv_lens"],
+                                                   t["block_tables"], t["scale"], t["max_kv_len"], out=o)
+               for t, o in zip(sets, outs)]
+        results["xserv"] = benchmark_graph(fns, calls=10, iters=iters)
+        splits = A.decode_plan(b, hkv, lkv, dev.multiprocessor_count)[0]
+        del sets, outs
+        for name, ms in results.items():
+            if ms is None:
+                continue
+            gbs = nbytes / ms / 1e6
+            vs = f"{results['flash'] / ms:7.2f}x" if results.get("flash") else f"{'-':>8s}"
+            print(f"{label:32s} {name:10s} {ms * 1e3:8.1f} {gbs:8.0f} {100 * gbs / copy:5.0f}% {vs} "
+                  f"{splits if name == 'xserv' else '':>6}")
+            rows.append((label, name, ms, gbs))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
