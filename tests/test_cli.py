@@ -79,3 +79,41 @@ def test_help_lists_commands_and_options(capsys):
     for flag in ("--max-tokens", "--temperature", "--top-p", "--top-k", "--min-p", "--repetition-penalty",
                  "--seed", "--device", "--chat", "--enable-thinking"):
         assert flag in out
+
+
+def test_chat_ctrl_c_stops_the_answer_not_the_session(tiny_model_dir):  # noqa: F811
+    import signal
+    import time
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "xserv", "chat", "--model", str(tiny_model_dir), "--device", "cpu",
+                             "--max-tokens", "3000", "--ignore-eos", "--temperature", "0"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    import threading
+
+    chunks = []
+    reader = threading.Thread(target=lambda: chunks.extend(iter(lambda: proc.stdout.read(1), "")), daemon=True)
+    reader.start()
+    try:
+        proc.stdin.write("Tell me a long story\n")
+        proc.stdin.flush()
+        deadline = time.time() + 60
+        while len(chunks) < 20 and time.time() < deadline:  # the answer is streaming
+            time.sleep(0.05)
+        assert len(chunks) >= 20, "no streamed output"
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        proc.stdin.write("Another one\n")
+        proc.stdin.flush()
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        proc.stdin.write("/exit\n")
+        proc.stdin.flush()
+        proc.wait(timeout=60)
+        err = proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert err.count("interrupted") == 2 and "Traceback" not in err, err
