@@ -226,9 +226,11 @@ def make_test_model(preset: str | Qwen3Config, out_dir, seed: int = 0, *, dtype:
             "preset": preset if isinstance(preset, str) else None, "seed": int(seed), "dtype": dtype,
             "perturb_norms": perturb_norms, "overrides": overrides or {}, "config_hash": _config_hash(config_json),
         }, indent=2) + "\n")
-        if out.exists():
+        if out.exists() and any(out.iterdir()):
+            if not overwrite:
+                raise FileExistsError(f"{out} exists and is not empty")
             shutil.rmtree(out)
-        os.replace(tmp, out)
+        os.replace(tmp, out)  # fails (OSError) if another process filled `out` meanwhile
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -256,5 +258,12 @@ def bundled_tiny_model() -> Path:
     except (OSError, json.JSONDecodeError):
         ok = False
     if not ok:
-        make_test_model("tiny", path, seed=0, progress=False)
+        if path.exists():
+            shutil.rmtree(path, ignore_errors=True)  # stale (made by an older tiny preset) or half-deleted
+        try:
+            make_test_model("tiny", path, seed=0, progress=False, overwrite=False)
+        except OSError:
+            # another process made it at the same moment (its rename won): use theirs if it is whole
+            if not ((path / "xserv_random.json").is_file() and (path / SINGLE_FILE).is_file()):
+                raise
     return path
