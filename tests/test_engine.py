@@ -115,3 +115,23 @@ def test_seeded_sampling_reproducible(llm):
     a = llm.generate([PROMPTS[0], PROMPTS[1]], p)
     b = llm.generate([PROMPTS[0], PROMPTS[1]], p)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
+
+
+def test_decode_graph_replay_logic_on_cpu(perturbed_model_dir, llm):  # noqa: F811
+    """The CUDA-graph decode path (static buffers, padding to a bucket, block tables as wide as max_model_len)
+    run eagerly on the NumPy backend: same tokens as plain decode."""
+    from types import SimpleNamespace
+
+    from xserv import LLM
+
+    params = SamplingParams(max_tokens=6, ignore_eos=True, **GREEDY)
+    want = [o.token_ids for o in llm.generate(PROMPTS[:3], params)]
+    graphed = LLM(str(perturbed_model_dir), device="cpu", max_model_len=256, max_num_seqs=4, progress=False)
+    replays = []
+
+    def fake_graph(step):
+        return SimpleNamespace(replay=lambda: (replays.append(1), step()))
+
+    assert graphed.runner.capture_decode_graphs(graph_factory=fake_graph) == [1, 2, 4]
+    got = [o.token_ids for o in graphed.generate(PROMPTS[:3], params)]
+    assert got == want and len(replays) == 5  # 5 decode steps of a 3-sequence batch, padded to 4

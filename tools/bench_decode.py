@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     load = time.perf_counter() - t
     weight_bytes = llm.model.weight_bytes()
     print(f"device: {get_device().name}")
-    print(f"model: {args.model} ({weight_bytes / 1e9:.2f} GB of weights, loaded in {load:.1f}s), context "
+    print(f"model: {args.model} ({weight_bytes / 1e9:.2f} GB of weights, loaded in {llm.timings['weights_s']:.1f}s, LLM ready in {load:.1f}s), context "
           f"{args.context}, {args.steps} steps, cuda graphs {'off' if args.no_cuda_graphs else 'on'}")
     print(f"{'batch':>6}{'ms/step':>10}{'tok/s':>12}{'tok/s/seq':>12}{'weights GB/s':>14}")
     rng = np.random.default_rng(0)

@@ -28,11 +28,20 @@ def rel_err_rows(out, ref) -> np.ndarray:
     return np.linalg.norm(out - ref, axis=-1) / np.linalg.norm(ref, axis=-1)
 
 
-def hf_greedy_bf16(folder, prompt, steps):
-    import torch
+def hf_model(folder, dtype):
     from transformers import Qwen3ForCausalLM
 
-    model = Qwen3ForCausalLM.from_pretrained(folder, torch_dtype=torch.bfloat16).cuda().eval()
+    try:
+        model = Qwen3ForCausalLM.from_pretrained(folder, dtype=dtype)
+    except TypeError:  # transformers < 4.56 knows only torch_dtype
+        model = Qwen3ForCausalLM.from_pretrained(folder, torch_dtype=dtype)
+    return model.cuda().eval()
+
+
+def hf_greedy_bf16(folder, prompt, steps):
+    import torch
+
+    model = hf_model(folder, torch.bfloat16)
     tokens, margins = [], []
     with torch.no_grad():
         ids = torch.tensor([prompt], device="cuda")
@@ -52,9 +61,8 @@ def hf_greedy_bf16(folder, prompt, steps):
 
 def hf_logits_fp32(folder, ids):
     import torch
-    from transformers import Qwen3ForCausalLM
 
-    model = Qwen3ForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).cuda().eval()
+    model = hf_model(folder, torch.float32)
     with torch.no_grad():
         logits = model(torch.tensor([ids], device="cuda")).logits[0].float().cpu().numpy()
     del model

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from typing import Iterator
 
 import numpy as np
@@ -62,8 +63,10 @@ class LLM:
         max_len = max_model_len or config.max_position_embeddings
         self.tokenizer = Tokenizer.from_folder(self.folder)
         reader = CheckpointReader(self.folder)
+        start = time.perf_counter()
         self.model = Qwen3Model.from_checkpoint(config, reader, self.device, progress=progress, max_positions=max_len)
         del reader
+        self.timings = {"weights_s": time.perf_counter() - start}
 
         if max_num_batched_tokens is None:
             max_num_batched_tokens = 8192 if self.device == "cuda" else 2048
@@ -82,7 +85,9 @@ class LLM:
         self.engine = LLMEngine(self.runner, self.tokenizer, max_model_len=self.max_model_len, eos_token_ids=eos,
                                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, seed=seed)
         if self.device == "cuda" and cuda_graphs:
+            start = time.perf_counter()
             self.runner.capture_decode_graphs()
+            self.timings["cuda_graphs_s"] = time.perf_counter() - start
 
     # ---- prompts ------------------------------------------------------------------------------------------
     def _encode(self, prompt) -> tuple[list[int], str | None]:

@@ -96,13 +96,25 @@ class ModelRunner:
         finally:
             del allocator.allocate  # back to the class method
 
-    def capture_decode_graphs(self, max_batch_size: int | None = None) -> list[int]:
-        """Capture one decode step per batch-size bucket up to `max_batch_size` (default max_num_seqs)."""
-        if self.device != "cuda":
-            return []
+    def _capture_cuda_graph(self, step):
         from ..runtime import synchronize
         from ..runtime.graphs import CUDAGraph
 
+        graph = CUDAGraph()
+        with self._keep_allocations():
+            with graph.capture():
+                step()
+        synchronize()
+        return graph
+
+    def capture_decode_graphs(self, max_batch_size: int | None = None, graph_factory=None) -> list[int]:
+        """Capture one decode step per batch-size bucket up to `max_batch_size` (default max_num_seqs). Decode
+        batches then run as: metadata copied into static buffers (padded to the bucket), one graph launch.
+        `graph_factory(step) -> object with replay()` replaces CUDA graph capture (tests run the logic on CPU)."""
+        if graph_factory is None:
+            if self.device != "cuda":
+                return []
+            graph_factory = self._capture_cuda_graph
         max_bs = min(max_batch_size or self.max_num_seqs, self.max_num_seqs)
         sizes = [b for b in GRAPH_BATCH_SIZES if b < max_bs] + [max_bs]
         max_blocks = math.ceil(self.max_model_len / self.block_size)
@@ -124,14 +136,16 @@ class ModelRunner:
                 kv_lens=g["kv_lens"][:bs], block_tables=g["block_tables"][:bs], slot_mapping=g["slot_mapping"][:bs],
                 logits_indices=None, num_tokens=bs, num_seqs=bs, max_q_len=1, max_kv_len=self.max_model_len,
                 logits_rows=np.arange(bs, dtype=np.int32), logits_per_seq=[(i, 1) for i in range(bs)])
-            self.model.forward(batch, self.kv_cache, self.workspace)  # warm-up: compiles kernels, plans GEMMs
-            synchronize()
-            graph = CUDAGraph()
-            with self._keep_allocations():
-                with graph.capture():
-                    self.model.forward(batch, self.kv_cache, self.workspace)
-            synchronize()
-            self.graphs[bs] = graph
+
+            def step(batch=batch):
+                self.model.forward(batch, self.kv_cache, self.workspace)
+
+            step()  # warm-up outside capture: compiles kernels, lets cuBLAS pick its algorithms
+            if d == "cuda":
+                from ..runtime import synchronize
+
+                synchronize()
+            self.graphs[bs] = graph_factory(step)
             self._graph_batches[bs] = batch
         return sorted(self.graphs)
 
