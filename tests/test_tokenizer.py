@@ -73,6 +73,17 @@ def test_chat_template_matches_transformers(tok, case):
     assert tok.apply_chat_template(case["messages"], **case["kwargs"]) == case["expected"]
 
 
+@pytest.mark.parametrize("case", _cases()["cases"], ids=lambda c: c["name"])
+def test_chat_prompt_ids_match_transformers(tok, case):
+    assert tok.encode(case["expected"]) == case["expected_ids"]
+
+
+@pytest.mark.parametrize("case", _cases()["encodings"], ids=lambda c: c["text"][:20])
+def test_encode_matches_transformers(tok, case):
+    assert tok.encode(case["text"]) == case["ids"]
+    assert tok.decode(case["ids"]) == case["text"]
+
+
 def test_chat_template_defaults(tok):
     msgs = [{"role": "user", "content": "hi"}]
     assert tok.apply_chat_template(msgs) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"

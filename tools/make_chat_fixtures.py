@@ -86,6 +86,16 @@ CASES = [
 ]
 
 
+ENCODE_TEXTS = [
+    "Hello, world",
+    "  leading spaces\t\ttabs\n\n\nnewlines   ",
+    "你好，世界！こんにちは 안녕하세요",
+    "naïve café — “quotes” 𝔘𝔫𝔦 🇯🇵 👨‍👩‍👧‍👦",
+    "<|im_start|>user\nhi<|im_end|>\n<think>\nx\n</think>",
+    "def f(x):\n    return x ** 2  # 1234567890",
+]
+
+
 def main(argv=None) -> int:
     import transformers
     from transformers import AutoTokenizer
@@ -99,7 +109,9 @@ def main(argv=None) -> int:
     cases = []
     for name, messages, kwargs in CASES:
         text = tok.apply_chat_template(messages, tokenize=False, **kwargs)
-        cases.append({"name": name, "messages": messages, "kwargs": kwargs, "expected": text})
+        ids = tok.encode(text, add_special_tokens=False)
+        cases.append({"name": name, "messages": messages, "kwargs": kwargs, "expected": text, "expected_ids": ids})
+    encodings = [{"text": t, "ids": tok.encode(t, add_special_tokens=False)} for t in ENCODE_TEXTS]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
@@ -107,6 +119,7 @@ def main(argv=None) -> int:
         "transformers_version": transformers.__version__,
         "tokenizer": "models/presets/tokenizer (Qwen3)",
         "cases": cases,
+        "encodings": encodings,
     }, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     print(f"wrote {len(cases)} cases to {out} (transformers {transformers.__version__})")
     return 0
