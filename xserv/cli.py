@@ -120,6 +120,10 @@ def cmd_chat(args) -> int:
         print("xserv: no --model given, using the bundled tiny model. Its weights are RANDOM: the answers are "
               "gibberish. Pass --model PATH (a Qwen3 folder or hub id) for a real model.", file=sys.stderr)
     llm = _load(args, model)
+    try:
+        import readline  # noqa: F401  (line editing and history for input())
+    except ImportError:
+        pass
     system = args.system
     history: list[dict] = []
     print(f"xserv chat: {model} on {llm.device}. Type a message; /exit to quit, Ctrl-C stops an answer.\n"

@@ -30,6 +30,14 @@ def pick_device(device: str | None, notice=True) -> str:
     return device
 
 
+def model_context_length(config) -> int:
+    """max_position_embeddings, or with YaRN rope scaling factor x the original length when that is longer."""
+    yarn = config.yarn_parameters()
+    if yarn is None:
+        return config.max_position_embeddings
+    return max(config.max_position_embeddings, int(yarn["factor"] * yarn["original_max_position_embeddings"]))
+
+
 class LLM:
     """A Qwen3 model ready to generate.
 
@@ -57,10 +65,11 @@ class LLM:
         self.device = pick_device(device)
         self.folder = resolve_model_source(model)
         self.config = config = Qwen3Config.from_pretrained(self.folder)
-        if max_model_len is not None and max_model_len > config.max_position_embeddings:
-            raise ValueError(f"max_model_len {max_model_len} is longer than the model's max_position_embeddings "
-                             f"({config.max_position_embeddings})")
-        max_len = max_model_len or config.max_position_embeddings
+        context = model_context_length(config)
+        if max_model_len is not None and max_model_len > context:
+            raise ValueError(f"max_model_len {max_model_len} is longer than the model's context of {context} tokens "
+                             f"(max_position_embeddings, or YaRN's factor x original length)")
+        max_len = max_model_len or context
         self.tokenizer = Tokenizer.from_folder(self.folder)
         reader = CheckpointReader(self.folder)
         start = time.perf_counter()
