@@ -125,3 +125,22 @@ def test_yarn():
 
 def test_presets_dir():
     assert (presets_dir() / "tokenizer" / "tokenizer.json").is_file()
+
+
+def test_yarn_without_original_max_position_embeddings():
+    d = preset_dict("0.6b")
+    d["rope_scaling"] = {"rope_type": "yarn", "factor": 2.0}
+    c = Qwen3Config.from_dict(d)
+    assert c.rope_scaling["original_max_position_embeddings"] == 40960
+    assert c.yarn_parameters()["original_max_position_embeddings"] == 40960
+
+
+def test_rope_inv_freq_matches_ops_table():
+    from xserv.ops.rope import rope_cos_sin_table
+
+    d = preset_dict("8b")
+    d["rope_scaling"] = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    c = Qwen3Config.from_dict(d)
+    table = rope_cos_sin_table(c.head_dim, 3, c.rope_theta, c.rope_scaling)
+    cos1 = np.cos(c.rope_inv_freq().astype(np.float64)) * c.rope_attention_factor
+    np.testing.assert_allclose(table[1, : c.head_dim // 2], cos1, rtol=1e-5)

@@ -155,7 +155,11 @@ class Qwen3Config:
             raise ValueError(f"rope_theta must be positive, got {self.rope_theta!r}")
         object.__setattr__(self, "rms_norm_eps", float(self.rms_norm_eps))
         object.__setattr__(self, "rope_theta", float(self.rope_theta))
-        object.__setattr__(self, "rope_scaling", _normalize_rope_scaling(self.rope_scaling))
+        rope_scaling = _normalize_rope_scaling(self.rope_scaling)
+        if rope_scaling is not None and rope_scaling.get("original_max_position_embeddings") is None:
+            # as transformers does: the pretraining context is the configured one unless the config says otherwise
+            rope_scaling["original_max_position_embeddings"] = self.max_position_embeddings
+        object.__setattr__(self, "rope_scaling", rope_scaling)
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"unsupported dtype {self.dtype!r}; expected one of {', '.join(SUPPORTED_DTYPES)}")
         if self.attention_bias:
