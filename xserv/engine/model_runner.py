@@ -8,7 +8,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from ..tensor import Tensor, int32
-from .batch import Batch, SeqChunk, build_host_arrays, make_batch
+from .batch import Batch, SeqChunk, make_batch
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 
@@ -72,10 +72,12 @@ class ModelRunner:
 
     # ---- CUDA graphs for decode ---------------------------------------------------------------------------
     def _graph_eligible(self, chunks) -> bool:
-        return (len(chunks) <= max(self.graphs) and all(len(c.token_ids) == 1 and c.logits == "last" for c in chunks))
+        return len(chunks) <= self._max_graph_bs and all(
+            len(c.token_ids) == 1 and c.logits == "last" and len(c.block_table) <= self._graph_max_blocks
+            for c in chunks)
 
     def _bucket(self, n: int) -> int:
-        return min(b for b in self.graphs if b >= n)
+        return self._bucket_of[n]
 
     @contextmanager
     def _keep_allocations(self):
@@ -130,6 +132,8 @@ class ModelRunner:
         self._graph_inputs = g
         self._graph_max_blocks = max_blocks
         self._graph_batches = {}
+        self._graph_views = {}
+        self._staging = {name: np.zeros(t.shape, np.int32) for name, t in g.items() if name != "cu_seqlens_q"}
         for bs in sorted(sizes, reverse=True):
             batch = Batch(
                 input_ids=g["input_ids"][:bs], positions=g["positions"][:bs], cu_seqlens_q=g["cu_seqlens_q"][:bs + 1],
@@ -147,22 +151,33 @@ class ModelRunner:
                 synchronize()
             self.graphs[bs] = graph_factory(step)
             self._graph_batches[bs] = batch
+            self._graph_views[bs] = {name: getattr(batch, name) for name in self._staging}
+        self._max_graph_bs = max(self.graphs)
+        self._bucket_of = [min(b for b in self.graphs if b >= n) for n in range(self._max_graph_bs + 1)]
         return sorted(self.graphs)
 
     def _replay(self, chunks) -> tuple[Tensor, Batch]:
+        """A decode step from its graph: the batch metadata written into host staging arrays (rows past the
+        batch padded: slot -1 writes nothing, kv_len 1 reads block 0), uploaded into the static buffers."""
         n = len(chunks)
         bs = self._bucket(n)
-        h = build_host_arrays(chunks, self.block_size, self._graph_max_blocks)
-        pad = bs - n
-
-        def padded(a, fill):
-            return np.concatenate([a, np.full((pad,) + a.shape[1:], fill, np.int32)]) if pad else a
-
-        g = self._graph_inputs
-        g["input_ids"][:bs].copy_(padded(h["input_ids"], 0))
-        g["positions"][:bs].copy_(padded(h["positions"], 0))
-        g["kv_lens"][:bs].copy_(padded(h["kv_lens"], 1))
-        g["slot_mapping"][:bs].copy_(padded(h["slot_mapping"], -1))
-        g["block_tables"][:bs].copy_(padded(h["block_tables"], 0))
+        st = self._staging
+        bsz = self.block_size
+        for i, c in enumerate(chunks):
+            pos = c.start_pos
+            table = c.block_table
+            st["input_ids"][i] = c.token_ids[0]
+            st["positions"][i] = pos
+            st["kv_lens"][i] = pos + 1
+            st["slot_mapping"][i] = table[pos // bsz] * bsz + pos % bsz
+            st["block_tables"][i, :len(table)] = table
+        if bs > n:
+            st["input_ids"][n:bs] = 0
+            st["positions"][n:bs] = 0
+            st["kv_lens"][n:bs] = 1
+            st["slot_mapping"][n:bs] = -1
+            st["block_tables"][n:bs] = 0
+        for name, view in self._graph_views[bs].items():
+            view.copy_(st[name][:bs])
         self.graphs[bs].replay()
         return self.workspace.logits[:n], self._graph_batches[bs]
