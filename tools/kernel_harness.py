@@ -86,9 +86,10 @@ def _to_device(inputs: dict) -> dict:
 def _error(spec, out, ref, inputs) -> float:
     from xserv.testing import rel_error
 
+    out = out.numpy() if hasattr(out, "numpy") else out
     if spec.compare is not None:
         return spec.compare(out, ref, inputs)
-    return rel_error(out.numpy() if hasattr(out, "numpy") else out, ref)
+    return rel_error(out, ref)
 
 
 def cmd_check(args) -> int:

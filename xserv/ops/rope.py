@@ -18,7 +18,7 @@ from ._launch import aligned, cdiv, check_alias, check_eps, check_int32_range
 from .rmsnorm import HEAD_DIMS, head_rmsnorm_reference
 
 _BLOCK = 256  # 8 warps
-_ROWS_PER_WARP = 2  # kRowsPerWarp in rope.cu
+_ROWS_PER_WARP = 8  # kRowsPerWarp in rope.cu
 
 
 # ---- the table ---------------------------------------------------------------------------------------------------
