@@ -105,3 +105,16 @@ def test_cuda_greedy_generation_batched(tiny_model_dir):  # noqa: F811
     eager = LLM(str(tiny_model_dir), device="cuda", max_model_len=512, kv_cache_tokens=8192, cuda_graphs=False,
                 progress=False)
     assert [o.token_ids for o in eager.generate(prompts, params)] == [o.token_ids for o in batched]
+
+
+def test_two_streams_interleaved(llm):
+    a_ref = llm.generate("Hello", GREEDY)[0].text
+    b_ref = llm.generate("The sky is", GREEDY)[0].text
+    a, b = llm.stream("Hello", GREEDY), llm.stream("The sky is", GREEDY)
+    got_a, got_b = [], []
+    for x, y in zip(a, b):
+        got_a.append(x)
+        got_b.append(y)
+    got_a += list(a)
+    got_b += list(b)
+    assert "".join(got_a) == a_ref and "".join(got_b) == b_ref

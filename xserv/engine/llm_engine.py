@@ -99,6 +99,7 @@ class Sequence:
         self.num_computed = 0  # tokens whose K/V are in the cache
         self.block_table: list[int] = []
         self.finish_reason: str | None = None
+        self.stream_buffer: deque[str] | None = None  # text deltas not yet read by a TextStream
 
     @property
     def output_ids(self) -> list[int]:
@@ -276,7 +277,10 @@ class LLMEngine:
             seq.num_computed += n
         results = []
         for (seq, _), token in zip(sample_rows, tokens):
-            results.append((seq, self._append(seq, int(token))))
+            delta = self._append(seq, int(token))
+            if delta and seq.stream_buffer is not None:
+                seq.stream_buffer.append(delta)
+            results.append((seq, delta))
         return results
 
     def _sample_host(self, seq: Sequence, logits_row: np.ndarray) -> int:
@@ -340,7 +344,7 @@ class TextStream:
     def __init__(self, engine: LLMEngine, seq: Sequence):
         self.engine = engine
         self.seq = seq
-        self._pending: deque[str] = deque()
+        seq.stream_buffer = self._pending = deque()
 
     def __iter__(self):
         return self
@@ -350,9 +354,7 @@ class TextStream:
             while not self._pending:
                 if self.seq.is_finished:
                     raise StopIteration
-                for s, delta in self.engine.step():
-                    if s is self.seq and delta:
-                        self._pending.append(delta)
+                self.engine.step()  # steps every running request; this one's text lands in _pending
         except BaseException:
             self.close()
             raise
