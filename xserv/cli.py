@@ -29,7 +29,7 @@ def _add_model_args(p: argparse.ArgumentParser, model_required: bool) -> None:
                    help="longest sequence, prompt + output (default: the model's context, capped by the KV cache)")
     g.add_argument("--kv-cache-tokens", type=int, default=None, metavar="N",
                    help="KV cache size in tokens (default: from free memory)")
-    g.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps without CUDA graphs")
+    g.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly (no CUDA graphs)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -37,7 +37,7 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     g.add_argument("--max-tokens", type=int, default=max_tokens, metavar="N",
                    help=f"most tokens to generate (default {max_tokens})")
     g.add_argument("--temperature", "-t", type=float, default=None, metavar="T",
-                   help="0 = greedy (default: the sampler's default)")
+                   help="0 = greedy (default 1.0)")
     g.add_argument("--top-p", type=float, default=None, metavar="P", help="nucleus sampling, in (0, 1]")
     g.add_argument("--top-k", type=int, default=None, metavar="K", help="keep the K most likely tokens")
     g.add_argument("--min-p", type=float, default=None, metavar="P", help="drop tokens below P x the top probability")
@@ -58,11 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate a completion for one prompt and print it",
                          description="Generate a completion for one prompt and print it to stdout.",
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                         epilog="examples:\n"
+                                "  xserv generate -m ./Qwen3-8B --prompt 'The capital of France is' --temperature 0\n"
+                                "  xserv generate -m Qwen/Qwen3-0.6B --chat --no-enable-thinking -p 'Write a haiku'",
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_model_args(gen, model_required=True)
     gen.add_argument("--prompt", "-p", required=True, help="the prompt text")
     gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=False,
-                     help="wrap the prompt as a user message in the model's chat template")
+                     help="wrap the prompt as a user message in the model's chat template (default: plain text)")
     _add_sampling_args(gen, max_tokens=256)
 
     chat = sub.add_parser("chat", help="chat with a model in the terminal (streams answers)",
