@@ -56,7 +56,7 @@ def build_host_arrays(chunks: list[SeqChunk], block_size: int, max_blocks: int |
     need_blocks = -(-kv_lens // block_size)
     width = max(int(need_blocks.max()), max((len(c.block_table) for c in chunks), default=0), 1)
     if max_blocks is not None:
-        if width > max_blocks and int(need_blocks.max()) > max_blocks:
+        if int(need_blocks.max()) > max_blocks:
             raise ValueError(f"a sequence needs {int(need_blocks.max())} blocks, the batch holds {max_blocks}")
         width = max_blocks
     block_tables = np.zeros((len(chunks), width), np.int32)

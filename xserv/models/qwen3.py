@@ -2,7 +2,8 @@
 
 The forward takes a Batch (packed tokens of several sequences, positions, block tables, slot mapping, which rows
 need logits) and the paged KV cache, so prefill, chunked prefill, decode and mixed batches share one code path.
-CUDA tensors run the kernels (bf16 storage, fp32 accumulation); CPU tensors run the NumPy references in float32.
+CUDA tensors run the kernels (bf16 storage, fp32 accumulation); CPU tensors run the NumPy references (float32 math
+on the same bf16 tensors, rounding where the kernels round).
 """
 from __future__ import annotations
 
