@@ -40,6 +40,17 @@ def main(argv=None) -> int:
     p.add_argument("--warps", default="4,8", help="fa2 prefill variants to time (warps per CTA)")
     args = p.parse_args(argv)
 
+    torch = None
+    if not args.skip_torch:
+        try:  # before anything of xserv's runtime (see the note at the end of docs/kernels/attention.md)
+            import torch
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            from tools.bench_runtime import _torch_graph_median, _torch_median
+        except ImportError:
+            print("PyTorch not importable: no peers")
+            torch = None
+
     from tools.harness_specs import attention as S
     from tools.kernel_harness import _to_device, _torch_inputs, copy_bandwidth_gbs
     from xserv.ops import attention as A
@@ -53,17 +64,8 @@ def main(argv=None) -> int:
     copy = copy_bandwidth_gbs()
     print(f"device: {dev.name} ({dev.arch}, {dev.multiprocessor_count} SMs, L2 {l2 >> 20} MiB); "
           f"copy bandwidth {copy:.0f} GB/s (read+write)")
-    torch = None
-    if not args.skip_torch:
-        try:
-            import torch
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-
-            from tools.bench_runtime import _torch_graph_median, _torch_median
-            print(f"torch {torch.__version__}")
-        except ImportError:
-            print("PyTorch not importable: no peers")
-            torch = None
+    if torch is not None:
+        print(f"torch {torch.__version__}")
     rng = np.random.default_rng(0)
     rows = []
 
