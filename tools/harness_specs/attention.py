@@ -206,7 +206,7 @@ def _write_kv_torch(t):
 SPECS = [
     OpSpec(
         name="attention_prefill", family="attention_prefill",
-        kernels=("attention_prefill_fa2_d64_w4", "attention_prefill_fa2_d128_w4"),
+        kernels=("attention_prefill_fa2_d64_w4", "attention_prefill_fa2_d128_w8"),
         make_inputs=_prefill_inputs, run=_prefill_run, reference=_prefill_reference, tolerance=1e-2,
         check_shapes=[(1, 4, 4, 1, 1, 64), (3, 8, 2, 65, 65, 128), (2, 8, 2, 63, 1000, 64, 32),
                       (1, 16, 2, 200, 700, 128, 256), (1, 8, 8, 1000, 1000, 128)],
@@ -215,7 +215,7 @@ SPECS = [
         shape_help="BxHQxHKVxLQxLKVxD[xBLOCK]"),
     OpSpec(
         name="attention_prefill_noncausal", family="attention_prefill",
-        kernels=("attention_prefill_fa2_d64_w4", "attention_prefill_fa2_d128_w4"),
+        kernels=("attention_prefill_fa2_d64_w4", "attention_prefill_fa2_d128_w8"),
         make_inputs=lambda rng, shape: _prefill_inputs(rng, shape, causal=False), run=_prefill_run,
         reference=_prefill_reference, tolerance=1e-2,
         check_shapes=[(2, 8, 2, 70, 300, 128), (1, 4, 4, 33, 33, 64)],

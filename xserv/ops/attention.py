@@ -23,9 +23,10 @@ HEAD_DIMS = (64, 128)
 MAX_GQA_GROUP = 8  # decode kernels are instantiated for Hq / Hkv = 1..8 (Qwen3 uses 1, 2, 4, 5, 8)
 
 # Prefill kernel: "fa2" (tensor cores) or "simple" (one warp per query row; a GPU cross-check). Warps per CTA of
-# the fa2 kernel: 4 (64 query rows per CTA) or 8 (128 rows).
+# the fa2 kernel: 4 (64 query rows per CTA) or 8 (128 rows); 0 = by head_dim, as measured on an H200
+# (docs/kernels/attention.md): 8 for D=128 (+8%), 4 for D=64 (+8%).
 PREFILL_IMPL = os.environ.get("XSERV_ATTN_PREFILL", "fa2")
-PREFILL_WARPS = int(os.environ.get("XSERV_ATTN_PREFILL_WARPS", "4"))
+PREFILL_WARPS = int(os.environ.get("XSERV_ATTN_PREFILL_WARPS", "0"))
 _BKV = 64  # keys per K/V tile of the fa2 kernel
 
 # ================================================================================================================
@@ -267,6 +268,8 @@ def _prefill_cuda(q, k_cache, v_cache, cu_seqlens_q, kv_lens, block_tables, scal
         kernel("attention_prefill", f"attention_prefill_simple_d{head_dim}")(
             ((max_q_len + 3) // 4, num_q_heads, num_seqs), (128, 1, 1), *args)
         return
+    if warps == 0:
+        warps = 8 if head_dim == 128 else 4
     if impl != "fa2" or warps not in (4, 8):
         raise ValueError(f"unknown prefill kernel {impl!r} with {warps} warps")
     rows = 16 * warps
