@@ -37,3 +37,10 @@ def test_compile_error_carries_the_nvrtc_log(tmp_path, monkeypatch):
 def test_unknown_family_is_named():
     with pytest.raises(CompileError, match="no_such_family"):
         compile_family("no_such_family", "sm_90a")
+
+
+def test_compiling_leaves_python_constants_intact(tmp_path, monkeypatch):
+    """Regression: an empty NVRTC log once overwrote CPython's shared b" " object with a NUL byte."""
+    monkeypatch.setenv("XSERV_CACHE_DIR", str(tmp_path))
+    compile_family("fill", "sm_90a", use_cache=False)
+    assert " ".encode() == b"\x20" and bytes([32]) == b" "

@@ -116,10 +116,10 @@ def _nvrtc_compile(path: Path, arch: str, options: tuple[str, ...]) -> bytes:
             raise CompileError(f"NVRTC failed to compile {path.name} for {arch}:\n{log}")
         err, size = nvrtc.nvrtcGetCUBINSize(prog)
         _check(err, "nvrtcGetCUBINSize", path)
-        cubin = b" " * size
+        cubin = bytearray(size)  # a fresh buffer: NVRTC writes into it
         (err,) = nvrtc.nvrtcGetCUBIN(prog, cubin)
         _check(err, "nvrtcGetCUBIN", path)
-        return cubin
+        return bytes(cubin)
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 
@@ -128,9 +128,11 @@ def _program_log(prog) -> str:
     from cuda.bindings import nvrtc
 
     err, size = nvrtc.nvrtcGetProgramLogSize(prog)
-    log = b" " * size
+    # A fresh bytearray, never `b" " * size`: for size 1 that is CPython's shared one-byte b" " object, and
+    # NVRTC writing its NUL into it turns every later b" " in the process into b"\x00".
+    log = bytearray(size)
     nvrtc.nvrtcGetProgramLog(prog, log)
-    return log.decode("utf-8", "replace").rstrip("\0 \n")
+    return bytes(log).decode("utf-8", "replace").rstrip("\0 \n")
 
 
 def _check(err, what: str, path: Path) -> None:
