@@ -152,13 +152,20 @@ class Qwen3Model:
             from ..runtime import synchronize
 
             synchronize()
-        return cls(config, device, embed, layers, final_norm, lm_head, max_positions=max_positions)
+        model = cls(config, device, embed, layers, final_norm, lm_head, max_positions=max_positions)
+        if device == "cpu":  # frozen: lets the CPU GEMM cache its float32 copies (xserv/ops/linear.py)
+            for tensor in model.weight_tensors():
+                tensor.array.flags.writeable = False
+        return model
 
-    def weight_bytes(self) -> int:
+    def weight_tensors(self) -> list[Tensor]:
         tensors = [self.embed, self.final_norm] + ([] if self.lm_head is self.embed else [self.lm_head])
         for layer in self.layers:
             tensors += list(vars(layer).values())
-        return sum(t.nbytes for t in tensors)
+        return tensors
+
+    def weight_bytes(self) -> int:
+        return sum(t.nbytes for t in self.weight_tensors())
 
     def make_workspace(self, max_tokens: int, max_logits: int) -> Workspace:
         return Workspace(self.config, max_tokens, max_logits, self.device, self.dtype)

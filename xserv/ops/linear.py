@@ -4,6 +4,8 @@ CUDA: cuBLASLt, bf16 in, fp32 accumulation, bf16 or fp32 out. CPU: NumPy in floa
 """
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from ..tensor import Tensor, bfloat16, float16, float32
@@ -12,8 +14,27 @@ from ._checks import check_tensor, output, same_device
 _IN = (bfloat16, float16, float32)
 
 
+_f32_weights: dict[int, np.ndarray] = {}
+
+
+def _as_f32(w: np.ndarray) -> np.ndarray:
+    """float32 copy of a weight. A read-only array (the model freezes its CPU weights after loading) is converted
+    once and cached, since the CPU backend's GEMMs would otherwise spend most of their time re-converting bf16
+    weights; a writable one is converted on every call, so an in-place update is never masked by a stale copy."""
+    if w.dtype == np.float32:
+        return w
+    if w.flags.writeable:
+        return w.astype(np.float32)
+    key = id(w)
+    cached = _f32_weights.get(key)
+    if cached is None:
+        cached = _f32_weights[key] = w.astype(np.float32)
+        weakref.finalize(w, _f32_weights.pop, key, None)
+    return cached
+
+
 def linear_reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    return x.astype(np.float32) @ w.astype(np.float32).T
+    return x.astype(np.float32) @ _as_f32(w).T
 
 
 def linear(x: Tensor, weight: Tensor, out: Tensor | None = None, out_dtype=None, accumulate: bool = False) -> Tensor:

@@ -105,6 +105,9 @@ class Cublas:
     """
 
     TUNE_CANDIDATES = 8
+    # Only skinny GEMMs are tuned: there the heuristic's choice is often slow, and their M values are few (the
+    # decode batch buckets). Prefill GEMMs take the heuristic's choice, so a new prompt length costs no tuning.
+    TUNE_MAX_M = 128
 
     def __init__(self, device, allocator, autotune: bool | None = None):
         L = _lt()
@@ -132,7 +135,7 @@ class Cublas:
                 stride_x, stride_w, stride_out, WORKSPACE_BYTES, self.TUNE_CANDIDATES if self.autotune else 1,
             )
             # Timing overwrites `out`, so an accumulating call keeps the heuristic's choice.
-            if len(plan.results) > 1 and not accumulate and not self._capturing():
+            if len(plan.results) > 1 and m <= self.TUNE_MAX_M and not accumulate and not self._capturing():
                 self._tune(plan, x_ptr, w_ptr, out_ptr)
         self._matmul(plan, x_ptr, w_ptr, out_ptr, accumulate)
 
