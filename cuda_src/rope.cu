@@ -20,7 +20,7 @@
 
 namespace {
 
-constexpr int kRowsPerWarp = 8;  // head rows per warp: eight rows of loads in flight per lane (v2; 2 reached 72% of copy bandwidth)
+constexpr int kRowsPerWarp = 2;  // head rows per warp (qk_norm_rope; 8 measured 2x slower: 29% vs 56% of copy bandwidth)
 
 template <int D>
 __device__ __forceinline__ void rope_regs(xserv::HeadRow<D>& r, const float* __restrict__ cs_row, int lane) {
@@ -96,6 +96,43 @@ __device__ __forceinline__ void qk_norm_rope_rows(__nv_bfloat16* qkv, const __nv
     }
 }
 
+
+// v3 plain RoPE: D/16 threads per head row, each owning 8 consecutive values of each half, so every access is
+// 16 bytes wide: two bf16x8 loads of x, four float4 loads of the table (cos for its 8 lo values, sin likewise),
+// two bf16x8 stores. (v2, a warp per row with 4-byte accesses, reached 72% of copy bandwidth: too many
+// instructions per byte.) The launcher guarantees 16-byte aligned x, out and cos_sin.
+template <int D>
+__device__ __forceinline__ void rope_rows_vec16(const __nv_bfloat16* x, const int* __restrict__ positions,
+                                                const float* __restrict__ cos_sin, __nv_bfloat16* out,
+                                                long long rows, int num_heads, int max_pos) {
+    constexpr int kThreadsPerRow = D / 16;
+    const long long gid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long row = gid / kThreadsPerRow;
+    const int t = (int)(gid % kThreadsPerRow);
+    if (row >= rows) return;
+    const int pos = positions[row / num_heads];
+    float lo[8], hi[8];
+    xserv::load8(x + row * D + 8 * t, lo);
+    xserv::load8(x + row * D + D / 2 + 8 * t, hi);
+    if (pos >= 0 && pos < max_pos) {
+        const float4* cs = reinterpret_cast<const float4*>(cos_sin + (long long)pos * D);
+        const float4 c0 = cs[2 * t], c1 = cs[2 * t + 1], s0 = cs[D / 8 + 2 * t], s1 = cs[D / 8 + 2 * t + 1];
+        const float c[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+        const float s[8] = {s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w};
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            const float l = lo[e], h = hi[e];
+            lo[e] = l * c[e] - h * s[e];
+            hi[e] = h * c[e] + l * s[e];
+        }
+    } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) lo[e] = hi[e] = xserv::quiet_nan();
+    }
+    xserv::store8(out + row * D + 8 * t, lo);
+    xserv::store8(out + row * D + D / 2 + 8 * t, hi);
+}
+
 }  // namespace
 
 // x, out: [num_tokens, num_heads, D] bf16 (rows = num_tokens * num_heads); positions: [num_tokens] int32;
@@ -110,6 +147,16 @@ XSERV_ROPE(rope_d64_bf16, 64, false)
 XSERV_ROPE(rope_d128_bf16, 128, true)
 XSERV_ROPE(rope_d128_bf16_scalar, 128, false)
 #undef XSERV_ROPE
+
+// Same arguments; one thread per 8 values of each half: grid = ceil(rows * D / 16 / blockDim.x).
+#define XSERV_ROPE_VEC16(NAME, D)                                                                                    \
+    extern "C" __global__ void NAME(const __nv_bfloat16* x, const int* positions, const float* cos_sin,              \
+                                    __nv_bfloat16* out, long long rows, int num_heads, int max_pos) {                \
+        rope_rows_vec16<D>(x, positions, cos_sin, out, rows, num_heads, max_pos);                                    \
+    }
+XSERV_ROPE_VEC16(rope_d64_bf16_vec16, 64)
+XSERV_ROPE_VEC16(rope_d128_bf16_vec16, 128)
+#undef XSERV_ROPE_VEC16
 
 // qkv: [num_tokens, num_q_heads + 2 * num_kv_heads, D] bf16, in place; q_weight, k_weight: [D] bf16;
 // positions: [num_tokens] int32; cos_sin: [max_pos, D] fp32.

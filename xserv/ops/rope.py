@@ -18,7 +18,7 @@ from ._launch import aligned, cdiv, check_alias, check_eps, check_int32_range
 from .rmsnorm import HEAD_DIMS, head_rmsnorm_reference
 
 _BLOCK = 256  # 8 warps
-_ROWS_PER_WARP = 8  # kRowsPerWarp in rope.cu
+_ROWS_PER_WARP = 2  # kRowsPerWarp in rope.cu (warp-per-row kernels)
 
 
 # ---- the table ---------------------------------------------------------------------------------------------------
@@ -143,12 +143,14 @@ def rope(x: Tensor, positions: Tensor, cos_sin: Tensor, out: Tensor | None = Non
         return out
     from ..runtime import kernel
 
+    args = (x, positions, cos_sin, out, np.int64(rows), np.int32(num_heads), np.int32(cos_sin.shape[0]))
+    if aligned(x, out, cos_sin, nbytes=16):  # 16-byte accesses, D/16 threads per row
+        kernel("rope", f"rope_d{head_dim}_bf16_vec16")(cdiv(rows * (head_dim // 16), _BLOCK), _BLOCK, *args)
+        return out
     name = f"rope_d{head_dim}_bf16"
     if head_dim == 128 and not aligned(x, out, nbytes=4):
         name += "_scalar"
-    grid = cdiv(rows, _ROWS_PER_WARP * _BLOCK // 32)
-    kernel("rope", name)(grid, _BLOCK, x, positions, cos_sin, out, np.int64(rows), np.int32(num_heads),
-                         np.int32(cos_sin.shape[0]))
+    kernel("rope", name)(cdiv(rows, _ROWS_PER_WARP * _BLOCK // 32), _BLOCK, *args)
     return out
 
 
