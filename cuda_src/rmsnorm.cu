@@ -1,6 +1,10 @@
 // RMSNorm family (Qwen3RMSNorm rounding, see norm.cuh):
 //   rmsnorm:            out = weight * bf16(x * rsqrt(mean(x^2) + eps))                      per row of `hidden`
 //   fused_add_rmsnorm:  residual <- bf16(x + residual) (in place); out = rmsnorm(residual)  (vLLM's convention)
+//                       *_f32res: the residual stream kept in fp32: residual <- x + residual, unrounded, and
+//                       out = bf16(weight * residual * rsqrt(...)) with no intermediate bf16 rounding (HF's
+//                       RMSNorm on an fp32 input). Keeping the stream in fp32 stops 2 roundings per layer from
+//                       accumulating over 36+ layers.
 //   head_rmsnorm:       the same over the last dim D (64 or 128) of [rows, D] head vectors (Qwen3 q_norm / k_norm)
 // bf16 storage, fp32 math. `out` may alias `x` (every element is read and then written by the same thread).
 //
@@ -15,8 +19,35 @@ namespace {
 
 constexpr int kRowsPerWarp = 2;  // head rows per warp: two rows' loads in flight before the first reduction
 
-template <int VPT, bool ADD>
-__device__ __forceinline__ void rmsnorm_row_vec(const __nv_bfloat16* __restrict__ x, __nv_bfloat16* residual,
+// Eight residual values moved as 16-byte accesses (one bf16x8, or two float4), and whether the stream is
+// rounded to bf16 (Qwen3RMSNorm's rounding of the normalised value applies to bf16 streams only).
+__device__ __forceinline__ void load8(const __nv_bfloat16* p, float (&v)[8]) { xserv::load8(p, v); }
+__device__ __forceinline__ void store8(__nv_bfloat16* p, const float (&v)[8]) { xserv::store8(p, v); }
+__device__ __forceinline__ void load8(const float* p, float (&v)[8]) {
+    const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+}
+__device__ __forceinline__ void store8(float* p, const float (&v)[8]) {
+    reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+    reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+template <typename Res> constexpr bool kRoundedStream = true;
+template <> constexpr bool kRoundedStream<float> = false;
+
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ void assign(__nv_bfloat16& dst, float v) { dst = __float2bfloat16_rn(v); }
+__device__ __forceinline__ void assign(float& dst, float v) { dst = v; }
+
+// weight * normalised value: HF rounds the normalised value to the stream's dtype before the weight multiply.
+template <typename Res>
+__device__ __forceinline__ float apply(float v, float inv, float w) {
+    if constexpr (kRoundedStream<Res>) return xserv::rms_apply(v, inv, w);
+    else return w * (v * inv);
+}
+
+template <int VPT, bool ADD, typename Res = __nv_bfloat16>
+__device__ __forceinline__ void rmsnorm_row_vec(const __nv_bfloat16* __restrict__ x, Res* residual,
                                                 const __nv_bfloat16* __restrict__ weight, __nv_bfloat16* out,
                                                 int hidden, float eps) {
     __shared__ float scratch[32];
@@ -31,10 +62,13 @@ __device__ __forceinline__ void rmsnorm_row_vec(const __nv_bfloat16* __restrict_
             xserv::load8(x + base + c * 8, v[k]);
             if constexpr (ADD) {
                 float r[8];
-                xserv::load8(residual + base + c * 8, r);
+                load8(residual + base + c * 8, r);
 #pragma unroll
-                for (int j = 0; j < 8; ++j) v[k][j] = xserv::round_bf16(v[k][j] + r[j]);
-                xserv::store8(residual + base + c * 8, v[k]);  // exact: v is already bf16-representable
+                for (int j = 0; j < 8; ++j) {
+                    v[k][j] += r[j];
+                    if constexpr (kRoundedStream<Res>) v[k][j] = xserv::round_bf16(v[k][j]);
+                }
+                store8(residual + base + c * 8, v[k]);  // exact: v already holds the stream's representable value
             }
 #pragma unroll
             for (int j = 0; j < 8; ++j) ss += v[k][j] * v[k][j];
@@ -49,14 +83,14 @@ __device__ __forceinline__ void rmsnorm_row_vec(const __nv_bfloat16* __restrict_
             float w[8];
             xserv::load8(weight + c * 8, w);
 #pragma unroll
-            for (int j = 0; j < 8; ++j) v[k][j] = xserv::rms_apply(v[k][j], inv, w[j]);
+            for (int j = 0; j < 8; ++j) v[k][j] = apply<Res>(v[k][j], inv, w[j]);
             xserv::store8(out + base + c * 8, v[k]);
         }
     }
 }
 
-template <bool ADD>
-__device__ __forceinline__ void rmsnorm_row_scalar(const __nv_bfloat16* x, __nv_bfloat16* residual,
+template <bool ADD, typename Res = __nv_bfloat16>
+__device__ __forceinline__ void rmsnorm_row_scalar(const __nv_bfloat16* x, Res* residual,
                                                    const __nv_bfloat16* __restrict__ weight, __nv_bfloat16* out,
                                                    int hidden, float eps) {
     __shared__ float scratch[32];
@@ -65,18 +99,18 @@ __device__ __forceinline__ void rmsnorm_row_scalar(const __nv_bfloat16* x, __nv_
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
         float v = __bfloat162float(x[base + i]);
         if constexpr (ADD) {
-            v = xserv::round_bf16(v + __bfloat162float(residual[base + i]));
-            residual[base + i] = __float2bfloat16_rn(v);
+            v += to_float(residual[base + i]);
+            if constexpr (kRoundedStream<Res>) v = xserv::round_bf16(v);
+            assign(residual[base + i], v);
         }
         ss += v * v;
     }
     // block_sum's barrier: all partial sums are in (and, for ADD, the block's residual writes are visible).
     const float inv = xserv::rms_inv(xserv::block_sum(ss, scratch), hidden, eps);
     // Second pass: the same thread touches the same elements as in the first pass, so `out` may alias `x`.
-    const __nv_bfloat16* src = ADD ? residual : x;
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
-        const float v = __bfloat162float(src[base + i]);
-        out[base + i] = __float2bfloat16_rn(xserv::rms_apply(v, inv, __bfloat162float(weight[i])));
+        const float v = ADD ? to_float(residual[base + i]) : __bfloat162float(x[base + i]);
+        out[base + i] = __float2bfloat16_rn(apply<Res>(v, inv, __bfloat162float(weight[i])));
     }
 }
 
@@ -106,12 +140,17 @@ __device__ __forceinline__ void head_rmsnorm_rows(const __nv_bfloat16* x, const 
 #define XSERV_RMSNORM_VPT(VPT)                                                                                        \
     extern "C" __global__ void rmsnorm_bf16_vpt##VPT(const __nv_bfloat16* x, const __nv_bfloat16* weight,            \
                                                      __nv_bfloat16* out, int hidden, float eps) {                    \
-        rmsnorm_row_vec<VPT, false>(x, nullptr, weight, out, hidden, eps);                                           \
+        rmsnorm_row_vec<VPT, false, __nv_bfloat16>(x, nullptr, weight, out, hidden, eps);                                           \
     }                                                                                                                \
     extern "C" __global__ void fused_add_rmsnorm_bf16_vpt##VPT(const __nv_bfloat16* x, __nv_bfloat16* residual,      \
                                                                const __nv_bfloat16* weight, __nv_bfloat16* out,      \
                                                                int hidden, float eps) {                              \
         rmsnorm_row_vec<VPT, true>(x, residual, weight, out, hidden, eps);                                           \
+    }                                                                                                                \
+    extern "C" __global__ void fused_add_rmsnorm_f32res_vpt##VPT(const __nv_bfloat16* x, float* residual,             \
+                                                                 const __nv_bfloat16* weight, __nv_bfloat16* out,    \
+                                                                 int hidden, float eps) {                            \
+        rmsnorm_row_vec<VPT, true, float>(x, residual, weight, out, hidden, eps);                                    \
     }
 XSERV_RMSNORM_VPT(1)
 XSERV_RMSNORM_VPT(2)
@@ -122,7 +161,7 @@ XSERV_RMSNORM_VPT(8)
 // x, out: [num_rows, hidden] bf16; weight: [hidden] bf16. grid = num_rows.
 extern "C" __global__ void rmsnorm_bf16_scalar(const __nv_bfloat16* x, const __nv_bfloat16* weight,
                                                __nv_bfloat16* out, int hidden, float eps) {
-    rmsnorm_row_scalar<false>(x, nullptr, weight, out, hidden, eps);
+    rmsnorm_row_scalar<false, __nv_bfloat16>(x, nullptr, weight, out, hidden, eps);
 }
 
 // x, residual, out: [num_rows, hidden] bf16; weight: [hidden] bf16. grid = num_rows.
@@ -130,6 +169,13 @@ extern "C" __global__ void fused_add_rmsnorm_bf16_scalar(const __nv_bfloat16* x,
                                                          const __nv_bfloat16* weight, __nv_bfloat16* out,
                                                          int hidden, float eps) {
     rmsnorm_row_scalar<true>(x, residual, weight, out, hidden, eps);
+}
+
+// x, out: [num_rows, hidden] bf16; residual: [num_rows, hidden] fp32; weight: [hidden] bf16. grid = num_rows.
+extern "C" __global__ void fused_add_rmsnorm_f32res_scalar(const __nv_bfloat16* x, float* residual,
+                                                           const __nv_bfloat16* weight, __nv_bfloat16* out,
+                                                           int hidden, float eps) {
+    rmsnorm_row_scalar<true, float>(x, residual, weight, out, hidden, eps);
 }
 
 // x, out: [rows, D] bf16 (rows = tokens * heads); weight: [D] bf16. One warp per row, kRowsPerWarp rows per

@@ -92,8 +92,11 @@ def test_prefix_chunks_and_decode_match_one_prefill(perturbed, rng):
     pieces = [run(perturbed, cache, [SeqChunk(ids[:8], 0, table, "all")])]
     pieces += [run(perturbed, cache, [SeqChunk(ids[p:p + 1], p, table, "last")]) for p in range(8, 19)]
     stepped = np.concatenate(pieces)
-    assert rel_err_rows(chunked, full).max() < 1e-3
-    assert rel_err_rows(stepped, full).max() < 1e-3
+    # The paths differ only in float32 summation order (GEMMs of other M, the decode vs prefill attention), which
+    # flips a few bf16 roundings of activations; the float32 residual stream carries those flips on (a bf16 one
+    # mostly absorbed them), giving ~5e-3. A wrong page, position or causal offset gives > 0.1.
+    assert rel_err_rows(chunked, full).max() < 1e-2
+    assert rel_err_rows(stepped, full).max() < 1e-2
 
 
 def test_packed_batch_matches_sequences_alone(perturbed, rng):

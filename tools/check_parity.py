@@ -46,6 +46,7 @@ def hf_greedy_bf16(folder, prompt, steps):
     with torch.no_grad():
         ids = torch.tensor([prompt], device="cuda")
         out = model(ids, use_cache=True)
+        prompt_logits = out.logits[0].float().cpu().numpy()  # the peer's own error against float32, for scale
         past = out.past_key_values
         for _ in range(steps):
             last = out.logits[0, -1].float()
@@ -56,7 +57,7 @@ def hf_greedy_bf16(folder, prompt, steps):
             out = model(torch.tensor([[tok]], device="cuda"), past_key_values=past, use_cache=True)
             past = out.past_key_values
     del model, out, past
-    return tokens, np.array(margins)
+    return tokens, np.array(margins), prompt_logits
 
 
 def hf_logits_fp32(folder, ids):
@@ -122,7 +123,7 @@ def main(argv=None) -> int:
           f"heads={config.num_attention_heads}/{config.num_key_value_heads} vocab={config.vocab_size}")
 
     t = time.perf_counter()
-    ref_tokens, margins = hf_greedy_bf16(folder, prompt, args.decode_steps)
+    ref_tokens, margins, hf_bf16_prompt = hf_greedy_bf16(folder, prompt, args.decode_steps)
     gc.collect()
     torch.cuda.empty_cache()
     print(f"transformers bf16 greedy: {args.decode_steps} steps in {time.perf_counter() - t:.1f}s")
@@ -135,29 +136,33 @@ def main(argv=None) -> int:
     torch.cuda.empty_cache()
     err_prefill = rel_err_rows(prefill, ref[:len(prompt)])
     err_decode = rel_err_rows(decode, ref[len(prompt):])
+    err_hf_bf16 = rel_err_rows(hf_bf16_prompt, ref[:len(prompt)])
 
+    # xserv's greedy choice for step 0 comes from the last prompt position; for step i > 0 from the decode step fed
+    # reference token i-1 (decode row i-1). transformers' float32 logits are aligned the same way.
+    xs_tokens = np.array([int(np.argmax(prefill[-1]))] + xs_argmax[:-1])
+    ref_steps = ref[len(prompt) - 1:len(prompt) - 1 + len(ref_tokens)]
     confident = margins > args.margin
-    agree = np.array(xs_argmax) == np.array(ref_tokens)
+    agree = xs_tokens == np.array(ref_tokens)
     bad_steps = np.nonzero(confident & ~agree)[0].tolist()
-
     print()
     print(f"{'what':<28}{'positions':>10}{'max rel err':>14}{'mean rel err':>14}{'worst at':>10}")
     for name, err, offset in (("prompt logits (llm.logits)", err_prefill, 0),
-                              ("decode-step logits", err_decode, len(prompt))):
+                              ("decode-step logits", err_decode, len(prompt)),
+                              ("(peer) transformers bf16", err_hf_bf16, 0)):
         print(f"{name:<28}{len(err):>10}{err.max():>14.3e}{err.mean():>14.3e}{int(err.argmax()) + offset:>10}")
     print(f"greedy tokens vs transformers bf16: {int(confident.sum())} steps with top-2 margin > {args.margin}, "
           f"{int((confident & agree).sum())} agree; all steps: {int(agree.sum())}/{len(agree)} agree")
     # transformers' bf16 margins are read off bf16 logits (one bf16 step is 0.125 for logits in [16, 32)), so a
     # "confident" bf16 decision can be a near-tie in exact arithmetic: the float32 run says which side is right.
-    ref_decode = ref[len(prompt):]
-    fp32_top = np.argmax(ref_decode, axis=-1)
-    fp32_sorted = np.sort(ref_decode, axis=-1)
+    fp32_top = np.argmax(ref_steps, axis=-1)
+    fp32_sorted = np.sort(ref_steps, axis=-1)
     fp32_margin = fp32_sorted[:, -1] - fp32_sorted[:, -2]
-    print(f"argmax vs transformers float32: xserv {int((np.array(xs_argmax) == fp32_top).sum())}/{len(agree)}, "
+    print(f"argmax vs transformers float32: xserv {int((xs_tokens == fp32_top).sum())}/{len(agree)}, "
           f"transformers bf16 {int((np.array(ref_tokens) == fp32_top).sum())}/{len(agree)}")
     if bad_steps:
         print("  confident disagreements at steps " + ", ".join(
-            f"{s} (xserv {xs_argmax[s]}, hf {ref_tokens[s]}, hf bf16 margin {margins[s]:.3f}; float32 picks "
+            f"{s} (xserv {xs_tokens[s]}, hf {ref_tokens[s]}, hf bf16 margin {margins[s]:.3f}; float32 picks "
             f"{fp32_top[s]} by {fp32_margin[s]:.3f})" for s in bad_steps))
     ok = err_prefill.max() <= args.tol and err_decode.max() <= args.tol and not bad_steps
     print("PASS" if ok else "FAIL", f"(tolerance {args.tol})")

@@ -69,16 +69,19 @@ class Tensor:
 
     @classmethod
     def zeros(cls, shape, dtype, device: str = "cuda") -> "Tensor":
-        t = cls.empty(shape, dtype, device)
-        if t.device == "cpu":
-            t._array[...] = 0
-        elif t.nbytes:
+        return cls.empty(shape, dtype, device).zero_()
+
+    def zero_(self) -> "Tensor":
+        """Set every element to 0 in place (a memset on the stream for CUDA tensors; capturable in a graph)."""
+        if self.device == "cpu":
+            self._array[...] = 0
+        elif self.nbytes:
             from cuda.bindings import driver
 
             from .runtime import check_driver, get_device
 
-            check_driver(driver.cuMemsetD8Async(t.ptr, 0, t.nbytes, get_device().stream_handle), "cuMemsetD8Async")
-        return t
+            check_driver(driver.cuMemsetD8Async(self.ptr, 0, self.nbytes, get_device().stream_handle), "cuMemsetD8Async")
+        return self
 
     @classmethod
     def full(cls, shape, value, dtype, device: str = "cuda") -> "Tensor":

@@ -165,3 +165,33 @@ def test_cuda_head_rmsnorm_layouts(rng, layout):
     out = xd if layout == "inplace" else poisoned(x.shape, bfloat16)
     head_rmsnorm(xd, dev(w), EPS, out=out)
     assert rel_error(out.numpy(), head_rmsnorm_reference(x, w, EPS).astype(bfloat16)) < 3e-3
+
+
+def test_fp32_residual_reference_is_unrounded(rng):
+    """With a float32 residual stream nothing is rounded to bf16 before the output: matches float64 closely."""
+    x, w = _xw(rng, (4, 256))
+    res = random_array(rng, (4, 256), np.float32, mean=-0.2)
+    new_res, y = fused_add_rmsnorm_reference(x, res, w, EPS)
+    assert new_res.dtype == np.float32
+    np.testing.assert_array_equal(new_res, x.astype(np.float32) + res)
+    assert rel_error(y, rms64(x.astype(np.float64) + res, w)) < 1e-6
+    xc, rc, wc = (Tensor.from_numpy(a, "cpu") for a in (x, res, w))
+    out = fused_add_rmsnorm(xc, rc, wc, EPS)
+    np.testing.assert_array_equal(rc.numpy(), new_res)
+    assert rel_error(out.numpy(), y.astype(bfloat16)) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,h,layout", [(1, 4096, "aligned"), (7, 1024, "aligned"), (33, 5120, "aligned"),
+                                        (3, 4096, "unaligned"), (2, 1000, "aligned")])
+def test_cuda_fused_add_rmsnorm_fp32_residual(rng, t, h, layout):
+    x, w = _xw(rng, (t, h))
+    res = random_array(rng, (t, h), np.float32, mean=-0.2)
+    xd = unaligned(x) if layout == "unaligned" else dev(x)
+    rd = dev(res)
+    out = poisoned((t, h), bfloat16)
+    fused_add_rmsnorm(xd, rd, dev(w), EPS, out=out)
+    new_res, y = fused_add_rmsnorm_reference(x, res, w, EPS)
+    np.testing.assert_array_equal(rd.numpy(), new_res)  # fp32 add of the same operands: bit-exact
+    assert rel_error(out.numpy(), y.astype(bfloat16)) < 3e-3
+    assert rel_error(out.numpy(), rms64(x.astype(np.float64) + res, w)) < 5e-3

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..tensor import Tensor, bfloat16
+from ..tensor import Tensor, bfloat16, float32
 from ._checks import check_tensor, output, same_device
 from ._launch import aligned, cdiv, check_alias, check_eps, check_int32_range, round_up
 
@@ -63,10 +63,11 @@ def rmsnorm(x: Tensor, weight: Tensor, eps: float, out: Tensor | None = None) ->
 
 
 def fused_add_rmsnorm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, out: Tensor | None = None) -> Tensor:
-    """residual <- x + residual (in place, bf16); out <- rmsnorm(residual). Returns out. `out` may be `x`, not
-    `residual`."""
+    """residual <- x + residual (in place); out <- rmsnorm(residual). Returns out. `out` may be `x`, not
+    `residual`. The residual stream is bf16 (rounded like HF in bf16) or float32 (kept unrounded; the normalised
+    value is then not rounded before the weight multiply either, as HF's RMSNorm does on an fp32 input)."""
     num_rows, hidden, eps32 = _check_rows(x, weight, eps)
-    check_tensor("residual", residual, dtype=bfloat16, shape=x.shape)
+    check_tensor("residual", residual, dtype=(bfloat16, float32), shape=x.shape)
     device = same_device(x=x, residual=residual, weight=weight, out=out)
     out = output("out", out, x.shape, bfloat16, device)
     check_alias("out", out, "x", x, allow_identical=True)
@@ -79,7 +80,8 @@ def fused_add_rmsnorm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, o
         residual.array[...] = new_residual
         out.array[...] = y.astype(out.dtype)
         return out
-    _launch_rows("fused_add_rmsnorm", num_rows, hidden, (x, residual), weight, out, eps32)
+    op = "fused_add_rmsnorm" if residual.dtype == bfloat16 else "fused_add_rmsnorm_f32res"
+    _launch_rows(op, num_rows, hidden, (x, residual), weight, out, eps32)
     return out
 
 
@@ -94,9 +96,13 @@ def _launch_rows(op: str, num_rows: int, hidden: int, inputs: tuple, weight: Ten
         for vpt in (1, 2, 4, 8):  # the fewest vectors per thread that keep the block at <= 256 threads
             threads = round_up(cdiv(nchunks, vpt), 32)
             if threads <= 256 or (vpt == 8 and threads <= 1024):
-                kernel("rmsnorm", f"{op}_bf16_vpt{vpt}")(num_rows, threads, *args)
+                kernel("rmsnorm", f"{_kernel_prefix(op)}_vpt{vpt}")(num_rows, threads, *args)
                 return
-    kernel("rmsnorm", f"{op}_bf16_scalar")(num_rows, min(1024, round_up(hidden, 32)), *args)
+    kernel("rmsnorm", f"{_kernel_prefix(op)}_scalar")(num_rows, min(1024, round_up(hidden, 32)), *args)
+
+
+def _kernel_prefix(op: str) -> str:
+    return op if op.endswith("_f32res") else f"{op}_bf16"
 
 
 def head_rmsnorm(x: Tensor, weight: Tensor, eps: float, out: Tensor | None = None) -> Tensor:
