@@ -2,7 +2,7 @@
 CUDNN_ATTENTION backends (and EFFICIENT_ATTENTION for decode), in the same run, on the same data (dense copies of
 the paged cache for SDPA). Prints TFLOP/s (prefill) or GB/s (decode), ratios, and the device name.
 
-    python -m tools.bench_attention [--quick] [--skip-torch]
+    python -m tools.bench_attention [--quick] [--skip-torch] [--decode-only] [--decode-variants v2,v3,v3s3]
 
 Prefill is timed as plain launches (ms-scale kernels), decode as CUDA-graph replays (the engine's decode step;
 also proves the op is capturable). Median of many, rotating input sets larger than L2.
@@ -22,9 +22,10 @@ PREFILL = [  # (label, B, HQ, HKV, LQ, LKV, D, causal)
 ]
 DECODE = [  # (label, B, HQ, HKV, LKV, D, block)
     ("decode 64x4096 32/8 bs16", 64, 32, 8, 4096, 128, 16),
-    ("decode 64x4096 32/8 bs256", 64, 32, 8, 4096, 128, 256),
     ("decode 1x32768 32/8 bs16", 1, 32, 8, 32768, 128, 16),
     ("decode 8x8192 16/8 bs16", 8, 16, 8, 8192, 128, 16),
+    ("decode 64x4096 32/8 bs256", 64, 32, 8, 4096, 128, 256),
+    ("decode 32x4096 16/8 d64 bs16", 32, 16, 8, 4096, 64, 16),
 ]
 
 
@@ -38,6 +39,8 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer iterations")
     p.add_argument("--skip-torch", action="store_true")
     p.add_argument("--warps", default="4,8", help="fa2 prefill variants to time (warps per CTA)")
+    p.add_argument("--decode-only", action="store_true", help="skip the prefill configs")
+    p.add_argument("--decode-variants", default="v2,v3,v3s3", help="decode kernels to time (variant=)")
     args = p.parse_args(argv)
 
     torch = None
@@ -89,7 +92,7 @@ def main(argv=None) -> int:
 
     # ---- prefill
     print(f"\n{'prefill':32s} {'impl':10s} {'ms':>8s} {'TFLOP/s':>8s} {'vs flash':>8s} {'vs cudnn':>8s}")
-    for label, b, hq, hkv, lq, lkv, d, causal in PREFILL:
+    for label, b, hq, hkv, lq, lkv, d, causal in ([] if args.decode_only else PREFILL):
         shape = (b, hq, hkv, lq, lkv, d)
         flops = S._prefill_flops(shape, causal)
         make = lambda r, s, c=causal: S._prefill_inputs(r, s, causal=c)
@@ -127,11 +130,32 @@ def main(argv=None) -> int:
                 results[name] = torch_time(sets_np, S._decode_torch, backend, graph=True)
         sets = [_to_device(x) for x in sets_np]
         outs = [Tensor.empty(x["q"].shape, bfloat16) for x in sets_np]
-        fns = [lambda t=t, o=o: A.attention_decode(t["q"], t["k_cache"], t["v_cache"], t["kv_lens"],
-                                                   t["block_tables"], t["scale"], t["max_kv_len"], out=o)
-               for t, o in zip(sets, outs)]
-        results["xserv"] = benchmark_graph(fns, calls=10, iters=iters)
-        splits = A.decode_plan(b, hkv, lkv, dev.multiprocessor_count)[0]
+        splits = {}
+        for var in args.decode_variants.split(","):
+            fns = [lambda t=t, o=o, var=var: A.attention_decode(
+                t["q"], t["k_cache"], t["v_cache"], t["kv_lens"], t["block_tables"], t["scale"], t["max_kv_len"],
+                out=o, variant=var) for t, o in zip(sets, outs)]
+            try:
+                results[var] = benchmark_graph(fns, calls=10, iters=iters)
+            except Exception as exc:  # report and go on with the other variants
+                print(f"  ({var}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]})")
+                continue
+            if var == "v2" or block % 16:
+                splits[var] = A.decode_plan(b, hkv, lkv, dev.multiprocessor_count)[0]
+            else:
+                st = int(var[3:]) if len(var) > 2 else 2
+                splits[var] = A.decode_plan(b, hkv, lkv, dev.multiprocessor_count, A._V3_RESIDENT[d, st], True)[0]
+        # agreement with v2 on the same data (the tests check against the float64 reference)
+        check = {}
+        for var in splits:
+            o = Tensor.empty(sets_np[0]["q"].shape, bfloat16)
+            t = sets[0]
+            A.attention_decode(t["q"], t["k_cache"], t["v_cache"], t["kv_lens"], t["block_tables"], t["scale"],
+                               t["max_kv_len"], out=o, variant=var)
+            check[var] = o.numpy().astype(np.float64)
+        if "v2" in check:
+            errs = {v: np.linalg.norm(x - check["v2"]) / np.linalg.norm(check["v2"]) for v, x in check.items()}
+            print("  rel. difference vs v2: " + ", ".join(f"{v} {e:.1e}" for v, e in errs.items()))
         del sets, outs
         for name, ms in results.items():
             if ms is None:
@@ -139,7 +163,7 @@ def main(argv=None) -> int:
             gbs = nbytes / ms / 1e6
             vs = f"{results['flash'] / ms:7.2f}x" if results.get("flash") else f"{'-':>8s}"
             print(f"{label:32s} {name:10s} {ms * 1e3:8.1f} {gbs:8.0f} {100 * gbs / copy:5.0f}% {vs} "
-                  f"{splits if name == 'xserv' else '':>6}")
+                  f"{splits.get(name, ''):>6}")
             rows.append((label, name, ms, gbs))
     return 0
 

@@ -227,3 +227,107 @@ def test_write_kv_gpu(rng, packed):
                    Tensor.from_numpy(np.ascontiguousarray(qkv[:, hq + hkv:])), kc, vc, Tensor.from_numpy(slots))
     np.testing.assert_array_equal(kc.numpy().view(np.uint16), kref.view(np.uint16))
     np.testing.assert_array_equal(vc.numpy().view(np.uint16), vref.view(np.uint16))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Decode v3 (tensor cores) next to v2: both must stay correct, whichever is the default
+# ---------------------------------------------------------------------------------------------------------------
+
+DECODE_VARIANTS = ["v2", "v3", "v3s3"]
+
+
+def test_decode_plan_v3():
+    # one long sequence: one full wave of resident CTAs (3 per SM), chunk a multiple of 64
+    splits, chunk = A.decode_plan(1, 8, 32768, 132, 3, True)
+    assert chunk % 64 == 0 and splits * chunk >= 32768 and 0.9 * 396 <= 8 * splits <= 396
+    # a big batch: the last wave well filled
+    splits, chunk = A.decode_plan(64, 8, 4096, 132, 3, True)
+    ctas = 512 * splits
+    assert ctas / (-(-ctas // 396) * 396) > 0.9 and splits * chunk >= 4096
+    assert A.decode_plan(4, 8, 1, 132, 3, True) == (1, 64)
+    for b, hkv, n in [(1, 1, 100), (3, 4, 20000), (200, 8, 700)]:
+        splits, chunk = A.decode_plan(b, hkv, n, 132, 2, True)
+        assert chunk % 64 == 0 and (splits - 1) * chunk < n <= splits * chunk
+
+
+def test_decode_variant_error(rng):
+    case = make_case(rng, [1], [5], 4, 2, 64, block_size=16)
+    t = on("cpu", case)
+    with pytest.raises(ValueError, match="variant"):
+        A.attention_decode(t["q"], t["k_cache"], t["v_cache"], t["kv_lens"], t["block_tables"], 0.125, 5,
+                           variant="v9")
+
+
+def decode_expected(case):
+    """dense_expected, with zero rows for kv_len == 0."""
+    hq, d = case["num_q_heads"], case["q"].shape[2]
+    rows = [np.zeros((1, hq, d)) if n == 0 else
+            A.attention_reference(case["q"][s:s + 1, :hq], case["ks"][s], case["vs"][s], case["scale"])
+            for s, n in enumerate(case["kv_lens"])]
+    return np.concatenate(rows)
+
+
+def run_decode_gpu(case, variant, max_kv_len, out=None):
+    t = on("cuda", case)
+    hq = case["num_q_heads"]
+    out = poisoned((case["q"].shape[0], hq, case["q"].shape[2]), bfloat16) if out is None else out
+    A.attention_decode(t["q"], t["k_cache"], t["v_cache"], t["kv_lens"], t["block_tables"], case["scale"],
+                       max_kv_len=max_kv_len, out=out, num_q_heads=hq, variant=variant)
+    return out.numpy()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", DECODE_VARIANTS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("hq,hkv,block_size,packed", [(4, 4, 16, False), (8, 4, 32, True), (16, 4, 256, False),
+                                                      (40, 8, 64, True), (16, 2, 16, False), (12, 4, 48, True),
+                                                      (24, 4, 128, False), (28, 4, 16, True), (8, 8, 8, False)])
+def test_decode_gpu_variants(rng, variant, head_dim, hq, hkv, block_size, packed):
+    # lengths around the 16-key block and 64-key chunk edges, an empty (padding) row, and long ones
+    kv_lens = [0, 1, 15, 16, 17, 63, 65, 200, 1000, 3000, 4096]
+    case = make_case(rng, [1] * len(kv_lens), kv_lens, hq, hkv, head_dim, block_size, packed=packed)
+    out = run_decode_gpu(case, variant, 4096)
+    assert rel_error(out, decode_expected(case)) < TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", DECODE_VARIANTS)
+@pytest.mark.parametrize("num_seqs", [1, 3])
+def test_decode_gpu_long_variants(rng, variant, num_seqs):
+    kv_lens = [32768, 5, 20000][:num_seqs]
+    case = make_case(rng, [1] * num_seqs, kv_lens, 32, 8, 128, 16)
+    out = run_decode_gpu(case, variant, 32768)
+    ref = A.attention_decode_reference(case["q"], case["k_cache"], case["v_cache"], case["kv_lens"], case["tables"],
+                                       case["scale"], dtype=np.float64)
+    assert rel_error(out, ref) < TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["v3", "v3s3"])
+def test_decode_gpu_graph_replays(rng, variant):
+    """Split counters reset themselves: eager calls and graph replays give the same rows, call after call."""
+    from xserv.runtime.graphs import CUDAGraph
+
+    kv_lens = [5000, 0, 77, 1]
+    case = make_case(rng, [1] * 4, kv_lens, 16, 4, 128, 16)
+    t = on("cuda", case)
+    expected = decode_expected(case)
+    out = poisoned((4, 16, 128), bfloat16)
+
+    def step():
+        A.attention_decode(t["q"], t["k_cache"], t["v_cache"], t["kv_lens"], t["block_tables"], case["scale"],
+                           max_kv_len=8192, out=out, variant=variant)
+
+    step()
+    first = out.numpy()
+    assert rel_error(first, expected) < TOL
+    step()
+    assert np.array_equal(out.numpy().view(np.uint16), first.view(np.uint16))
+    graph = CUDAGraph()
+    with graph.capture():
+        step()
+    for _ in range(3):
+        out.copy_(np.full((4, 16, 128), np.nan, bfloat16))
+        graph.replay()
+        assert np.array_equal(out.numpy().view(np.uint16), first.view(np.uint16))
+    graph.close()

@@ -283,6 +283,16 @@ def _prefill_cuda(q, k_cache, v_cache, cu_seqlens_q, kv_lens, block_tables, scal
 # ================================================================================================================
 
 _workspaces: list[Tensor] = []  # kept for the life of the process: CUDA graphs may have captured their addresses
+_counters: list[Tensor] = []  # v3's per-(sequence, kv head) split counters: zeroed once, reset by the kernel itself
+
+# Decode kernel: "v2" (CUDA cores, the default: faster on every measured shape), "v3" (tensor cores, per-lane
+# cp.async staging, 2 stages) or "v3s3" (3 stages). v3 needs block_size % 16 == 0 and falls back to v2 otherwise.
+# Measured on an H200: docs/kernels/attention.md ("v3 decode").
+DECODE_IMPL = os.environ.get("XSERV_ATTN_DECODE", "v2")
+_V3_WARPS = 4
+# CTAs of 128 threads resident per SM for (head_dim, stages), from shared memory (4 * stages * head_dim * 64 bytes
+# per CTA) and registers (138 for d128, <= 96 for d64): they size the split-KV grid.
+_V3_RESIDENT = {(128, 2): 3, (128, 3): 2, (64, 2): 5, (64, 3): 4}
 
 
 def _workspace(nbytes: int) -> Tensor:
@@ -294,30 +304,61 @@ def _workspace(nbytes: int) -> Tensor:
     return t
 
 
-def decode_plan(num_seqs: int, num_kv_heads: int, max_kv_len: int, multiprocessor_count: int) -> tuple[int, int]:
-    """(num_splits, chunk_len): enough CTAs (one per sequence x kv head x split) for ~4 per multiprocessor, each
-    split at least 256 keys, chunk_len a multiple of 64."""
+def _counter_workspace(count: int) -> Tensor:
+    for t in _counters:
+        if t.shape[0] >= count:
+            return t
+    t = Tensor.zeros((max(count, 4096),), int32, "cuda")
+    _counters.append(t)
+    return t
+
+
+def decode_plan(num_seqs: int, num_kv_heads: int, max_kv_len: int, multiprocessor_count: int,
+                ctas_per_sm: int = 4, balance: bool = False) -> tuple[int, int]:
+    """(num_splits, chunk_len): split-KV grid over (sequence x kv head x split), chunk_len a multiple of 64, each
+    split at least 256 keys. v2 (balance=False): enough CTAs for ~`ctas_per_sm` per multiprocessor. v3
+    (balance=True, ctas_per_sm = CTAs resident per SM): the split count whose grid fills the last wave of resident
+    CTAs best (within 3% of the best fill, the fewest splits)."""
     max_kv_len = max(int(max_kv_len), 1)
     pairs = max(num_seqs * num_kv_heads, 1)
-    want = -(-4 * multiprocessor_count // pairs)
-    splits = max(1, min(want, -(-max_kv_len // 256), 256))
-    chunk = -(-max_kv_len // splits)
-    chunk = -(-chunk // 64) * 64
-    return -(-max_kv_len // chunk), chunk
+    limit = max(1, min(-(-max_kv_len // 256), 256))
+
+    def shape(splits: int) -> tuple[int, int]:
+        chunk = -(-max_kv_len // splits)
+        chunk = -(-chunk // 64) * 64
+        return -(-max_kv_len // chunk), chunk
+
+    if not balance:
+        want = -(-ctas_per_sm * multiprocessor_count // pairs)
+        return shape(max(1, min(want, limit)))
+    slots = max(ctas_per_sm * multiprocessor_count, 1)
+    fills = {}
+    for want in range(1, limit + 1):
+        splits, chunk = shape(want)
+        ctas = pairs * splits
+        fills.setdefault((splits, chunk), ctas / (-(-ctas // slots) * slots))
+        if ctas >= 8 * slots:
+            break
+    best = max(fills.values())
+    return min(k for k, f in fills.items() if f >= best - 0.03)
 
 
 def attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_lens: Tensor, block_tables: Tensor,
                      scale: float, max_kv_len: int, out: Tensor | None = None,
-                     num_q_heads: int | None = None) -> Tensor:
+                     num_q_heads: int | None = None, variant: str | None = None) -> Tensor:
     """One query per sequence at position kv_lens[s] - 1 (its K/V already in the cache): q [B, Hq, D] (or packed
-    qkv with num_q_heads), kv_lens int32 [B] (1 <= kv_len <= max_kv_len), block_tables int32 [B, max_blocks]
-    -> out bf16 [B, Hq, D]. max_kv_len is a host-side bound that sizes the split-KV grid (no device reads)."""
+    qkv with num_q_heads), kv_lens int32 [B] (0 <= kv_len <= max_kv_len; 0 gives a zero row), block_tables int32
+    [B, max_blocks] -> out bf16 [B, Hq, D]. max_kv_len is a host-side bound that sizes the split-KV grid (no device
+    reads). variant: "v2", "v3", "v3s3" (default XSERV_ATTN_DECODE, else v2)."""
     _, block_size, num_kv_heads, head_dim = _check_cache(k_cache, v_cache)
     num_q_heads = _query_heads(q, num_q_heads, num_kv_heads, head_dim)
     num_seqs = q.shape[0]
     _check_tables(kv_lens, block_tables, num_seqs)
     device = same_device(q=q, k_cache=k_cache, v_cache=v_cache, kv_lens=kv_lens, block_tables=block_tables, out=out)
     out = output("out", out, (num_seqs, num_q_heads, head_dim), bfloat16, device)
+    variant = DECODE_IMPL if variant is None else variant
+    if variant not in ("v2", "v3", "v3s2", "v3s3"):
+        raise ValueError(f"variant: unknown decode kernel {variant!r}")
     if num_seqs == 0:
         return out
     if device == "cpu":
@@ -330,17 +371,29 @@ def attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_lens: Tenso
     if max_kv_len < 1:
         raise ValueError(f"max_kv_len: {max_kv_len} < 1")
     group = num_q_heads // num_kv_heads
-    splits, chunk = decode_plan(num_seqs, num_kv_heads, max_kv_len, get_device().multiprocessor_count)
+    sms = get_device().multiprocessor_count
+    v3 = variant != "v2" and block_size % 16 == 0
+    if v3:
+        stages = int(variant[3:]) if len(variant) > 2 else 2
+        splits, chunk = decode_plan(num_seqs, num_kv_heads, max_kv_len, sms, _V3_RESIDENT[head_dim, stages], True)
+    else:
+        splits, chunk = decode_plan(num_seqs, num_kv_heads, max_kv_len, sms)
     part_o = part_lse = out  # unused by the kernel when splits == 1
     if splits > 1:
         rows = num_seqs * num_q_heads * splits
         ws = _workspace(rows * (head_dim + 1) * 4)
         part_o, part_lse = ws.ptr, ws.ptr + rows * head_dim * 4
+    args = (q, np.int64(q.shape[1] * head_dim), k_cache, v_cache, kv_lens, block_tables,
+            np.int32(block_tables.shape[1]), np.int32(block_size), np.int32(num_q_heads), np.int32(num_kv_heads),
+            np.float32(scale * math.log2(math.e)), np.int32(chunk), np.int32(splits), out, part_o, part_lse)
+    if v3:
+        counters = _counter_workspace(num_seqs * num_kv_heads)
+        kernel("attention_decode", f"attention_decode_v3_d{head_dim}_g{group}_s{stages}")(
+            (splits, num_kv_heads, num_seqs), (32 * _V3_WARPS, 1, 1), *args, counters,
+            smem=_V3_WARPS * stages * head_dim * 64 + 16)
+        return out
     kernel("attention_decode", f"attention_decode_d{head_dim}_g{group}")(
-        (splits, num_kv_heads, num_seqs), (128, 1, 1),
-        q, np.int64(q.shape[1] * head_dim), k_cache, v_cache, kv_lens, block_tables, np.int32(block_tables.shape[1]),
-        np.int32(block_size), np.int32(num_q_heads), np.int32(num_kv_heads), np.float32(scale * math.log2(math.e)),
-        np.int32(chunk), np.int32(splits), out, part_o, part_lse)
+        (splits, num_kv_heads, num_seqs), (128, 1, 1), *args)
     if splits > 1:
         kernel("attention_decode", "attention_decode_combine")(
             (num_q_heads, num_seqs, 1), (head_dim, 1, 1), part_o, part_lse, kv_lens, np.int32(chunk),
