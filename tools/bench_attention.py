@@ -38,7 +38,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer iterations")
     p.add_argument("--skip-torch", action="store_true")
-    p.add_argument("--warps", default="4,8", help="fa2 prefill variants to time (warps per CTA)")
+    p.add_argument("--warps", default="4,8", help="fa2 prefill variants to time (warps per CTA; '' for none)")
+    p.add_argument("--v3", default="all", help="v3 prefill variants to time: all, default, none, or names "
+                   "(comma-separated, e.g. m2w4_b2)")
+    p.add_argument("--prefill-only", action="store_true", help="skip the decode configs")
     p.add_argument("--decode-only", action="store_true", help="skip the prefill configs")
     p.add_argument("--decode-variants", default="v2,v3,v3s3", help="decode kernels to time (variant=)")
     args = p.parse_args(argv)
@@ -91,7 +94,7 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
 
     # ---- prefill
-    print(f"\n{'prefill':32s} {'impl':10s} {'ms':>8s} {'TFLOP/s':>8s} {'vs flash':>8s} {'vs cudnn':>8s}")
+    print(f"\n{'prefill':32s} {'impl':14s} {'ms':>8s} {'TFLOP/s':>8s} {'vs flash':>8s} {'vs cudnn':>8s}")
     for label, b, hq, hkv, lq, lkv, d, causal in ([] if args.decode_only else PREFILL):
         shape = (b, hq, hkv, lq, lkv, d)
         flops = S._prefill_flops(shape, causal)
@@ -103,20 +106,26 @@ def main(argv=None) -> int:
                 results[name] = torch_time(sets_np, S._prefill_torch, backend)
         sets = [_to_device(x) for x in sets_np]
         outs = [Tensor.empty(x["q"].shape, bfloat16) for x in sets_np]
-        for w in [int(v) for v in args.warps.split(",")]:
-            fns = [lambda t=t, o=o, w=w: A._prefill_cuda(
+        impls = [(f"fa2 w{w}", "fa2", int(w)) for w in args.warps.split(",") if w]
+        v3 = {"all": A.V3_VARIANTS[d], "default": (A.V3_DEFAULT[d],), "none": ()}.get(
+            args.v3, [v for v in args.v3.split(",") if v in A.V3_VARIANTS[d]])
+        impls += [(f"v3 {v}", f"v3_{v}", 0) for v in v3]
+        for name, impl, w in impls:
+            fns = [lambda t=t, o=o, impl=impl, w=w: A._prefill_cuda(
                 t["q"], t["k_cache"], t["v_cache"], t["cu_seqlens_q"], t["kv_lens"], t["block_tables"], t["scale"],
-                t["max_q_len"], o, hq, "fa2", w, causal) for t, o in zip(sets, outs)]
-            results[f"fa2 w{w}"] = benchmark(fns, warmup=3, iters=iters)
+                t["max_q_len"], o, hq, impl, w, causal) for t, o in zip(sets, outs)]
+            results[name] = benchmark(fns, warmup=3, iters=iters)
         del sets, outs
         for name, ms in results.items():
             if ms is None:
                 continue
             tf = flops / ms / 1e9
             vs = lambda peer: f"{results[peer] / ms:7.2f}x" if results.get(peer) else f"{'-':>8s}"
-            print(f"{label:32s} {name:10s} {ms:8.3f} {tf:8.1f} {vs('flash')} {vs('cudnn')}")
+            print(f"{label:32s} {name:14s} {ms:8.3f} {tf:8.1f} {vs('flash')} {vs('cudnn')}")
             rows.append((label, name, ms, tf))
 
+    if args.prefill_only:
+        return 0
     # ---- decode
     print(f"\n{'decode':32s} {'impl':10s} {'us':>8s} {'GB/s':>8s} {'%copy':>6s} {'vs flash':>8s} {'splits':>6s}")
     for label, b, hq, hkv, lkv, d, block in DECODE:

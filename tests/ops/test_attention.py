@@ -331,3 +331,47 @@ def test_decode_gpu_graph_replays(rng, variant):
         graph.replay()
         assert np.array_equal(out.numpy().view(np.uint16), first.view(np.uint16))
     graph.close()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# v3 prefill variants (every compiled variant; block sizes that split a thread's rows across pages included)
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_v3_variant_names():
+    for d, variants in A.V3_VARIANTS.items():
+        assert A.V3_DEFAULT[d] in variants
+        for v in variants:
+            mt, w, bkv = A._v3_shape(v)
+            assert mt in (1, 2) and w in (4, 8) and bkv in (32, 64)
+    with pytest.raises(ValueError):
+        A._v3_shape("m3")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("hq,hkv,block_size", [(4, 4, 16), (8, 4, 20), (16, 4, 256), (16, 2, 64), (8, 1, 48)])
+def test_prefill_gpu_v3(rng, head_dim, hq, hkv, block_size):
+    case = make_case(rng, *MIXED, hq, hkv, head_dim, block_size)
+    ref = A.attention_prefill_reference(case["q"], case["k_cache"], case["v_cache"], case["cu"], case["kv_lens"],
+                                        case["tables"], case["scale"], dtype=np.float64)
+    for variant in A.V3_VARIANTS[head_dim]:
+        out = run_prefill_gpu(case, f"v3_{variant}")
+        assert rel_error(out, ref) < TOL, variant
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_prefill_gpu_v3_noncausal_chunked(rng, head_dim):
+    # non-causal with tails, and causal chunks at the end of longer contexts (offset kv_len - q_len)
+    case = make_case(rng, [1, 70, 129, 200], [1, 300, 129, 1111], 8, 2, head_dim, 32)
+    t = on("cuda", case)
+    max_q = int(np.diff(case["cu"]).max())
+    for causal in (False, True):
+        ref = A.attention_prefill_reference(case["q"], case["k_cache"], case["v_cache"], case["cu"],
+                                            case["kv_lens"], case["tables"], case["scale"], dtype=np.float64,
+                                            causal=causal)
+        for variant in A.V3_VARIANTS[head_dim]:
+            out = poisoned((case["q"].shape[0], 8, head_dim), bfloat16)
+            A._prefill_cuda(t["q"], t["k_cache"], t["v_cache"], t["cu_seqlens_q"], t["kv_lens"], t["block_tables"],
+                            case["scale"], max_q, out, 8, f"v3_{variant}", 0, causal)
+            assert rel_error(out.numpy(), ref) < TOL, (variant, causal)

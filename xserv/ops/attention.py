@@ -22,10 +22,11 @@ from ._checks import check_aligned, check_tensor, output, same_device
 HEAD_DIMS = (64, 128)
 MAX_GQA_GROUP = 8  # decode kernels are instantiated for Hq / Hkv = 1..8 (Qwen3 uses 1, 2, 4, 5, 8)
 
-# Prefill kernel: "fa2" (tensor cores) or "simple" (one warp per query row; a GPU cross-check). Warps per CTA of
+# Prefill kernel: "v3" (default; "v3_<variant>" picks one of V3_VARIANTS), "fa2" (v2) or "simple" (one warp per
+# query row; a GPU cross-check). Warps per CTA of
 # the fa2 kernel: 4 (64 query rows per CTA) or 8 (128 rows); 0 = by head_dim, as measured on an H200
 # (docs/kernels/attention.md): 8 for D=128 (+8%), 4 for D=64 (+8%).
-PREFILL_IMPL = os.environ.get("XSERV_ATTN_PREFILL", "fa2")
+PREFILL_IMPL = os.environ.get("XSERV_ATTN_PREFILL", "v3")
 PREFILL_WARPS = int(os.environ.get("XSERV_ATTN_PREFILL_WARPS", "0"))
 _BKV = 64  # keys per K/V tile of the fa2 kernel
 
@@ -249,7 +250,7 @@ def attention_prefill(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q:
             num_q_heads, causal=causal).astype(bfloat16)
         return out
     _prefill_cuda(q, k_cache, v_cache, cu_seqlens_q, kv_lens, block_tables, scale, max_q_len, out, num_q_heads,
-                  PREFILL_IMPL if causal else "fa2", PREFILL_WARPS, causal)
+                  PREFILL_IMPL if causal or PREFILL_IMPL != "simple" else "v3", PREFILL_WARPS, causal)
     return out
 
 
@@ -268,6 +269,14 @@ def _prefill_cuda(q, k_cache, v_cache, cu_seqlens_q, kv_lens, block_tables, scal
         kernel("attention_prefill", f"attention_prefill_simple_d{head_dim}")(
             ((max_q_len + 3) // 4, num_q_heads, num_seqs), (128, 1, 1), *args)
         return
+    if impl.startswith("v3"):
+        variant = impl[3:].lstrip(":_") or V3_DEFAULT[head_dim]
+        mt, nwarps, bkv = _v3_shape(variant)
+        rows = 16 * mt * nwarps
+        kernel("attention_prefill", f"attention_prefill_v3_d{head_dim}_{variant}")(
+            (num_q_heads, num_seqs, (max_q_len + rows - 1) // rows), (32 * nwarps, 1, 1), *args,
+            smem=(rows + 4 * bkv) * head_dim * 2)
+        return
     if warps == 0:
         warps = 8 if head_dim == 128 else 4
     if impl != "fa2" or warps not in (4, 8):
@@ -276,6 +285,23 @@ def _prefill_cuda(q, k_cache, v_cache, cu_seqlens_q, kv_lens, block_tables, scal
     smem = (rows + 4 * _BKV) * head_dim * 2
     kernel("attention_prefill", f"attention_prefill_fa2_d{head_dim}_w{warps}")(
         ((max_q_len + rows - 1) // rows, num_q_heads, num_seqs), (32 * warps, 1, 1), *args, smem=smem)
+
+
+# v3 kernel variants compiled into attention_prefill.cu, as "m{m-tiles per warp}w{warps}[q]_b{ldmatrix ring}"
+# (q: Q fragments resident in registers); the default per head_dim as measured (docs/kernels/attention.md).
+V3_VARIANTS = {128: ("m2w4_b2", "m2w4_b3", "m2w4_b3_k32", "m2w8_b3", "m2w8_b3_k32", "m1w4q_b3", "m1w8q_b3"),
+               64: ("m2w4q_b3", "m1w4q_b3", "m1w8q_b3", "m1w8q_b3_k32")}
+V3_DEFAULT = {128: "m2w8_b3", 64: "m1w8q_b3"}
+
+
+def _v3_shape(variant: str) -> tuple[int, int, int]:
+    """(m-tiles per warp, warps per CTA, keys per tile) of a v3 variant name."""
+    import re
+
+    m = re.fullmatch(r"m(\d)w(\d)q?_b\d(_k32)?", variant)
+    if not m:
+        raise ValueError(f"unknown v3 prefill variant {variant!r}")
+    return int(m.group(1)), int(m.group(2)), 32 if m.group(3) else 64
 
 
 # ================================================================================================================
