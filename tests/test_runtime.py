@@ -170,3 +170,10 @@ def test_cublas_with_and_without_autotuning(rng, autotune):
         assert rel_error(out.numpy(), x.astype(np.float64) @ w.astype(np.float64).T) < 1e-2
     finally:
         cublas.autotune = saved
+
+
+@pytest.mark.gpu
+def test_kernel_reports_its_registers():
+    from xserv.runtime import kernel
+
+    assert 0 < kernel("fill", "copy_u128").registers <= 255

@@ -63,7 +63,8 @@ class Kernel:
 
     @property
     def registers(self) -> int:
-        return self._kernel.attributes.num_regs()
+        regs = self._kernel.attributes.num_regs  # a property in cuda-core >= 1.0, a method before
+        return regs() if callable(regs) else int(regs)
 
     def __repr__(self):
         return f"Kernel({self.family}/{self.name})"
