@@ -104,7 +104,7 @@ class Cublas:
     PyTorch's TunableOp does; the heuristic's first choice is often not the fastest for skinny decode GEMMs.
     """
 
-    TUNE_CANDIDATES = 8
+    TUNE_CANDIDATES = 16
     # Only skinny GEMMs are tuned: there the heuristic's choice is often slow, and their M values are few (the
     # decode batch buckets). Prefill GEMMs take the heuristic's choice, so a new prompt length costs no tuning.
     TUNE_MAX_M = 128
