@@ -135,3 +135,29 @@ def test_decode_graph_replay_logic_on_cpu(perturbed_model_dir, llm):  # noqa: F8
     assert graphed.runner.capture_decode_graphs(graph_factory=fake_graph) == [1, 2, 4]
     got = [o.token_ids for o in graphed.generate(PROMPTS[:3], params)]
     assert got == want and len(replays) == 5  # 5 decode steps of a 3-sequence batch, padded to 4
+
+
+def test_decode_graphs_are_bucketed_by_context_length(perturbed_model_dir):  # noqa: F811
+    """A decode step replays the graph captured for the smallest context bucket that holds its longest sequence
+    (the attention's split-KV grid is sized from that bucket): same tokens as plain decode."""
+    from types import SimpleNamespace
+
+    from xserv import LLM
+    from xserv.engine.model_runner import kv_len_buckets
+
+    assert kv_len_buckets(40960) == [2048, 8192, 32768, 40960] and kv_len_buckets(256) == [256]
+    prompt = list(range(100, 2100))  # 2000 tokens: decode crosses from the 2048 bucket into the next
+    params = SamplingParams(max_tokens=60, ignore_eos=True, **GREEDY)
+    plain = LLM(str(perturbed_model_dir), device="cpu", max_model_len=4096, max_num_seqs=2, progress=False)
+    want = plain.generate([prompt], params)[0].token_ids
+    graphed = LLM(str(perturbed_model_dir), device="cpu", max_model_len=4096, max_num_seqs=2, progress=False)
+    used = []
+
+    def fake_graph(step):
+        key = step.__defaults__[0].max_kv_len
+        return SimpleNamespace(replay=lambda: (used.append(key), step()))
+
+    graphed.runner.capture_decode_graphs(graph_factory=fake_graph)
+    assert sorted(graphed.runner.graphs) == [(1, 2048), (1, 4096), (2, 2048), (2, 4096)]
+    assert graphed.generate([prompt], params)[0].token_ids == want
+    assert used[0] == 2048 and used[-1] == 4096 and used.count(2048) == 2048 - 2000

@@ -1,5 +1,5 @@
 """Runs the model on batches: builds the batch metadata, owns the activation workspace, samples greedy rows
-on the device, and on CUDA replays decode steps from CUDA graphs captured per batch-size bucket."""
+on the device, and on CUDA replays decode steps from CUDA graphs captured per (batch-size, context-length) bucket."""
 from __future__ import annotations
 
 import math
@@ -11,6 +11,18 @@ from ..tensor import Tensor, int32
 from .batch import Batch, SeqChunk, make_batch
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
+# Decode graphs are also bucketed by context length: the split-KV attention sizes its grid from the host-side
+# max_kv_len, so a graph captured for max_model_len (40,960 for Qwen3) runs ~160 mostly idle splits per kv head
+# and a combine over all of them on every step of a short chat.
+GRAPH_KV_BUCKET_START, GRAPH_KV_BUCKET_GROWTH = 2048, 4
+
+
+def kv_len_buckets(max_model_len: int) -> list[int]:
+    buckets, length = [], GRAPH_KV_BUCKET_START
+    while length < max_model_len:
+        buckets.append(length)
+        length *= GRAPH_KV_BUCKET_GROWTH
+    return buckets + [max_model_len]
 
 
 class ModelRunner:
@@ -25,7 +37,7 @@ class ModelRunner:
         self.logits_chunk = logits_chunk
         self.workspace = workspace or model.make_workspace(max(max_num_batched_tokens, max_num_seqs), max_num_seqs)
         self.argmax_out = Tensor.empty((max_num_seqs,), int32, self.device)
-        self.graphs: dict[int, object] = {}
+        self.graphs: dict[tuple[int, int], object] = {}  # (batch-size bucket, max_kv_len bucket) -> graph
         self._graph_inputs = None
         self._graph_keepalive: list = []
 
@@ -79,6 +91,9 @@ class ModelRunner:
     def _bucket(self, n: int) -> int:
         return self._bucket_of[n]
 
+    def _kv_bucket(self, kv_len: int) -> int:
+        return next(b for b in self._kv_buckets if b >= kv_len)
+
     @contextmanager
     def _keep_allocations(self):
         """Buffers allocated while capturing are baked into the graph: keep them alive as long as the graphs."""
@@ -119,6 +134,7 @@ class ModelRunner:
             graph_factory = self._capture_cuda_graph
         max_bs = min(max_batch_size or self.max_num_seqs, self.max_num_seqs)
         sizes = [b for b in GRAPH_BATCH_SIZES if b < max_bs] + [max_bs]
+        self._kv_buckets = kv_len_buckets(self.max_model_len)
         max_blocks = math.ceil(self.max_model_len / self.block_size)
         d = self.device
         g = {
@@ -134,27 +150,32 @@ class ModelRunner:
         self._graph_batches = {}
         self._graph_views = {}
         self._staging = {name: np.zeros(t.shape, np.int32) for name, t in g.items() if name != "cu_seqlens_q"}
+        # Largest first, so that buffers sized by the first capture (the attention workspace) fit every later one.
         for bs in sorted(sizes, reverse=True):
-            batch = Batch(
-                input_ids=g["input_ids"][:bs], positions=g["positions"][:bs], cu_seqlens_q=g["cu_seqlens_q"][:bs + 1],
-                kv_lens=g["kv_lens"][:bs], block_tables=g["block_tables"][:bs], slot_mapping=g["slot_mapping"][:bs],
-                logits_indices=None, num_tokens=bs, num_seqs=bs, max_q_len=1, max_kv_len=self.max_model_len,
-                logits_rows=np.arange(bs, dtype=np.int32), logits_per_seq=[(i, 1) for i in range(bs)])
+            self._graph_views[bs] = None
+            for max_kv_len in reversed(self._kv_buckets):
+                batch = Batch(
+                    input_ids=g["input_ids"][:bs], positions=g["positions"][:bs],
+                    cu_seqlens_q=g["cu_seqlens_q"][:bs + 1], kv_lens=g["kv_lens"][:bs],
+                    block_tables=g["block_tables"][:bs], slot_mapping=g["slot_mapping"][:bs], logits_indices=None,
+                    num_tokens=bs, num_seqs=bs, max_q_len=1, max_kv_len=max_kv_len,
+                    logits_rows=np.arange(bs, dtype=np.int32), logits_per_seq=[(i, 1) for i in range(bs)])
 
-            def step(batch=batch):
-                self.model.forward(batch, self.kv_cache, self.workspace)
+                def step(batch=batch):
+                    self.model.forward(batch, self.kv_cache, self.workspace)
 
-            step()  # warm-up outside capture: compiles kernels, lets cuBLAS pick its algorithms
-            if d == "cuda":
-                from ..runtime import synchronize
+                step()  # warm-up outside capture: compiles kernels, lets cuBLAS pick its algorithms
+                if d == "cuda":
+                    from ..runtime import synchronize
 
-                synchronize()
-            self.graphs[bs] = graph_factory(step)
-            self._graph_batches[bs] = batch
-            self._graph_views[bs] = {name: getattr(batch, name) for name in self._staging}
-        self._max_graph_bs = max(self.graphs)
-        self._bucket_of = [min(b for b in self.graphs if b >= n) for n in range(self._max_graph_bs + 1)]
-        return sorted(self.graphs)
+                    synchronize()
+                self.graphs[(bs, max_kv_len)] = graph_factory(step)
+                self._graph_batches[(bs, max_kv_len)] = batch
+                self._graph_views[bs] = {name: getattr(batch, name) for name in self._staging}
+        batch_sizes = sorted({bs for bs, _ in self.graphs})
+        self._max_graph_bs = batch_sizes[-1]
+        self._bucket_of = [min(b for b in batch_sizes if b >= n) for n in range(self._max_graph_bs + 1)]
+        return batch_sizes
 
     def _replay(self, chunks) -> tuple[Tensor, Batch]:
         """A decode step from its graph: the batch metadata written into host staging arrays (rows past the
@@ -179,5 +200,6 @@ class ModelRunner:
             st["block_tables"][n:bs] = 0
         for name, view in self._graph_views[bs].items():
             view.copy_(st[name][:bs])
-        self.graphs[bs].replay()
-        return self.workspace.logits[:n], self._graph_batches[bs]
+        key = (bs, self._kv_bucket(max(c.start_pos + 1 for c in chunks)))
+        self.graphs[key].replay()
+        return self.workspace.logits[:n], self._graph_batches[key]
