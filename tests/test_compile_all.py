@@ -44,3 +44,13 @@ def test_compiling_leaves_python_constants_intact(tmp_path, monkeypatch):
     monkeypatch.setenv("XSERV_CACHE_DIR", str(tmp_path))
     compile_family("fill", "sm_90a", use_cache=False)
     assert " ".encode()[0] == 32 and b" "[0] == 32  # compares ints: the shared object would read 0
+
+
+def test_ensure_compiled_fills_the_cache_once(tmp_path, monkeypatch):
+    import xserv.runtime.compiler as compiler
+
+    monkeypatch.setenv("XSERV_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(compiler, "list_families", lambda: ["fill", "elementwise"])
+    assert compiler.missing_families("sm_90a") == ["fill", "elementwise"]
+    assert sorted(compiler.ensure_compiled("sm_90a", progress=False)) == ["elementwise", "fill"]
+    assert compiler.missing_families("sm_90a") == [] and compiler.ensure_compiled("sm_90a") == []

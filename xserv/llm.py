@@ -71,6 +71,13 @@ class LLM:
                              f"(max_position_embeddings, or YaRN's factor x original length)")
         max_len = max_model_len or context
         self.tokenizer = Tokenizer.from_folder(self.folder)
+        if self.device == "cuda":
+            from .runtime import get_device
+            from .runtime.compiler import ensure_compiled
+
+            start = time.perf_counter()
+            ensure_compiled(get_device().arch, progress=progress)
+            self.kernel_compile_s = time.perf_counter() - start
         reader = CheckpointReader(self.folder)
         start = time.perf_counter()
         self.model = Qwen3Model.from_checkpoint(config, reader, self.device, progress=progress, max_positions=max_len)

@@ -141,3 +141,41 @@ def _check(err, what: str, path: Path) -> None:
     if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
         _, msg = nvrtc.nvrtcGetErrorString(err)
         raise CompileError(f"{what} failed for {path.name}: {msg.decode() if isinstance(msg, bytes) else err}")
+
+
+def missing_families(arch: str, extra_options: tuple[str, ...] = ()) -> list[str]:
+    """Families whose cubin for `arch` is not in the disk cache yet."""
+    options = DEFAULT_OPTIONS + tuple(extra_options)
+    return [f for f in list_families()
+            if not (cache_dir() / f"{f}-{arch}-{cache_key(f, arch, options)}.cubin").is_file()]
+
+
+def ensure_compiled(arch: str, progress: bool = True) -> list[str]:
+    """Compile every family missing from the disk cache (a first run takes tens of seconds; later starts load
+    the cubins in milliseconds), with a progress bar. NVRTC runs outside the GIL, so families compile in
+    parallel threads. Returns the families compiled."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    todo = missing_families(arch)
+    if not todo:
+        return []
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(todo), desc=f"compiling CUDA kernels for {arch} (first run; cached in {cache_dir()})",
+                   unit="family", leave=False)
+
+    def build(family):
+        compile_family(family, arch)
+        if bar is not None:
+            bar.update(1)
+
+    try:
+        with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1, len(todo))) as pool:
+            list(pool.map(build, todo))
+    finally:
+        if bar is not None:
+            bar.close()
+    return todo
