@@ -10,8 +10,8 @@ from qwen3_reference import tiny_model_dir  # noqa: F401
 from xserv.cli import build_parser
 
 
-def xserv(*args, stdin=None, timeout=120):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+def xserv(*args, stdin=None, timeout=120, env=None):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     return subprocess.run([sys.executable, "-m", "xserv", *args], input=stdin, capture_output=True, text=True,
                           timeout=timeout, env=env)
 
@@ -24,6 +24,14 @@ def test_generate_prints_text(tiny_model_dir):  # noqa: F811
     again = xserv("generate", "--model", str(tiny_model_dir), "--device", "cpu", "--prompt", "Hello",
                   "--max-tokens", "16", "--temperature", "0")
     assert again.stdout == r.stdout
+
+
+def test_generate_without_a_model_uses_the_bundled_tiny_one(tmp_path):
+    r = xserv("generate", "--device", "cpu", "--prompt", "Hello", "--max-tokens", "4", "--temperature", "0",
+              env={"XSERV_CACHE_DIR": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    assert "RANDOM" in r.stderr and r.stdout.strip()
+    assert (tmp_path / "models" / "tiny-random" / "config.json").is_file()
 
 
 @pytest.mark.parametrize("args, needle", [

@@ -18,11 +18,10 @@ commands:  /reset         forget the conversation
            Ctrl-C         stop the current answer (the session goes on)"""
 
 
-def _add_model_args(p: argparse.ArgumentParser, model_required: bool) -> None:
+def _add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--model", "-m", required=model_required, default=None,
-                   help="a Hugging Face Qwen3 folder or hub id" + ("" if model_required else
-                        " (default: the bundled tiny model, random weights)"))
+    g.add_argument("--model", "-m", default=None,
+                   help="a Hugging Face Qwen3 folder or hub id (default: the bundled tiny model, random weights)")
     g.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="where to run (default: cuda when a GPU is present, else cpu)")
     g.add_argument("--max-model-len", type=int, default=None, metavar="N",
@@ -62,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 "  xserv generate -m ./Qwen3-8B --prompt 'The capital of France is' --temperature 0\n"
                                 "  xserv generate -m Qwen/Qwen3-0.6B --chat --no-enable-thinking -p 'Write a haiku'",
                          formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_model_args(gen, model_required=True)
+    _add_model_args(gen)
     gen.add_argument("--prompt", "-p", required=True, help="the prompt text")
     gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=False,
                      help="wrap the prompt as a user message in the model's chat template (default: plain text)")
@@ -72,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Chat with a model in the terminal: answers stream as they are generated, "
                                       "the conversation is kept through the chat template.\n\n" + CHAT_HELP,
                           formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_model_args(chat, model_required=False)
+    _add_model_args(chat)
     chat.add_argument("--system", default=None, metavar="TEXT", help="a system prompt")
     _add_sampling_args(chat, max_tokens=1024)
     return parser
@@ -91,9 +90,16 @@ def _sampling_params(args):
     return SamplingParams(**kw)
 
 
-def _load(args, model: str):
+def _load(args):
     from .llm import LLM
 
+    model = args.model
+    if model is None:
+        from .models.random_checkpoint import bundled_tiny_model
+
+        model = str(bundled_tiny_model())
+        print("xserv: no --model given, using the bundled tiny model. Its weights are RANDOM: the answers are "
+              "gibberish. Pass --model PATH (a Qwen3 folder or hub id) for a real model.", file=sys.stderr)
     print(f"xserv: loading {model} ...", file=sys.stderr, flush=True)
     return LLM(model, device=args.device, max_model_len=args.max_model_len, kv_cache_tokens=args.kv_cache_tokens,
                cuda_graphs=not args.no_cuda_graphs, max_num_seqs=8)
@@ -101,7 +107,7 @@ def _load(args, model: str):
 
 def cmd_generate(args) -> int:
     params = _sampling_params(args)
-    llm = _load(args, args.model)
+    llm = _load(args)
     prompt = args.prompt
     if args.chat:
         prompt = llm.chat_prompt([{"role": "user", "content": prompt}], enable_thinking=args.enable_thinking)
@@ -115,14 +121,8 @@ def cmd_generate(args) -> int:
 
 def cmd_chat(args) -> int:
     params = _sampling_params(args)
-    model = args.model
-    if model is None:
-        from .models.random_checkpoint import bundled_tiny_model
-
-        model = str(bundled_tiny_model())
-        print("xserv: no --model given, using the bundled tiny model. Its weights are RANDOM: the answers are "
-              "gibberish. Pass --model PATH (a Qwen3 folder or hub id) for a real model.", file=sys.stderr)
-    llm = _load(args, model)
+    llm = _load(args)
+    model = llm.folder
     try:
         import readline  # noqa: F401  (line editing and history for input())
     except ImportError:
