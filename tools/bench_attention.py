@@ -150,7 +150,7 @@ def main(argv=None) -> int:
                 print(f"  ({var}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]})")
                 continue
             if var == "v2" or block % 16:
-                splits[var] = A.decode_plan(b, hkv, lkv, dev.multiprocessor_count)[0]
+                splits[var] = A.decode_plan(b, hkv, lkv, dev.multiprocessor_count, A.DECODE_CTAS_PER_SM)[0]
             else:
                 st = int(var[3:]) if len(var) > 2 else 2
                 splits[var] = A.decode_plan(b, hkv, lkv, dev.multiprocessor_count, A._V3_RESIDENT[d, st], True)[0]

@@ -315,6 +315,8 @@ _counters: list[Tensor] = []  # v3's per-(sequence, kv head) split counters: zer
 # cp.async staging, 2 stages) or "v3s3" (3 stages). v3 needs block_size % 16 == 0 and falls back to v2 otherwise.
 # Measured on an H200: docs/kernels/attention.md ("v3 decode").
 DECODE_IMPL = os.environ.get("XSERV_ATTN_DECODE", "v2")
+# v2's split-KV grid aims at this many CTAs per SM (tuning knob for tools/bench_attention sweeps).
+DECODE_CTAS_PER_SM = int(os.environ.get("XSERV_ATTN_DECODE_CTAS_PER_SM", "4"))
 _V3_WARPS = 4
 # CTAs of 128 threads resident per SM for (head_dim, stages), from shared memory (4 * stages * head_dim * 64 bytes
 # per CTA) and registers (138 for d128, <= 96 for d64): they size the split-KV grid.
@@ -403,7 +405,7 @@ def attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_lens: Tenso
         stages = int(variant[3:]) if len(variant) > 2 else 2
         splits, chunk = decode_plan(num_seqs, num_kv_heads, max_kv_len, sms, _V3_RESIDENT[head_dim, stages], True)
     else:
-        splits, chunk = decode_plan(num_seqs, num_kv_heads, max_kv_len, sms)
+        splits, chunk = decode_plan(num_seqs, num_kv_heads, max_kv_len, sms, DECODE_CTAS_PER_SM)
     part_o = part_lse = out  # unused by the kernel when splits == 1
     if splits > 1:
         rows = num_seqs * num_q_heads * splits
