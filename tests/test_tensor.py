@@ -63,3 +63,11 @@ def test_cpu_cuda_transfer(rng):
     t = Tensor.from_numpy(a, "cpu").to("cuda")
     assert t.is_cuda
     np.testing.assert_array_equal(t.to("cpu").numpy(), a)
+
+
+def test_misaligned_helper_is_an_offset_view(rng):
+    from xserv.testing import misaligned
+
+    a = rng.standard_normal((3, 4)).astype(bfloat16)
+    t = misaligned(a, "cpu")
+    np.testing.assert_array_equal(t.numpy().view(np.uint16), a.view(np.uint16))

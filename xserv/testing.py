@@ -46,3 +46,10 @@ def poisoned(shape, dtype, device="cuda") -> Tensor:
         return Tensor.empty(shape, dt, device)
     fill = -1 if np.issubdtype(dt, np.integer) else np.nan
     return Tensor.full(shape, fill, dt, device)
+
+
+def misaligned(array: np.ndarray, device: str = "cuda") -> Tensor:
+    """A copy of `array` whose first element sits one element past an allocation's start (2 bytes for bf16, so
+    not 16-byte aligned): makes launchers take their unaligned (scalar) kernels."""
+    flat = Tensor.from_numpy(np.concatenate([np.zeros(1, array.dtype), array.reshape(-1)]), device)
+    return flat[1:].view(*array.shape)

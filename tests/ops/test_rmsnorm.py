@@ -4,7 +4,7 @@ import pytest
 from xserv.ops.rmsnorm import (fused_add_rmsnorm, fused_add_rmsnorm_reference, head_rmsnorm, head_rmsnorm_reference,
                                rmsnorm, rmsnorm_reference)
 from xserv.tensor import Tensor, bfloat16, float32
-from xserv.testing import poisoned, random_array, rel_error
+from xserv.testing import misaligned as unaligned, poisoned, random_array, rel_error
 
 EPS = 1e-6
 
@@ -24,12 +24,6 @@ def cpu(a):
 
 def dev(a):
     return Tensor.from_numpy(a, "cuda")
-
-
-def unaligned(a):
-    """A CUDA copy of `a` whose address is 2 bytes past a 16-byte boundary (forces the scalar kernels)."""
-    flat = Tensor.from_numpy(np.concatenate([np.zeros(1, a.dtype), a.reshape(-1)]))
-    return flat[1:].view(*a.shape)
 
 
 # ---- CPU -----------------------------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ import pytest
 
 from xserv.ops.rope import qk_norm_rope, qk_norm_rope_reference, rope, rope_cos_sin_table, rope_reference
 from xserv.tensor import Tensor, bfloat16, float32
-from xserv.testing import poisoned, random_array, rel_error
+from xserv.testing import misaligned, poisoned, random_array, rel_error
 
 EPS = 1e-6
 QWEN3_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
@@ -140,11 +140,6 @@ def test_errors_name_the_argument(rng):
 
 
 # ---- CUDA ----------------------------------------------------------------------------------------------------------
-def _unaligned(a):
-    flat = Tensor.from_numpy(np.concatenate([np.zeros(1, a.dtype), a.reshape(-1)]))
-    return flat[1:].view(*a.shape)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 7, 1023])
 @pytest.mark.parametrize("heads", [1, 5, 40])
@@ -168,7 +163,7 @@ def test_cuda_rope_layouts(rng, layout):
     x = random_array(rng, (9, 3, 128), bfloat16, mean=0.2)
     table = rope_cos_sin_table(128, 64, 1e6)
     pos = rng.integers(0, 64, 9).astype(np.int32)
-    xd = _unaligned(x) if layout == "unaligned" else dev(x)
+    xd = misaligned(x) if layout == "unaligned" else dev(x)
     out = xd if layout == "inplace" else poisoned(x.shape, bfloat16)
     rope(xd, dev(pos), dev(table), out=out)
     assert rel_error(out.numpy(), rope_reference(x, pos, table).astype(bfloat16)) < 2e-3
@@ -210,6 +205,6 @@ def test_cuda_qk_norm_rope_unaligned(rng):
     w = random_array(rng, (d,), bfloat16, mean=1.0)
     table = rope_cos_sin_table(d, 64, 1e6)
     pos = np.arange(5, dtype=np.int32)
-    qd = _unaligned(qkv)
+    qd = misaligned(qkv)
     qk_norm_rope(qd, dev(w), dev(w), dev(pos), dev(table), hq, hkv, EPS)
     assert rel_error(qd.numpy(), qk_norm_rope_reference(qkv, w, w, pos, table, hq, hkv, EPS)) < 3e-3

@@ -33,7 +33,9 @@ def same_device(**tensors: Tensor) -> str:
 
 
 def check_aligned(name: str, t: Tensor, nbytes: int = 16) -> None:
-    if t.is_cuda and t.ptr % nbytes:
+    from ._launch import aligned
+
+    if t.is_cuda and not aligned(t, nbytes=nbytes):
         raise ValueError(f"{name}: device address 0x{t.ptr:x} is not {nbytes}-byte aligned")
 
 
