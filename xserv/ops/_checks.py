@@ -33,9 +33,7 @@ def same_device(**tensors: Tensor) -> str:
 
 
 def check_aligned(name: str, t: Tensor, nbytes: int = 16) -> None:
-    from ._launch import aligned
-
-    if t.is_cuda and not aligned(t, nbytes=nbytes):
+    if t.is_cuda and t.ptr % nbytes:
         raise ValueError(f"{name}: device address 0x{t.ptr:x} is not {nbytes}-byte aligned")
 
 
