@@ -84,4 +84,23 @@ __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
 // 16-byte bank groups (row stride 128 or 256 bytes would otherwise put them all in the same banks).
 __device__ __forceinline__ int swizzled_chunk(int row, int chunk) { return chunk ^ (row & 7); }
 
+// 2^x on the SFU (exp2(-inf) = 0; no denormal fix-up code).
+__device__ __forceinline__ float exp2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
 }  // namespace xserv
+
+// Arguments shared by every prefill kernel (attention_prefill.cu, attention_prefill_sm90.cu); meanings at the top
+// of attention_prefill.cu.
+#define XSERV_PREFILL_ARGS                                                                                        \
+    const __nv_bfloat16 *__restrict__ q, long long q_row_stride, const __nv_bfloat16 *__restrict__ k_cache,      \
+        const __nv_bfloat16 *__restrict__ v_cache, const int *__restrict__ cu_seqlens_q,                         \
+        const int *__restrict__ kv_lens, const int *__restrict__ block_tables, int max_blocks_per_seq,           \
+        int block_size, int num_q_heads, int num_kv_heads, float scale_log2, __nv_bfloat16 *__restrict__ out,     \
+        int causal
+#define XSERV_PREFILL_PASS                                                                                        \
+    q, q_row_stride, k_cache, v_cache, cu_seqlens_q, kv_lens, block_tables, max_blocks_per_seq, block_size,       \
+        num_q_heads, num_kv_heads, scale_log2, out, causal

@@ -65,16 +65,6 @@ __device__ void prefill_simple(const __nv_bfloat16* __restrict__ q, long long q_
     for (int e = 0; e < E; ++e) orow[e] = __float2bfloat16(acc[e] / l);
 }
 
-#define XSERV_PREFILL_ARGS                                                                                        \
-    const __nv_bfloat16 *__restrict__ q, long long q_row_stride, const __nv_bfloat16 *__restrict__ k_cache,      \
-        const __nv_bfloat16 *__restrict__ v_cache, const int *__restrict__ cu_seqlens_q,                         \
-        const int *__restrict__ kv_lens, const int *__restrict__ block_tables, int max_blocks_per_seq,           \
-        int block_size, int num_q_heads, int num_kv_heads, float scale_log2, __nv_bfloat16 *__restrict__ out,     \
-        int causal
-#define XSERV_PREFILL_PASS                                                                                        \
-    q, q_row_stride, k_cache, v_cache, cu_seqlens_q, kv_lens, block_tables, max_blocks_per_seq, block_size,       \
-        num_q_heads, num_kv_heads, scale_log2, out, causal
-
 extern "C" __global__ void __launch_bounds__(128) attention_prefill_simple_d64(XSERV_PREFILL_ARGS) {
     prefill_simple<64>(XSERV_PREFILL_PASS);
 }
@@ -318,12 +308,6 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const unsigned (&a)[4], 
         "{%0, %1, %2, %3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-// 2^x on the SFU (exp2(-inf) = 0; no denormal fix-up code).
-__device__ __forceinline__ float exp2_approx(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
 }
 
 }  // namespace prefill3

@@ -41,6 +41,8 @@ def main(argv=None) -> int:
     p.add_argument("--warps", default="4,8", help="fa2 prefill variants to time (warps per CTA; '' for none)")
     p.add_argument("--v3", default="all", help="v3 prefill variants to time: all, default, none, or names "
                    "(comma-separated, e.g. m2w4_b2)")
+    p.add_argument("--v4", default="all", help="v4 (wgmma, sm_90a) prefill variants to time: all, default, none, "
+                   "or names (e.g. w2_k64)")
     p.add_argument("--prefill-only", action="store_true", help="skip the decode configs")
     p.add_argument("--decode-only", action="store_true", help="skip the prefill configs")
     p.add_argument("--decode-variants", default="v2,v3,v3s3", help="decode kernels to time (variant=)")
@@ -110,6 +112,10 @@ def main(argv=None) -> int:
         v3 = {"all": A.V3_VARIANTS[d], "default": (A.V3_DEFAULT[d],), "none": ()}.get(
             args.v3, [v for v in args.v3.split(",") if v in A.V3_VARIANTS[d]])
         impls += [(f"v3 {v}", f"v3_{v}", 0) for v in v3]
+        if dev.arch == "sm_90a":
+            v4 = {"all": A.V4_VARIANTS[d], "default": (A.V4_DEFAULT[d],), "none": ()}.get(
+                args.v4, [v for v in args.v4.split(",") if v in A.V4_VARIANTS[d]])
+            impls += [(f"v4 {v}", f"v4_{v}", 0) for v in v4]
         for name, impl, w in impls:
             fns = [lambda t=t, o=o, impl=impl, w=w: A._prefill_cuda(
                 t["q"], t["k_cache"], t["v_cache"], t["cu_seqlens_q"], t["kv_lens"], t["block_tables"], t["scale"],

@@ -171,10 +171,12 @@ def test_prefill_gpu_noncausal(rng, head_dim):
 
 
 @pytest.mark.gpu
-def test_prefill_gpu_long(rng):
+@pytest.mark.parametrize("family", ["fa2", "v3", "v4"])
+def test_prefill_gpu_long(rng, family):
     # a 4096-token prompt from scratch, and a 64-token chunk at the end of a 32768-token context
     case = make_case(rng, [4096, 64], [4096, 32768], 4, 1, 128, 16)
-    out = run_prefill_gpu(case)
+    impl = family if family == "fa2" else prefill_variants(family, 128)[0]
+    out = run_prefill_gpu(case, impl)
     ref = A.attention_prefill_reference(case["q"], case["k_cache"], case["v_cache"], case["cu"], case["kv_lens"],
                                         case["tables"], case["scale"], dtype=np.float64)
     assert rel_error(out, ref) < TOL
@@ -334,7 +336,8 @@ def test_decode_gpu_graph_replays(rng, variant):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# v3 prefill variants (every compiled variant; block sizes that split a thread's rows across pages included)
+# v3 (mma.sync) and v4 (wgmma, sm_90a) prefill variants: every compiled variant; block sizes that split a thread's
+# rows across pages included
 # ---------------------------------------------------------------------------------------------------------------
 
 def test_v3_variant_names():
@@ -347,21 +350,44 @@ def test_v3_variant_names():
         A._v3_shape("m3")
 
 
+def test_v4_variant_names():
+    for d, variants in A.V4_VARIANTS.items():
+        assert A.V4_DEFAULT[d] in variants
+        for v in variants:
+            warpgroups, bkv = A._v4_shape(v)
+            assert warpgroups in (1, 2, 3) and bkv in (64, 128)
+    with pytest.raises(ValueError):
+        A._v4_shape("m2w4")
+
+
+def prefill_variants(family: str, head_dim: int) -> list[str]:
+    """Every compiled variant of a kernel family ("v3", "v4") for head_dim, as _prefill_cuda impl names."""
+    if family == "v4":
+        from xserv.runtime import get_device
+
+        if get_device().arch != "sm_90a":
+            pytest.skip("v4 prefill needs sm_90a")
+        return [f"v4_{v}" for v in A.V4_VARIANTS[head_dim]]
+    return [f"v3_{v}" for v in A.V3_VARIANTS[head_dim]]
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("family", ["v3", "v4"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("hq,hkv,block_size", [(4, 4, 16), (8, 4, 20), (16, 4, 256), (16, 2, 64), (8, 1, 48)])
-def test_prefill_gpu_v3(rng, head_dim, hq, hkv, block_size):
+def test_prefill_gpu_variants(rng, family, head_dim, hq, hkv, block_size):
     case = make_case(rng, *MIXED, hq, hkv, head_dim, block_size)
     ref = A.attention_prefill_reference(case["q"], case["k_cache"], case["v_cache"], case["cu"], case["kv_lens"],
                                         case["tables"], case["scale"], dtype=np.float64)
-    for variant in A.V3_VARIANTS[head_dim]:
-        out = run_prefill_gpu(case, f"v3_{variant}")
-        assert rel_error(out, ref) < TOL, variant
+    for impl in prefill_variants(family, head_dim):
+        out = run_prefill_gpu(case, impl)
+        assert rel_error(out, ref) < TOL, impl
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("family", ["v3", "v4"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_prefill_gpu_v3_noncausal_chunked(rng, head_dim):
+def test_prefill_gpu_noncausal_chunked(rng, family, head_dim):
     # non-causal with tails, and causal chunks at the end of longer contexts (offset kv_len - q_len)
     case = make_case(rng, [1, 70, 129, 200], [1, 300, 129, 1111], 8, 2, head_dim, 32)
     t = on("cuda", case)
@@ -370,8 +396,8 @@ def test_prefill_gpu_v3_noncausal_chunked(rng, head_dim):
         ref = A.attention_prefill_reference(case["q"], case["k_cache"], case["v_cache"], case["cu"],
                                             case["kv_lens"], case["tables"], case["scale"], dtype=np.float64,
                                             causal=causal)
-        for variant in A.V3_VARIANTS[head_dim]:
+        for variant in prefill_variants(family, head_dim):
             out = poisoned((case["q"].shape[0], 8, head_dim), bfloat16)
             A._prefill_cuda(t["q"], t["k_cache"], t["v_cache"], t["cu_seqlens_q"], t["kv_lens"], t["block_tables"],
-                            case["scale"], max_q, out, 8, f"v3_{variant}", 0, causal)
+                            case["scale"], max_q, out, 8, variant, 0, causal)
             assert rel_error(out.numpy(), ref) < TOL, (variant, causal)

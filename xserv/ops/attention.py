@@ -22,11 +22,11 @@ from ._checks import check_aligned, check_tensor, output, same_device
 HEAD_DIMS = (64, 128)
 MAX_GQA_GROUP = 8  # decode kernels are instantiated for Hq / Hkv = 1..8 (Qwen3 uses 1, 2, 4, 5, 8)
 
-# Prefill kernel: "v3" (default; "v3_<variant>" picks one of V3_VARIANTS), "fa2" (v2) or "simple" (one warp per
-# query row; a GPU cross-check). Warps per CTA of
-# the fa2 kernel: 4 (64 query rows per CTA) or 8 (128 rows); 0 = by head_dim, as measured on an H200
-# (docs/kernels/attention.md): 8 for D=128 (+8%), 4 for D=64 (+8%).
-PREFILL_IMPL = os.environ.get("XSERV_ATTN_PREFILL", "v3")
+# Prefill kernel: "v4" (wgmma, sm_90a only; "v4_<variant>" picks one of V4_VARIANTS), "v3" (mma.sync; "v3_<variant>"
+# picks one of V3_VARIANTS), "fa2" (v2) or "simple" (one warp per query row; a GPU cross-check). Default: v4 where
+# the device is sm_90a, else v3. Warps per CTA of the fa2 kernel: 4 (64 query rows per CTA) or 8 (128 rows); 0 = by
+# head_dim, as measured on an H200 (docs/kernels/attention.md): 8 for D=128 (+8%), 4 for D=64 (+8%).
+PREFILL_IMPL = os.environ.get("XSERV_ATTN_PREFILL", "")
 PREFILL_WARPS = int(os.environ.get("XSERV_ATTN_PREFILL_WARPS", "0"))
 _BKV = 64  # keys per K/V tile of the fa2 kernel
 
@@ -249,9 +249,17 @@ def attention_prefill(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q:
             q.array, k_cache.array, v_cache.array, cu_seqlens_q.array, kv_lens.array, block_tables.array, scale,
             num_q_heads, causal=causal).astype(bfloat16)
         return out
+    impl = PREFILL_IMPL or default_prefill_impl()
     _prefill_cuda(q, k_cache, v_cache, cu_seqlens_q, kv_lens, block_tables, scale, max_q_len, out, num_q_heads,
-                  PREFILL_IMPL if causal or PREFILL_IMPL != "simple" else "v3", PREFILL_WARPS, causal)
+                  impl if causal or impl != "simple" else "v3", PREFILL_WARPS, causal)
     return out
+
+
+def default_prefill_impl() -> str:
+    """v4 (wgmma) on sm_90a, v3 (mma.sync) on any other architecture."""
+    from ..runtime import get_device
+
+    return "v4" if get_device().arch == "sm_90a" else "v3"
 
 
 def _prefill_cuda(q, k_cache, v_cache, cu_seqlens_q, kv_lens, block_tables, scale, max_q_len, out, num_q_heads,
@@ -268,6 +276,14 @@ def _prefill_cuda(q, k_cache, v_cache, cu_seqlens_q, kv_lens, block_tables, scal
             raise ValueError("the simple prefill kernel is causal only")
         kernel("attention_prefill", f"attention_prefill_simple_d{head_dim}")(
             ((max_q_len + 3) // 4, num_q_heads, num_seqs), (128, 1, 1), *args)
+        return
+    if impl.startswith("v4"):
+        variant = impl[3:].lstrip(":_") or V4_DEFAULT[head_dim]
+        warpgroups, bkv = _v4_shape(variant)
+        rows = 64 * warpgroups
+        kernel("attention_prefill_sm90", f"attention_prefill_v4_d{head_dim}_{variant}")(
+            (num_q_heads, num_seqs, (max_q_len + rows - 1) // rows), (128 * warpgroups, 1, 1), *args,
+            smem=(rows + 4 * bkv) * head_dim * 2 + 1024)
         return
     if impl.startswith("v3"):
         variant = impl[3:].lstrip(":_") or V3_DEFAULT[head_dim]
@@ -292,6 +308,21 @@ def _prefill_cuda(q, k_cache, v_cache, cu_seqlens_q, kv_lens, block_tables, scal
 V3_VARIANTS = {128: ("m2w4_b2", "m2w4_b3", "m2w4_b3_k32", "m2w8_b3", "m2w8_b3_k32", "m1w4q_b3", "m1w8q_b3"),
                64: ("m2w4q_b3", "m1w4q_b3", "m1w8q_b3", "m1w8q_b3_k32")}
 V3_DEFAULT = {128: "m2w8_b3", 64: "m1w8q_b3"}
+
+
+# v4 kernel variants compiled into attention_prefill_sm90.cu, as "w{warpgroups}_k{keys per tile}".
+V4_VARIANTS = {128: ("w2_k128", "w2_k64"), 64: ("w2_k128", "w2_k64")}
+V4_DEFAULT = {128: "w2_k128", 64: "w2_k128"}
+
+
+def _v4_shape(variant: str) -> tuple[int, int]:
+    """(warpgroups per CTA, keys per tile) of a v4 variant name."""
+    import re
+
+    m = re.fullmatch(r"w(\d)_k(\d+)", variant)
+    if not m:
+        raise ValueError(f"unknown v4 prefill variant {variant!r}")
+    return int(m.group(1)), int(m.group(2))
 
 
 def _v3_shape(variant: str) -> tuple[int, int, int]:

@@ -1,0 +1,260 @@
+// v4 prefill: FlashAttention on Hopper's warpgroup MMA (wgmma.mma_async), sm_90a only. Same arguments, grid
+// and semantics as the v3 kernel in attention_prefill.cu (paged K/V, packed variable-length query chunks, causal
+// offset kv_len - q_len, GQA by index); notes and measurements in docs/kernels/attention.md ("v4 prefill").
+//
+// Why: mma.sync (v3) issues one 16x8x16 product per warp instruction and feeds it through registers via ldmatrix;
+// on H100/H200 that path tops out near half the tensor-core rate. wgmma lets a warpgroup (4 warps, 128 threads)
+// issue a 64xNx16 product that reads its B operand (and optionally A) straight from shared memory, asynchronously.
+//
+// Structure (one CTA = NWG warpgroups = BQ = 64 * NWG query rows of one head; every thread also copies):
+//   shared: Q [BQ x D], K and V [2 stages][BKV x D], each stored as D/64 "panels" of 64 columns (128 bytes per row)
+//           with the 128-byte swizzle wgmma's descriptors expect: 16-byte chunk c of row r at chunk c ^ (r % 8).
+//   per K/V tile kt (2-stage cp.async pipeline, K(kt+1) and V(kt+1) in flight while tile kt is computed):
+//     S = Q K^T      wgmma SS: A = Q (K-major), B = K tile (K-major), S in registers (BKV/2 fp32 per thread)
+//     online softmax on S in registers (scale folded into exp2), P packed to bf16 A fragments in place
+//     O += P V       wgmma RS: A = P from registers, B = V tile read MN-major (transposed by the hardware)
+//   Causal: a warpgroup skips tiles wholly past its last row and masks only tiles that reach past its first row.
+#include "attention.cuh"
+#include "wgmma.cuh"
+
+using namespace xserv;
+
+namespace prefill4 {
+
+// Byte offset of 16-byte chunk `chunk` (of D/8) of row `row` in a tile of `rows` rows stored as 64-column panels
+// with the 128-byte swizzle.
+__device__ __forceinline__ unsigned panel_offset(int row, int chunk, int rows) {
+    return (unsigned)((chunk >> 3) * rows * 128 + row * 128 + (((chunk & 7) ^ (row & 7)) << 4));
+}
+
+}  // namespace prefill4
+
+template <int D, int NWG, int BKV>
+__device__ __forceinline__ void prefill_v4(XSERV_PREFILL_ARGS) {
+#if !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    __trap();  // wgmma exists only on sm_90a; xserv.ops.attention picks v4 only there (this keeps other archs compiling)
+#else
+    using namespace prefill4;
+    constexpr int BQ = 64 * NWG;
+    constexpr int THREADS = 128 * NWG;
+    constexpr int CH = D / 8;                   // 16-byte chunks per row
+    constexpr int RPT = BKV * CH / THREADS;     // K (and V) rows one thread copies per tile
+    static_assert(THREADS % CH == 0 && (THREADS / CH) * RPT == BKV, "copy layout");
+    static_assert(D % 64 == 0 && BKV % 64 == 0, "whole panels and whole 8-row swizzle atoms");
+    constexpr unsigned Q_BYTES = BQ * D * 2, KV_BYTES = BKV * D * 2;
+
+    // 128-byte swizzle works on address bits: every tile starts on a 1024-byte boundary (the launch asks for
+    // 1 KB more than the tiles need).
+    extern __shared__ uint4 smem_raw[];
+    const unsigned raw = smem_u32(smem_raw);
+    const unsigned sQ = (raw + 1023u) & ~1023u;
+    const unsigned sK = sQ + Q_BYTES;          // [2][BKV x D]
+    const unsigned sV = sK + 2 * KV_BYTES;     // [2][BKV x D]
+
+    const int tid = threadIdx.x, lane = tid & 31;
+    const int wg = tid >> 7, warp_in_wg = (tid >> 5) & 3;
+    const int h = blockIdx.x, s = blockIdx.y;
+    const int q_start = cu_seqlens_q[s], q_len = cu_seqlens_q[s + 1] - q_start;
+    const int i0 = (gridDim.z - 1 - blockIdx.z) * BQ;  // heaviest (last) q tiles first
+    if (i0 >= q_len) return;
+    const int kv_len = kv_lens[s];
+    const int offset = kv_len - q_len;
+    const int kv_head = h / (num_q_heads / num_kv_heads);
+    const int* table = block_tables + (long long)s * max_blocks_per_seq;
+    const int kv_end = causal ? min(kv_len, offset + min(i0 + BQ, q_len)) : kv_len;
+    const int n_tiles = (kv_end + BKV - 1) / BKV;
+
+    // ---- Q tile -> shared (rows past the chunk zero-filled); joins the group of K tile 0
+    for (int c = tid; c < BQ * CH; c += THREADS) {
+        const int row = c / CH, ch = c % CH;
+        const bool valid = i0 + row < q_len;
+        const __nv_bfloat16* src =
+            valid ? q + (long long)(q_start + i0 + row) * q_row_stride + (long long)h * D + ch * 8 : q;
+        cp_async16(sQ + panel_offset(row, ch, BQ), src, valid);
+    }
+
+    // ---- K/V copy layout: thread copies chunk my_ch of rows my_g * RPT .. my_g * RPT + RPT - 1 of each tile, one
+    // page-table lookup per tile when those rows share a page.
+    const int my_ch = tid % CH, my_g = tid / CH;
+    const long long slot_stride = (long long)num_kv_heads * D;
+    const __nv_bfloat16* k_head = k_cache + (long long)kv_head * D + my_ch * 8;
+    const __nv_bfloat16* v_head = v_cache + (long long)kv_head * D + my_ch * 8;
+    const bool grouped = block_size % RPT == 0;
+    auto page_of = [&](int kt) -> int {
+        const int j = kt * BKV + my_g * RPT;
+        return (grouped && j < kv_end) ? __ldg(table + j / block_size) : 0;
+    };
+    auto load_tile = [&](const __nv_bfloat16* head, unsigned dst, int kt, int page) {
+        const int j0 = kt * BKV + my_g * RPT;
+        const __nv_bfloat16* src0 = head + ((long long)page * block_size + j0 % block_size) * slot_stride;
+#pragma unroll
+        for (int r = 0; r < RPT; ++r) {
+            const int row = my_g * RPT + r, j = j0 + r;
+            const bool valid = j < kv_end;
+            const __nv_bfloat16* src = head;
+            if (valid) {
+                if (grouped) {
+                    src = src0 + r * slot_stride;
+                } else {
+                    const long long slot = (long long)__ldg(table + j / block_size) * block_size + j % block_size;
+                    src = head + slot * slot_stride;
+                }
+            }
+            cp_async16(dst + panel_offset(row, my_ch, BKV), src, valid);
+        }
+    };
+
+    // Prologue: groups Q+K0, V0; then per tile kt: K(kt+1) after the first barrier, V(kt+1) after the second
+    // (empty groups past the end keep the count uniform), so "at most 1 group pending" means K(kt) (resp. V(kt))
+    // has landed.
+    int page = page_of(0);
+    load_tile(k_head, sK, 0, page);
+    cp_async_commit();
+    load_tile(v_head, sV, 0, page);
+    cp_async_commit();
+    int next_page = n_tiles > 1 ? page_of(1) : 0;
+
+    // ---- wgmma descriptors (128-byte swizzle; stride byte offset 1024 = one 8-row swizzle atom). A k-step of 16
+    // columns inside a panel advances the start address by 32 bytes; the next panel starts rows * 128 bytes on.
+    //   Q (A, K-major): this warpgroup's 64 rows start at row 64 * wg.
+    //   K (B, K-major): BKV rows (N) x D (K).
+    //   V (B, MN-major): k-step = 16 keys = 2048 bytes; the leading byte offset steps N from one 64-column panel to
+    //   the next.
+    const unsigned long long q_desc = wgmma_desc_sw128(sQ + wg * 64 * 128, 16, 1024);
+    const unsigned long long k_desc = wgmma_desc_sw128(sK, 16, 1024);
+    const unsigned long long v_desc = wgmma_desc_sw128(sV, BKV * 128, 1024);
+    auto desc_add = [](unsigned long long desc, unsigned bytes) { return desc + (unsigned long long)(bytes >> 4); };
+
+    float o[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+    float m_row[2] = {neg_inf(), neg_inf()}, l_row[2] = {0.f, 0.f};
+
+    // this thread's rows: wg_row0 + 16 * warp_in_wg + lane / 4 (+ 8); key position limits as in v3
+    const int wg_row0 = i0 + 64 * wg;
+    const int pos_lo = causal ? offset + wg_row0 + 16 * warp_in_wg + (lane >> 2) : kv_len - 1;
+    const int pos_hi = pos_lo + (causal ? 8 : 0);
+    const int wg_first = causal ? offset + wg_row0 : kv_len - 1;
+    const int wg_last = causal ? offset + wg_row0 + 63 : kv_len - 1;
+    const bool wg_rows = wg_row0 < q_len;  // false: every row of this warpgroup is padding
+
+    for (int kt = 0; kt < n_tiles; ++kt) {
+        const int st = kt & 1;
+        cp_async_wait<1>();
+        fence_proxy_async();
+        __syncthreads();  // K(kt) (and Q) visible to every warpgroup; all are past S(kt-1), so K stage st^1 is free
+        if (kt + 1 < n_tiles) load_tile(k_head, sK + (st ^ 1) * KV_BYTES, kt + 1, next_page);
+        cp_async_commit();
+
+        const bool active = wg_rows && kt * BKV <= wg_last;  // warpgroup-uniform
+        float sacc[BKV / 2];
+        if (active) {
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                const unsigned a_off = (kk >> 2) * BQ * 128 + (kk & 3) * 32;
+                const unsigned b_off = st * KV_BYTES + (kk >> 2) * BKV * 128 + (kk & 3) * 32;
+                wgmma_ss<BKV>(sacc, desc_add(q_desc, a_off), desc_add(k_desc, b_off), kk > 0);
+            }
+            wgmma_commit();
+            wgmma_wait<0>();
+        }
+
+        cp_async_wait<1>();
+        fence_proxy_async();
+        __syncthreads();  // V(kt) visible; all warpgroups are past PV(kt-1), so V stage st^1 is free
+        if (kt + 1 < n_tiles) load_tile(v_head, sV + (st ^ 1) * KV_BYTES, kt + 1, next_page);
+        cp_async_commit();
+        page = next_page;
+        next_page = kt + 2 < n_tiles ? page_of(kt + 2) : 0;
+
+        if (!active) continue;
+
+        // ---- mask (only tiles reaching past the warpgroup's first row): key kt*BKV + 8j + 2(lane%4) + e
+        if (kt * BKV + BKV - 1 > wg_first) {
+            const int base = kt * BKV + 2 * (lane & 3);
+#pragma unroll
+            for (int j = 0; j < BKV / 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int key = base + 8 * j + e;
+                    if (key > pos_lo) sacc[4 * j + e] = neg_inf();
+                    if (key > pos_hi) sacc[4 * j + 2 + e] = neg_inf();
+                }
+        }
+        // ---- online softmax on raw scores; row r (0: lane/4, 1: lane/4 + 8) lives in the 4 lanes of a quad
+        float m_use[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float mx = neg_inf();
+#pragma unroll
+            for (int j = 0; j < BKV / 8; ++j) mx = fmaxf(mx, fmaxf(sacc[4 * j + 2 * r], sacc[4 * j + 2 * r + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float m_new = fmaxf(m_row[r], mx * scale_log2);
+            m_use[r] = m_new == neg_inf() ? 0.f : m_new;  // fully masked so far: no inf - inf
+            const float alpha = exp2_approx(m_row[r] - m_use[r]);
+            m_row[r] = m_new;
+            l_row[r] *= alpha;
+#pragma unroll
+            for (int j = 0; j < D / 8; ++j) {
+                o[4 * j + 2 * r] *= alpha;
+                o[4 * j + 2 * r + 1] *= alpha;
+            }
+        }
+        // ---- P = exp2(S * scale - m) as bf16 A fragments: k-step ks covers keys 16ks..16ks+15 = accumulator
+        // column blocks 2ks (a[0], a[1]) and 2ks+1 (a[2], a[3])
+        unsigned pa[BKV / 16][4];
+#pragma unroll
+        for (int ks = 0; ks < BKV / 16; ++ks) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const float* sv = sacc + 8 * ks + 4 * half;
+                const float p0 = exp2_approx(fmaf(sv[0], scale_log2, -m_use[0]));
+                const float p1 = exp2_approx(fmaf(sv[1], scale_log2, -m_use[0]));
+                const float p2 = exp2_approx(fmaf(sv[2], scale_log2, -m_use[1]));
+                const float p3 = exp2_approx(fmaf(sv[3], scale_log2, -m_use[1]));
+                l_row[0] += p0 + p1;
+                l_row[1] += p2 + p3;
+                pa[ks][2 * half] = pack_bf16x2(p0, p1);
+                pa[ks][2 * half + 1] = pack_bf16x2(p2, p3);
+            }
+        }
+        // ---- O += P V
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < BKV / 16; ++ks)
+            wgmma_rs<D, 1>(o, pa[ks], desc_add(v_desc, st * KV_BYTES + ks * 16 * 128));
+        wgmma_commit();
+        wgmma_wait<0>();
+    }
+    cp_async_wait<0>();  // no copy may still target shared memory when the CTA exits
+
+    // ---- epilogue: O / l, rows past the chunk dropped
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float l = l_row[r];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        const int i = wg_row0 + 16 * warp_in_wg + (lane >> 2) + 8 * r;
+        if (i >= q_len) continue;
+        __nv_bfloat16* orow = out + ((long long)(q_start + i) * num_q_heads + h) * D + 2 * (lane & 3);
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j)
+            *reinterpret_cast<unsigned*>(orow + 8 * j) = pack_bf16x2(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+    }
+#endif
+}
+
+// attention_prefill_v4_d{D}_w{NWG}_k{BKV}: NWG warpgroups (64 query rows each), key tiles of BKV;
+// dynamic shared memory (64 NWG + 4 BKV) * D * 2 + 1024 bytes.
+#define XSERV_PREFILL_V4(D, NWG, BKV)                                                                           \
+    extern "C" __global__ void __launch_bounds__(128 * NWG, 1)                                                   \
+        attention_prefill_v4_d##D##_w##NWG##_k##BKV(XSERV_PREFILL_ARGS) {                                       \
+        prefill_v4<D, NWG, BKV>(XSERV_PREFILL_PASS);                                                             \
+    }
+XSERV_PREFILL_V4(128, 2, 128)
+XSERV_PREFILL_V4(128, 2, 64)
+XSERV_PREFILL_V4(64, 2, 128)
+XSERV_PREFILL_V4(64, 2, 64)
