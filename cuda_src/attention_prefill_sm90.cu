@@ -9,7 +9,7 @@
 // Structure (one CTA = NWG warpgroups = BQ = 64 * NWG query rows of one head; every thread also copies):
 //   shared: Q [BQ x D], K and V [2 stages][BKV x D], each stored as D/64 "panels" of 64 columns (128 bytes per row)
 //           with the 128-byte swizzle wgmma's descriptors expect: 16-byte chunk c of row r at chunk c ^ (r % 8).
-//   per K/V tile kt (2-stage cp.async pipeline, K(kt+1) and V(kt+1) in flight while tile kt is computed):
+//   per K/V tile kt (cp.async, K(kt+1) and V(kt+1) in flight while tile kt is computed; one barrier per tile):
 //     S = Q K^T      wgmma SS: A = Q (K-major), B = K tile (K-major), S in registers (BKV/2 fp32 per thread)
 //     online softmax on S in registers (scale folded into exp2), P packed to bf16 A fragments in place
 //     O += P V       wgmma RS: A = P from registers, B = V tile read MN-major (transposed by the hardware)
@@ -29,7 +29,9 @@ __device__ __forceinline__ unsigned panel_offset(int row, int chunk, int rows) {
 
 }  // namespace prefill4
 
-template <int D, int NWG, int BKV>
+// PROBE (timing decomposition only; the result is wrong on purpose): 0 = the real kernel, 1 = no K/V copies after
+// the first tile, 2 = no softmax (P = S), 3 = no PV product. tools/bench_attention --v4-probes times them.
+template <int D, int NWG, int BKV, int PROBE = 0>
 __device__ __forceinline__ void prefill_v4(XSERV_PREFILL_ARGS) {
 #if !defined(__CUDA_ARCH_FEAT_SM90_ALL)
     __trap();  // wgmma exists only on sm_90a; xserv.ops.attention picks v4 only there (this keeps other archs compiling)
@@ -38,8 +40,9 @@ __device__ __forceinline__ void prefill_v4(XSERV_PREFILL_ARGS) {
     constexpr int BQ = 64 * NWG;
     constexpr int THREADS = 128 * NWG;
     constexpr int CH = D / 8;                   // 16-byte chunks per row
-    constexpr int RPT = BKV * CH / THREADS;     // K (and V) rows one thread copies per tile
-    static_assert(THREADS % CH == 0 && (THREADS / CH) * RPT == BKV, "copy layout");
+    constexpr int GROUPS = THREADS / CH;        // threads that copy one row together
+    constexpr int RPT = (BKV + GROUPS - 1) / GROUPS;  // K (and V) rows one thread copies per tile (the last may idle)
+    static_assert(THREADS % CH == 0, "copy layout");
     static_assert(D % 64 == 0 && BKV % 64 == 0, "whole panels and whole 8-row swizzle atoms");
     constexpr unsigned Q_BYTES = BQ * D * 2, KV_BYTES = BKV * D * 2;
 
@@ -79,7 +82,7 @@ __device__ __forceinline__ void prefill_v4(XSERV_PREFILL_ARGS) {
     const long long slot_stride = (long long)num_kv_heads * D;
     const __nv_bfloat16* k_head = k_cache + (long long)kv_head * D + my_ch * 8;
     const __nv_bfloat16* v_head = v_cache + (long long)kv_head * D + my_ch * 8;
-    const bool grouped = block_size % RPT == 0;
+    const bool grouped = block_size % RPT == 0 && BKV % RPT == 0;  // then a thread's rows never straddle a page
     auto page_of = [&](int kt) -> int {
         const int j = kt * BKV + my_g * RPT;
         return (grouped && j < kv_end) ? __ldg(table + j / block_size) : 0;
@@ -90,6 +93,7 @@ __device__ __forceinline__ void prefill_v4(XSERV_PREFILL_ARGS) {
 #pragma unroll
         for (int r = 0; r < RPT; ++r) {
             const int row = my_g * RPT + r, j = j0 + r;
+            if (GROUPS * RPT != BKV && row >= BKV) break;
             const bool valid = j < kv_end;
             const __nv_bfloat16* src = head;
             if (valid) {
@@ -104,15 +108,13 @@ __device__ __forceinline__ void prefill_v4(XSERV_PREFILL_ARGS) {
         }
     };
 
-    // Prologue: groups Q+K0, V0; then per tile kt: K(kt+1) after the first barrier, V(kt+1) after the second
-    // (empty groups past the end keep the count uniform), so "at most 1 group pending" means K(kt) (resp. V(kt))
-    // has landed.
+    // Prologue: Q, K0 and V0 in one group. Per tile kt, right after the barrier that publishes tile kt, the copies
+    // of tile kt+1 are issued; they have the whole of tile kt's compute to land.
     int page = page_of(0);
     load_tile(k_head, sK, 0, page);
-    cp_async_commit();
     load_tile(v_head, sV, 0, page);
     cp_async_commit();
-    int next_page = n_tiles > 1 ? page_of(1) : 0;
+    page = n_tiles > 1 ? page_of(1) : 0;
 
     // ---- wgmma descriptors (128-byte swizzle; stride byte offset 1024 = one 8-row swizzle atom). A k-step of 16
     // columns inside a panel advances the start address by 32 bytes; the next panel starts rows * 128 bytes on.
@@ -138,95 +140,112 @@ __device__ __forceinline__ void prefill_v4(XSERV_PREFILL_ARGS) {
     const int wg_last = causal ? offset + wg_row0 + 63 : kv_len - 1;
     const bool wg_rows = wg_row0 < q_len;  // false: every row of this warpgroup is padding
 
+    // Two stages: tile kt+1 goes to the stage tile kt-1 used, which every warpgroup finished (S and PV waited)
+    // before it reached the barrier of tile kt.
     for (int kt = 0; kt < n_tiles; ++kt) {
-        const int st = kt & 1;
-        cp_async_wait<1>();
+        const unsigned stage = (kt & 1) * KV_BYTES;
+        // No copy is in flight past this wait, so the proxy fence has nothing else to wait for.
+        cp_async_wait<0>();
         fence_proxy_async();
-        __syncthreads();  // K(kt) (and Q) visible to every warpgroup; all are past S(kt-1), so K stage st^1 is free
-        if (kt + 1 < n_tiles) load_tile(k_head, sK + (st ^ 1) * KV_BYTES, kt + 1, next_page);
+        __syncthreads();  // K(kt), V(kt) (and Q) visible to every warpgroup
+        if (kt + 1 < n_tiles && PROBE != 1) {
+            load_tile(k_head, sK + (stage ^ KV_BYTES), kt + 1, page);
+            load_tile(v_head, sV + (stage ^ KV_BYTES), kt + 1, page);
+        }
         cp_async_commit();
+        page = kt + 2 < n_tiles ? page_of(kt + 2) : 0;
 
         const bool active = wg_rows && kt * BKV <= wg_last;  // warpgroup-uniform
-        float sacc[BKV / 2];
-        if (active) {
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
-                const unsigned a_off = (kk >> 2) * BQ * 128 + (kk & 3) * 32;
-                const unsigned b_off = st * KV_BYTES + (kk >> 2) * BKV * 128 + (kk & 3) * 32;
-                wgmma_ss<BKV>(sacc, desc_add(q_desc, a_off), desc_add(k_desc, b_off), kk > 0);
-            }
-            wgmma_commit();
-            wgmma_wait<0>();
-        }
-
-        cp_async_wait<1>();
-        fence_proxy_async();
-        __syncthreads();  // V(kt) visible; all warpgroups are past PV(kt-1), so V stage st^1 is free
-        if (kt + 1 < n_tiles) load_tile(v_head, sV + (st ^ 1) * KV_BYTES, kt + 1, next_page);
-        cp_async_commit();
-        page = next_page;
-        next_page = kt + 2 < n_tiles ? page_of(kt + 2) : 0;
-
         if (!active) continue;
 
-        // ---- mask (only tiles reaching past the warpgroup's first row): key kt*BKV + 8j + 2(lane%4) + e
-        if (kt * BKV + BKV - 1 > wg_first) {
-            const int base = kt * BKV + 2 * (lane & 3);
+        // ---- S = Q K^T
+        float sacc[BKV / 2];
+        wgmma_fence();
 #pragma unroll
-            for (int j = 0; j < BKV / 8; ++j)
+        for (int kk = 0; kk < D / 16; ++kk) {
+            const unsigned a_off = (kk >> 2) * BQ * 128 + (kk & 3) * 32;
+            const unsigned b_off = stage + (kk >> 2) * BKV * 128 + (kk & 3) * 32;
+            if (kk == 0)
+                wgmma_ss_init<BKV>(sacc, desc_add(q_desc, a_off), desc_add(k_desc, b_off));
+            else
+                wgmma_ss<BKV>(sacc, desc_add(q_desc, a_off), desc_add(k_desc, b_off), 1);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_fence_operands(sacc);
+        wgmma_fence_operands(o);
+
+        unsigned pa[BKV / 16][4];  // P as the A operand of the PV product
+        if constexpr (PROBE == 2) {  // no softmax: P = S
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int key = base + 8 * j + e;
-                    if (key > pos_lo) sacc[4 * j + e] = neg_inf();
-                    if (key > pos_hi) sacc[4 * j + 2 + e] = neg_inf();
+            for (int ks = 0; ks < BKV / 16; ++ks)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) pa[ks][i] = pack_bf16x2(sacc[8 * ks + 2 * i], sacc[8 * ks + 2 * i + 1]);
+        } else {
+            // ---- mask (only tiles reaching past the warpgroup's first row): key kt*BKV + 8j + 2(lane%4) + e
+            if (kt * BKV + BKV - 1 > wg_first) {
+                const int base = kt * BKV + 2 * (lane & 3);
+#pragma unroll
+                for (int j = 0; j < BKV / 8; ++j)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int key = base + 8 * j + e;
+                        if (key > pos_lo) sacc[4 * j + e] = neg_inf();
+                        if (key > pos_hi) sacc[4 * j + 2 + e] = neg_inf();
+                    }
+            }
+            // ---- online softmax on raw scores; row r (0: lane/4, 1: lane/4 + 8) lives in the 4 lanes of a quad
+            float m_use[2];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                float mx = neg_inf();
+#pragma unroll
+                for (int j = 0; j < BKV / 8; ++j) mx = fmaxf(mx, fmaxf(sacc[4 * j + 2 * r], sacc[4 * j + 2 * r + 1]));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                const float m_new = fmaxf(m_row[r], mx * scale_log2);
+                m_use[r] = m_new == neg_inf() ? 0.f : m_new;  // fully masked so far: no inf - inf
+                const float alpha = exp2_approx(m_row[r] - m_use[r]);
+                m_row[r] = m_new;
+                l_row[r] *= alpha;
+#pragma unroll
+                for (int j = 0; j < D / 8; ++j) {
+                    o[4 * j + 2 * r] *= alpha;
+                    o[4 * j + 2 * r + 1] *= alpha;
                 }
-        }
-        // ---- online softmax on raw scores; row r (0: lane/4, 1: lane/4 + 8) lives in the 4 lanes of a quad
-        float m_use[2];
+            }
+            // ---- P = exp2(S * scale - m) as bf16 A fragments: k-step ks covers keys 16ks..16ks+15 = accumulator
+            // column blocks 2ks (a[0], a[1]) and 2ks+1 (a[2], a[3])
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float mx = neg_inf();
+            for (int ks = 0; ks < BKV / 16; ++ks) {
 #pragma unroll
-            for (int j = 0; j < BKV / 8; ++j) mx = fmaxf(mx, fmaxf(sacc[4 * j + 2 * r], sacc[4 * j + 2 * r + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float m_new = fmaxf(m_row[r], mx * scale_log2);
-            m_use[r] = m_new == neg_inf() ? 0.f : m_new;  // fully masked so far: no inf - inf
-            const float alpha = exp2_approx(m_row[r] - m_use[r]);
-            m_row[r] = m_new;
-            l_row[r] *= alpha;
-#pragma unroll
-            for (int j = 0; j < D / 8; ++j) {
-                o[4 * j + 2 * r] *= alpha;
-                o[4 * j + 2 * r + 1] *= alpha;
+                for (int half = 0; half < 2; ++half) {
+                    const float* sv = sacc + 8 * ks + 4 * half;
+                    const float p0 = exp2_approx(fmaf(sv[0], scale_log2, -m_use[0]));
+                    const float p1 = exp2_approx(fmaf(sv[1], scale_log2, -m_use[0]));
+                    const float p2 = exp2_approx(fmaf(sv[2], scale_log2, -m_use[1]));
+                    const float p3 = exp2_approx(fmaf(sv[3], scale_log2, -m_use[1]));
+                    l_row[0] += p0 + p1;
+                    l_row[1] += p2 + p3;
+                    pa[ks][2 * half] = pack_bf16x2(p0, p1);
+                    pa[ks][2 * half + 1] = pack_bf16x2(p2, p3);
+                }
             }
         }
-        // ---- P = exp2(S * scale - m) as bf16 A fragments: k-step ks covers keys 16ks..16ks+15 = accumulator
-        // column blocks 2ks (a[0], a[1]) and 2ks+1 (a[2], a[3])
-        unsigned pa[BKV / 16][4];
+        if constexpr (PROBE == 3) {  // no PV product
 #pragma unroll
-        for (int ks = 0; ks < BKV / 16; ++ks) {
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const float* sv = sacc + 8 * ks + 4 * half;
-                const float p0 = exp2_approx(fmaf(sv[0], scale_log2, -m_use[0]));
-                const float p1 = exp2_approx(fmaf(sv[1], scale_log2, -m_use[0]));
-                const float p2 = exp2_approx(fmaf(sv[2], scale_log2, -m_use[1]));
-                const float p3 = exp2_approx(fmaf(sv[3], scale_log2, -m_use[1]));
-                l_row[0] += p0 + p1;
-                l_row[1] += p2 + p3;
-                pa[ks][2 * half] = pack_bf16x2(p0, p1);
-                pa[ks][2 * half + 1] = pack_bf16x2(p2, p3);
-            }
+            for (int ks = 0; ks < BKV / 16; ++ks) o[ks] += __uint_as_float(pa[ks][0] ^ pa[ks][1] ^ pa[ks][2] ^ pa[ks][3]);
+            continue;
         }
-        // ---- O += P V
+        // ---- O += P V (waited here: leaving it running into the next tile made ptxas serialise every wgmma)
+        wgmma_fence_operands(o);
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < BKV / 16; ++ks)
-            wgmma_rs<D, 1>(o, pa[ks], desc_add(v_desc, st * KV_BYTES + ks * 16 * 128));
+            wgmma_rs<D, 1>(o, pa[ks], desc_add(v_desc, stage + ks * 16 * 128));
         wgmma_commit();
         wgmma_wait<0>();
+        wgmma_fence_operands(o);
     }
     cp_async_wait<0>();  // no copy may still target shared memory when the CTA exits
 
@@ -256,5 +275,17 @@ __device__ __forceinline__ void prefill_v4(XSERV_PREFILL_ARGS) {
     }
 XSERV_PREFILL_V4(128, 2, 128)
 XSERV_PREFILL_V4(128, 2, 64)
+XSERV_PREFILL_V4(128, 3, 64)
 XSERV_PREFILL_V4(64, 2, 128)
 XSERV_PREFILL_V4(64, 2, 64)
+XSERV_PREFILL_V4(64, 3, 128)
+
+// timing probes of the default d128 kernel (see PROBE above)
+#define XSERV_PREFILL_V4_PROBE(P)                                                                                \
+    extern "C" __global__ void __launch_bounds__(256, 1) attention_prefill_v4probe##P##_d128_w2_k128(            \
+        XSERV_PREFILL_ARGS) {                                                                                    \
+        prefill_v4<128, 2, 128, P>(XSERV_PREFILL_PASS);                                                          \
+    }
+XSERV_PREFILL_V4_PROBE(1)
+XSERV_PREFILL_V4_PROBE(2)
+XSERV_PREFILL_V4_PROBE(3)

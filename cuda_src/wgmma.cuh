@@ -3,6 +3,8 @@
 // sm_90a warpgroup MMA (PTX ISA "Asynchronous Warpgroup Level Matrix Multiply-Accumulate"): D[64 x N] (+)= A[64 x 16]
 // * B[16 x N], bf16 inputs, fp32 accumulators, issued by all 128 threads of a warpgroup.
 //   wgmma_ss<N>(d, a_desc, b_desc, accumulate): A and B both from shared memory (matrix descriptors), K-major.
+//   wgmma_ss_init<N>(d, a_desc, b_desc):        the same with D = A * B; d is write-only, so the compiler carries
+//                                                no earlier value of it into the wgmma pipeline.
 //   wgmma_rs<N, TRANS_B>(d, a, b_desc):         A from registers (mma.m16n8k16 A-fragment layout per warp, warp w
 //                                                of the warpgroup owning rows 16w..16w+15), B from shared memory,
 //                                                always accumulating; TRANS_B = 1 reads B as MN-major.
@@ -25,6 +27,15 @@ __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sy
 // wgmma reads shared memory through; a barrier after it publishes them to the other threads' wgmma.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
+// Pin registers in place: the compiler sees the wgmma asm statements write their accumulators at issue, and would
+// otherwise move plain arithmetic on them above the wgmma_wait that actually makes them valid (ptxas then
+// serialises every wgmma, C7515). Call on accumulators right after a wait, and before the issue that reads them.
+template <int N>
+__device__ __forceinline__ void wgmma_fence_operands(float (&d)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
 // Shared-memory matrix descriptor, 128-byte swizzle (layout type 1): start address, leading and stride byte
 // offsets, all in 16-byte units. The swizzle is applied to address bits, so tiles must be 1024-byte aligned.
 __device__ __forceinline__ unsigned long long wgmma_desc_sw128(unsigned smem_addr, unsigned lead_bytes, unsigned stride_bytes) {
@@ -32,6 +43,7 @@ __device__ __forceinline__ unsigned long long wgmma_desc_sw128(unsigned smem_add
            ((unsigned long long)(stride_bytes >> 4) << 32) | (1ull << 62);
 }
 
+template <int N> __device__ __forceinline__ void wgmma_ss_init(float (&d)[N / 2], unsigned long long a_desc, unsigned long long b_desc);
 template <int N> __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], unsigned long long a_desc, unsigned long long b_desc, int accumulate);
 template <int N, int TRANS_B> __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const unsigned (&a)[4], unsigned long long b_desc);
 
@@ -45,6 +57,17 @@ __device__ __forceinline__ void wgmma_ss<64>(float (&d)[32], unsigned long long 
           "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
           "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
         : "l"(a_desc), "l"(b_desc), "r"(accumulate));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_ss_init<64>(float (&d)[32], unsigned long long a_desc, unsigned long long b_desc) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, 0, 1, 1, 0, 0;\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]),
+          "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]),
+          "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]),
+          "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31])
+        : "l"(a_desc), "l"(b_desc));
 }
 
 template <>
@@ -83,6 +106,21 @@ __device__ __forceinline__ void wgmma_ss<128>(float (&d)[64], unsigned long long
           "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
           "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
         : "l"(a_desc), "l"(b_desc), "r"(accumulate));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_ss_init<128>(float (&d)[64], unsigned long long a_desc, unsigned long long b_desc) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, 0, 1, 1, 0, 0;\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]),
+          "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]),
+          "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]),
+          "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31]),
+          "=f"(d[32]), "=f"(d[33]), "=f"(d[34]), "=f"(d[35]), "=f"(d[36]), "=f"(d[37]), "=f"(d[38]), "=f"(d[39]),
+          "=f"(d[40]), "=f"(d[41]), "=f"(d[42]), "=f"(d[43]), "=f"(d[44]), "=f"(d[45]), "=f"(d[46]), "=f"(d[47]),
+          "=f"(d[48]), "=f"(d[49]), "=f"(d[50]), "=f"(d[51]), "=f"(d[52]), "=f"(d[53]), "=f"(d[54]), "=f"(d[55]),
+          "=f"(d[56]), "=f"(d[57]), "=f"(d[58]), "=f"(d[59]), "=f"(d[60]), "=f"(d[61]), "=f"(d[62]), "=f"(d[63])
+        : "l"(a_desc), "l"(b_desc));
 }
 
 template <>

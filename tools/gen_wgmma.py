@@ -16,6 +16,8 @@ HEADER = """\
 // sm_90a warpgroup MMA (PTX ISA "Asynchronous Warpgroup Level Matrix Multiply-Accumulate"): D[64 x N] (+)= A[64 x 16]
 // * B[16 x N], bf16 inputs, fp32 accumulators, issued by all 128 threads of a warpgroup.
 //   wgmma_ss<N>(d, a_desc, b_desc, accumulate): A and B both from shared memory (matrix descriptors), K-major.
+//   wgmma_ss_init<N>(d, a_desc, b_desc):        the same with D = A * B; d is write-only, so the compiler carries
+//                                                no earlier value of it into the wgmma pipeline.
 //   wgmma_rs<N, TRANS_B>(d, a, b_desc):         A from registers (mma.m16n8k16 A-fragment layout per warp, warp w
 //                                                of the warpgroup owning rows 16w..16w+15), B from shared memory,
 //                                                always accumulating; TRANS_B = 1 reads B as MN-major.
@@ -38,6 +40,15 @@ __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sy
 // wgmma reads shared memory through; a barrier after it publishes them to the other threads' wgmma.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\\n" ::: "memory"); }
 
+// Pin registers in place: the compiler sees the wgmma asm statements write their accumulators at issue, and would
+// otherwise move plain arithmetic on them above the wgmma_wait that actually makes them valid (ptxas then
+// serialises every wgmma, C7515). Call on accumulators right after a wait, and before the issue that reads them.
+template <int N>
+__device__ __forceinline__ void wgmma_fence_operands(float (&d)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
 // Shared-memory matrix descriptor, 128-byte swizzle (layout type 1): start address, leading and stride byte
 // offsets, all in 16-byte units. The swizzle is applied to address bits, so tiles must be 1024-byte aligned.
 __device__ __forceinline__ unsigned long long wgmma_desc_sw128(unsigned smem_addr, unsigned lead_bytes, unsigned stride_bytes) {
@@ -45,6 +56,7 @@ __device__ __forceinline__ unsigned long long wgmma_desc_sw128(unsigned smem_add
            ((unsigned long long)(stride_bytes >> 4) << 32) | (1ull << 62);
 }
 
+template <int N> __device__ __forceinline__ void wgmma_ss_init(float (&d)[N / 2], unsigned long long a_desc, unsigned long long b_desc);
 template <int N> __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], unsigned long long a_desc, unsigned long long b_desc, int accumulate);
 template <int N, int TRANS_B> __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const unsigned (&a)[4], unsigned long long b_desc);
 """
@@ -78,6 +90,19 @@ __device__ __forceinline__ void wgmma_ss<{n}>(float (&d)[{acc}], unsigned long l
 """
 
 
+def ss_init(n: int) -> str:
+    acc = n // 2
+    return f"""
+template <>
+__device__ __forceinline__ void wgmma_ss_init<{n}>(float (&d)[{acc}], unsigned long long a_desc, unsigned long long b_desc) {{
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{regs(acc)}}}, %{acc}, %{acc + 1}, 0, 1, 1, 0, 0;\\n"
+        : {outs(acc).replace('"+f"', '"=f"')}
+        : "l"(a_desc), "l"(b_desc));
+}}
+"""
+
+
 def rs(n: int, trans: int) -> str:
     acc = n // 2
     return f"""
@@ -95,6 +120,7 @@ def main() -> None:
     parts = [HEADER]
     for n in SHAPES:
         parts.append(ss(n))
+        parts.append(ss_init(n))
         parts.append(rs(n, 0))
         parts.append(rs(n, 1))
     parts.append("\n}  // namespace xserv\n")

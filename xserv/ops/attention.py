@@ -277,11 +277,12 @@ def _prefill_cuda(q, k_cache, v_cache, cu_seqlens_q, kv_lens, block_tables, scal
         kernel("attention_prefill", f"attention_prefill_simple_d{head_dim}")(
             ((max_q_len + 3) // 4, num_q_heads, num_seqs), (128, 1, 1), *args)
         return
-    if impl.startswith("v4"):
-        variant = impl[3:].lstrip(":_") or V4_DEFAULT[head_dim]
+    if impl.startswith("v4"):  # "v4", "v4_<variant>", or a timing probe "v4probe<N>_<variant>" (wrong results)
+        family, _, variant = impl.partition("_")
+        variant = variant or V4_DEFAULT[head_dim]
         warpgroups, bkv = _v4_shape(variant)
         rows = 64 * warpgroups
-        kernel("attention_prefill_sm90", f"attention_prefill_v4_d{head_dim}_{variant}")(
+        kernel("attention_prefill_sm90", f"attention_prefill_{family}_d{head_dim}_{variant}")(
             (num_q_heads, num_seqs, (max_q_len + rows - 1) // rows), (128 * warpgroups, 1, 1), *args,
             smem=(rows + 4 * bkv) * head_dim * 2 + 1024)
         return
@@ -311,7 +312,7 @@ V3_DEFAULT = {128: "m2w8_b3", 64: "m1w8q_b3"}
 
 
 # v4 kernel variants compiled into attention_prefill_sm90.cu, as "w{warpgroups}_k{keys per tile}".
-V4_VARIANTS = {128: ("w2_k128", "w2_k64"), 64: ("w2_k128", "w2_k64")}
+V4_VARIANTS = {128: ("w2_k128", "w2_k64", "w3_k64"), 64: ("w2_k128", "w2_k64", "w3_k128")}
 V4_DEFAULT = {128: "w2_k128", 64: "w2_k128"}
 
 
