@@ -596,3 +596,414 @@ XSERV_DECODE_V3_STAGES(128, 5)
 XSERV_DECODE_V3_STAGES(128, 6)
 XSERV_DECODE_V3_STAGES(128, 7)
 XSERV_DECODE_V3_STAGES(128, 8)
+
+// =================================================================================================================
+// v4: v2's CUDA-core math, fed by a per-lane cp.async ring and a per-CTA page table in shared memory, with the
+// split combine folded into the kernel.
+//
+// attention_decode_v4_d{D}_g{G}_s{STAGES}[_n|_p]: grid (num_splits, Hkv, num_seqs), block 128 (4 warps), dynamic
+// shared memory STAGES * 16 KB (the ring) + kV4TabCap * 4 (page table) + 16 bytes. STAGES = 2 is the default
+// (measured best on an H200: docs/kernels/attention.md, "v4 decode"); 3, 4, _n and _p are experiments.
+//   Key layout as v2: D/8 lanes share a key (one 16-byte chunk of its K and V row each), 32/(D/8) keys side by side,
+//   kV4Unroll such steps per stage, warps interleaved over the split's keys. Each lane cp.asyncs exactly the chunks
+//   it later reads ([warp][stage][chunk][lane], conflict-free), so the STAGES-deep ring needs no barrier: while one
+//   stage is computed, STAGES - 1 are in flight, and the registers hold no loads.
+//   At CTA start the split's block-table entries (pre-multiplied by block_size) are copied into shared memory, so a
+//   refill is a shared load, a multiply-add and two cp.async per key: no global round trip before the K/V loads.
+//   The launcher guarantees they fit (ceil(chunk_len / block_size) + 1 <= kV4TabCap), else it runs v2.
+//   t / block_size is a multiply-high by a host-computed magic number (bs_magic, bs_shift), not a division.
+//   Softmax: ex2.approx; the running max is raised only when a score exceeds it by more than 8 (log2 domain), and
+//   the warp rescales only when some lane raised it (p <= 2^8 in between: the same result, fewer multiplies).
+//   TR (default): the U x G partial dot products of a lane are reduced over the key's D/8 lanes by a transpose-
+//   reduce (each step halves the values a lane holds: 15 shuffles for 16 values instead of 64) and gathered back
+//   with one indexed shuffle per score. _n: v2's butterfly per score. _p: a probe that only streams K and V through
+//   the ring (no math, output zeros): the memory ceiling of this loading scheme, for the benchmark only.
+//   num_splits == 1: bf16 out directly; otherwise fp32 partials, and the last CTA of each (sequence, kv head) to
+//   finish (counters, reset by that CTA: graph-replay safe) merges them. kv_len == 0: split 0 writes zeros.
+// =================================================================================================================
+namespace {
+
+constexpr int kV4Warps = 4;
+constexpr int kV4Unroll = 4;
+constexpr int kV4TabCap = 512;
+constexpr float kV4Thresh = 8.f;
+
+__device__ __forceinline__ float ex2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// n / d for 0 <= n < 2^31 with (magic, shift) from the host (_fast_div in xserv/ops/attention.py).
+__device__ __forceinline__ int fast_div(int n, unsigned magic, int shift) {
+    return (int)((__umulhi((unsigned)n, magic) + (unsigned)n) >> shift);
+}
+
+// bf16 -> fp32 is a shift or a mask (one instruction per value; the generic conversion takes 1.5).
+__device__ __forceinline__ void bf16x8_to_float_fast(const uint4& v, float (&f)[8]) {
+    const unsigned w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        f[2 * i] = __uint_as_float(w[i] << 16);
+        f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+}
+
+template <int D, int G, int STAGES, bool TR, bool PROBE>
+__device__ void decode_split_v4(const __nv_bfloat16* __restrict__ q, long long q_row_stride,
+                                const __nv_bfloat16* __restrict__ k_cache, const __nv_bfloat16* __restrict__ v_cache,
+                                const int* __restrict__ kv_lens, const int* __restrict__ block_tables,
+                                int max_blocks_per_seq, int block_size, int num_q_heads, int num_kv_heads,
+                                float scale_log2, int chunk_len, int num_splits, __nv_bfloat16* __restrict__ out,
+                                float* __restrict__ part_o, float* __restrict__ part_lse, int* __restrict__ counters,
+                                unsigned bs_magic, int bs_shift) {
+    constexpr int U = kV4Unroll;
+    constexpr int LPK = D / 8;         // lanes per key
+    constexpr int KPS = 32 / LPK;      // keys side by side in a warp
+    constexpr int KPI = KPS * U;       // keys per warp and stage
+    constexpr int NCH = 2 * U;         // 16-byte chunks per lane and stage (K then V)
+    constexpr int RING = kV4Warps * STAGES * NCH * 32 * 16;
+    static_assert(kV4Warps * G * D * 4 + 2 * kV4Warps * G * 4 <= RING, "merge area fits in the ring");
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    int* tab = reinterpret_cast<int*>(smem_raw + RING);
+    int& sm_last = *reinterpret_cast<int*>(smem_raw + RING + kV4TabCap * 4);
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int c = lane % LPK, sub = lane / LPK;
+    const int s = blockIdx.z, kv_head = blockIdx.y, split = blockIdx.x;
+    const int kv_len = kv_lens[s];
+    const int start = split * chunk_len;
+    const int h0 = kv_head * G;
+    if (start >= kv_len) {
+        if (kv_len == 0 && split == 0)  // a padding row of a captured batch: a defined zero row
+            for (int idx = threadIdx.x; idx < G * D; idx += kV4Warps * 32)
+                out[((long long)s * num_q_heads + h0) * D + idx] = __float2bfloat16(0.f);
+        return;
+    }
+    const int end = min(start + chunk_len, kv_len);
+    const int* table = block_tables + (long long)s * max_blocks_per_seq;
+    // The split's pages, as first slots (page * block_size). The launcher guarantees they fit in kV4TabCap.
+    const int p0 = fast_div(start, bs_magic, bs_shift);
+    const int n_tab = fast_div(end - 1, bs_magic, bs_shift) - p0 + 1;
+    for (int i = threadIdx.x; i < n_tab; i += kV4Warps * 32) tab[i] = __ldg(table + p0 + i) * block_size;
+
+    float qf[G][8];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        uint4 raw = *reinterpret_cast<const uint4*>(q + s * q_row_stride + (long long)(h0 + g) * D + c * 8);
+        bf16x8_to_float(raw, qf[g]);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) qf[g][e] *= scale_log2;
+    }
+    float m[G], l[G], acc[G][8];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        m[g] = neg_inf();
+        l[g] = 0.f;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[g][e] = 0.f;
+    }
+
+    const int first = start + warp * KPI;
+    const int n_it = end > first ? (end - first + kV4Warps * KPI - 1) / (kV4Warps * KPI) : 0;
+    const unsigned row_bytes = (unsigned)(num_kv_heads * D * 2);  // bytes between consecutive slots
+    const unsigned long long kbase = reinterpret_cast<unsigned long long>(k_cache + (long long)kv_head * D + c * 8);
+    const unsigned long long vbase = reinterpret_cast<unsigned long long>(v_cache + (long long)kv_head * D + c * 8);
+    const unsigned ring = smem_u32(smem_raw) + (unsigned)(warp * STAGES * NCH * 32 + lane) * 16u;
+    __syncthreads();  // the page table is in shared memory
+
+    auto issue = [&](int it, int stage) {
+        const int j0 = first + it * (kV4Warps * KPI) + sub;
+        const unsigned st = ring + (unsigned)(stage * NCH * 32) * 16u;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int j = j0 + u * KPS;
+            const bool valid = j < end;
+            const int jj = valid ? j : start;  // an address inside the sequence either way
+            const int pidx = fast_div(jj, bs_magic, bs_shift);
+            const unsigned slot = (unsigned)(tab[pidx - p0] + (jj - pidx * block_size));
+            // one IMAD.WIDE.U32 each: base + slot * row_bytes
+            const unsigned long long koff = kbase + (unsigned long long)slot * row_bytes;
+            const unsigned long long voff = vbase + (unsigned long long)slot * row_bytes;
+            cp_async16_m(st + u * 512u, reinterpret_cast<const void*>(koff), valid);
+            cp_async16_m(st + (U + u) * 512u, reinterpret_cast<const void*>(voff), valid);
+        }
+    };
+
+#pragma unroll
+    for (int b = 0; b < STAGES - 1; ++b) {
+        if (b < n_it) issue(b, b);
+        cp_async_commit_m();
+    }
+    unsigned probe = 0u;
+    int rd = 0, wr = STAGES - 1;
+    for (int it = 0; it < n_it; ++it) {
+        if (it + STAGES - 1 < n_it) issue(it + STAGES - 1, wr);
+        cp_async_commit_m();
+        cp_async_wait_m<STAGES - 1>();  // this lane's copies of stage `rd` have landed
+        const unsigned st = ring + (unsigned)(rd * NCH * 32) * 16u;
+        rd = rd + 1 == STAGES ? 0 : rd + 1;
+        wr = wr + 1 == STAGES ? 0 : wr + 1;
+        if constexpr (PROBE) {
+            probe ^= (unsigned)it;
+        } else {
+        const int jb = first + it * (kV4Warps * KPI) + sub;
+        float sc[U][G];
+        if constexpr (TR) {
+            constexpr int GP = G <= 1 ? 1 : G <= 2 ? 2 : G <= 4 ? 4 : 8;  // G padded to a power of two
+            constexpr int NP = U * GP;
+            constexpr int NF = NP >= LPK ? NP / LPK : 1;  // full scores a lane holds after the reduce
+            constexpr int R = NP >= LPK ? 1 : LPK / NP;   // lanes holding the same score
+            float v[NP];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                float kf[8];
+                bf16x8_to_float_fast(lds128(st + u * 512u), kf);
+#pragma unroll
+                for (int g = 0; g < GP; ++g) {
+                    float d = 0.f;
+                    if (g < G) {
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) d = fmaf(qf[g][e], kf[e], d);
+                    }
+                    v[u * GP + g] = d;
+                }
+            }
+            // transpose-reduce over the key's lanes: at lane bit `bit`, the lane with the bit set keeps the upper
+            // half of its values and sends the lower half, its partner the reverse
+#pragma unroll
+            for (int bit = LPK / 2, n = NP; bit >= 1; bit >>= 1) {
+                if (n > 1) {
+                    const bool hi = (c & bit) != 0;
+                    const int half = n / 2;
+#pragma unroll
+                    for (int i = 0; i < NP / 2; ++i) {
+                        if (i < half) {
+                            const float a = v[i], b = v[i + half];
+                            const float send = hi ? a : b, keep = hi ? b : a;
+                            v[i] = keep + __shfl_xor_sync(0xffffffffu, send, bit);
+                        }
+                    }
+                    n = half;
+                } else {
+                    v[0] += __shfl_xor_sync(0xffffffffu, v[0], bit);
+                }
+            }
+            // lane c now holds the full scores ((c / R) * NF + k), k < NF; gather them all into every lane
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+#pragma unroll
+                for (int g = 0; g < G; ++g) {
+                    const int i = u * GP + g;
+                    sc[u][g] = __shfl_sync(0xffffffffu, v[i % NF], sub * LPK + (i / NF) * R);
+                }
+            }
+        } else {
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                float kf[8];
+                bf16x8_to_float_fast(lds128(st + u * 512u), kf);
+#pragma unroll
+                for (int g = 0; g < G; ++g) {
+                    float d = 0.f;
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) d = fmaf(qf[g][e], kf[e], d);
+#pragma unroll
+                    for (int off = LPK / 2; off > 0; off >>= 1) d += __shfl_xor_sync(0xffffffffu, d, off);
+                    sc[u][g] = d;
+                }
+            }
+        }
+        if (first + it * (kV4Warps * KPI) + KPI > end) {  // the last stage of the warp: mask keys past the end
+#pragma unroll
+            for (int u = 0; u < U; ++u)
+#pragma unroll
+                for (int g = 0; g < G; ++g)
+                    if (jb + u * KPS >= end) sc[u][g] = neg_inf();
+        }
+        // online softmax with a lazily raised max (see the header)
+        float mx[G];
+        bool grow = false;
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            mx[g] = sc[0][g];
+#pragma unroll
+            for (int u = 1; u < U; ++u) mx[g] = fmaxf(mx[g], sc[u][g]);
+            grow |= mx[g] > m[g] + kV4Thresh;  // m = -inf: any valid key raises it
+        }
+        if (__any_sync(0xffffffffu, grow)) {
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                const float m_new = fmaxf(m[g], mx[g]);
+                const float alpha = ex2_approx(m[g] - (m_new == neg_inf() ? 0.f : m_new));  // m = -inf: 0
+                l[g] *= alpha;
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[g][e] *= alpha;
+                m[g] = m_new;
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            const float m_use = m[g] == neg_inf() ? 0.f : m[g];
+#pragma unroll
+            for (int u = 0; u < U; ++u) sc[u][g] = ex2_approx(sc[u][g] - m_use);  // now p (0 for masked keys)
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            float vf[8];
+            bf16x8_to_float_fast(lds128(st + (U + u) * 512u), vf);
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                l[g] += sc[u][g];
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[g][e] = fmaf(sc[u][g], vf[e], acc[g][e]);
+            }
+        }
+        }  // !PROBE
+    }
+    cp_async_wait_m<0>();
+
+    if constexpr (PROBE) {
+        // no result: zeros (and the ring's last word, which keeps nothing from being optimised away)
+        if (split == 0)
+            for (int idx = threadIdx.x; idx < G * D; idx += kV4Warps * 32)
+                out[((long long)s * num_q_heads + h0) * D + idx] = __float2bfloat16(probe == 0xffffffffu ? 1.f : 0.f);
+        return;
+    }
+
+    // Merge the KPS key groups of this warp (lanes c, c + LPK, ... hold the same columns).
+#pragma unroll
+    for (int off = LPK; off < 32; off <<= 1) {
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            float acc_o[8];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc_o[e] = __shfl_xor_sync(0xffffffffu, acc[g][e], off);
+            const float m_o = __shfl_xor_sync(0xffffffffu, m[g], off);
+            const float l_o = __shfl_xor_sync(0xffffffffu, l[g], off);
+            merge_state(m[g], l[g], acc[g], m_o, l_o, acc_o);
+        }
+    }
+    __syncthreads();  // every warp is past its last ring read: the ring becomes the merge area
+    float* sm_acc = reinterpret_cast<float*>(smem_raw);  // [kV4Warps][G][D]
+    float* sm_m = sm_acc + kV4Warps * G * D;             // [kV4Warps][G]
+    float* sm_l = sm_m + kV4Warps * G;                   // [kV4Warps][G]
+    if (sub == 0) {
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) sm_acc[(warp * G + g) * D + c * 8 + e] = acc[g][e];
+            if (c == 0) {
+                sm_m[warp * G + g] = m[g];
+                sm_l[warp * G + g] = l[g];
+            }
+        }
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < G * D; idx += kV4Warps * 32) {
+        const int g = idx / D, d = idx % D;
+        float mm = neg_inf();
+#pragma unroll
+        for (int w = 0; w < kV4Warps; ++w) mm = fmaxf(mm, sm_m[w * G + g]);  // finite: warp 0 saw key `start`
+        float ll = 0.f, aa = 0.f;
+#pragma unroll
+        for (int w = 0; w < kV4Warps; ++w) {
+            const float wgt = exp2f(sm_m[w * G + g] - mm);  // 0 for a warp that saw no key
+            ll += sm_l[w * G + g] * wgt;
+            aa += sm_acc[(w * G + g) * D + d] * wgt;
+        }
+        const long long row = (long long)s * num_q_heads + h0 + g;
+        if (num_splits == 1) {
+            out[row * D + d] = __float2bfloat16(aa / ll);
+        } else {
+            part_o[(row * num_splits + split) * D + d] = aa / ll;
+            if (d == 0) part_lse[row * num_splits + split] = mm + log2f(ll);
+        }
+    }
+    if (num_splits == 1) return;
+
+    // The last CTA of this (sequence, kv head) merges the splits (threadfence-reduction pattern).
+    __threadfence();
+    __syncthreads();
+    const int active = min(num_splits, (kv_len + chunk_len - 1) / chunk_len);
+    int* counter = counters + (long long)s * num_kv_heads + kv_head;
+    if (threadIdx.x == 0) sm_last = atomicAdd(counter, 1) == active - 1;
+    __syncthreads();
+    if (!sm_last) return;
+    __threadfence();  // the other CTAs' partials (counted before our atomic) are visible from here on
+    float* sm_w = reinterpret_cast<float*>(smem_raw);  // [G][active] split weights (the merge area is done)
+    for (int g = warp; g < G; g += kV4Warps) {
+        const float* lse = part_lse + ((long long)s * num_q_heads + h0 + g) * num_splits;
+        float mm = neg_inf();
+        for (int i = lane; i < active; i += 32) mm = fmaxf(mm, __ldcg(lse + i));
+        mm = warp_max(mm);  // finite: split 0 holds keys
+        float den = 0.f;
+        for (int i = lane; i < active; i += 32) {
+            const float w = exp2f(__ldcg(lse + i) - mm);
+            sm_w[g * active + i] = w;
+            den += w;
+        }
+        den = warp_sum(den);
+        __syncwarp();
+        for (int i = lane; i < active; i += 32) sm_w[g * active + i] /= den;
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < G * D / 4; idx += kV4Warps * 32) {
+        const int g = idx / (D / 4), d4 = idx % (D / 4);
+        const long long row = (long long)s * num_q_heads + h0 + g;
+        const float4* src = reinterpret_cast<const float4*>(part_o + row * num_splits * D) + d4;
+        float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 8
+        for (int i = 0; i < active; ++i) {
+            const float w = sm_w[g * active + i];
+            const float4 x = __ldcg(src + i * (D / 4));
+            a.x += w * x.x;
+            a.y += w * x.y;
+            a.z += w * x.z;
+            a.w += w * x.w;
+        }
+        __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(out + row * D + 4 * d4);
+        dst[0] = __floats2bfloat162_rn(a.x, a.y);
+        dst[1] = __floats2bfloat162_rn(a.z, a.w);
+    }
+    if (threadIdx.x == 0) *counter = 0;  // ready for the next launch (graph replays reuse it)
+}
+
+}  // namespace
+
+// 4 CTAs per SM for G <= 4 (<= 128 registers; the ring of 2 stages is 32 KB), 2 above (q and acc alone are 16 G
+// registers).
+#define XSERV_V4_MINB(G) ((G) <= 4 ? 4 : 2)
+#define XSERV_DECODE_V4_KERNEL(D, G, S, SUFFIX, TR, PROBE)                                                       \
+    extern "C" __global__ void __launch_bounds__(128, XSERV_V4_MINB(G))                                          \
+        attention_decode_v4_d##D##_g##G##_s##S##SUFFIX(XSERV_DECODE_ARGS, int* __restrict__ counters,           \
+                                                       unsigned bs_magic, int bs_shift) {                         \
+        decode_split_v4<D, G, S, TR, PROBE>(XSERV_DECODE_PASS, counters, bs_magic, bs_shift);                    \
+    }
+
+// The default (2 stages, transpose-reduce) for every head_dim and group size.
+XSERV_DECODE_V4_KERNEL(64, 1, 2, , true, false)
+XSERV_DECODE_V4_KERNEL(64, 2, 2, , true, false)
+XSERV_DECODE_V4_KERNEL(64, 3, 2, , true, false)
+XSERV_DECODE_V4_KERNEL(64, 4, 2, , true, false)
+XSERV_DECODE_V4_KERNEL(64, 5, 2, , true, false)
+XSERV_DECODE_V4_KERNEL(64, 6, 2, , true, false)
+XSERV_DECODE_V4_KERNEL(64, 7, 2, , true, false)
+XSERV_DECODE_V4_KERNEL(64, 8, 2, , true, false)
+XSERV_DECODE_V4_KERNEL(128, 1, 2, , true, false)
+XSERV_DECODE_V4_KERNEL(128, 2, 2, , true, false)
+XSERV_DECODE_V4_KERNEL(128, 3, 2, , true, false)
+XSERV_DECODE_V4_KERNEL(128, 4, 2, , true, false)
+XSERV_DECODE_V4_KERNEL(128, 5, 2, , true, false)
+XSERV_DECODE_V4_KERNEL(128, 6, 2, , true, false)
+XSERV_DECODE_V4_KERNEL(128, 7, 2, , true, false)
+XSERV_DECODE_V4_KERNEL(128, 8, 2, , true, false)
+// Experiments (the benchmark's shapes only): 3 / 4 stages, v2's butterfly (_n), the load-only probe (_p).
+#define XSERV_DECODE_V4_EXPERIMENTS(D, G)                \
+    XSERV_DECODE_V4_KERNEL(D, G, 3, , true, false)       \
+    XSERV_DECODE_V4_KERNEL(D, G, 4, , true, false)       \
+    XSERV_DECODE_V4_KERNEL(D, G, 2, _n, false, false)    \
+    XSERV_DECODE_V4_KERNEL(D, G, 2, _p, false, true)
+XSERV_DECODE_V4_EXPERIMENTS(128, 4)
+XSERV_DECODE_V4_EXPERIMENTS(128, 2)
+XSERV_DECODE_V4_EXPERIMENTS(64, 2)

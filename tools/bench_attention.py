@@ -26,6 +26,7 @@ DECODE = [  # (label, B, HQ, HKV, LKV, D, block)
     ("decode 8x8192 16/8 bs16", 8, 16, 8, 8192, 128, 16),
     ("decode 64x4096 32/8 bs256", 64, 32, 8, 4096, 128, 256),
     ("decode 32x4096 16/8 d64 bs16", 32, 16, 8, 4096, 64, 16),
+    ("decode 32x4096 64/8 bs16", 32, 64, 8, 4096, 128, 16),  # G = 8 (Qwen3-32B)
 ]
 
 
@@ -45,7 +46,8 @@ def main(argv=None) -> int:
                    "or names (e.g. w2_k64)")
     p.add_argument("--prefill-only", action="store_true", help="skip the decode configs")
     p.add_argument("--decode-only", action="store_true", help="skip the prefill configs")
-    p.add_argument("--decode-variants", default="v2,v3,v3s3", help="decode kernels to time (variant=)")
+    p.add_argument("--decode-variants", default="v2,v3,v3s3,v4", help="decode kernels to time (variant=; v4p is "
+                   "a load-only probe with a wrong result; v4s3, v4s4, v4n, v4p exist for the shapes here only)")
     args = p.parse_args(argv)
 
     torch = None
@@ -155,7 +157,11 @@ def main(argv=None) -> int:
             except Exception as exc:  # report and go on with the other variants
                 print(f"  ({var}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]})")
                 continue
-            if var == "v2" or block % 16:
+            if var.startswith("v4"):
+                st = A._v4_config(var)[0]
+                splits[var] = A.decode_plan(b, hkv, lkv, dev.multiprocessor_count, A._v4_resident(hq // hkv, st),
+                                            True, max_chunk=(A._V4_TAB_CAP - 1) * block // 64 * 64)[0]
+            elif var == "v2" or block % 16:
                 splits[var] = A.decode_plan(b, hkv, lkv, dev.multiprocessor_count, A.DECODE_CTAS_PER_SM)[0]
             else:
                 st = int(var[3:]) if len(var) > 2 else 2
@@ -163,6 +169,8 @@ def main(argv=None) -> int:
         # agreement with v2 on the same data (the tests check against the float64 reference)
         check = {}
         for var in splits:
+            if var == "v4p":  # the probe computes nothing
+                continue
             o = Tensor.empty(sets_np[0]["q"].shape, bfloat16)
             t = sets[0]
             A.attention_decode(t["q"], t["k_cache"], t["v_cache"], t["kv_lens"], t["block_tables"], t["scale"],

@@ -235,7 +235,7 @@ def test_write_kv_gpu(rng, packed):
 # Decode v3 (tensor cores) next to v2: both must stay correct, whichever is the default
 # ---------------------------------------------------------------------------------------------------------------
 
-DECODE_VARIANTS = ["v2", "v3", "v3s3"]
+DECODE_VARIANTS = ["v2", "v3", "v3s3", "v4"]
 
 
 def test_decode_plan_v3():
@@ -250,6 +250,25 @@ def test_decode_plan_v3():
     for b, hkv, n in [(1, 1, 100), (3, 4, 20000), (200, 8, 700)]:
         splits, chunk = A.decode_plan(b, hkv, n, 132, 2, True)
         assert chunk % 64 == 0 and (splits - 1) * chunk < n <= splits * chunk
+
+
+def test_fast_div():
+    n = np.concatenate([np.arange(0, 1 << 16), np.arange((1 << 31) - 4096, 1 << 31)]).astype(np.uint64)
+    for d in list(range(1, 257)) + [1000, 4096]:
+        magic, shift = A._fast_div(d)
+        assert 0 < magic < 1 << 32
+        q = (((n * np.uint64(magic)) >> np.uint64(32)) + n) >> np.uint64(shift)
+        assert np.array_equal(q, n // np.uint64(d)), d
+
+
+def test_decode_plan_v4():
+    # the split's pages fit v4's shared page table (ceil(chunk / block) + 1 entries) wherever 256 splits allow
+    for b, n, block in [(1, 32768, 16), (64, 4096, 16), (64, 32768, 8), (2, 131072, 8), (3, 20000, 48)]:
+        cap = (A._V4_TAB_CAP - 1) * block // 64 * 64
+        splits, chunk = A.decode_plan(b, 8, n, 132, A._v4_resident(4, 2), True, max_chunk=cap)
+        assert chunk % 64 == 0 and (splits - 1) * chunk < n <= splits * chunk
+        assert -(-chunk // block) + 1 <= A._V4_TAB_CAP
+    assert A.decode_plan(1, 8, 32768, 132, 4, True, max_chunk=4032) == (64, 512)
 
 
 def test_decode_variant_error(rng):
@@ -305,7 +324,18 @@ def test_decode_gpu_long_variants(rng, variant, num_seqs):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["v3", "v3s3"])
+@pytest.mark.parametrize("variant", ["v4s3", "v4s4", "v4n"])
+@pytest.mark.parametrize("head_dim,hq,hkv,block_size", [(128, 32, 8, 16), (128, 16, 8, 48), (64, 16, 8, 8)])
+def test_decode_gpu_v4_experiments(rng, variant, head_dim, hq, hkv, block_size):
+    # the v4 experiment kernels exist for the benchmark's (head_dim, group) shapes only
+    kv_lens = [0, 1, 15, 17, 65, 1000, 4096]
+    case = make_case(rng, [1] * len(kv_lens), kv_lens, hq, hkv, head_dim, block_size)
+    out = run_decode_gpu(case, variant, 4096)
+    assert rel_error(out, decode_expected(case)) < TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["v3", "v3s3", "v4"])
 def test_decode_gpu_graph_replays(rng, variant):
     """Split counters reset themselves: eager calls and graph replays give the same rows, call after call."""
     from xserv.runtime.graphs import CUDAGraph

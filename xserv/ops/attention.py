@@ -343,16 +343,40 @@ def _v3_shape(variant: str) -> tuple[int, int, int]:
 _workspaces: list[Tensor] = []  # kept for the life of the process: CUDA graphs may have captured their addresses
 _counters: list[Tensor] = []  # v3's per-(sequence, kv head) split counters: zeroed once, reset by the kernel itself
 
-# Decode kernel: "v2" (CUDA cores, the default: faster on every measured shape), "v3" (tensor cores, per-lane
-# cp.async staging, 2 stages) or "v3s3" (3 stages). v3 needs block_size % 16 == 0 and falls back to v2 otherwise.
-# Measured on an H200: docs/kernels/attention.md ("v3 decode").
-DECODE_IMPL = os.environ.get("XSERV_ATTN_DECODE", "v2")
+# Decode kernel: "v4" (the default: v2's CUDA-core math fed by a per-lane cp.async ring of 2 stages and a per-CTA
+# page table in shared memory, split combine folded in; 1.3-1.5x v2 on every measured shape), "v2" (CUDA cores,
+# plain loads, separate combine), "v3" (tensor cores, per-lane cp.async staging, 2 stages) or "v3s3" (3 stages).
+# v3 needs block_size % 16 == 0 and falls back to v2 otherwise. Experiments, compiled for the benchmark's
+# (head_dim, group) shapes only (_V4_EXPERIMENT_SHAPES): "v4s3" / "v4s4" (3 / 4 stages), "v4n" (v2's butterfly
+# reduce), "v4p" (a load-only probe with a wrong result: benchmark only).
+# Measured on an H200: docs/kernels/attention.md ("v3 decode", "v4 decode").
+DECODE_IMPL = os.environ.get("XSERV_ATTN_DECODE", "v4")
+DECODE_VARIANTS = ("v2", "v3", "v3s2", "v3s3", "v4", "v4s2", "v4s3", "v4s4", "v4n", "v4p")
 # v2's split-KV grid aims at this many CTAs per SM (tuning knob for tools/bench_attention sweeps).
 DECODE_CTAS_PER_SM = int(os.environ.get("XSERV_ATTN_DECODE_CTAS_PER_SM", "4"))
 _V3_WARPS = 4
 # CTAs of 128 threads resident per SM for (head_dim, stages), from shared memory (4 * stages * head_dim * 64 bytes
 # per CTA) and registers (138 for d128, <= 96 for d64): they size the split-KV grid.
 _V3_RESIDENT = {(128, 2): 3, (128, 3): 2, (64, 2): 5, (64, 3): 4}
+_V4_TAB_CAP = 512  # kV4TabCap: page-table entries a v4 CTA keeps in shared memory
+_V4_EXPERIMENT_SHAPES = {(128, 4), (128, 2), (64, 2)}  # (head_dim, group) with the v4 experiment kernels
+
+
+def _v4_config(variant: str) -> tuple[int, str]:
+    """(stages, kernel-name suffix) of a v4 variant name."""
+    return {"v4": (2, ""), "v4s2": (2, ""), "v4s3": (3, ""), "v4s4": (4, ""), "v4n": (2, "_n"),
+            "v4p": (2, "_p")}[variant]
+
+
+def _v4_resident(group: int, stages: int) -> int:
+    """v4 CTAs resident per SM: __launch_bounds__ (4 for G <= 4, else 2) and shared memory (stages * 16 KB + 2 KB)."""
+    return min(4 if group <= 4 else 2, (227 * 1024) // (stages * 16384 + _V4_TAB_CAP * 4 + 16 + 1024))
+
+
+def _fast_div(d: int) -> tuple[int, int]:
+    """(magic, shift) with n // d == (umulhi(n, magic) + n) >> shift for 0 <= n < 2**31 (fast_div in the kernel)."""
+    shift = (d - 1).bit_length()
+    return ((1 << 32) * ((1 << shift) - d)) // d + 1, shift
 
 
 def _workspace(nbytes: int) -> Tensor:
@@ -374,14 +398,16 @@ def _counter_workspace(count: int) -> Tensor:
 
 
 def decode_plan(num_seqs: int, num_kv_heads: int, max_kv_len: int, multiprocessor_count: int,
-                ctas_per_sm: int = 4, balance: bool = False) -> tuple[int, int]:
+                ctas_per_sm: int = 4, balance: bool = False, max_chunk: int | None = None) -> tuple[int, int]:
     """(num_splits, chunk_len): split-KV grid over (sequence x kv head x split), chunk_len a multiple of 64, each
-    split at least 256 keys. v2 (balance=False): enough CTAs for ~`ctas_per_sm` per multiprocessor. v3
+    split at least 256 keys. v2 (balance=False): enough CTAs for ~`ctas_per_sm` per multiprocessor. v3/v4
     (balance=True, ctas_per_sm = CTAs resident per SM): the split count whose grid fills the last wave of resident
-    CTAs best (within 3% of the best fill, the fewest splits)."""
+    CTAs best (within 3% of the best fill, the fewest splits). max_chunk (balance=True): no split longer than this
+    (v4's page table), as far as 256 splits allow."""
     max_kv_len = max(int(max_kv_len), 1)
     pairs = max(num_seqs * num_kv_heads, 1)
     limit = max(1, min(-(-max_kv_len // 256), 256))
+    lowest = 1 if max_chunk is None else max(1, min(limit, -(-max_kv_len // max_chunk)))
 
     def shape(splits: int) -> tuple[int, int]:
         chunk = -(-max_kv_len // splits)
@@ -393,7 +419,7 @@ def decode_plan(num_seqs: int, num_kv_heads: int, max_kv_len: int, multiprocesso
         return shape(max(1, min(want, limit)))
     slots = max(ctas_per_sm * multiprocessor_count, 1)
     fills = {}
-    for want in range(1, limit + 1):
+    for want in range(lowest, limit + 1):
         splits, chunk = shape(want)
         ctas = pairs * splits
         fills.setdefault((splits, chunk), ctas / (-(-ctas // slots) * slots))
@@ -409,7 +435,7 @@ def attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_lens: Tenso
     """One query per sequence at position kv_lens[s] - 1 (its K/V already in the cache): q [B, Hq, D] (or packed
     qkv with num_q_heads), kv_lens int32 [B] (0 <= kv_len <= max_kv_len; 0 gives a zero row), block_tables int32
     [B, max_blocks] -> out bf16 [B, Hq, D]. max_kv_len is a host-side bound that sizes the split-KV grid (no device
-    reads). variant: "v2", "v3", "v3s3" (default XSERV_ATTN_DECODE, else v2)."""
+    reads). variant: one of DECODE_VARIANTS (default XSERV_ATTN_DECODE, else v4)."""
     _, block_size, num_kv_heads, head_dim = _check_cache(k_cache, v_cache)
     num_q_heads = _query_heads(q, num_q_heads, num_kv_heads, head_dim)
     num_seqs = q.shape[0]
@@ -417,7 +443,7 @@ def attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_lens: Tenso
     device = same_device(q=q, k_cache=k_cache, v_cache=v_cache, kv_lens=kv_lens, block_tables=block_tables, out=out)
     out = output("out", out, (num_seqs, num_q_heads, head_dim), bfloat16, device)
     variant = DECODE_IMPL if variant is None else variant
-    if variant not in ("v2", "v3", "v3s2", "v3s3"):
+    if variant not in DECODE_VARIANTS:
         raise ValueError(f"variant: unknown decode kernel {variant!r}")
     if num_seqs == 0:
         return out
@@ -432,8 +458,23 @@ def attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_lens: Tenso
         raise ValueError(f"max_kv_len: {max_kv_len} < 1")
     group = num_q_heads // num_kv_heads
     sms = get_device().multiprocessor_count
-    v3 = variant != "v2" and block_size % 16 == 0
-    if v3:
+    v4 = None
+    if variant.startswith("v4"):
+        stages, suffix = _v4_config(variant)
+        if suffix or stages != 2:
+            if (head_dim, group) not in _V4_EXPERIMENT_SHAPES:
+                raise ValueError(f"variant: {variant} is compiled for (head_dim, group) in "
+                                 f"{sorted(_V4_EXPERIMENT_SHAPES)} only, not ({head_dim}, {group})")
+        splits, chunk = decode_plan(num_seqs, num_kv_heads, max_kv_len, sms, _v4_resident(group, stages), True,
+                                    max_chunk=(_V4_TAB_CAP - 1) * block_size // 64 * 64)
+        if -(-chunk // block_size) + 1 <= _V4_TAB_CAP:  # the split's pages fit the shared page table
+            v4 = (stages, suffix)
+        else:  # (a block_size below 8 with a very long context): v2
+            variant = "v2"
+    v3 = variant.startswith("v3") and block_size % 16 == 0
+    if v4:
+        pass
+    elif v3:
         stages = int(variant[3:]) if len(variant) > 2 else 2
         splits, chunk = decode_plan(num_seqs, num_kv_heads, max_kv_len, sms, _V3_RESIDENT[head_dim, stages], True)
     else:
@@ -446,6 +487,14 @@ def attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_lens: Tenso
     args = (q, np.int64(q.shape[1] * head_dim), k_cache, v_cache, kv_lens, block_tables,
             np.int32(block_tables.shape[1]), np.int32(block_size), np.int32(num_q_heads), np.int32(num_kv_heads),
             np.float32(scale * math.log2(math.e)), np.int32(chunk), np.int32(splits), out, part_o, part_lse)
+    if v4:
+        stages, suffix = v4
+        magic, shift = _fast_div(block_size)
+        counters = _counter_workspace(num_seqs * num_kv_heads)
+        kernel("attention_decode", f"attention_decode_v4_d{head_dim}_g{group}_s{stages}{suffix}")(
+            (splits, num_kv_heads, num_seqs), (128, 1, 1), *args, counters, np.uint32(magic), np.int32(shift),
+            smem=stages * 16384 + _V4_TAB_CAP * 4 + 16)
+        return out
     if v3:
         counters = _counter_workspace(num_seqs * num_kv_heads)
         kernel("attention_decode", f"attention_decode_v3_d{head_dim}_g{group}_s{stages}")(
