@@ -15,6 +15,7 @@
 //     O += P V       wgmma RS: A = P from registers, B = V tile read MN-major (transposed by the hardware)
 //   Causal: a warpgroup skips tiles wholly past its last row and masks only tiles that reach past its first row.
 #include "attention.cuh"
+#include "tma.cuh"
 #include "wgmma.cuh"
 
 using namespace xserv;
@@ -31,8 +32,14 @@ __device__ __forceinline__ unsigned panel_offset(int row, int chunk, int rows) {
 
 // PROBE (timing decomposition only; the result is wrong on purpose): 0 = the real kernel, 1 = no K/V copies after
 // the first tile, 2 = no softmax (P = S), 3 = no PV product. tools/bench_attention --v4-probes times them.
+//
+// K/V copies: with tensor maps (k_tmap, v_tmap non-null; block_size a multiple of 8 that divides BKV or is a
+// multiple of it) the TMA copies every chunk of R = min(block_size, BKV) keys (one page, or one tile of a page)
+// that lies wholly below kv_end; the rest of a tile (the sequence's last, partial chunk and rows past it) is copied
+// by every thread with cp.async, zero-filled past kv_end so that stale or NaN cache slots never reach PV. Without
+// tensor maps every row goes through cp.async.
 template <int D, int NWG, int BKV, int PROBE = 0>
-__device__ __forceinline__ void prefill_v4(XSERV_PREFILL_ARGS) {
+__device__ __forceinline__ void prefill_v4(XSERV_PREFILL_ARGS, const void* k_tmap, const void* v_tmap, int tma_spread) {
 #if !defined(__CUDA_ARCH_FEAT_SM90_ALL)
     __trap();  // wgmma exists only on sm_90a; xserv.ops.attention picks v4 only there (this keeps other archs compiling)
 #else
@@ -53,6 +60,7 @@ __device__ __forceinline__ void prefill_v4(XSERV_PREFILL_ARGS) {
     const unsigned sQ = (raw + 1023u) & ~1023u;
     const unsigned sK = sQ + Q_BYTES;          // [2][BKV x D]
     const unsigned sV = sK + 2 * KV_BYTES;     // [2][BKV x D]
+    const unsigned bars = sV + 2 * KV_BYTES;   // mbarriers: K stage 0, 1, V stage 0, 1 (8 bytes each)
 
     const int tid = threadIdx.x, lane = tid & 31;
     const int wg = tid >> 7, warp_in_wg = (tid >> 5) & 3;
@@ -87,13 +95,14 @@ __device__ __forceinline__ void prefill_v4(XSERV_PREFILL_ARGS) {
         const int j = kt * BKV + my_g * RPT;
         return (grouped && j < kv_end) ? __ldg(table + j / block_size) : 0;
     };
-    auto load_tile = [&](const __nv_bfloat16* head, unsigned dst, int kt, int page) {
+    auto load_tile = [&](const __nv_bfloat16* head, unsigned dst, int kt, int page, int row_begin) {
         const int j0 = kt * BKV + my_g * RPT;
         const __nv_bfloat16* src0 = head + ((long long)page * block_size + j0 % block_size) * slot_stride;
 #pragma unroll
         for (int r = 0; r < RPT; ++r) {
             const int row = my_g * RPT + r, j = j0 + r;
             if (GROUPS * RPT != BKV && row >= BKV) break;
+            if (row < row_begin) continue;
             const bool valid = j < kv_end;
             const __nv_bfloat16* src = head;
             if (valid) {
@@ -108,13 +117,61 @@ __device__ __forceinline__ void prefill_v4(XSERV_PREFILL_ARGS) {
         }
     };
 
-    // Prologue: Q, K0 and V0 in one group. Per tile kt, right after the barrier that publishes tile kt, the copies
-    // of tile kt+1 are issued; they have the whole of tile kt's compute to land.
-    int page = page_of(0);
-    load_tile(k_head, sK, 0, page);
-    load_tile(v_head, sV, 0, page);
+    // ---- TMA: chunks of R keys. Chunk c of a tile is copied (both panels of K and V) by lane c / W of warp c % W
+    // (W warps) with tma_spread (a few copies per warp), else by lane c of warp 0. The chunk's cache
+    // slot is looked up one tile ahead (tma_slot), so that load's latency is never waited for.
+    const bool use_tma = k_tmap != nullptr;
+    const int R = min(block_size, BKV), chunks = BKV / R;
+    const int my_chunk = tma_spread ? lane * (4 * NWG) + (tid >> 5) : (tid < 32 ? lane : BKV);
+    const bool chunk_owner = use_tma && my_chunk < chunks;
+    auto chunk_slot = [&](int t) -> int {
+        const int key = t * BKV + my_chunk * R;
+        return (chunk_owner && key < kv_end) ? __ldg(table + key / block_size) * block_size + key % block_size : 0;
+    };
+    int tma_slot = chunk_slot(0);
+    if (use_tma) {
+        if (tid == 0) {
+            for (int i = 0; i < 4; ++i) mbarrier_init(bars + 8 * i, 1);
+            mbarrier_init_fence();
+        }
+        __syncthreads();
+    }
+    // Copies of tile t into stage `stage` (byte offset): TMA for whole chunks below kv_end, cp.async for the rest.
+    // Returns whether any cp.async was issued (those need a wait and a proxy fence before wgmma reads them).
+    auto issue_tile = [&](int t, unsigned stage, int page) -> bool {
+        int n_tma = 0;
+        if (use_tma) {
+            n_tma = max(0, min(chunks, (kv_end - t * BKV) / R));
+            const unsigned bk = bars + (stage ? 8 : 0), bv = bars + (stage ? 24 : 16);
+            if (tid == 0) {
+                mbarrier_arrive_expect_tx(bk, n_tma * R * D * 2);
+                mbarrier_arrive_expect_tx(bv, n_tma * R * D * 2);
+            }
+            if (my_chunk < n_tma) {
+#pragma unroll
+                for (int p = 0; p < D / 64; ++p) {
+                    const unsigned off = stage + p * BKV * 128 + my_chunk * R * 128;
+                    tma_load_3d(sK + off, k_tmap, bk, p * 64, kv_head, tma_slot);
+                    tma_load_3d(sV + off, v_tmap, bv, p * 64, kv_head, tma_slot);
+                }
+            }
+            tma_slot = chunk_slot(t + 1);
+        }
+        if (n_tma * R == BKV) return false;
+        if (use_tma) page = page_of(t);  // not looked up ahead in TMA mode (rarely needed)
+        load_tile(k_head, sK + stage, t, page, n_tma * R);
+        load_tile(v_head, sV + stage, t, page, n_tma * R);
+        return true;
+    };
+
+    // Prologue: Q, K0 and V0. Per tile kt, right after the barrier that publishes tile kt, the copies of tile kt+1
+    // are issued; they have the whole of tile kt's compute to land.
+    // page_of (a table lookup per thread) serves only the cp.async path.
+    int page = use_tma ? 0 : page_of(0);
+    issue_tile(0, 0, page);
     cp_async_commit();
-    page = n_tiles > 1 ? page_of(1) : 0;
+    bool pending_cp_async = true;  // Q always goes through cp.async
+    page = n_tiles > 1 && !use_tma ? page_of(1) : 0;
 
     // ---- wgmma descriptors (128-byte swizzle; stride byte offset 1024 = one 8-row swizzle atom). A k-step of 16
     // columns inside a panel advances the start address by 32 bytes; the next panel starts rows * 128 bytes on.
@@ -144,21 +201,23 @@ __device__ __forceinline__ void prefill_v4(XSERV_PREFILL_ARGS) {
     // before it reached the barrier of tile kt.
     for (int kt = 0; kt < n_tiles; ++kt) {
         const unsigned stage = (kt & 1) * KV_BYTES;
-        // No copy is in flight past this wait, so the proxy fence has nothing else to wait for.
-        cp_async_wait<0>();
-        fence_proxy_async();
-        __syncthreads();  // K(kt), V(kt) (and Q) visible to every warpgroup
-        if (kt + 1 < n_tiles && PROBE != 1) {
-            load_tile(k_head, sK + (stage ^ KV_BYTES), kt + 1, page);
-            load_tile(v_head, sV + (stage ^ KV_BYTES), kt + 1, page);
+        // cp.async rows of tile kt (warpgroup-uniform flag): wait, then make them visible to the async proxy. No
+        // other copy is in flight then, so the fence has nothing else to wait for.
+        if (pending_cp_async) {
+            cp_async_wait<0>();
+            fence_proxy_async();
         }
+        __syncthreads();  // tile kt visible to every warpgroup; all are done with tile kt-1, whose stage is refilled
+        pending_cp_async = kt + 1 < n_tiles && PROBE != 1 && issue_tile(kt + 1, stage ^ KV_BYTES, page);
         cp_async_commit();
-        page = kt + 2 < n_tiles ? page_of(kt + 2) : 0;
+        page = kt + 2 < n_tiles && !use_tma ? page_of(kt + 2) : 0;
 
         const bool active = wg_rows && kt * BKV <= wg_last;  // warpgroup-uniform
         if (!active) continue;
 
         // ---- S = Q K^T
+        const unsigned parity = (kt >> 1) & 1;
+        if (use_tma && PROBE != 1) mbarrier_wait(bars + (stage ? 8 : 0), parity);
         float sacc[BKV / 2];
         wgmma_fence();
 #pragma unroll
@@ -238,6 +297,7 @@ __device__ __forceinline__ void prefill_v4(XSERV_PREFILL_ARGS) {
             continue;
         }
         // ---- O += P V (waited here: leaving it running into the next tile made ptxas serialise every wgmma)
+        if (use_tma && PROBE != 1) mbarrier_wait(bars + (stage ? 24 : 16), parity);
         wgmma_fence_operands(o);
         wgmma_fence();
 #pragma unroll
@@ -267,11 +327,12 @@ __device__ __forceinline__ void prefill_v4(XSERV_PREFILL_ARGS) {
 }
 
 // attention_prefill_v4_d{D}_w{NWG}_k{BKV}: NWG warpgroups (64 query rows each), key tiles of BKV;
-// dynamic shared memory (64 NWG + 4 BKV) * D * 2 + 1024 bytes.
+// dynamic shared memory (64 NWG + 4 BKV) * D * 2 + 1024 + 32 bytes; arguments: XSERV_PREFILL_ARGS, then the
+// K and V cache tensor maps (device addresses of CUtensorMap, or null for cp.async only) and tma_spread.
 #define XSERV_PREFILL_V4(D, NWG, BKV)                                                                           \
-    extern "C" __global__ void __launch_bounds__(128 * NWG, 1)                                                   \
-        attention_prefill_v4_d##D##_w##NWG##_k##BKV(XSERV_PREFILL_ARGS) {                                       \
-        prefill_v4<D, NWG, BKV>(XSERV_PREFILL_PASS);                                                             \
+    extern "C" __global__ void __launch_bounds__(128 * NWG, 1) attention_prefill_v4_d##D##_w##NWG##_k##BKV(     \
+        XSERV_PREFILL_ARGS, const void* k_tmap, const void* v_tmap, int tma_spread) {                           \
+        prefill_v4<D, NWG, BKV>(XSERV_PREFILL_PASS, k_tmap, v_tmap, tma_spread);                                 \
     }
 XSERV_PREFILL_V4(128, 2, 128)
 XSERV_PREFILL_V4(128, 2, 64)
@@ -283,8 +344,8 @@ XSERV_PREFILL_V4(64, 3, 128)
 // timing probes of the default d128 kernel (see PROBE above)
 #define XSERV_PREFILL_V4_PROBE(P)                                                                                \
     extern "C" __global__ void __launch_bounds__(256, 1) attention_prefill_v4probe##P##_d128_w2_k128(            \
-        XSERV_PREFILL_ARGS) {                                                                                    \
-        prefill_v4<128, 2, 128, P>(XSERV_PREFILL_PASS);                                                          \
+        XSERV_PREFILL_ARGS, const void* k_tmap, const void* v_tmap, int tma_spread) {                            \
+        prefill_v4<128, 2, 128, P>(XSERV_PREFILL_PASS, k_tmap, v_tmap, tma_spread);                              \
     }
 XSERV_PREFILL_V4_PROBE(1)
 XSERV_PREFILL_V4_PROBE(2)

@@ -44,6 +44,10 @@ def main(argv=None) -> int:
                    "(comma-separated, e.g. m2w4_b2)")
     p.add_argument("--v4", default="all", help="v4 (wgmma, sm_90a) prefill variants to time: all, default, none, "
                    "or names (e.g. w2_k64)")
+    p.add_argument("--v4-probes", action="store_true", help="also time the v4 d128 timing probes (kernels that "
+                   "leave out the K/V copies, the softmax or the PV product; wrong results on purpose)")
+    p.add_argument("--only", default="", help="prefill configs whose label contains this text")
+    p.add_argument("--once", action="store_true", help="run each prefill kernel once, untimed (for ncu)")
     p.add_argument("--prefill-only", action="store_true", help="skip the decode configs")
     p.add_argument("--decode-only", action="store_true", help="skip the prefill configs")
     p.add_argument("--decode-variants", default="v2,v3,v3s3,v4", help="decode kernels to time (variant=; v4p is "
@@ -100,6 +104,8 @@ def main(argv=None) -> int:
     # ---- prefill
     print(f"\n{'prefill':32s} {'impl':14s} {'ms':>8s} {'TFLOP/s':>8s} {'vs flash':>8s} {'vs cudnn':>8s}")
     for label, b, hq, hkv, lq, lkv, d, causal in ([] if args.decode_only else PREFILL):
+        if args.only not in label:
+            continue
         shape = (b, hq, hkv, lq, lkv, d)
         flops = S._prefill_flops(shape, causal)
         make = lambda r, s, c=causal: S._prefill_inputs(r, s, causal=c)
@@ -118,10 +124,15 @@ def main(argv=None) -> int:
             v4 = {"all": A.V4_VARIANTS[d], "default": (A.V4_DEFAULT[d],), "none": ()}.get(
                 args.v4, [v for v in args.v4.split(",") if v in A.V4_VARIANTS[d]])
             impls += [(f"v4 {v}", f"v4_{v}", 0) for v in v4]
+            if args.v4_probes and d == 128:
+                impls += [(f"v4 probe{p}", f"v4probe{p}_w2_k128", 0) for p in (1, 2, 3)]
         for name, impl, w in impls:
             fns = [lambda t=t, o=o, impl=impl, w=w: A._prefill_cuda(
                 t["q"], t["k_cache"], t["v_cache"], t["cu_seqlens_q"], t["kv_lens"], t["block_tables"], t["scale"],
                 t["max_q_len"], o, hq, impl, w, causal) for t, o in zip(sets, outs)]
+            if args.once:
+                fns[0]()
+                continue
             results[name] = benchmark(fns, warmup=3, iters=iters)
         del sets, outs
         for name, ms in results.items():

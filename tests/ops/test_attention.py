@@ -415,6 +415,19 @@ def test_prefill_gpu_variants(rng, family, head_dim, hq, hkv, block_size):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("block_size", [8, 16, 128, 256])
+def test_prefill_gpu_v4_copy_paths(rng, monkeypatch, tma, block_size):
+    # v4 with and without TMA copies: lengths that end mid-page and mid-tile, NaN in every unused cache slot
+    case = make_case(rng, [1, 37, 300, 129], [1, 300, 1000, 129], 8, 2, 128, block_size)
+    monkeypatch.setattr(A, "PREFILL_TMA", tma)
+    ref = A.attention_prefill_reference(case["q"], case["k_cache"], case["v_cache"], case["cu"], case["kv_lens"],
+                                        case["tables"], case["scale"], dtype=np.float64)
+    for impl in prefill_variants("v4", 128):
+        assert rel_error(run_prefill_gpu(case, impl), ref) < TOL, impl
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("family", ["v3", "v4"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_prefill_gpu_noncausal_chunked(rng, family, head_dim):

@@ -282,9 +282,13 @@ def _prefill_cuda(q, k_cache, v_cache, cu_seqlens_q, kv_lens, block_tables, scal
         variant = variant or V4_DEFAULT[head_dim]
         warpgroups, bkv = _v4_shape(variant)
         rows = 64 * warpgroups
+        k_map = v_map = 0  # no tensor maps: every K/V row through cp.async
+        if PREFILL_TMA and block_size % 8 == 0 and (bkv % block_size == 0 or block_size % bkv == 0):
+            k_map = _kv_tensor_map(k_cache, min(block_size, bkv))
+            v_map = _kv_tensor_map(v_cache, min(block_size, bkv))
         kernel("attention_prefill_sm90", f"attention_prefill_{family}_d{head_dim}_{variant}")(
-            (num_q_heads, num_seqs, (max_q_len + rows - 1) // rows), (128 * warpgroups, 1, 1), *args,
-            smem=(rows + 4 * bkv) * head_dim * 2 + 1024)
+            (num_q_heads, num_seqs, (max_q_len + rows - 1) // rows), (128 * warpgroups, 1, 1), *args, k_map, v_map,
+            np.int32(PREFILL_TMA_SPREAD), smem=(rows + 4 * bkv) * head_dim * 2 + 1024 + 32)
         return
     if impl.startswith("v3"):
         variant = impl[3:].lstrip(":_") or V3_DEFAULT[head_dim]
@@ -311,9 +315,46 @@ V3_VARIANTS = {128: ("m2w4_b2", "m2w4_b3", "m2w4_b3_k32", "m2w8_b3", "m2w8_b3_k3
 V3_DEFAULT = {128: "m2w8_b3", 64: "m1w8q_b3"}
 
 
+# v4 copies K/V tiles with the TMA where the block size allows (XSERV_ATTN_TMA=0: cp.async only, for comparison).
+PREFILL_TMA = os.environ.get("XSERV_ATTN_TMA", "1") != "0"
+# Which threads issue a tile's TMA copies: 1 = spread over the warps (one lane each), 0 = the lanes of warp 0.
+PREFILL_TMA_SPREAD = int(os.environ.get("XSERV_ATTN_TMA_SPREAD", "1"))
+_tensor_maps: dict[tuple, Tensor] = {}  # (cache address, shape, rows) -> CUtensorMap in device memory
+
+
+def _kv_tensor_map(cache: Tensor, rows: int) -> int:
+    """Device address of a TMA descriptor for one K or V cache [num_blocks, block_size, Hkv, D] bf16, seen as the
+    3-D tensor (D, Hkv, slot) with boxes of 64 x 1 x `rows` (one 128-byte swizzled panel of `rows` keys). Built
+    once per cache buffer and kept (128 bytes each)."""
+    key = (cache.ptr, cache.shape, rows)
+    t = _tensor_maps.get(key)
+    if t is None:
+        import ctypes
+
+        from cuda.bindings import driver
+
+        from ..runtime.errors import check_driver
+
+        num_blocks, block_size, num_kv_heads, head_dim = cache.shape
+        u64, u32 = driver.cuuint64_t, driver.cuuint32_t
+        err, tmap = driver.cuTensorMapEncodeTiled(
+            driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, cache.ptr,
+            [u64(head_dim), u64(num_kv_heads), u64(num_blocks * block_size)],
+            [u64(head_dim * 2), u64(num_kv_heads * head_dim * 2)],
+            [u32(64), u32(1), u32(rows)], [u32(1), u32(1), u32(1)],
+            driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+            driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+            driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+        check_driver((err,), "cuTensorMapEncodeTiled")
+        raw = np.frombuffer(ctypes.string_at(tmap.getPtr(), 128), np.uint8).copy()
+        t = _tensor_maps[key] = Tensor.from_numpy(raw, "cuda")
+    return t.ptr
+
+
 # v4 kernel variants compiled into attention_prefill_sm90.cu, as "w{warpgroups}_k{keys per tile}".
 V4_VARIANTS = {128: ("w2_k128", "w2_k64", "w3_k64"), 64: ("w2_k128", "w2_k64", "w3_k128")}
-V4_DEFAULT = {128: "w2_k128", 64: "w2_k128"}
+V4_DEFAULT = {128: "w2_k128", 64: "w3_k128"}
 
 
 def _v4_shape(variant: str) -> tuple[int, int]:
