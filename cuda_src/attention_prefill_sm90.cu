@@ -28,6 +28,121 @@ __device__ __forceinline__ unsigned panel_offset(int row, int chunk, int rows) {
     return (unsigned)((chunk >> 3) * rows * 128 + row * 128 + (((chunk & 7) ^ (row & 7)) << 4));
 }
 
+
+__device__ __forceinline__ unsigned long long desc_add(unsigned long long desc, unsigned bytes) {
+    return desc + (unsigned long long)(bytes >> 4);  // start address field, 16-byte units
+}
+
+// S = Q K^T for one warpgroup: D/16 wgmma k-steps over the panels of Q (A) and of the K tile at byte offset
+// `k_stage` (B), waited for. The descriptors (128-byte swizzle, stride byte offset 1024 = one 8-row swizzle atom)
+// advance 32 bytes per k-step inside a panel; the next panel starts rows * 128 bytes on.
+template <int D, int BQ, int BKV>
+__device__ __forceinline__ void qk_product(float (&sacc)[BKV / 2], unsigned long long q_desc,
+                                           unsigned long long k_desc, unsigned k_stage) {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        const unsigned a_off = (kk >> 2) * BQ * 128 + (kk & 3) * 32;
+        const unsigned b_off = k_stage + (kk >> 2) * BKV * 128 + (kk & 3) * 32;
+        if (kk == 0)
+            wgmma_ss_init<BKV>(sacc, desc_add(q_desc, a_off), desc_add(k_desc, b_off));
+        else
+            wgmma_ss<BKV>(sacc, desc_add(q_desc, a_off), desc_add(k_desc, b_off), 1);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operands(sacc);
+}
+
+// Online softmax of one S tile in registers, then P as bf16 A fragments. Row r (0: lane/4, 1: lane/4 + 8 of the
+// warp's 16) lives in the 4 lanes of a quad. With `mask`, key key_base + 8j + e (key_base = first key of the tile +
+// 2 (lane % 4)) is dropped past pos_lo (row 0) / pos_hi (row 1). O and l are rescaled by the new running max.
+template <int D, int BKV>
+__device__ __forceinline__ void softmax_to_p(float (&sacc)[BKV / 2], float (&o)[D / 2], float (&m_row)[2],
+                                             float (&l_row)[2], unsigned (&pa)[BKV / 16][4], bool mask,
+                                             int key_base, int pos_lo, int pos_hi, float scale_log2) {
+    if (mask) {
+#pragma unroll
+        for (int j = 0; j < BKV / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int key = key_base + 8 * j + e;
+                if (key > pos_lo) sacc[4 * j + e] = neg_inf();
+                if (key > pos_hi) sacc[4 * j + 2 + e] = neg_inf();
+            }
+    }
+    float m_use[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float mx = neg_inf();
+#pragma unroll
+        for (int j = 0; j < BKV / 8; ++j) mx = fmaxf(mx, fmaxf(sacc[4 * j + 2 * r], sacc[4 * j + 2 * r + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m_row[r], mx * scale_log2);
+        m_use[r] = m_new == neg_inf() ? 0.f : m_new;  // fully masked so far: no inf - inf
+        const float alpha = exp2_approx(m_row[r] - m_use[r]);
+        m_row[r] = m_new;
+        l_row[r] *= alpha;
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+            o[4 * j + 2 * r] *= alpha;
+            o[4 * j + 2 * r + 1] *= alpha;
+        }
+    }
+    // k-step ks covers keys 16ks..16ks+15 = accumulator column blocks 2ks (a[0], a[1]) and 2ks+1 (a[2], a[3])
+#pragma unroll
+    for (int ks = 0; ks < BKV / 16; ++ks) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const float* sv = sacc + 8 * ks + 4 * half;
+            const float p0 = exp2_approx(fmaf(sv[0], scale_log2, -m_use[0]));
+            const float p1 = exp2_approx(fmaf(sv[1], scale_log2, -m_use[0]));
+            const float p2 = exp2_approx(fmaf(sv[2], scale_log2, -m_use[1]));
+            const float p3 = exp2_approx(fmaf(sv[3], scale_log2, -m_use[1]));
+            l_row[0] += p0 + p1;
+            l_row[1] += p2 + p3;
+            pa[ks][2 * half] = pack_bf16x2(p0, p1);
+            pa[ks][2 * half + 1] = pack_bf16x2(p2, p3);
+        }
+    }
+}
+
+// O += P V for one warpgroup (V tile at byte offset v_stage, read MN-major: its leading byte offset steps between
+// 64-column panels), waited for: leaving it running into the next tile made ptxas serialise every wgmma (C7515).
+template <int D, int BKV>
+__device__ __forceinline__ void pv_product(float (&o)[D / 2], const unsigned (&pa)[BKV / 16][4],
+                                           unsigned long long v_desc, unsigned v_stage) {
+    wgmma_fence_operands(o);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < BKV / 16; ++ks) wgmma_rs<D, 1>(o, pa[ks], desc_add(v_desc, v_stage + ks * 16 * 128));
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operands(o);
+}
+
+// out rows of this thread: O / l as bf16, rows at or past q_len dropped. row_lo = query index (within the
+// sequence's chunk) of the thread's first row; the second is row_lo + 8.
+template <int D>
+__device__ __forceinline__ void store_rows(const float (&o)[D / 2], const float (&l_row)[2], int row_lo, int q_len,
+                                           int q_start, int num_q_heads, int h, int lane,
+                                           __nv_bfloat16* __restrict__ out) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float l = l_row[r];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        const int i = row_lo + 8 * r;
+        if (i >= q_len) continue;
+        __nv_bfloat16* orow = out + ((long long)(q_start + i) * num_q_heads + h) * D + 2 * (lane & 3);
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j)
+            *reinterpret_cast<unsigned*>(orow + 8 * j) = pack_bf16x2(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+    }
+}
+
 }  // namespace prefill4
 
 // PROBE (timing decomposition only; the result is wrong on purpose): 0 = the real kernel, 1 = no K/V copies after
@@ -182,7 +297,6 @@ __device__ __forceinline__ void prefill_v4(XSERV_PREFILL_ARGS, const void* k_tma
     const unsigned long long q_desc = wgmma_desc_sw128(sQ + wg * 64 * 128, 16, 1024);
     const unsigned long long k_desc = wgmma_desc_sw128(sK, 16, 1024);
     const unsigned long long v_desc = wgmma_desc_sw128(sV, BKV * 128, 1024);
-    auto desc_add = [](unsigned long long desc, unsigned bytes) { return desc + (unsigned long long)(bytes >> 4); };
 
     float o[D / 2];
 #pragma unroll
@@ -219,19 +333,7 @@ __device__ __forceinline__ void prefill_v4(XSERV_PREFILL_ARGS, const void* k_tma
         const unsigned parity = (kt >> 1) & 1;
         if (use_tma && PROBE != 1) mbarrier_wait(bars + (stage ? 8 : 0), parity);
         float sacc[BKV / 2];
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            const unsigned a_off = (kk >> 2) * BQ * 128 + (kk & 3) * 32;
-            const unsigned b_off = stage + (kk >> 2) * BKV * 128 + (kk & 3) * 32;
-            if (kk == 0)
-                wgmma_ss_init<BKV>(sacc, desc_add(q_desc, a_off), desc_add(k_desc, b_off));
-            else
-                wgmma_ss<BKV>(sacc, desc_add(q_desc, a_off), desc_add(k_desc, b_off), 1);
-        }
-        wgmma_commit();
-        wgmma_wait<0>();
-        wgmma_fence_operands(sacc);
+        qk_product<D, BQ, BKV>(sacc, q_desc, k_desc, stage);
         wgmma_fence_operands(o);
 
         unsigned pa[BKV / 16][4];  // P as the A operand of the PV product
@@ -241,90 +343,174 @@ __device__ __forceinline__ void prefill_v4(XSERV_PREFILL_ARGS, const void* k_tma
 #pragma unroll
                 for (int i = 0; i < 4; ++i) pa[ks][i] = pack_bf16x2(sacc[8 * ks + 2 * i], sacc[8 * ks + 2 * i + 1]);
         } else {
-            // ---- mask (only tiles reaching past the warpgroup's first row): key kt*BKV + 8j + 2(lane%4) + e
-            if (kt * BKV + BKV - 1 > wg_first) {
-                const int base = kt * BKV + 2 * (lane & 3);
-#pragma unroll
-                for (int j = 0; j < BKV / 8; ++j)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int key = base + 8 * j + e;
-                        if (key > pos_lo) sacc[4 * j + e] = neg_inf();
-                        if (key > pos_hi) sacc[4 * j + 2 + e] = neg_inf();
-                    }
-            }
-            // ---- online softmax on raw scores; row r (0: lane/4, 1: lane/4 + 8) lives in the 4 lanes of a quad
-            float m_use[2];
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                float mx = neg_inf();
-#pragma unroll
-                for (int j = 0; j < BKV / 8; ++j) mx = fmaxf(mx, fmaxf(sacc[4 * j + 2 * r], sacc[4 * j + 2 * r + 1]));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                const float m_new = fmaxf(m_row[r], mx * scale_log2);
-                m_use[r] = m_new == neg_inf() ? 0.f : m_new;  // fully masked so far: no inf - inf
-                const float alpha = exp2_approx(m_row[r] - m_use[r]);
-                m_row[r] = m_new;
-                l_row[r] *= alpha;
-#pragma unroll
-                for (int j = 0; j < D / 8; ++j) {
-                    o[4 * j + 2 * r] *= alpha;
-                    o[4 * j + 2 * r + 1] *= alpha;
-                }
-            }
-            // ---- P = exp2(S * scale - m) as bf16 A fragments: k-step ks covers keys 16ks..16ks+15 = accumulator
-            // column blocks 2ks (a[0], a[1]) and 2ks+1 (a[2], a[3])
-#pragma unroll
-            for (int ks = 0; ks < BKV / 16; ++ks) {
-#pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const float* sv = sacc + 8 * ks + 4 * half;
-                    const float p0 = exp2_approx(fmaf(sv[0], scale_log2, -m_use[0]));
-                    const float p1 = exp2_approx(fmaf(sv[1], scale_log2, -m_use[0]));
-                    const float p2 = exp2_approx(fmaf(sv[2], scale_log2, -m_use[1]));
-                    const float p3 = exp2_approx(fmaf(sv[3], scale_log2, -m_use[1]));
-                    l_row[0] += p0 + p1;
-                    l_row[1] += p2 + p3;
-                    pa[ks][2 * half] = pack_bf16x2(p0, p1);
-                    pa[ks][2 * half + 1] = pack_bf16x2(p2, p3);
-                }
-            }
+            // mask only tiles reaching past the warpgroup's first row
+            softmax_to_p<D, BKV>(sacc, o, m_row, l_row, pa, kt * BKV + BKV - 1 > wg_first, kt * BKV + 2 * (lane & 3),
+                                 pos_lo, pos_hi, scale_log2);
         }
         if constexpr (PROBE == 3) {  // no PV product
 #pragma unroll
             for (int ks = 0; ks < BKV / 16; ++ks) o[ks] += __uint_as_float(pa[ks][0] ^ pa[ks][1] ^ pa[ks][2] ^ pa[ks][3]);
             continue;
         }
-        // ---- O += P V (waited here: leaving it running into the next tile made ptxas serialise every wgmma)
+        // ---- O += P V
         if (use_tma && PROBE != 1) mbarrier_wait(bars + (stage ? 24 : 16), parity);
-        wgmma_fence_operands(o);
-        wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < BKV / 16; ++ks)
-            wgmma_rs<D, 1>(o, pa[ks], desc_add(v_desc, stage + ks * 16 * 128));
-        wgmma_commit();
-        wgmma_wait<0>();
-        wgmma_fence_operands(o);
+        pv_product<D, BKV>(o, pa, v_desc, stage);
     }
     cp_async_wait<0>();  // no copy may still target shared memory when the CTA exits
-
-    // ---- epilogue: O / l, rows past the chunk dropped
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float l = l_row[r];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
-        const float inv = l > 0.f ? 1.f / l : 0.f;
-        const int i = wg_row0 + 16 * warp_in_wg + (lane >> 2) + 8 * r;
-        if (i >= q_len) continue;
-        __nv_bfloat16* orow = out + ((long long)(q_start + i) * num_q_heads + h) * D + 2 * (lane & 3);
-#pragma unroll
-        for (int j = 0; j < D / 8; ++j)
-            *reinterpret_cast<unsigned*>(orow + 8 * j) = pack_bf16x2(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
-    }
+    store_rows<D>(o, l_row, wg_row0 + 16 * warp_in_wg + (lane >> 2), q_len, q_start, num_q_heads, h, lane, out);
 #endif
 }
+
+// ------------------------------------------------------------------------------------------------------------
+// v5: v4's math with warp specialisation. One extra producer warp issues every K/V copy through the TMA into a
+// STAGES-deep ring and never computes; the consumer warpgroups never wait at a CTA-wide barrier: they wait on a
+// stage's "full" mbarriers (K and V separately) and release it through its "empty" mbarrier (one arrival per
+// consumer warp). So the warpgroups drift apart (one's softmax overlaps the other's wgmma) and copies run up to
+// STAGES - 1 tiles ahead. Needs the tensor maps (the launcher falls back to v4 otherwise). A sequence's partial last
+// chunk is copied as a whole page; each consumer warpgroup zeroes the V rows past kv_end of that last tile itself
+// before its PV product (stale or NaN slots; K rows there are masked).
+template <int D, int NWG, int BKV, int STAGES>
+__device__ __forceinline__ void prefill_v5(XSERV_PREFILL_ARGS, const void* k_tmap, const void* v_tmap) {
+#if !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    __trap();
+#else
+    using namespace prefill4;
+    constexpr int BQ = 64 * NWG, CONSUMERS = 128 * NWG, CH = D / 8;
+    constexpr unsigned Q_BYTES = BQ * D * 2, KV_BYTES = BKV * D * 2;
+    extern __shared__ uint4 smem_raw[];
+    const unsigned sQ = (smem_u32(smem_raw) + 1023u) & ~1023u;
+    const unsigned sK = sQ + Q_BYTES;                 // [STAGES][BKV x D]
+    const unsigned sV = sK + STAGES * KV_BYTES;       // [STAGES][BKV x D]
+    const unsigned full_k = sV + STAGES * KV_BYTES;   // mbarriers, 8 bytes each: full_k[STAGES], full_v, empty
+    const unsigned full_v = full_k + 8 * STAGES, empty = full_v + 8 * STAGES;
+
+    const int tid = threadIdx.x, lane = tid & 31;
+    const int h = blockIdx.x, s = blockIdx.y;
+    const int q_start = cu_seqlens_q[s], q_len = cu_seqlens_q[s + 1] - q_start;
+    const int i0 = (gridDim.z - 1 - blockIdx.z) * BQ;  // heaviest (last) q tiles first
+    if (i0 >= q_len) return;
+    const int kv_len = kv_lens[s];
+    const int offset = kv_len - q_len;
+    const int kv_head = h / (num_q_heads / num_kv_heads);
+    const int* table = block_tables + (long long)s * max_blocks_per_seq;
+    const int kv_end = causal ? min(kv_len, offset + min(i0 + BQ, q_len)) : kv_len;
+    const int n_tiles = (kv_end + BKV - 1) / BKV;
+
+    if (tid == 0) {
+        for (int i = 0; i < STAGES; ++i) {
+            mbarrier_init(full_k + 8 * i, 1);
+            mbarrier_init(full_v + 8 * i, 1);
+            mbarrier_init(empty + 8 * i, NWG * 4);
+        }
+        mbarrier_init_fence();
+    }
+    __syncthreads();  // the last CTA-wide barrier
+
+    if (tid >= CONSUMERS) {
+        // ---- producer warp: tile t into stage t % STAGES once every consumer warp released its previous use
+        const int R = min(block_size, BKV), chunks = BKV / R;
+        for (int t = 0; t < n_tiles; ++t) {
+            const int st = t % STAGES;
+            if (t >= STAGES) mbarrier_wait(empty + 8 * st, ((t / STAGES) - 1) & 1);
+            const int key0 = t * BKV;
+            const int n = min(chunks, (kv_end - key0 + R - 1) / R);  // chunks holding keys below kv_end
+            if (lane == 0) {
+                mbarrier_arrive_expect_tx(full_k + 8 * st, n * R * D * 2);
+                mbarrier_arrive_expect_tx(full_v + 8 * st, n * R * D * 2);
+            }
+            __syncwarp();
+            for (int c = lane; c < n; c += 32) {
+                const int key = key0 + c * R;
+                const int slot = __ldg(table + key / block_size) * block_size + key % block_size;
+#pragma unroll
+                for (int p = 0; p < D / 64; ++p) {
+                    const unsigned off = st * KV_BYTES + p * BKV * 128 + c * R * 128;
+                    tma_load_3d(sK + off, k_tmap, full_k + 8 * st, p * 64, kv_head, slot);
+                    tma_load_3d(sV + off, v_tmap, full_v + 8 * st, p * 64, kv_head, slot);
+                }
+            }
+        }
+        return;
+    }
+
+    // ---- consumer warpgroups
+    const int wg = tid >> 7, warp_in_wg = (tid >> 5) & 3, wtid = tid & 127;
+    // this warpgroup's 64 Q rows -> shared (rows past the chunk zero-filled)
+    for (int c = wtid; c < 64 * CH; c += 128) {
+        const int row = 64 * wg + c / CH, ch = c % CH;
+        const bool valid = i0 + row < q_len;
+        const __nv_bfloat16* src =
+            valid ? q + (long long)(q_start + i0 + row) * q_row_stride + (long long)h * D + ch * 8 : q;
+        cp_async16(sQ + panel_offset(row, ch, BQ), src, valid);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    fence_proxy_async();
+    named_barrier_sync(1 + wg, 128);
+
+    const unsigned long long q_desc = wgmma_desc_sw128(sQ + wg * 64 * 128, 16, 1024);
+    const unsigned long long k_desc = wgmma_desc_sw128(sK, 16, 1024);
+    const unsigned long long v_desc = wgmma_desc_sw128(sV, BKV * 128, 1024);
+    float o[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+    float m_row[2] = {neg_inf(), neg_inf()}, l_row[2] = {0.f, 0.f};
+    const int wg_row0 = i0 + 64 * wg;
+    const int pos_lo = causal ? offset + wg_row0 + 16 * warp_in_wg + (lane >> 2) : kv_len - 1;
+    const int pos_hi = pos_lo + (causal ? 8 : 0);
+    const int wg_first = causal ? offset + wg_row0 : kv_len - 1;
+    const int wg_last = causal ? offset + wg_row0 + 63 : kv_len - 1;
+    const bool wg_rows = wg_row0 < q_len;
+
+    for (int t = 0; t < n_tiles; ++t) {
+        const int st = t % STAGES;
+        const unsigned parity = (t / STAGES) & 1, stage = st * KV_BYTES;
+        // Every warp waits for the tile to land even where it skips the tile: its "empty" arrival must never
+        // reach a stage's barrier before the producer refilled that stage, or the phases would run ahead.
+        mbarrier_wait(full_k + 8 * st, parity);
+        const bool active = wg_rows && t * BKV <= wg_last;  // warpgroup-uniform: some key is visible to it
+        if (!active) mbarrier_wait(full_v + 8 * st, parity);
+        if (active) {
+            float sacc[BKV / 2];
+            qk_product<D, BQ, BKV>(sacc, q_desc, k_desc, stage);
+            wgmma_fence_operands(o);
+            unsigned pa[BKV / 16][4];
+            softmax_to_p<D, BKV>(sacc, o, m_row, l_row, pa, t * BKV + BKV - 1 > wg_first, t * BKV + 2 * (lane & 3),
+                                 pos_lo, pos_hi, scale_log2);
+            mbarrier_wait(full_v + 8 * st, parity);
+            const int valid_rows = kv_end - t * BKV;
+            if (valid_rows < BKV) {  // the sequence's last tile: zero V rows past kv_end (uniform condition)
+                for (int c = wtid; c < (BKV - valid_rows) * CH; c += 128) {
+                    const int row = valid_rows + c / CH, ch = c % CH;
+                    asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(sV + stage + panel_offset(row, ch, BKV)),
+                                 "r"(0u) : "memory");
+                }
+                fence_proxy_async();
+                named_barrier_sync(1 + wg, 128);
+            }
+            pv_product<D, BKV>(o, pa, v_desc, stage);
+        }
+        __syncwarp();
+        if (lane == 0) mbarrier_arrive(empty + 8 * st);  // this warp is done with stage st
+    }
+    store_rows<D>(o, l_row, wg_row0 + 16 * warp_in_wg + (lane >> 2), q_len, q_start, num_q_heads, h, lane, out);
+#endif
+}
+
+// attention_prefill_v5_d{D}_w{NWG}_k{BKV}_s{STAGES}: block 128 NWG + 32 (the producer warp last); dynamic shared
+// memory (64 NWG + 2 STAGES BKV) * D * 2 + 1024 + 24 STAGES bytes; arguments: XSERV_PREFILL_ARGS, k_tmap, v_tmap.
+#define XSERV_PREFILL_V5(D, NWG, BKV, STAGES)                                                                   \
+    extern "C" __global__ void __launch_bounds__(128 * NWG + 32, 1)                                              \
+        attention_prefill_v5_d##D##_w##NWG##_k##BKV##_s##STAGES(XSERV_PREFILL_ARGS, const void* k_tmap,          \
+                                                                 const void* v_tmap) {                           \
+        prefill_v5<D, NWG, BKV, STAGES>(XSERV_PREFILL_PASS, k_tmap, v_tmap);                                     \
+    }
+XSERV_PREFILL_V5(128, 2, 128, 3)
+XSERV_PREFILL_V5(128, 2, 128, 2)
+XSERV_PREFILL_V5(128, 2, 64, 4)
+XSERV_PREFILL_V5(128, 3, 64, 3)
+XSERV_PREFILL_V5(64, 2, 128, 3)
+XSERV_PREFILL_V5(64, 3, 128, 3)
 
 // attention_prefill_v4_d{D}_w{NWG}_k{BKV}: NWG warpgroups (64 query rows each), key tiles of BKV;
 // dynamic shared memory (64 NWG + 4 BKV) * D * 2 + 1024 + 32 bytes; arguments: XSERV_PREFILL_ARGS, then the

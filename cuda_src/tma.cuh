@@ -20,6 +20,14 @@ __device__ __forceinline__ void mbarrier_init_fence() {
 __device__ __forceinline__ void mbarrier_arrive_expect_tx(unsigned bar, unsigned bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
+// Arrive once (no bytes announced).
+__device__ __forceinline__ void mbarrier_arrive(unsigned bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Barrier `id` (1..15; 0 is __syncthreads) among `count` threads (a multiple of 32), e.g. one warpgroup.
+__device__ __forceinline__ void named_barrier_sync(int id, int count) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
 // Block until the phase with parity `parity` of the mbarrier has completed.
 __device__ __forceinline__ void mbarrier_wait(unsigned bar, unsigned parity) {
     asm volatile(

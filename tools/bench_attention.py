@@ -44,6 +44,8 @@ def main(argv=None) -> int:
                    "(comma-separated, e.g. m2w4_b2)")
     p.add_argument("--v4", default="all", help="v4 (wgmma, sm_90a) prefill variants to time: all, default, none, "
                    "or names (e.g. w2_k64)")
+    p.add_argument("--v5", default="all", help="v5 (producer warp + TMA ring, sm_90a) prefill variants to time: "
+                   "all, default, none, or names (e.g. w2_k128_s3)")
     p.add_argument("--v4-probes", action="store_true", help="also time the v4 d128 timing probes (kernels that "
                    "leave out the K/V copies, the softmax or the PV product; wrong results on purpose)")
     p.add_argument("--only", default="", help="prefill configs whose label contains this text")
@@ -124,6 +126,9 @@ def main(argv=None) -> int:
             v4 = {"all": A.V4_VARIANTS[d], "default": (A.V4_DEFAULT[d],), "none": ()}.get(
                 args.v4, [v for v in args.v4.split(",") if v in A.V4_VARIANTS[d]])
             impls += [(f"v4 {v}", f"v4_{v}", 0) for v in v4]
+            v5 = {"all": A.V5_VARIANTS[d], "default": (A.V5_DEFAULT[d],), "none": ()}.get(
+                args.v5, [v for v in args.v5.split(",") if v in A.V5_VARIANTS[d]])
+            impls += [(f"v5 {v}", f"v5_{v}", 0) for v in v5]
             if args.v4_probes and d == 128:
                 impls += [(f"v4 probe{p}", f"v4probe{p}_w2_k128", 0) for p in (1, 2, 3)]
         for name, impl, w in impls:

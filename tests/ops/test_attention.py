@@ -171,7 +171,7 @@ def test_prefill_gpu_noncausal(rng, head_dim):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["fa2", "v3", "v4"])
+@pytest.mark.parametrize("family", ["fa2", "v3", "v4", "v5"])
 def test_prefill_gpu_long(rng, family):
     # a 4096-token prompt from scratch, and a 64-token chunk at the end of a 32768-token context
     case = make_case(rng, [4096, 64], [4096, 32768], 4, 1, 128, 16)
@@ -390,19 +390,31 @@ def test_v4_variant_names():
         A._v4_shape("m2w4")
 
 
+def test_v5_variant_names():
+    for d, variants in A.V5_VARIANTS.items():
+        assert A.V5_DEFAULT[d] in variants
+        for v in variants:
+            warpgroups, bkv, stages = A._v5_shape(v)
+            assert warpgroups in (2, 3) and bkv in (64, 128) and 2 <= stages <= 4
+    with pytest.raises(ValueError):
+        A._v5_shape("w2_k128")
+
+
 def prefill_variants(family: str, head_dim: int) -> list[str]:
-    """Every compiled variant of a kernel family ("v3", "v4") for head_dim, as _prefill_cuda impl names."""
-    if family == "v4":
+    """Every compiled variant of a kernel family ("v3", "v4", "v5") for head_dim, as _prefill_cuda impl names
+    (v5 falls back to v4 where the block size rules out the TMA)."""
+    if family in ("v4", "v5"):
         from xserv.runtime import get_device
 
         if get_device().arch != "sm_90a":
-            pytest.skip("v4 prefill needs sm_90a")
-        return [f"v4_{v}" for v in A.V4_VARIANTS[head_dim]]
+            pytest.skip(f"{family} prefill needs sm_90a")
+        variants = A.V4_VARIANTS if family == "v4" else A.V5_VARIANTS
+        return [f"{family}_{v}" for v in variants[head_dim]]
     return [f"v3_{v}" for v in A.V3_VARIANTS[head_dim]]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["v3", "v4"])
+@pytest.mark.parametrize("family", ["v3", "v4", "v5"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("hq,hkv,block_size", [(4, 4, 16), (8, 4, 20), (16, 4, 256), (16, 2, 64), (8, 1, 48)])
 def test_prefill_gpu_variants(rng, family, head_dim, hq, hkv, block_size):
@@ -423,12 +435,12 @@ def test_prefill_gpu_v4_copy_paths(rng, monkeypatch, tma, block_size):
     monkeypatch.setattr(A, "PREFILL_TMA", tma)
     ref = A.attention_prefill_reference(case["q"], case["k_cache"], case["v_cache"], case["cu"], case["kv_lens"],
                                         case["tables"], case["scale"], dtype=np.float64)
-    for impl in prefill_variants("v4", 128):
+    for impl in prefill_variants("v4", 128) + prefill_variants("v5", 128):
         assert rel_error(run_prefill_gpu(case, impl), ref) < TOL, impl
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["v3", "v4"])
+@pytest.mark.parametrize("family", ["v3", "v4", "v5"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_prefill_gpu_noncausal_chunked(rng, family, head_dim):
     # non-causal with tails, and causal chunks at the end of longer contexts (offset kv_len - q_len)

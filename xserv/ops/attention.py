@@ -22,9 +22,9 @@ from ._checks import check_aligned, check_tensor, output, same_device
 HEAD_DIMS = (64, 128)
 MAX_GQA_GROUP = 8  # decode kernels are instantiated for Hq / Hkv = 1..8 (Qwen3 uses 1, 2, 4, 5, 8)
 
-# Prefill kernel: "v4" (wgmma, sm_90a only; "v4_<variant>" picks one of V4_VARIANTS), "v3" (mma.sync; "v3_<variant>"
-# picks one of V3_VARIANTS), "fa2" (v2) or "simple" (one warp per query row; a GPU cross-check). Default: v4 where
-# the device is sm_90a, else v3. Warps per CTA of the fa2 kernel: 4 (64 query rows per CTA) or 8 (128 rows); 0 = by
+# Prefill kernel: "v5" (wgmma + TMA with a producer warp, sm_90a only; "v5_<variant>" picks one of V5_VARIANTS),
+# "v4" (wgmma, sm_90a; "v4_<variant>"), "v3" (mma.sync; "v3_<variant>" picks one of V3_VARIANTS), "fa2" (v2) or
+# "simple" (one warp per query row; a GPU cross-check). Default: v5 where the device is sm_90a, else v3. Warps per CTA of the fa2 kernel: 4 (64 query rows per CTA) or 8 (128 rows); 0 = by
 # head_dim, as measured on an H200 (docs/kernels/attention.md): 8 for D=128 (+8%), 4 for D=64 (+8%).
 PREFILL_IMPL = os.environ.get("XSERV_ATTN_PREFILL", "")
 PREFILL_WARPS = int(os.environ.get("XSERV_ATTN_PREFILL_WARPS", "0"))
@@ -256,10 +256,11 @@ def attention_prefill(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q:
 
 
 def default_prefill_impl() -> str:
-    """v4 (wgmma) on sm_90a, v3 (mma.sync) on any other architecture."""
+    """v5 (wgmma + TMA, producer warp; v4 where the block size rules out the TMA) on sm_90a, v3 (mma.sync) on any
+    other architecture."""
     from ..runtime import get_device
 
-    return "v4" if get_device().arch == "sm_90a" else "v3"
+    return "v5" if get_device().arch == "sm_90a" else "v3"
 
 
 def _prefill_cuda(q, k_cache, v_cache, cu_seqlens_q, kv_lens, block_tables, scale, max_q_len, out, num_q_heads,
@@ -277,6 +278,17 @@ def _prefill_cuda(q, k_cache, v_cache, cu_seqlens_q, kv_lens, block_tables, scal
         kernel("attention_prefill", f"attention_prefill_simple_d{head_dim}")(
             ((max_q_len + 3) // 4, num_q_heads, num_seqs), (128, 1, 1), *args)
         return
+    if impl.startswith("v5"):  # "v5" or "v5_<variant>"; needs the TMA (block size), else runs v4's default
+        variant = impl[3:] or V5_DEFAULT[head_dim]
+        warpgroups, bkv, stages = _v5_shape(variant)
+        if PREFILL_TMA and block_size % 8 == 0 and (bkv % block_size == 0 or block_size % bkv == 0):
+            rows = 64 * warpgroups
+            kernel("attention_prefill_sm90", f"attention_prefill_v5_d{head_dim}_{variant}")(
+                (num_q_heads, num_seqs, (max_q_len + rows - 1) // rows), (128 * warpgroups + 32, 1, 1), *args,
+                _kv_tensor_map(k_cache, min(block_size, bkv)), _kv_tensor_map(v_cache, min(block_size, bkv)),
+                smem=(rows + 2 * stages * bkv) * head_dim * 2 + 1024 + 24 * stages)
+            return
+        impl = "v4"
     if impl.startswith("v4"):  # "v4", "v4_<variant>", or a timing probe "v4probe<N>_<variant>" (wrong results)
         family, _, variant = impl.partition("_")
         variant = variant or V4_DEFAULT[head_dim]
@@ -355,6 +367,21 @@ def _kv_tensor_map(cache: Tensor, rows: int) -> int:
 # v4 kernel variants compiled into attention_prefill_sm90.cu, as "w{warpgroups}_k{keys per tile}".
 V4_VARIANTS = {128: ("w2_k128", "w2_k64", "w3_k64"), 64: ("w2_k128", "w2_k64", "w3_k128")}
 V4_DEFAULT = {128: "w2_k128", 64: "w3_k128"}
+
+
+# v5 (producer warp + TMA ring) variants, as "w{warpgroups}_k{keys per tile}_s{stages}".
+V5_VARIANTS = {128: ("w2_k128_s3", "w2_k128_s2", "w2_k64_s4", "w3_k64_s3"), 64: ("w2_k128_s3", "w3_k128_s3")}
+V5_DEFAULT = {128: "w2_k128_s3", 64: "w2_k128_s3"}
+
+
+def _v5_shape(variant: str) -> tuple[int, int, int]:
+    """(warpgroups per CTA, keys per tile, stages) of a v5 variant name."""
+    import re
+
+    m = re.fullmatch(r"w(\d)_k(\d+)_s(\d)", variant)
+    if not m:
+        raise ValueError(f"unknown v5 prefill variant {variant!r}")
+    return int(m.group(1)), int(m.group(2)), int(m.group(3))
 
 
 def _v4_shape(variant: str) -> tuple[int, int]:
