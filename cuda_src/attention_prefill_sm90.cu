@@ -37,9 +37,8 @@ __device__ __forceinline__ unsigned long long desc_add(unsigned long long desc, 
 // `k_stage` (B), waited for. The descriptors (128-byte swizzle, stride byte offset 1024 = one 8-row swizzle atom)
 // advance 32 bytes per k-step inside a panel; the next panel starts rows * 128 bytes on.
 template <int D, int BQ, int BKV>
-__device__ __forceinline__ void qk_product(float (&sacc)[BKV / 2], unsigned long long q_desc,
-                                           unsigned long long k_desc, unsigned k_stage) {
-    wgmma_fence();
+__device__ __forceinline__ void qk_issue(float (&sacc)[BKV / 2], unsigned long long q_desc, unsigned long long k_desc,
+                                         unsigned k_stage) {
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
         const unsigned a_off = (kk >> 2) * BQ * 128 + (kk & 3) * 32;
@@ -49,6 +48,12 @@ __device__ __forceinline__ void qk_product(float (&sacc)[BKV / 2], unsigned long
         else
             wgmma_ss<BKV>(sacc, desc_add(q_desc, a_off), desc_add(k_desc, b_off), 1);
     }
+}
+template <int D, int BQ, int BKV>
+__device__ __forceinline__ void qk_product(float (&sacc)[BKV / 2], unsigned long long q_desc,
+                                           unsigned long long k_desc, unsigned k_stage) {
+    wgmma_fence();
+    qk_issue<D, BQ, BKV>(sacc, q_desc, k_desc, k_stage);
     wgmma_commit();
     wgmma_wait<0>();
     wgmma_fence_operands(sacc);
@@ -111,12 +116,17 @@ __device__ __forceinline__ void softmax_to_p(float (&sacc)[BKV / 2], float (&o)[
 // O += P V for one warpgroup (V tile at byte offset v_stage, read MN-major: its leading byte offset steps between
 // 64-column panels), waited for: leaving it running into the next tile made ptxas serialise every wgmma (C7515).
 template <int D, int BKV>
+__device__ __forceinline__ void pv_issue(float (&o)[D / 2], const unsigned (&pa)[BKV / 16][4],
+                                         unsigned long long v_desc, unsigned v_stage) {
+#pragma unroll
+    for (int ks = 0; ks < BKV / 16; ++ks) wgmma_rs<D, 1>(o, pa[ks], desc_add(v_desc, v_stage + ks * 16 * 128));
+}
+template <int D, int BKV>
 __device__ __forceinline__ void pv_product(float (&o)[D / 2], const unsigned (&pa)[BKV / 16][4],
                                            unsigned long long v_desc, unsigned v_stage) {
     wgmma_fence_operands(o);
     wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < BKV / 16; ++ks) wgmma_rs<D, 1>(o, pa[ks], desc_add(v_desc, v_stage + ks * 16 * 128));
+    pv_issue<D, BKV>(o, pa, v_desc, v_stage);
     wgmma_commit();
     wgmma_wait<0>();
     wgmma_fence_operands(o);
@@ -362,7 +372,8 @@ __device__ __forceinline__ void prefill_v4(XSERV_PREFILL_ARGS, const void* k_tma
 }
 
 // ------------------------------------------------------------------------------------------------------------
-// v5: v4's math with warp specialisation. One extra producer warp issues every K/V copy through the TMA into a
+// v5: v4's math with warp specialisation. One extra producer warp (of a producer warpgroup that hands most of its
+// registers to the consumers with setmaxnreg, so they get 232 each) issues every K/V copy through the TMA into a
 // STAGES-deep ring and never computes; the consumer warpgroups never wait at a CTA-wide barrier: they wait on a
 // stage's "full" mbarriers (K and V separately) and release it through its "empty" mbarrier (one arrival per
 // consumer warp). So the warpgroups drift apart (one's softmax overlaps the other's wgmma) and copies run up to
@@ -406,7 +417,12 @@ __device__ __forceinline__ void prefill_v5(XSERV_PREFILL_ARGS, const void* k_tma
     }
     __syncthreads();  // the last CTA-wide barrier
 
+    // Registers: the block is NWG + 1 warpgroups, so ptxas budgets 65536 / (128 (NWG + 1)) per thread; the producer
+    // warpgroup gives most of its share back (setmaxnreg) and the consumers take it.
+    constexpr int CONSUMER_REGS = NWG == 2 ? 232 : 152;  // with the producer at 40: <= 65536 in all
     if (tid >= CONSUMERS) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        if (tid >= CONSUMERS + 32) return;  // one warp of the producer warpgroup issues the copies
         // ---- producer warp: tile t into stage t % STAGES once every consumer warp released its previous use
         const int R = min(block_size, BKV), chunks = BKV / R;
         for (int t = 0; t < n_tiles; ++t) {
@@ -434,6 +450,7 @@ __device__ __forceinline__ void prefill_v5(XSERV_PREFILL_ARGS, const void* k_tma
     }
 
     // ---- consumer warpgroups
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS) : "memory");
     const int wg = tid >> 7, warp_in_wg = (tid >> 5) & 3, wtid = tid & 127;
     // this warpgroup's 64 Q rows -> shared (rows past the chunk zero-filled)
     for (int c = wtid; c < 64 * CH; c += 128) {
@@ -462,6 +479,25 @@ __device__ __forceinline__ void prefill_v5(XSERV_PREFILL_ARGS, const void* k_tma
     const int wg_last = causal ? offset + wg_row0 + 63 : kv_len - 1;
     const bool wg_rows = wg_row0 < q_len;
 
+    // The sequence's last tile: zero its V rows past kv_end (stale or NaN slots of a whole-page copy) before any PV
+    // product reads them; each warpgroup does it for itself (a uniform condition), then fences and syncs.
+    auto zero_tail = [&](int t, unsigned stage) {
+        const int valid_rows = kv_end - t * BKV;
+        if (valid_rows >= BKV) return;
+        for (int c = wtid; c < (BKV - valid_rows) * CH; c += 128) {
+            const int row = valid_rows + c / CH, ch = c % CH;
+            asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(sV + stage + panel_offset(row, ch, BKV)),
+                         "r"(0u)
+                         : "memory");
+        }
+        fence_proxy_async();
+        named_barrier_sync(1 + wg, 128);
+    };
+    auto release = [&](int st) {  // this warp is done with stage st
+        __syncwarp();
+        if (lane == 0) mbarrier_arrive(empty + 8 * st);
+    };
+
     for (int t = 0; t < n_tiles; ++t) {
         const int st = t % STAGES;
         const unsigned parity = (t / STAGES) & 1, stage = st * KV_BYTES;
@@ -478,29 +514,19 @@ __device__ __forceinline__ void prefill_v5(XSERV_PREFILL_ARGS, const void* k_tma
             softmax_to_p<D, BKV>(sacc, o, m_row, l_row, pa, t * BKV + BKV - 1 > wg_first, t * BKV + 2 * (lane & 3),
                                  pos_lo, pos_hi, scale_log2);
             mbarrier_wait(full_v + 8 * st, parity);
-            const int valid_rows = kv_end - t * BKV;
-            if (valid_rows < BKV) {  // the sequence's last tile: zero V rows past kv_end (uniform condition)
-                for (int c = wtid; c < (BKV - valid_rows) * CH; c += 128) {
-                    const int row = valid_rows + c / CH, ch = c % CH;
-                    asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(sV + stage + panel_offset(row, ch, BKV)),
-                                 "r"(0u) : "memory");
-                }
-                fence_proxy_async();
-                named_barrier_sync(1 + wg, 128);
-            }
+            zero_tail(t, stage);
             pv_product<D, BKV>(o, pa, v_desc, stage);
         }
-        __syncwarp();
-        if (lane == 0) mbarrier_arrive(empty + 8 * st);  // this warp is done with stage st
+        release(st);
     }
     store_rows<D>(o, l_row, wg_row0 + 16 * warp_in_wg + (lane >> 2), q_len, q_start, num_q_heads, h, lane, out);
 #endif
 }
 
-// attention_prefill_v5_d{D}_w{NWG}_k{BKV}_s{STAGES}: block 128 NWG + 32 (the producer warp last); dynamic shared
+// attention_prefill_v5_d{D}_w{NWG}_k{BKV}_s{STAGES}: block 128 (NWG + 1) (the producer warpgroup last); dynamic shared
 // memory (64 NWG + 2 STAGES BKV) * D * 2 + 1024 + 24 STAGES bytes; arguments: XSERV_PREFILL_ARGS, k_tmap, v_tmap.
 #define XSERV_PREFILL_V5(D, NWG, BKV, STAGES)                                                                   \
-    extern "C" __global__ void __launch_bounds__(128 * NWG + 32, 1)                                              \
+    extern "C" __global__ void __launch_bounds__(128 * NWG + 128, 1)                                             \
         attention_prefill_v5_d##D##_w##NWG##_k##BKV##_s##STAGES(XSERV_PREFILL_ARGS, const void* k_tmap,          \
                                                                  const void* v_tmap) {                           \
         prefill_v5<D, NWG, BKV, STAGES>(XSERV_PREFILL_PASS, k_tmap, v_tmap);                                     \

@@ -284,7 +284,7 @@ def _prefill_cuda(q, k_cache, v_cache, cu_seqlens_q, kv_lens, block_tables, scal
         if PREFILL_TMA and block_size % 8 == 0 and (bkv % block_size == 0 or block_size % bkv == 0):
             rows = 64 * warpgroups
             kernel("attention_prefill_sm90", f"attention_prefill_v5_d{head_dim}_{variant}")(
-                (num_q_heads, num_seqs, (max_q_len + rows - 1) // rows), (128 * warpgroups + 32, 1, 1), *args,
+                (num_q_heads, num_seqs, (max_q_len + rows - 1) // rows), (128 * warpgroups + 128, 1, 1), *args,
                 _kv_tensor_map(k_cache, min(block_size, bkv)), _kv_tensor_map(v_cache, min(block_size, bkv)),
                 smem=(rows + 2 * stages * bkv) * head_dim * 2 + 1024 + 24 * stages)
             return
