@@ -45,6 +45,36 @@ def test_allocator_reuses_blocks_and_counts():
     assert alloc.stats.peak_bytes_in_use >= alloc.stats.bytes_in_use
 
 
+def test_allocator_keep_alive_records_allocations():
+    # CPU: a fake device allocation underneath; what is checked is the recording and that kept buffers stay in use
+    from xserv.runtime.allocator import CachingAllocator
+
+    class FakeDevice(CachingAllocator):
+        def _device_alloc(self, size):
+            self.stats.device_allocations += 1
+            return 0x1000 * self.stats.device_allocations
+
+    alloc = FakeDevice()
+    before = alloc.allocate(512)
+    kept, inner = [], []
+    with alloc.keep_alive(kept):
+        a = alloc.allocate(1000)
+        with alloc.keep_alive(inner):
+            b = alloc.allocate(2000)
+    after = alloc.allocate(512)
+    assert kept == [a, b] and inner == [b]
+    assert before not in kept and after not in kept
+    in_use = alloc.stats.bytes_in_use
+    del a, b  # still referenced by `kept`: not returned to the cache
+    assert alloc.stats.bytes_in_use == in_use
+    kept.clear()
+    inner.clear()
+    assert alloc.stats.bytes_in_use == in_use - size_class(1000) - size_class(2000)
+    with pytest.raises(RuntimeError), alloc.keep_alive([]):
+        raise RuntimeError("the recorder is closed on the way out")
+    assert alloc._recorders == []
+
+
 @pytest.mark.gpu
 def test_out_of_memory_says_how_much():
     from xserv.runtime import DeviceOutOfMemory, get_runtime

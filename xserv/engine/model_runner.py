@@ -3,7 +3,6 @@ on the device, and on CUDA replays decode steps from CUDA graphs captured per (b
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 
 import numpy as np
 
@@ -94,33 +93,14 @@ class ModelRunner:
     def _kv_bucket(self, kv_len: int) -> int:
         return next(b for b in self._kv_buckets if b >= kv_len)
 
-    @contextmanager
-    def _keep_allocations(self):
-        """Buffers allocated while capturing are baked into the graph: keep them alive as long as the graphs."""
-        from ..runtime import get_runtime
-
-        allocator = get_runtime().allocator
-        original = allocator.allocate
-
-        def allocate(nbytes):
-            buf = original(nbytes)
-            self._graph_keepalive.append(buf)
-            return buf
-
-        allocator.allocate = allocate
-        try:
-            yield
-        finally:
-            del allocator.allocate  # back to the class method
-
     def _capture_cuda_graph(self, step):
-        from ..runtime import synchronize
+        from ..runtime import get_runtime, synchronize
         from ..runtime.graphs import CUDAGraph
 
         graph = CUDAGraph()
-        with self._keep_allocations():
-            with graph.capture():
-                step()
+        # buffers allocated while capturing are baked into the graph: keep them alive as long as the graphs
+        with get_runtime().allocator.keep_alive(self._graph_keepalive), graph.capture():
+            step()
         synchronize()
         return graph
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import weakref
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from .errors import CudaError, DeviceOutOfMemory, check_driver
@@ -56,6 +57,7 @@ class CachingAllocator:
         self._free: dict[int, list[int]] = defaultdict(list)
         self._memory_info = memory_info
         self.stats = AllocatorStats()
+        self._recorders: list[list[DeviceBuffer]] = []  # open keep_alive() lists
 
     def allocate(self, nbytes: int) -> DeviceBuffer:
         size = size_class(nbytes)
@@ -67,7 +69,21 @@ class CachingAllocator:
             ptr = self._device_alloc(size)
         self.stats.bytes_in_use += size
         self.stats.peak_bytes_in_use = max(self.stats.peak_bytes_in_use, self.stats.bytes_in_use)
-        return DeviceBuffer(ptr, size, self)
+        buf = DeviceBuffer(ptr, size, self)
+        for recorder in self._recorders:
+            recorder.append(buf)
+        return buf
+
+    @contextmanager
+    def keep_alive(self, into: list):
+        """Append every buffer allocated inside the block to `into`, which keeps them allocated as long as it lives.
+        For CUDA graph capture: the addresses of buffers allocated while capturing are baked into the graph, so they
+        must outlive it even when Python drops the Tensors."""
+        self._recorders.append(into)
+        try:
+            yield into
+        finally:
+            self._recorders.remove(into)
 
     def _device_alloc(self, size: int) -> int:
         from cuda.bindings import driver
