@@ -51,6 +51,89 @@ __device__ __forceinline__ void merge_state(float& m, float& l, float (&acc)[8],
     m = m_new;
 }
 
+// The end of every split kernel: merge the WARPS per-warp online-softmax states of the CTA's G heads (shared
+// memory, flat: m, l [WARPS][G], acc [WARPS][G][D]) and write the normalised bf16 output (num_splits == 1) or the
+// fp32 partial and the log2-sum-exp2 of this split. row0 = s * num_q_heads + first head of the group.
+template <int D, int G, int WARPS>
+__device__ __forceinline__ void write_split_result(const float* sm_m, const float* sm_l, const float* sm_acc,
+                                                   long long row0, int split, int num_splits,
+                                                   __nv_bfloat16* __restrict__ out, float* __restrict__ part_o,
+                                                   float* __restrict__ part_lse) {
+    for (int idx = threadIdx.x; idx < G * D; idx += WARPS * 32) {
+        const int g = idx / D, d = idx % D;
+        float mm = neg_inf();
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) mm = fmaxf(mm, sm_m[w * G + g]);  // finite: warp 0 saw key `start`
+        float ll = 0.f, aa = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            const float wgt = exp2f(sm_m[w * G + g] - mm);  // 0 for a warp that saw no key
+            ll += sm_l[w * G + g] * wgt;
+            aa += sm_acc[(w * G + g) * D + d] * wgt;
+        }
+        const long long row = row0 + g;
+        if (num_splits == 1) {
+            out[row * D + d] = __float2bfloat16(aa / ll);
+        } else {
+            part_o[(row * num_splits + split) * D + d] = aa / ll;
+            if (d == 0) part_lse[row * num_splits + split] = mm + log2f(ll);
+        }
+    }
+}
+
+// Split-KV combine folded into the split kernel (threadfence-reduction pattern): after write_split_result, the last
+// CTA of a (sequence, kv head) to finish merges the `active` splits' partials of its G heads into `out` and resets
+// the counter (graph replays reuse it). sm_w: shared scratch of G * active floats; sm_last: a shared int.
+template <int D, int G, int WARPS>
+__device__ __forceinline__ void combine_splits_if_last(int* counter, int active, long long row0, int num_splits,
+                                                       const float* __restrict__ part_o,
+                                                       const float* __restrict__ part_lse,
+                                                       __nv_bfloat16* __restrict__ out, float* sm_w, int& sm_last) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __threadfence();  // this thread's partial writes are visible device-wide before the CTA counts itself done
+    __syncthreads();
+    if (threadIdx.x == 0) sm_last = atomicAdd(counter, 1) == active - 1;
+    __syncthreads();
+    if (!sm_last) return;
+    __threadfence();  // the other CTAs' partials (counted before our atomic) are visible from here on
+    // split weights 2^(lse_i - M) / sum per head, one warp per head
+    for (int g = warp; g < G; g += WARPS) {
+        const float* lse = part_lse + (row0 + g) * num_splits;
+        float mm = neg_inf();
+        for (int i = lane; i < active; i += 32) mm = fmaxf(mm, __ldcg(lse + i));
+        mm = warp_max(mm);  // finite: split 0 holds keys
+        float den = 0.f;
+        for (int i = lane; i < active; i += 32) {
+            const float w = exp2f(__ldcg(lse + i) - mm);
+            sm_w[g * active + i] = w;
+            den += w;
+        }
+        den = warp_sum(den);
+        __syncwarp();  // the lanes' weights are written before they are rescaled by other lanes
+        for (int i = lane; i < active; i += 32) sm_w[g * active + i] /= den;
+    }
+    __syncthreads();  // all heads' weights are in shared memory
+    for (int idx = threadIdx.x; idx < G * D / 4; idx += WARPS * 32) {
+        const int g = idx / (D / 4), d4 = idx % (D / 4);
+        const long long row = row0 + g;
+        const float4* src = reinterpret_cast<const float4*>(part_o + row * num_splits * D) + d4;
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+        for (int i = 0; i < active; ++i) {
+            const float w = sm_w[g * active + i];
+            const float4 x = __ldcg(src + i * (D / 4));
+            acc.x += w * x.x;
+            acc.y += w * x.y;
+            acc.z += w * x.z;
+            acc.w += w * x.w;
+        }
+        __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(out + row * D + 4 * d4);
+        dst[0] = __floats2bfloat162_rn(acc.x, acc.y);
+        dst[1] = __floats2bfloat162_rn(acc.z, acc.w);
+    }
+    if (threadIdx.x == 0) *counter = 0;
+}
+
 template <int D, int G>
 __device__ void decode_split(const __nv_bfloat16* __restrict__ q, long long q_row_stride,
                              const __nv_bfloat16* __restrict__ k_cache, const __nv_bfloat16* __restrict__ v_cache,
@@ -181,27 +264,8 @@ __device__ void decode_split(const __nv_bfloat16* __restrict__ q, long long q_ro
         }
     }
     __syncthreads();  // every warp's (m, l, acc) is in shared memory before the cross-warp merge reads it
-
-    for (int idx = threadIdx.x; idx < G * D; idx += kWarps * 32) {
-        const int g = idx / D, d = idx % D;
-        float mm = neg_inf();
-#pragma unroll
-        for (int w = 0; w < kWarps; ++w) mm = fmaxf(mm, sm_m[w][g]);  // finite: warp 0 saw key `start`
-        float ll = 0.f, aa = 0.f;
-#pragma unroll
-        for (int w = 0; w < kWarps; ++w) {
-            const float wgt = exp2f(sm_m[w][g] - mm);  // 0 for a warp that saw no key
-            ll += sm_l[w][g] * wgt;
-            aa += sm_acc[w][g][d] * wgt;
-        }
-        const long long row = (long long)s * num_q_heads + h0 + g;
-        if (num_splits == 1) {
-            out[row * D + d] = __float2bfloat16(aa / ll);
-        } else {
-            part_o[(row * num_splits + split) * D + d] = aa / ll;
-            if (d == 0) part_lse[row * num_splits + split] = mm + log2f(ll);
-        }
-    }
+    write_split_result<D, G, kWarps>(&sm_m[0][0], &sm_l[0][0], &sm_acc[0][0][0], (long long)s * num_q_heads + h0, split,
+                                     num_splits, out, part_o, part_lse);
 }
 
 }  // namespace
@@ -491,76 +555,13 @@ __device__ void decode_split_v3(const __nv_bfloat16* __restrict__ q, long long q
         }
     }
     __syncthreads();  // every warp's state is in shared memory
-
-    for (int idx = threadIdx.x; idx < G * D; idx += kV3Warps * 32) {
-        const int gg = idx / D, d = idx % D;
-        float mm = neg_inf();
-#pragma unroll
-        for (int w = 0; w < kV3Warps; ++w) mm = fmaxf(mm, sm_m[w * G + gg]);  // finite: warp 0 saw key `start`
-        float ll = 0.f, aa = 0.f;
-#pragma unroll
-        for (int w = 0; w < kV3Warps; ++w) {
-            const float wgt = exp2f(sm_m[w * G + gg] - mm);  // 0 for a warp that saw no key
-            ll += sm_l[w * G + gg] * wgt;
-            aa += sm_o[(w * G + gg) * D + d] * wgt;
-        }
-        const long long row = (long long)s * num_q_heads + h0 + gg;
-        if (num_splits == 1) {
-            out[row * D + d] = __float2bfloat16(aa / ll);
-        } else {
-            part_o[(row * num_splits + split) * D + d] = aa / ll;
-            if (d == 0) part_lse[row * num_splits + split] = mm + log2f(ll);
-        }
-    }
+    const long long row0 = (long long)s * num_q_heads + h0;
+    write_split_result<D, G, kV3Warps>(sm_m, sm_l, sm_o, row0, split, num_splits, out, part_o, part_lse);
     if (num_splits == 1) return;
-
-    // Last CTA of this (sequence, kv head) merges the splits (threadfence-reduction pattern): each thread's partial
-    // writes are made visible device-wide before the CTA counts itself done.
-    __threadfence();
-    __syncthreads();
-    const int active = min(num_splits, (kv_len + chunk_len - 1) / chunk_len);
-    int* counter = counters + (long long)s * num_kv_heads + kv_head;
-    if (threadIdx.x == 0) sm_last = atomicAdd(counter, 1) == active - 1;
-    __syncthreads();
-    if (!sm_last) return;
-    __threadfence();  // the other CTAs' partials (counted before our atomic) are visible from here on
-    // Split weights 2^(lse_i - M) / sum per head, one warp per head (the merge area above is no longer read).
-    float* sm_w = reinterpret_cast<float*>(smem_raw);  // [G][active]
-    for (int gg = warp; gg < G; gg += kV3Warps) {
-        const float* lse = part_lse + ((long long)s * num_q_heads + h0 + gg) * num_splits;
-        float mm = neg_inf();
-        for (int i = lane; i < active; i += 32) mm = fmaxf(mm, __ldcg(lse + i));
-        mm = warp_max(mm);  // finite: split 0 holds keys
-        float den = 0.f;
-        for (int i = lane; i < active; i += 32) {
-            const float w = exp2f(__ldcg(lse + i) - mm);
-            sm_w[gg * active + i] = w;
-            den += w;
-        }
-        den = warp_sum(den);
-        __syncwarp();  // the lanes' weights are written before they are rescaled by other lanes
-        for (int i = lane; i < active; i += 32) sm_w[gg * active + i] /= den;
-    }
-    __syncthreads();  // all heads' weights are in shared memory
-    for (int idx = threadIdx.x; idx < G * D / 4; idx += kV3Warps * 32) {
-        const int gg = idx / (D / 4), d4 = idx % (D / 4);
-        const long long row = (long long)s * num_q_heads + h0 + gg;
-        const float4* src = reinterpret_cast<const float4*>(part_o + row * num_splits * D) + d4;
-        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 4
-        for (int i = 0; i < active; ++i) {
-            const float w = sm_w[gg * active + i];
-            const float4 x = __ldcg(src + i * (D / 4));
-            acc.x += w * x.x;
-            acc.y += w * x.y;
-            acc.z += w * x.z;
-            acc.w += w * x.w;
-        }
-        __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(out + row * D + 4 * d4);
-        dst[0] = __floats2bfloat162_rn(acc.x, acc.y);
-        dst[1] = __floats2bfloat162_rn(acc.z, acc.w);
-    }
-    if (threadIdx.x == 0) *counter = 0;  // ready for the next launch (graph replays reuse it)
+    // the merge area is no longer read: it holds the split weights now
+    combine_splits_if_last<D, G, kV3Warps>(counters + (long long)s * num_kv_heads + kv_head,
+                                           min(num_splits, (kv_len + chunk_len - 1) / chunk_len), row0, num_splits,
+                                           part_o, part_lse, out, reinterpret_cast<float*>(smem_raw), sm_last);
 }
 
 }  // namespace
@@ -627,12 +628,6 @@ constexpr int kV4Warps = 4;
 constexpr int kV4Unroll = 4;
 constexpr int kV4TabCap = 512;
 constexpr float kV4Thresh = 8.f;
-
-__device__ __forceinline__ float ex2_approx(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
 
 // n / d for 0 <= n < 2^31 with (magic, shift) from the host (_fast_div in xserv/ops/attention.py).
 __device__ __forceinline__ int fast_div(int n, unsigned magic, int shift) {
@@ -835,7 +830,7 @@ __device__ void decode_split_v4(const __nv_bfloat16* __restrict__ q, long long q
 #pragma unroll
             for (int g = 0; g < G; ++g) {
                 const float m_new = fmaxf(m[g], mx[g]);
-                const float alpha = ex2_approx(m[g] - (m_new == neg_inf() ? 0.f : m_new));  // m = -inf: 0
+                const float alpha = exp2_approx(m[g] - (m_new == neg_inf() ? 0.f : m_new));  // m = -inf: 0
                 l[g] *= alpha;
 #pragma unroll
                 for (int e = 0; e < 8; ++e) acc[g][e] *= alpha;
@@ -846,7 +841,7 @@ __device__ void decode_split_v4(const __nv_bfloat16* __restrict__ q, long long q
         for (int g = 0; g < G; ++g) {
             const float m_use = m[g] == neg_inf() ? 0.f : m[g];
 #pragma unroll
-            for (int u = 0; u < U; ++u) sc[u][g] = ex2_approx(sc[u][g] - m_use);  // now p (0 for masked keys)
+            for (int u = 0; u < U; ++u) sc[u][g] = exp2_approx(sc[u][g] - m_use);  // now p (0 for masked keys)
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
@@ -900,73 +895,13 @@ __device__ void decode_split_v4(const __nv_bfloat16* __restrict__ q, long long q
         }
     }
     __syncthreads();
-    for (int idx = threadIdx.x; idx < G * D; idx += kV4Warps * 32) {
-        const int g = idx / D, d = idx % D;
-        float mm = neg_inf();
-#pragma unroll
-        for (int w = 0; w < kV4Warps; ++w) mm = fmaxf(mm, sm_m[w * G + g]);  // finite: warp 0 saw key `start`
-        float ll = 0.f, aa = 0.f;
-#pragma unroll
-        for (int w = 0; w < kV4Warps; ++w) {
-            const float wgt = exp2f(sm_m[w * G + g] - mm);  // 0 for a warp that saw no key
-            ll += sm_l[w * G + g] * wgt;
-            aa += sm_acc[(w * G + g) * D + d] * wgt;
-        }
-        const long long row = (long long)s * num_q_heads + h0 + g;
-        if (num_splits == 1) {
-            out[row * D + d] = __float2bfloat16(aa / ll);
-        } else {
-            part_o[(row * num_splits + split) * D + d] = aa / ll;
-            if (d == 0) part_lse[row * num_splits + split] = mm + log2f(ll);
-        }
-    }
+    const long long row0 = (long long)s * num_q_heads + h0;
+    write_split_result<D, G, kV4Warps>(sm_m, sm_l, sm_acc, row0, split, num_splits, out, part_o, part_lse);
     if (num_splits == 1) return;
-
-    // The last CTA of this (sequence, kv head) merges the splits (threadfence-reduction pattern).
-    __threadfence();
-    __syncthreads();
-    const int active = min(num_splits, (kv_len + chunk_len - 1) / chunk_len);
-    int* counter = counters + (long long)s * num_kv_heads + kv_head;
-    if (threadIdx.x == 0) sm_last = atomicAdd(counter, 1) == active - 1;
-    __syncthreads();
-    if (!sm_last) return;
-    __threadfence();  // the other CTAs' partials (counted before our atomic) are visible from here on
-    float* sm_w = reinterpret_cast<float*>(smem_raw);  // [G][active] split weights (the merge area is done)
-    for (int g = warp; g < G; g += kV4Warps) {
-        const float* lse = part_lse + ((long long)s * num_q_heads + h0 + g) * num_splits;
-        float mm = neg_inf();
-        for (int i = lane; i < active; i += 32) mm = fmaxf(mm, __ldcg(lse + i));
-        mm = warp_max(mm);  // finite: split 0 holds keys
-        float den = 0.f;
-        for (int i = lane; i < active; i += 32) {
-            const float w = exp2f(__ldcg(lse + i) - mm);
-            sm_w[g * active + i] = w;
-            den += w;
-        }
-        den = warp_sum(den);
-        __syncwarp();
-        for (int i = lane; i < active; i += 32) sm_w[g * active + i] /= den;
-    }
-    __syncthreads();
-    for (int idx = threadIdx.x; idx < G * D / 4; idx += kV4Warps * 32) {
-        const int g = idx / (D / 4), d4 = idx % (D / 4);
-        const long long row = (long long)s * num_q_heads + h0 + g;
-        const float4* src = reinterpret_cast<const float4*>(part_o + row * num_splits * D) + d4;
-        float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 8
-        for (int i = 0; i < active; ++i) {
-            const float w = sm_w[g * active + i];
-            const float4 x = __ldcg(src + i * (D / 4));
-            a.x += w * x.x;
-            a.y += w * x.y;
-            a.z += w * x.z;
-            a.w += w * x.w;
-        }
-        __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(out + row * D + 4 * d4);
-        dst[0] = __floats2bfloat162_rn(a.x, a.y);
-        dst[1] = __floats2bfloat162_rn(a.z, a.w);
-    }
-    if (threadIdx.x == 0) *counter = 0;  // ready for the next launch (graph replays reuse it)
+    // the merge area is no longer read: it holds the split weights now
+    combine_splits_if_last<D, G, kV4Warps>(counters + (long long)s * num_kv_heads + kv_head,
+                                           min(num_splits, (kv_len + chunk_len - 1) / chunk_len), row0, num_splits,
+                                           part_o, part_lse, out, reinterpret_cast<float*>(smem_raw), sm_last);
 }
 
 }  // namespace

@@ -99,25 +99,15 @@ __device__ void prefill_fa2(XSERV_PREFILL_ARGS) {
     __nv_bfloat16* sV = sK + 2 * BKV * D;                             // [2][BKV][D]
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int s = blockIdx.z, h = blockIdx.y;
-    const int q_start = cu_seqlens_q[s], q_len = cu_seqlens_q[s + 1] - q_start;
-    const int i0 = (gridDim.x - 1 - blockIdx.x) * BQ;
-    if (i0 >= q_len) return;
-    const int kv_len = kv_lens[s];
-    const int offset = kv_len - q_len;  // absolute position of query i is offset + i
-    const int kv_head = h / (num_q_heads / num_kv_heads);
-    const int* table = block_tables + (long long)s * max_blocks_per_seq;
-    // keys [0, kv_end) are visible to some row of the tile
-    const int kv_end = causal ? min(kv_len, offset + min(i0 + BQ, q_len)) : kv_len;
-    const int n_tiles = (kv_end + BKV - 1) / BKV;
+    PrefillTile T;
+    if (!prefill_tile(T, blockIdx.y, blockIdx.z, (gridDim.x - 1 - blockIdx.x) * BQ, BQ, BKV, XSERV_PREFILL_TABLES)) return;
+    const int h = T.h, q_start = T.q_start, q_len = T.q_len, i0 = T.i0, kv_len = T.kv_len, offset = T.offset;
+    const int kv_head = T.kv_head, kv_end = T.kv_end, n_tiles = T.n_tiles;
+    const int* table = T.table;
 
     // ---- Q tile -> shared (rows past the chunk zero-filled)
-    for (int c = tid; c < BQ * CH; c += THREADS) {
-        const int row = c / CH, ch = c % CH;
-        const bool valid = i0 + row < q_len;
-        const __nv_bfloat16* src = valid ? q + (long long)(q_start + i0 + row) * q_row_stride + (long long)h * D + ch * 8 : q;
-        cp_async16(smem_u32(sQ + row * D + swizzled_chunk(row, ch) * 8), src, valid);
-    }
+    load_q_rows<D>(q, q_row_stride, T, 0, BQ, tid, THREADS,
+                   [&](int row, int ch) { return smem_u32(sQ + row * D + swizzled_chunk(row, ch) * 8); });
 
     // ---- K/V tile kt -> stage: each thread copies chunk column (tid % CH) of rows tid / CH + pass * KV_ROWS_PER_PASS
     const int my_ch = tid % CH, my_row0 = tid / CH;
@@ -332,25 +322,15 @@ __device__ __forceinline__ void prefill_v3(XSERV_PREFILL_ARGS) {
     // All shared tiles: 16-byte chunk c of row r stored at chunk c ^ (r & 7) (conflict-free ldmatrix phases).
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int h = blockIdx.x, s = blockIdx.y;
-    const int q_start = cu_seqlens_q[s], q_len = cu_seqlens_q[s + 1] - q_start;
-    const int i0 = (gridDim.z - 1 - blockIdx.z) * BQ;  // heaviest (last) q tiles first
-    if (i0 >= q_len) return;
-    const int kv_len = kv_lens[s];
-    const int offset = kv_len - q_len;
-    const int kv_head = h / (num_q_heads / num_kv_heads);
-    const int* table = block_tables + (long long)s * max_blocks_per_seq;
-    const int kv_end = causal ? min(kv_len, offset + min(i0 + BQ, q_len)) : kv_len;
-    const int n_tiles = (kv_end + BKV - 1) / BKV;
+    PrefillTile T;  // heaviest (last) q tiles first
+    if (!prefill_tile(T, blockIdx.x, blockIdx.y, (gridDim.z - 1 - blockIdx.z) * BQ, BQ, BKV, XSERV_PREFILL_TABLES)) return;
+    const int h = T.h, q_start = T.q_start, q_len = T.q_len, i0 = T.i0, kv_len = T.kv_len, offset = T.offset;
+    const int kv_head = T.kv_head, kv_end = T.kv_end, n_tiles = T.n_tiles;
+    const int* table = T.table;
 
     // ---- Q tile -> shared (rows past the chunk zero-filled); joins the group of K tile 0
-    for (int c = tid; c < BQ * CH; c += THREADS) {
-        const int row = c / CH, ch = c % CH;
-        const bool valid = i0 + row < q_len;
-        const __nv_bfloat16* src =
-            valid ? q + (long long)(q_start + i0 + row) * q_row_stride + (long long)h * D + ch * 8 : q;
-        cp_async16(smem_u32(sQ + row * D + swizzled_chunk(row, ch) * 8), src, valid);
-    }
+    load_q_rows<D>(q, q_row_stride, T, 0, BQ, tid, THREADS,
+                   [&](int row, int ch) { return smem_u32(sQ + row * D + swizzled_chunk(row, ch) * 8); });
 
     // ---- K/V copy layout: thread copies chunk column my_ch of rows my_g * RPT + r, r = 0..RPT-1 (issued in the
     // order r = (p + my_g) % RPT so that the threads of one warp write rows with different swizzles).

@@ -153,6 +153,25 @@ __device__ __forceinline__ void store_rows(const float (&o)[D / 2], const float 
     }
 }
 
+// The query rows of one consumer warpgroup (64 from row0) and the key position limits the softmax masks with.
+struct WarpgroupRows {
+    int row0;            // first query row (index within the sequence's chunk)
+    int pos_lo, pos_hi;  // last key visible to this thread's two rows: lane / 4 and lane / 4 + 8 of its warp's 16
+    int first, last;     // last key visible to the warpgroup's first / last row
+    bool any;            // false: every row is padding past the chunk
+};
+__device__ __forceinline__ WarpgroupRows warpgroup_rows(const PrefillTile& t, int wg, int warp_in_wg, int lane,
+                                                        int causal) {
+    WarpgroupRows w;
+    w.row0 = t.i0 + 64 * wg;
+    w.pos_lo = causal ? t.offset + w.row0 + 16 * warp_in_wg + (lane >> 2) : t.kv_len - 1;
+    w.pos_hi = w.pos_lo + (causal ? 8 : 0);
+    w.first = causal ? t.offset + w.row0 : t.kv_len - 1;
+    w.last = causal ? t.offset + w.row0 + 63 : t.kv_len - 1;
+    w.any = w.row0 < t.q_len;
+    return w;
+}
+
 }  // namespace prefill4
 
 // PROBE (timing decomposition only; the result is wrong on purpose): 0 = the real kernel, 1 = no K/V copies after
@@ -189,25 +208,15 @@ __device__ __forceinline__ void prefill_v4(XSERV_PREFILL_ARGS, const void* k_tma
 
     const int tid = threadIdx.x, lane = tid & 31;
     const int wg = tid >> 7, warp_in_wg = (tid >> 5) & 3;
-    const int h = blockIdx.x, s = blockIdx.y;
-    const int q_start = cu_seqlens_q[s], q_len = cu_seqlens_q[s + 1] - q_start;
-    const int i0 = (gridDim.z - 1 - blockIdx.z) * BQ;  // heaviest (last) q tiles first
-    if (i0 >= q_len) return;
-    const int kv_len = kv_lens[s];
-    const int offset = kv_len - q_len;
-    const int kv_head = h / (num_q_heads / num_kv_heads);
-    const int* table = block_tables + (long long)s * max_blocks_per_seq;
-    const int kv_end = causal ? min(kv_len, offset + min(i0 + BQ, q_len)) : kv_len;
-    const int n_tiles = (kv_end + BKV - 1) / BKV;
+    PrefillTile T;  // heaviest (last) q tiles first
+    if (!prefill_tile(T, blockIdx.x, blockIdx.y, (gridDim.z - 1 - blockIdx.z) * BQ, BQ, BKV, XSERV_PREFILL_TABLES)) return;
+    const int h = T.h, q_len = T.q_len, kv_head = T.kv_head, kv_end = T.kv_end, n_tiles = T.n_tiles;
+    const int q_start = T.q_start;
+    const int* table = T.table;
 
     // ---- Q tile -> shared (rows past the chunk zero-filled); joins the group of K tile 0
-    for (int c = tid; c < BQ * CH; c += THREADS) {
-        const int row = c / CH, ch = c % CH;
-        const bool valid = i0 + row < q_len;
-        const __nv_bfloat16* src =
-            valid ? q + (long long)(q_start + i0 + row) * q_row_stride + (long long)h * D + ch * 8 : q;
-        cp_async16(sQ + panel_offset(row, ch, BQ), src, valid);
-    }
+    load_q_rows<D>(q, q_row_stride, T, 0, BQ, tid, THREADS,
+                   [&](int row, int ch) { return sQ + panel_offset(row, ch, BQ); });
 
     // ---- K/V copy layout: thread copies chunk my_ch of rows my_g * RPT .. my_g * RPT + RPT - 1 of each tile, one
     // page-table lookup per tile when those rows share a page.
@@ -313,13 +322,7 @@ __device__ __forceinline__ void prefill_v4(XSERV_PREFILL_ARGS, const void* k_tma
     for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
     float m_row[2] = {neg_inf(), neg_inf()}, l_row[2] = {0.f, 0.f};
 
-    // this thread's rows: wg_row0 + 16 * warp_in_wg + lane / 4 (+ 8); key position limits as in v3
-    const int wg_row0 = i0 + 64 * wg;
-    const int pos_lo = causal ? offset + wg_row0 + 16 * warp_in_wg + (lane >> 2) : kv_len - 1;
-    const int pos_hi = pos_lo + (causal ? 8 : 0);
-    const int wg_first = causal ? offset + wg_row0 : kv_len - 1;
-    const int wg_last = causal ? offset + wg_row0 + 63 : kv_len - 1;
-    const bool wg_rows = wg_row0 < q_len;  // false: every row of this warpgroup is padding
+    const WarpgroupRows rows = warpgroup_rows(T, wg, warp_in_wg, lane, causal);
 
     // Two stages: tile kt+1 goes to the stage tile kt-1 used, which every warpgroup finished (S and PV waited)
     // before it reached the barrier of tile kt.
@@ -336,7 +339,7 @@ __device__ __forceinline__ void prefill_v4(XSERV_PREFILL_ARGS, const void* k_tma
         cp_async_commit();
         page = kt + 2 < n_tiles && !use_tma ? page_of(kt + 2) : 0;
 
-        const bool active = wg_rows && kt * BKV <= wg_last;  // warpgroup-uniform
+        const bool active = rows.any && kt * BKV <= rows.last;  // warpgroup-uniform
         if (!active) continue;
 
         // ---- S = Q K^T
@@ -354,8 +357,8 @@ __device__ __forceinline__ void prefill_v4(XSERV_PREFILL_ARGS, const void* k_tma
                 for (int i = 0; i < 4; ++i) pa[ks][i] = pack_bf16x2(sacc[8 * ks + 2 * i], sacc[8 * ks + 2 * i + 1]);
         } else {
             // mask only tiles reaching past the warpgroup's first row
-            softmax_to_p<D, BKV>(sacc, o, m_row, l_row, pa, kt * BKV + BKV - 1 > wg_first, kt * BKV + 2 * (lane & 3),
-                                 pos_lo, pos_hi, scale_log2);
+            softmax_to_p<D, BKV>(sacc, o, m_row, l_row, pa, kt * BKV + BKV - 1 > rows.first, kt * BKV + 2 * (lane & 3),
+                                 rows.pos_lo, rows.pos_hi, scale_log2);
         }
         if constexpr (PROBE == 3) {  // no PV product
 #pragma unroll
@@ -367,7 +370,7 @@ __device__ __forceinline__ void prefill_v4(XSERV_PREFILL_ARGS, const void* k_tma
         pv_product<D, BKV>(o, pa, v_desc, stage);
     }
     cp_async_wait<0>();  // no copy may still target shared memory when the CTA exits
-    store_rows<D>(o, l_row, wg_row0 + 16 * warp_in_wg + (lane >> 2), q_len, q_start, num_q_heads, h, lane, out);
+    store_rows<D>(o, l_row, rows.row0 + 16 * warp_in_wg + (lane >> 2), q_len, q_start, num_q_heads, h, lane, out);
 #endif
 }
 
@@ -396,16 +399,11 @@ __device__ __forceinline__ void prefill_v5(XSERV_PREFILL_ARGS, const void* k_tma
     const unsigned full_v = full_k + 8 * STAGES, empty = full_v + 8 * STAGES;
 
     const int tid = threadIdx.x, lane = tid & 31;
-    const int h = blockIdx.x, s = blockIdx.y;
-    const int q_start = cu_seqlens_q[s], q_len = cu_seqlens_q[s + 1] - q_start;
-    const int i0 = (gridDim.z - 1 - blockIdx.z) * BQ;  // heaviest (last) q tiles first
-    if (i0 >= q_len) return;
-    const int kv_len = kv_lens[s];
-    const int offset = kv_len - q_len;
-    const int kv_head = h / (num_q_heads / num_kv_heads);
-    const int* table = block_tables + (long long)s * max_blocks_per_seq;
-    const int kv_end = causal ? min(kv_len, offset + min(i0 + BQ, q_len)) : kv_len;
-    const int n_tiles = (kv_end + BKV - 1) / BKV;
+    PrefillTile T;  // heaviest (last) q tiles first
+    if (!prefill_tile(T, blockIdx.x, blockIdx.y, (gridDim.z - 1 - blockIdx.z) * BQ, BQ, BKV, XSERV_PREFILL_TABLES)) return;
+    const int h = T.h, q_len = T.q_len, kv_head = T.kv_head, kv_end = T.kv_end, n_tiles = T.n_tiles;
+    const int q_start = T.q_start;
+    const int* table = T.table;
 
     if (tid == 0) {
         for (int i = 0; i < STAGES; ++i) {
@@ -453,13 +451,8 @@ __device__ __forceinline__ void prefill_v5(XSERV_PREFILL_ARGS, const void* k_tma
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS) : "memory");
     const int wg = tid >> 7, warp_in_wg = (tid >> 5) & 3, wtid = tid & 127;
     // this warpgroup's 64 Q rows -> shared (rows past the chunk zero-filled)
-    for (int c = wtid; c < 64 * CH; c += 128) {
-        const int row = 64 * wg + c / CH, ch = c % CH;
-        const bool valid = i0 + row < q_len;
-        const __nv_bfloat16* src =
-            valid ? q + (long long)(q_start + i0 + row) * q_row_stride + (long long)h * D + ch * 8 : q;
-        cp_async16(sQ + panel_offset(row, ch, BQ), src, valid);
-    }
+    load_q_rows<D>(q, q_row_stride, T, 64 * wg, 64 * wg + 64, wtid, 128,
+                   [&](int row, int ch) { return sQ + panel_offset(row, ch, BQ); });
     cp_async_commit();
     cp_async_wait<0>();
     fence_proxy_async();
@@ -472,12 +465,7 @@ __device__ __forceinline__ void prefill_v5(XSERV_PREFILL_ARGS, const void* k_tma
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
     float m_row[2] = {neg_inf(), neg_inf()}, l_row[2] = {0.f, 0.f};
-    const int wg_row0 = i0 + 64 * wg;
-    const int pos_lo = causal ? offset + wg_row0 + 16 * warp_in_wg + (lane >> 2) : kv_len - 1;
-    const int pos_hi = pos_lo + (causal ? 8 : 0);
-    const int wg_first = causal ? offset + wg_row0 : kv_len - 1;
-    const int wg_last = causal ? offset + wg_row0 + 63 : kv_len - 1;
-    const bool wg_rows = wg_row0 < q_len;
+    const WarpgroupRows rows = warpgroup_rows(T, wg, warp_in_wg, lane, causal);
 
     // The sequence's last tile: zero its V rows past kv_end (stale or NaN slots of a whole-page copy) before any PV
     // product reads them; each warpgroup does it for itself (a uniform condition), then fences and syncs.
@@ -504,22 +492,22 @@ __device__ __forceinline__ void prefill_v5(XSERV_PREFILL_ARGS, const void* k_tma
         // Every warp waits for the tile to land even where it skips the tile: its "empty" arrival must never
         // reach a stage's barrier before the producer refilled that stage, or the phases would run ahead.
         mbarrier_wait(full_k + 8 * st, parity);
-        const bool active = wg_rows && t * BKV <= wg_last;  // warpgroup-uniform: some key is visible to it
+        const bool active = rows.any && t * BKV <= rows.last;  // warpgroup-uniform: some key is visible to it
         if (!active) mbarrier_wait(full_v + 8 * st, parity);
         if (active) {
             float sacc[BKV / 2];
             qk_product<D, BQ, BKV>(sacc, q_desc, k_desc, stage);
             wgmma_fence_operands(o);
             unsigned pa[BKV / 16][4];
-            softmax_to_p<D, BKV>(sacc, o, m_row, l_row, pa, t * BKV + BKV - 1 > wg_first, t * BKV + 2 * (lane & 3),
-                                 pos_lo, pos_hi, scale_log2);
+            softmax_to_p<D, BKV>(sacc, o, m_row, l_row, pa, t * BKV + BKV - 1 > rows.first, t * BKV + 2 * (lane & 3),
+                                 rows.pos_lo, rows.pos_hi, scale_log2);
             mbarrier_wait(full_v + 8 * st, parity);
             zero_tail(t, stage);
             pv_product<D, BKV>(o, pa, v_desc, stage);
         }
         release(st);
     }
-    store_rows<D>(o, l_row, wg_row0 + 16 * warp_in_wg + (lane >> 2), q_len, q_start, num_q_heads, h, lane, out);
+    store_rows<D>(o, l_row, rows.row0 + 16 * warp_in_wg + (lane >> 2), q_len, q_start, num_q_heads, h, lane, out);
 #endif
 }
 
