@@ -1,4 +1,5 @@
-"""The `xserv` command: `xserv generate` (one shot to stdout) and `xserv chat` (interactive, streaming).
+"""The `xserv` command: `xserv generate` (one shot to stdout), `xserv chat` (interactive, streaming),
+`xserv serve` (OpenAI-compatible HTTP server) and `xserv bench throughput|latency|serve`.
 
 Errors a user can fix (a bad model path, an unsupported architecture, an invalid sampling value) print one line
 and exit with status 2.
@@ -18,17 +19,15 @@ commands:  /reset         forget the conversation
            Ctrl-C         stop the current answer (the session goes on)"""
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def _add_model_args(p: argparse.ArgumentParser, max_num_seqs: int | None = None) -> None:
+    from .engine.config import EngineConfig
+
     g = p.add_argument_group("model")
     g.add_argument("--model", "-m", default=None,
                    help="a Hugging Face Qwen3 folder or hub id (default: the bundled tiny model, random weights)")
     g.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="where to run (default: cuda when a GPU is present, else cpu)")
-    g.add_argument("--max-model-len", type=int, default=None, metavar="N",
-                   help="longest sequence, prompt + output (default: the model's context, capped by the KV cache)")
-    g.add_argument("--kv-cache-tokens", type=int, default=None, metavar="N",
-                   help="KV cache size in tokens (default: from free memory)")
-    g.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly (no CUDA graphs)")
+    EngineConfig.add_cli_arguments(p, max_num_seqs=max_num_seqs)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -61,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 "  xserv generate -m ./Qwen3-8B --prompt 'The capital of France is' --temperature 0\n"
                                 "  xserv generate -m Qwen/Qwen3-0.6B --chat --no-enable-thinking -p 'Write a haiku'",
                          formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_model_args(gen)
+    _add_model_args(gen, max_num_seqs=8)
     gen.add_argument("--prompt", "-p", required=True, help="the prompt text")
     gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=False,
                      help="wrap the prompt as a user message in the model's chat template (default: plain text)")
@@ -71,9 +70,30 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Chat with a model in the terminal: answers stream as they are generated, "
                                       "the conversation is kept through the chat template.\n\n" + CHAT_HELP,
                           formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_model_args(chat)
+    _add_model_args(chat, max_num_seqs=8)
     chat.add_argument("--system", default=None, metavar="TEXT", help="a system prompt")
     _add_sampling_args(chat, max_tokens=1024)
+
+    from .server import options as server_options
+
+    serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
+                           description="An OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, "
+                                       "/v1/models, /health, /metrics) with streaming.",
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_model_args(serve)
+    server_options.add_serve_arguments(serve)
+
+    from .bench import options as bench_options
+
+    bench = sub.add_parser("bench", help="measure throughput, latency or a running server",
+                           description="Benchmarks: `throughput` (offline batch), `latency` (batch-1 decode and "
+                                       "time to first token), `serve` (HTTP streaming clients against a server).")
+    bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
+    for name, help_text, wants_model in bench_options.BENCHMARKS:
+        b = bench_sub.add_parser(name, help=help_text, description=help_text)
+        if wants_model:
+            _add_model_args(b)
+        bench_options.add_arguments(name, b)
     return parser
 
 
@@ -90,7 +110,8 @@ def _sampling_params(args):
     return SamplingParams(**kw)
 
 
-def _load(args):
+def load_llm(args):
+    from .engine.config import EngineConfig
     from .llm import LLM
 
     model = args.model
@@ -101,13 +122,12 @@ def _load(args):
         print("xserv: no --model given, using the bundled tiny model. Its weights are RANDOM: the answers are "
               "gibberish. Pass --model PATH (a Qwen3 folder or hub id) for a real model.", file=sys.stderr)
     print(f"xserv: loading {model} ...", file=sys.stderr, flush=True)
-    return LLM(model, device=args.device, max_model_len=args.max_model_len, kv_cache_tokens=args.kv_cache_tokens,
-               cuda_graphs=not args.no_cuda_graphs, max_num_seqs=8)
+    return LLM(model, device=args.device, config=EngineConfig.from_cli_args(args))
 
 
 def cmd_generate(args) -> int:
     params = _sampling_params(args)
-    llm = _load(args)
+    llm = load_llm(args)
     prompt = args.prompt
     if args.chat:
         prompt = llm.chat_prompt([{"role": "user", "content": prompt}], enable_thinking=args.enable_thinking)
@@ -121,7 +141,7 @@ def cmd_generate(args) -> int:
 
 def cmd_chat(args) -> int:
     params = _sampling_params(args)
-    llm = _load(args)
+    llm = load_llm(args)
     model = llm.folder
     try:
         import readline  # noqa: F401  (line editing and history for input())
@@ -197,6 +217,16 @@ def main(argv=None) -> int:
             return cmd_generate(args)
         if args.command == "chat":
             return cmd_chat(args)
+        if args.command == "serve":
+            from .server.cli import cmd_serve
+
+            return cmd_serve(args)
+        if args.command == "bench":
+            from .bench import options as bench_options
+
+            if args.bench_command is None:
+                parser.parse_args(["bench", "--help"])
+            return bench_options.run(args)
         parser.error(f"unknown command {args.command}")
     except KeyboardInterrupt:
         print(file=sys.stderr)

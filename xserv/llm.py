@@ -1,17 +1,17 @@
 """The library entry point: `LLM(model).generate(prompts, SamplingParams(...))`, chat, streaming and logits."""
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from typing import Iterator
 
 import numpy as np
 
-from .engine.kv_cache import DEFAULT_BLOCK_SIZE, DEFAULT_GPU_MEMORY_FRACTION, KVCache, KVCacheSpec
+from .engine.config import CPU_KV_BYTES, EngineConfig
+from .engine.kv_cache import KVCache, KVCacheSpec
 from .engine.llm_engine import LLMEngine, RequestOutput
 from .engine.model_runner import ModelRunner
-
-CPU_KV_BYTES = 1 << 30
 
 
 def pick_device(device: str | None, notice=True) -> str:
@@ -48,20 +48,20 @@ class LLM:
     give none.
     """
 
-    def __init__(self, model: str, device: str | None = None, max_model_len: int | None = None,
-                 kv_cache_tokens: int | None = None, seed: int = 0, *, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int | None = None, gpu_memory_fraction: float = DEFAULT_GPU_MEMORY_FRACTION,
-                 block_size: int = DEFAULT_BLOCK_SIZE, cuda_graphs: bool = True, progress: bool = True):
+    def __init__(self, model: str, device: str | None = None, config: EngineConfig | None = None, *,
+                 progress: bool = True, **overrides):
         from .models.checkpoint import CheckpointReader, resolve_model_source
         from .models.config import Qwen3Config
         from .models.qwen3 import Qwen3Model
         from .tokenizer import Tokenizer
 
-        for name, value in (("max_model_len", max_model_len), ("kv_cache_tokens", kv_cache_tokens),
-                            ("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
-                            ("block_size", block_size)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(EngineConfig)}
+        if unknown:
+            raise TypeError(f"LLM() got unknown engine option(s) {sorted(unknown)}")
+        cfg = (config or EngineConfig()).replace(**overrides)
+        self.engine_config = cfg
+        max_model_len, kv_cache_tokens, max_num_seqs = cfg.max_model_len, cfg.kv_cache_tokens, cfg.max_num_seqs
+        block_size, seed = cfg.block_size, cfg.seed
         self.device = pick_device(device)
         self.folder = resolve_model_source(model)
         self.config = config = Qwen3Config.from_pretrained(self.folder)
@@ -84,23 +84,21 @@ class LLM:
         del reader
         self.timings = {"weights_s": time.perf_counter() - start}
 
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = 8192 if self.device == "cuda" else 2048
-        max_num_batched_tokens = max(max_num_batched_tokens, max_num_seqs)
+        max_num_batched_tokens = cfg.batched_tokens(self.device)
         workspace = self.model.make_workspace(max_num_batched_tokens, max_num_seqs)
         spec = KVCacheSpec(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, block_size)
         if kv_cache_tokens is None and self.device == "cpu":
             per_token = spec.bytes_per_token(self.model.dtype)
             kv_cache_tokens = min(4 * max_len, max(CPU_KV_BYTES // per_token, 2048))
         self.kv_cache = KVCache.create(spec, self.device, num_tokens=kv_cache_tokens,
-                                        memory_fraction=gpu_memory_fraction, dtype=self.model.dtype)
+                                        memory_fraction=cfg.gpu_memory_fraction, dtype=self.model.dtype)
         self.max_model_len = min(max_len, self.kv_cache.num_tokens)
         self.runner = ModelRunner(self.model, self.kv_cache, max_num_batched_tokens=max_num_batched_tokens,
                                   max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, workspace=workspace)
         eos = set(config.eos_token_id) | set(self.tokenizer.eos_token_ids)
         self.engine = LLMEngine(self.runner, self.tokenizer, max_model_len=self.max_model_len, eos_token_ids=eos,
                                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, seed=seed)
-        if self.device == "cuda" and cuda_graphs:
+        if self.device == "cuda" and cfg.cuda_graphs:
             start = time.perf_counter()
             self.runner.capture_decode_graphs()
             self.timings["cuda_graphs_s"] = time.perf_counter() - start

@@ -1,0 +1,1 @@
+"""`xserv bench`: throughput (offline), latency (batch 1), serve (HTTP clients against a running server)."""

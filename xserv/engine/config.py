@@ -1,0 +1,75 @@
+"""EngineConfig: every engine setting with its default, stated once and read by `LLM`, the CLI and the engine."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+
+# Defaults that depend on the device (the NumPy backend is for tiny models).
+_BATCHED_TOKENS = {"cuda": 8192, "cpu": 2048}
+CPU_KV_BYTES = 1 << 30  # CPU KV pool: about this much, at least 2,048 tokens, at most 4 x max_model_len
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """max_model_len: the longest sequence (prompt + output); None = the model's context, capped by the KV cache.
+    kv_cache_tokens: the KV pool size in tokens; None = from free memory on CUDA (gpu_memory_fraction of it), about
+    1 GiB on CPU. max_num_seqs: sequences decoded together. max_num_batched_tokens: tokens in one forward (prefill
+    chunks + decodes); None = 8192 on CUDA, 2048 on CPU. enable_prefix_caching: share full KV blocks between
+    requests with the same prefix. seed: the sampling seed of requests that give none."""
+
+    max_model_len: int | None = None
+    kv_cache_tokens: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    gpu_memory_fraction: float = 0.85
+    cuda_graphs: bool = True
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("max_model_len", "kv_cache_tokens", "max_num_seqs", "max_num_batched_tokens", "block_size"):
+            value = getattr(self, name)
+            if value is None and name in ("max_model_len", "kv_cache_tokens", "max_num_batched_tokens"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        f = self.gpu_memory_fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
+            raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {f!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+
+    def batched_tokens(self, device: str) -> int:
+        """The per-forward token budget on `device` (never below max_num_seqs: a decode step must fit)."""
+        return max(self.max_num_batched_tokens or _BATCHED_TOKENS[device], self.max_num_seqs)
+
+    def replace(self, **changes) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+    # ---- command line -------------------------------------------------------------------------------------------
+    @staticmethod
+    def add_cli_arguments(p: argparse.ArgumentParser, *, max_num_seqs: int | None = None) -> None:
+        """The engine options of every `xserv` command that loads a model (`max_num_seqs` overrides its default)."""
+        d = EngineConfig()
+        g = p.add_argument_group("engine")
+        g.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                       help="longest sequence, prompt + output (default: the model's context, capped by the KV cache)")
+        g.add_argument("--kv-cache-tokens", type=int, default=None, metavar="N",
+                       help="KV cache size in tokens (default: from free memory)")
+        g.add_argument("--max-num-seqs", type=int, default=max_num_seqs or d.max_num_seqs, metavar="N",
+                       help=f"sequences decoded together (default {max_num_seqs or d.max_num_seqs})")
+        g.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+                       help="tokens in one forward pass (default 8192 on a GPU, 2048 on the CPU)")
+        g.add_argument("--gpu-memory-fraction", type=float, default=d.gpu_memory_fraction, metavar="F",
+                       help=f"share of free GPU memory for the KV cache (default {d.gpu_memory_fraction})")
+        g.add_argument("--no-prefix-caching", action="store_true", help="do not share KV blocks between requests")
+        g.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly (no CUDA graphs)")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
+        return cls(max_model_len=args.max_model_len, kv_cache_tokens=args.kv_cache_tokens,
+                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                   gpu_memory_fraction=args.gpu_memory_fraction, cuda_graphs=not args.no_cuda_graphs,
+                   enable_prefix_caching=not args.no_prefix_caching)
