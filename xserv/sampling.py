@@ -15,6 +15,10 @@ import numpy as np
 _NUCLEUS_PROBE = 1024
 
 
+MAX_LOGPROBS = 20  # top-N logprobs per token, at most
+MAX_N = 16  # samples per prompt, at most
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0
@@ -22,11 +26,15 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int | None = None
     max_tokens: int = 16
     stop: list[str] = field(default_factory=list, hash=False)
     stop_token_ids: list[int] = field(default_factory=list, hash=False)
     ignore_eos: bool = False
+    n: int = 1
+    logprobs: int | None = None  # None: no logprobs; 0: the sampled token's; N <= MAX_LOGPROBS: and the top N
 
     def __post_init__(self):
         def number(name):
@@ -58,8 +66,17 @@ class SamplingParams:
         rp = number("repetition_penalty")
         if not rp > 0 or math.isinf(rp):
             raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {rp}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = number(name)
+            if not -2 <= v <= 2:
+                raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {v}")
         if self.seed is not None:
-            integer("seed")
+            if not 0 <= integer("seed") < 2**64:
+                raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+        if not 1 <= integer("n") <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
+        if self.logprobs is not None and not 0 <= integer("logprobs") <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be None or in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if integer("max_tokens") < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         stop = self.stop

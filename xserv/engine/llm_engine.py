@@ -26,7 +26,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop" | "length" | None while running
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    logprobs: list[dict] | None = None  # per output token: {"token_id", "logprob", "top": [(id, logprob), ...]}
 
     @property
     def finished(self) -> bool:
@@ -158,7 +160,7 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt token id(s) {bad[:5]} outside the vocabulary (size {vocab})")
 
-    def add_request(self, prompt_ids, params, prompt: str | None = None) -> Sequence:
+    def add_request(self, prompt_ids, params, prompt: str | None = None, *, stream: bool = False) -> Sequence:
         from ..sampling import make_rng
 
         prompt_ids = [int(t) for t in prompt_ids]
@@ -186,6 +188,14 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def stats(self) -> dict:
+        """Counters for monitoring: requests running/waiting, KV blocks, prefix-cache tokens, preemptions."""
+        alloc = self.kv_cache.allocator
+        return {"num_running": len(self.running), "num_waiting": len(self.waiting),
+                "kv_blocks_total": alloc.num_blocks, "kv_blocks_free": alloc.num_free,
+                "prefix_cache_query_tokens": 0, "prefix_cache_hit_tokens": 0,
+                "num_preemptions": self.num_preemptions}
 
     # ---- scheduling ---------------------------------------------------------------------------------------
     def _release(self, seq: Sequence) -> None:
