@@ -1,26 +1,13 @@
-"""The generation engine on the NumPy backend: block allocator, stop strings, batching, chunked prefill,
-preemption, finish reasons."""
+"""The generation engine on the NumPy backend: stop strings, batching, chunked prefill, preemption, finish
+reasons, prefix caching, decode graphs (their replay logic, on the CPU)."""
 import numpy as np
 import pytest
 
 from qwen3_reference import perturbed_model_dir  # noqa: F401
-from xserv.engine.kv_cache import BlockAllocator
-from xserv.engine.llm_engine import StopStringMatcher
+from xserv.engine.sequence import StopStringMatcher
 from xserv.sampling import SamplingParams
 
 GREEDY = dict(temperature=0.0)
-
-
-def test_block_allocator():
-    a = BlockAllocator(4)
-    x = a.allocate(3)
-    assert x == [0, 1, 2] and a.num_free == 1 and not a.can_allocate(2)
-    with pytest.raises(RuntimeError, match="out of blocks"):
-        a.allocate(2)
-    a.free(x)
-    assert a.num_free == 4
-    with pytest.raises(RuntimeError, match="twice"):
-        a.free([1])
 
 
 def test_stop_string_matcher_holds_back_possible_starts():
@@ -68,7 +55,7 @@ def test_chunked_prefill_and_preemption_match(perturbed_model_dir, llm):  # noqa
     got = [o.token_ids for o in small.generate(PROMPTS, params)]
     assert got == want
     assert small.engine.num_preemptions > 0
-    assert small.kv_cache.allocator.num_free == small.kv_cache.num_blocks  # every block came back
+    assert small.engine.blocks.num_free == small.kv_cache.num_blocks  # every block came back
 
 
 def test_max_tokens_stop_token_ids_and_stop_strings(llm):
@@ -161,3 +148,89 @@ def test_decode_graphs_are_bucketed_by_context_length(perturbed_model_dir):  # n
     assert sorted(graphed.runner.graphs) == [(1, 2048), (1, 4096), (2, 2048), (2, 4096)]
     assert graphed.generate([prompt], params)[0].token_ids == want
     assert used[0] == 2048 and used[-1] == 4096 and used.count(2048) == 2048 - 2000
+
+
+# ---- prefix cache, mixed steps, n samples, block accounting ------------------------------------------------------
+LONG = list(range(3000, 3000 + 70))  # 70 tokens: 4 full blocks of 16 and a partial one
+
+
+def test_prefix_cache_serves_full_blocks_and_changes_nothing(llm, perturbed_model_dir):  # noqa: F811
+    from xserv import LLM
+
+    params = SamplingParams(max_tokens=8, ignore_eos=True, **GREEDY)
+    first = llm.generate([LONG], params)[0]
+    again = llm.generate([LONG], params)[0]
+    other_tail = llm.generate([LONG[:40] + [5, 6, 7]], params)[0]
+    assert again.token_ids == first.token_ids
+    assert again.num_cached_tokens == 64  # 4 full blocks; the partial one is recomputed
+    assert other_tail.num_cached_tokens == 32  # shares the first two blocks only
+    plain = LLM(str(perturbed_model_dir), device="cpu", max_model_len=256, enable_prefix_caching=False,
+                progress=False)
+    want = plain.generate([LONG, LONG[:40] + [5, 6, 7]], params)
+    assert [o.token_ids for o in want] == [first.token_ids, other_tail.token_ids]
+    assert all(o.num_cached_tokens == 0 for o in want)
+
+
+def test_decodes_keep_going_while_a_long_prompt_prefills(perturbed_model_dir, llm):  # noqa: F811
+    from xserv import LLM
+
+    params = SamplingParams(max_tokens=12, ignore_eos=True, **GREEDY)
+    want = [o.token_ids for o in llm.generate([PROMPTS[0], LONG], params)]
+    small = LLM(str(perturbed_model_dir), device="cpu", max_model_len=256, max_num_batched_tokens=16,
+                max_num_seqs=4, progress=False)
+    steps = []
+    run = small.runner.run
+    small.runner.run = lambda scheduled: (steps.append([(s.seq_id, n) for s, n in scheduled]), run(scheduled))[1]
+    eng = small.engine
+    a = eng.add_request(PROMPTS[0], params)
+    eng.step()  # a's prompt
+    b = eng.add_request(LONG, params)
+    while not (a.is_finished and b.is_finished):
+        eng.step()
+    mixed = [s for s in steps if (a.seq_id, 1) in s and any(i == b.seq_id and n > 1 for i, n in s)]
+    assert len(mixed) >= 4  # b's 70-token prompt went in 15-token chunks next to a's decodes
+    assert all(sum(n for _, n in s) <= 16 for s in steps)
+    assert [a.output().token_ids, b.output().token_ids] == want
+
+
+def test_n_samples_share_the_prompt_and_follow_their_seeds(llm):
+    p = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=6, ignore_eos=True)
+    outs = llm.generate([LONG], p)
+    assert len(outs) == 3 and len({tuple(o.token_ids) for o in outs}) == 3
+    assert sum(o.num_cached_tokens for o in outs) >= 128  # the later samples found the prompt's blocks cached
+    seeds = [llm.generate([LONG], SamplingParams(temperature=1.0, seed=11 + i, max_tokens=6, ignore_eos=True))[0]
+             for i in range(3)]
+    assert [o.token_ids for o in seeds] == [o.token_ids for o in outs]
+
+
+def test_every_block_comes_back_after_finished_aborted_and_preempted(perturbed_model_dir):  # noqa: F811
+    from xserv import LLM
+
+    small = LLM(str(perturbed_model_dir), device="cpu", max_model_len=64, kv_cache_tokens=96, block_size=4,
+                max_num_batched_tokens=16, max_num_seqs=4, progress=False)
+    eng = small.engine
+    start = eng.blocks.num_free
+    seqs = [eng.add_request(list(range(100 * i, 100 * i + 10 + 3 * i)), SamplingParams(
+        max_tokens=30, ignore_eos=True, temperature=0.8, seed=i)) for i in range(6)]
+    seqs.append(eng.add_request(list(range(100, 110)), SamplingParams(max_tokens=5, stop_token_ids=[],
+                                                                      temperature=0.0, ignore_eos=True)))
+    for step in range(200):
+        eng.step()
+        if step == 6:
+            eng.abort(seqs[1])
+            eng.abort(seqs[5])  # possibly still waiting
+        if not eng.has_unfinished():
+            break
+    while eng._inflight is not None:
+        eng.step()
+    assert eng.num_preemptions > 0
+    assert {s.finish_reason for s in seqs} == {"length", "abort"}
+    assert eng.blocks.num_free == start and all(r == 0 for r in eng.blocks.ref_count)
+    assert eng.stats()["num_running"] == 0 and eng.stats()["num_waiting"] == 0
+
+
+def test_streamed_text_equals_the_whole_text(llm):
+    params = SamplingParams(max_tokens=20, ignore_eos=True, **GREEDY)
+    whole = llm.generate([PROMPTS[3]], params)[0]
+    streamed = "".join(llm.engine.stream(PROMPTS[3], params))
+    assert streamed == whole.text and whole.text

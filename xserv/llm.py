@@ -8,10 +8,8 @@ from typing import Iterator
 
 import numpy as np
 
-from .engine.config import CPU_KV_BYTES, EngineConfig
-from .engine.kv_cache import KVCache, KVCacheSpec
+from .engine.config import EngineConfig
 from .engine.llm_engine import LLMEngine, RequestOutput
-from .engine.model_runner import ModelRunner
 
 
 def pick_device(device: str | None, notice=True) -> str:
@@ -30,16 +28,8 @@ def pick_device(device: str | None, notice=True) -> str:
     return device
 
 
-def model_context_length(config) -> int:
-    """max_position_embeddings, or with YaRN rope scaling factor x the original length when that is longer."""
-    yarn = config.yarn_parameters()
-    if yarn is None:
-        return config.max_position_embeddings
-    return max(config.max_position_embeddings, int(yarn["factor"] * yarn["original_max_position_embeddings"]))
-
-
 class LLM:
-    """A Qwen3 model ready to generate.
+    """A model (Qwen3 or Llama 3, see xserv.models.registry) ready to generate.
 
     model: a local Hugging Face folder or a hub id. device: "cuda", "cpu", or None (cuda when a GPU exists).
     max_model_len: the longest sequence (prompt + output); default the model's max_position_embeddings, capped
@@ -51,8 +41,7 @@ class LLM:
     def __init__(self, model: str, device: str | None = None, config: EngineConfig | None = None, *,
                  progress: bool = True, **overrides):
         from .models.checkpoint import CheckpointReader, resolve_model_source
-        from .models.config import Qwen3Config
-        from .models.qwen3 import Qwen3Model
+        from .models.registry import config_from_pretrained, model_class
         from .tokenizer import Tokenizer
 
         unknown = set(overrides) - {f.name for f in dataclasses.fields(EngineConfig)}
@@ -60,12 +49,11 @@ class LLM:
             raise TypeError(f"LLM() got unknown engine option(s) {sorted(unknown)}")
         cfg = (config or EngineConfig()).replace(**overrides)
         self.engine_config = cfg
-        max_model_len, kv_cache_tokens, max_num_seqs = cfg.max_model_len, cfg.kv_cache_tokens, cfg.max_num_seqs
-        block_size, seed = cfg.block_size, cfg.seed
+        max_model_len = cfg.max_model_len
         self.device = pick_device(device)
         self.folder = resolve_model_source(model)
-        self.config = config = Qwen3Config.from_pretrained(self.folder)
-        context = model_context_length(config)
+        self.config = config = config_from_pretrained(self.folder)
+        context = config.context_length
         if max_model_len is not None and max_model_len > context:
             raise ValueError(f"max_model_len {max_model_len} is longer than the model's context of {context} tokens "
                              f"(max_position_embeddings, or YaRN's factor x original length)")
@@ -80,28 +68,17 @@ class LLM:
             self.kernel_compile_s = time.perf_counter() - start
         reader = CheckpointReader(self.folder)
         start = time.perf_counter()
-        self.model = Qwen3Model.from_checkpoint(config, reader, self.device, progress=progress, max_positions=max_len)
+        self.model = model_class(config).from_checkpoint(config, reader, self.device, progress=progress, max_positions=max_len)
         del reader
         self.timings = {"weights_s": time.perf_counter() - start}
 
-        max_num_batched_tokens = cfg.batched_tokens(self.device)
-        workspace = self.model.make_workspace(max_num_batched_tokens, max_num_seqs)
-        spec = KVCacheSpec(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, block_size)
-        if kv_cache_tokens is None and self.device == "cpu":
-            per_token = spec.bytes_per_token(self.model.dtype)
-            kv_cache_tokens = min(4 * max_len, max(CPU_KV_BYTES // per_token, 2048))
-        self.kv_cache = KVCache.create(spec, self.device, num_tokens=kv_cache_tokens,
-                                        memory_fraction=cfg.gpu_memory_fraction, dtype=self.model.dtype)
-        self.max_model_len = min(max_len, self.kv_cache.num_tokens)
-        self.runner = ModelRunner(self.model, self.kv_cache, max_num_batched_tokens=max_num_batched_tokens,
-                                  max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, workspace=workspace)
+        start = time.perf_counter()
         eos = set(config.eos_token_id) | set(self.tokenizer.eos_token_ids)
-        self.engine = LLMEngine(self.runner, self.tokenizer, max_model_len=self.max_model_len, eos_token_ids=eos,
-                                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, seed=seed)
-        if self.device == "cuda" and cfg.cuda_graphs:
-            start = time.perf_counter()
-            self.runner.capture_decode_graphs()
-            self.timings["cuda_graphs_s"] = time.perf_counter() - start
+        self.engine = LLMEngine.from_model(self.model, self.tokenizer, cfg, context_len=max_len, eos_token_ids=eos)
+        self.timings["engine_s"] = time.perf_counter() - start
+        self.runner = self.engine.runner
+        self.kv_cache = self.engine.kv_cache
+        self.max_model_len = self.engine.max_model_len
 
     # ---- prompts ------------------------------------------------------------------------------------------
     def _encode(self, prompt) -> tuple[list[int], str | None]:
@@ -131,14 +108,16 @@ class LLM:
         return [params] * n
 
     # ---- generation ---------------------------------------------------------------------------------------
-    def generate(self, prompts, params=None) -> list[RequestOutput]:
-        """prompts: a string, a list of strings, or a list of token-id lists. One output per prompt, in order."""
+    def generate(self, prompts, params=None, on_step=None) -> list[RequestOutput]:
+        """prompts: a string, a list of strings, or a list of token-id lists. One output per prompt, in order
+        (params.n > 1: n outputs per prompt, one after the other). `on_step(results)` runs after every engine
+        step."""
         prompts = self._normalize_prompts(prompts)
         encoded = [self._encode(p) for p in prompts]
         params_list = self._params_list(params, len(prompts))
         for ids, _ in encoded:
             self.engine.check_prompt(ids)
-        return self.engine.generate([e[0] for e in encoded], params_list, [e[1] for e in encoded])
+        return self.engine.generate([e[0] for e in encoded], params_list, [e[1] for e in encoded], on_step=on_step)
 
     def chat_prompt(self, messages, enable_thinking: bool = True) -> str:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=enable_thinking)

@@ -1,10 +1,127 @@
-"""`xserv bench throughput`."""
+"""`xserv bench throughput`: the standard offline workload (nano-vllm's bench): `--num-seqs` requests of random
+token ids, prompt and output lengths uniform in the given ranges, `ignore_eos`, all submitted at once. Prints
+output and total tokens/s; `--json` writes them, `--plot` draws tokens/s and batch size per step."""
 from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+
+from .common import device_name, length_range, write_json
 
 
 def add_arguments(p) -> None:
-    pass
+    g = p.add_argument_group("workload")
+    g.add_argument("--num-seqs", type=int, default=256, metavar="N", help="requests (default 256)")
+    g.add_argument("--input-len", type=length_range, default=(100, 1024), metavar="MIN:MAX",
+                   help="prompt length range, uniform (default 100:1024)")
+    g.add_argument("--output-len", type=length_range, default=(100, 1024), metavar="MIN:MAX",
+                   help="output length range, uniform; EOS is ignored (default 100:1024)")
+    g.add_argument("--temperature", type=float, default=0.6, help="0 = greedy (default 0.6)")
+    g.add_argument("--top-p", type=float, default=1.0, help="(default 1.0 = off)")
+    g.add_argument("--top-k", type=int, default=0, help="(default 0 = off)")
+    g.add_argument("--seed", type=int, default=0, help="seeds the workload and the sampling (default 0)")
+    g.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
+    g.add_argument("--plot", default=None, metavar="PNG", help="plot tokens/s and batch size per step "
+                   "(needs matplotlib: pip install 'xserv[plot]')")
+
+
+def make_workload(num_seqs: int, input_len: tuple[int, int], output_len: tuple[int, int], seed: int,
+                  vocab: int) -> tuple[list[list[int]], list[int]]:
+    rng = np.random.default_rng(seed)
+    in_lens = rng.integers(input_len[0], input_len[1] + 1, num_seqs)
+    out_lens = rng.integers(output_len[0], output_len[1] + 1, num_seqs)
+    high = min(vocab, 10_000)  # ordinary tokens, as nano-vllm's bench draws them
+    prompts = [rng.integers(0, high, n).tolist() for n in in_lens]
+    return prompts, out_lens.tolist()
 
 
 def run(args) -> int:
-    raise RuntimeError("xserv bench throughput is not built yet")
+    from ..cli import load_llm
+    from ..sampling import SamplingParams
+
+    if args.num_seqs < 1:
+        raise ValueError(f"--num-seqs must be >= 1, got {args.num_seqs}")
+    if args.max_model_len is None:
+        args.max_model_len = args.input_len[1] + args.output_len[1]
+    if args.max_num_seqs is None:
+        args.max_num_seqs = min(args.num_seqs, 256)
+    plot = _plot_module() if args.plot else None
+    llm = load_llm(args)
+    prompts, out_lens = make_workload(args.num_seqs, args.input_len, args.output_len, args.seed,
+                                      llm.config.vocab_size)
+    base = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, ignore_eos=True)
+    params = [SamplingParams(max_tokens=n, seed=args.seed + i, **base) for i, n in enumerate(out_lens)]
+    llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4, **base))  # warm-up: first-call costs
+
+    total_out = sum(out_lens)
+    steps: list[tuple[float, int, int]] = []  # (time, running sequences, tokens booked)
+    bar = _progress(total_out)
+
+    def on_step(results):
+        steps.append((time.perf_counter(), llm.engine.stats()["num_running"], len(results)))
+        if bar is not None:
+            bar.update(len(results))
+
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, on_step=on_step)
+    elapsed = time.perf_counter() - start
+    if bar is not None:
+        bar.close()
+    out_tokens = sum(len(o.token_ids) for o in outputs)
+    in_tokens = sum(len(p) for p in prompts)
+    device = device_name(llm.device)
+    result = {
+        "device": device, "model": str(llm.folder), "num_seqs": args.num_seqs,
+        "input_len": list(args.input_len), "output_len": list(args.output_len),
+        "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed,
+        "elapsed_s": elapsed, "input_tokens": in_tokens, "output_tokens": out_tokens,
+        "output_tokens_per_s": out_tokens / elapsed, "total_tokens_per_s": (in_tokens + out_tokens) / elapsed,
+        "num_steps": len(steps), "num_preemptions": llm.engine.num_preemptions,
+    }
+    print(f"{device}: {args.num_seqs} requests, {in_tokens} prompt + {out_tokens} output tokens in {elapsed:.2f} s\n"
+          f"  output {result['output_tokens_per_s']:,.0f} tok/s   total {result['total_tokens_per_s']:,.0f} tok/s   "
+          f"({len(steps)} steps, {llm.engine.num_preemptions} preemptions)")
+    if out_tokens != total_out:
+        print(f"xserv: warning: {out_tokens} output tokens, expected {total_out}", file=sys.stderr)
+    write_json(args.json, result)
+    if plot is not None:
+        _plot(plot, steps, start, args.plot)
+    return 0
+
+
+def _progress(total: int):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, unit="tok", desc="generating", file=sys.stderr, smoothing=0.1)
+
+
+def _plot_module():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install 'xserv[plot]'") from None
+    return plt
+
+
+def _plot(plt, steps, start, path) -> None:
+    t = np.array([s[0] - start for s in steps])
+    running = np.array([s[1] for s in steps])
+    booked = np.array([s[2] for s in steps])
+    dt = np.diff(np.concatenate([[0.0], t]))
+    rate = np.where(dt > 0, booked / np.maximum(dt, 1e-9), 0)
+    fig, ax = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    ax[0].plot(t, rate, lw=0.8)
+    ax[0].set_ylabel("output tokens/s")
+    ax[1].plot(t, running, lw=0.8, color="tab:orange")
+    ax[1].set_ylabel("running sequences")
+    ax[1].set_xlabel("seconds")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}", file=sys.stderr)

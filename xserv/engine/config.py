@@ -58,7 +58,7 @@ class EngineConfig:
                        help="longest sequence, prompt + output (default: the model's context, capped by the KV cache)")
         g.add_argument("--kv-cache-tokens", type=int, default=None, metavar="N",
                        help="KV cache size in tokens (default: from free memory)")
-        g.add_argument("--max-num-seqs", type=int, default=max_num_seqs or d.max_num_seqs, metavar="N",
+        g.add_argument("--max-num-seqs", type=int, default=max_num_seqs, metavar="N",
                        help=f"sequences decoded together (default {max_num_seqs or d.max_num_seqs})")
         g.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
                        help="tokens in one forward pass (default 8192 on a GPU, 2048 on the CPU)")
@@ -70,6 +70,6 @@ class EngineConfig:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
         return cls(max_model_len=args.max_model_len, kv_cache_tokens=args.kv_cache_tokens,
-                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                   max_num_seqs=args.max_num_seqs or cls.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                    gpu_memory_fraction=args.gpu_memory_fraction, cuda_graphs=not args.no_cuda_graphs,
                    enable_prefix_caching=not args.no_prefix_caching)

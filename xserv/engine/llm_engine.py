@@ -1,336 +1,229 @@
 """The generation loop: requests in, tokens out.
 
-Each step either prefills (new prompts, several packed in one forward, long prompts in chunks) or decodes one
-token for every running sequence in one batched forward. Sampling runs on the host from float32 logits (greedy
-rows use the argmax op on the device). Sequences stop on EOS, stop token ids, stop strings or max_tokens.
-When the KV pool runs out during decode, the newest sequence is preempted (its blocks freed, recomputed later).
+One `step()`:
+1. waits for the step in flight (the only sync) and books its tokens: advances each sequence, registers filled KV
+   blocks in the prefix cache, ends sequences on a stop token id, max_tokens or the context length;
+2. asks the scheduler for the next step (decodes plus prefill chunks under the token budget) and launches it:
+   forward (a CUDA graph replay for pure decode steps) and the sampling op, without waiting;
+3. while the GPU runs that step, does the per-token host work of the step just booked: incremental detokenizing
+   for sequences that stream or have stop strings (others decode their text once, when they finish), stop
+   strings, stream buffers.
+A sequence that a stop string ends in (3) already has a row in the step in flight; that token is dropped.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
-from collections import deque
-from dataclasses import dataclass
 
 import numpy as np
 
-from .batch import SeqChunk
+from .block_manager import BlockManager
+from .config import CPU_KV_BYTES, EngineConfig
+from .kv_cache import KVCache, KVCacheSpec
 from .model_runner import ModelRunner
-
-WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
-
-
-@dataclass
-class RequestOutput:
-    request_id: int
-    prompt: str | None
-    prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    logprobs: list[dict] | None = None  # per output token: {"token_id", "logprob", "top": [(id, logprob), ...]}
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-def _as_list(stop) -> list[str]:
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        return [stop] if stop else []
-    return [s for s in stop if s]
-
-
-class StopStringMatcher:
-    """Accumulates detokenized text, finds stop strings, and says how much text is safe to emit: text that could
-    still turn into the start of a stop string is held back until the next tokens decide."""
-
-    def __init__(self, stops: list[str]):
-        self.stops = stops
-        self.longest = max((len(s) for s in stops), default=0)
-        self.text = ""
-        self.emitted = 0
-        self.stopped = False
-
-    def push(self, delta: str) -> None:
-        if self.stopped or not delta:
-            return
-        start = max(0, len(self.text) - self.longest + 1)
-        self.text += delta
-        if not self.stops:
-            return
-        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
-        if hits:
-            self.text = self.text[:min(hits)]
-            self.stopped = True
-
-    def _safe_end(self) -> int:
-        if self.stopped or not self.stops:
-            return len(self.text)
-        hold = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(self.text)), hold, -1):
-                if self.text.endswith(s[:k]):
-                    hold = k
-                    break
-        return len(self.text) - hold
-
-    def take(self, final: bool = False) -> str:
-        """The text not yet emitted that is safe to emit (all of it when `final`)."""
-        end = len(self.text) if final else self._safe_end()
-        out = self.text[self.emitted:end]
-        self.emitted = max(self.emitted, end)
-        return out
-
-
-class Sequence:
-    def __init__(self, seq_id: int, prompt_ids: list[int], params, rng, detokenizer, prompt: str | None,
-                 stop_ids: set[int]):
-        self.seq_id = seq_id
-        self.prompt = prompt
-        self.token_ids = list(prompt_ids)
-        self.num_prompt_tokens = len(prompt_ids)
-        self.params = params
-        self.rng = rng
-        self.detokenizer = detokenizer
-        self.stop_ids = stop_ids
-        self.matcher = StopStringMatcher(_as_list(params.stop))
-        self.status = WAITING
-        self.num_computed = 0  # tokens whose K/V are in the cache
-        self.block_table: list[int] = []
-        self.finish_reason: str | None = None
-        self.stream_buffer: deque[str] | None = None  # text deltas not yet read by a TextStream
-
-    @property
-    def output_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status == FINISHED
-
-    @property
-    def greedy(self) -> bool:
-        p = self.params
-        return p.temperature == 0 and getattr(p, "repetition_penalty", 1.0) == 1.0
-
-    def output(self) -> RequestOutput:
-        return RequestOutput(self.seq_id, self.prompt, self.token_ids[:self.num_prompt_tokens], self.matcher.text,
-                             self.output_ids, self.finish_reason)
+from .sampler import Sampler
+from .scheduler import Scheduler
+from .sequence import FINISHED, RUNNING, RequestOutput, Sequence, StopStringMatcher  # noqa: F401 (re-exported)
 
 
 class LLMEngine:
-    def __init__(self, runner: ModelRunner, tokenizer, *, max_model_len: int, eos_token_ids, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 8192, seed: int = 0):
-        from ..sampling import Sampler
-
+    def __init__(self, runner: ModelRunner, tokenizer, *, max_model_len: int, eos_token_ids,
+                 config: EngineConfig | None = None, sampler: Sampler | None = None):
+        config = config or EngineConfig()
+        self.config = config
         self.runner = runner
         self.kv_cache = runner.kv_cache
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self.eos_token_ids = set(int(t) for t in eos_token_ids)
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.seed = seed
-        self.sampler = Sampler()
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.vocab_size = runner.model.config.vocab_size
+        device = runner.device
+        self.blocks = BlockManager(self.kv_cache.num_blocks, self.kv_cache.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.batched_tokens(device))
+        self.sampler = sampler or Sampler(self.vocab_size, config.max_num_seqs, device, config.seed)
         self._ids = itertools.count()
-        self.num_preemptions = 0
+        self._inflight = None  # (scheduled, sampled sequences, SampleResult) of the launched step
 
-    # ---- requests -----------------------------------------------------------------------------------------
+    @classmethod
+    def from_model(cls, model, tokenizer, config: EngineConfig, *, context_len: int, eos_token_ids) -> "LLMEngine":
+        """Everything around a loaded model, in the order memory needs: activation workspace and sampler state,
+        then the KV cache from what memory is left, the runner, the engine, and last the decode CUDA graphs."""
+        device, mc = model.device, model.config
+        max_len = min(config.max_model_len or context_len, context_len)
+        workspace = model.make_workspace(config.batched_tokens(device), config.max_num_seqs)
+        sampler = Sampler(mc.vocab_size, config.max_num_seqs, device, config.seed)
+        spec = KVCacheSpec(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, config.block_size)
+        kv_tokens = config.kv_cache_tokens
+        if kv_tokens is None and device == "cpu":
+            kv_tokens = min(4 * max_len, max(CPU_KV_BYTES // spec.bytes_per_token(model.dtype), 2048))
+        kv_cache = KVCache.create(spec, device, model.dtype, num_tokens=kv_tokens,
+                                  memory_fraction=config.gpu_memory_fraction)
+        max_model_len = min(max_len, kv_cache.num_tokens)
+        runner = ModelRunner(model, kv_cache, max_num_batched_tokens=config.batched_tokens(device),
+                             max_num_seqs=config.max_num_seqs, max_model_len=max_model_len, workspace=workspace)
+        engine = cls(runner, tokenizer, max_model_len=max_model_len, eos_token_ids=eos_token_ids, config=config,
+                     sampler=sampler)
+        if device == "cuda" and config.cuda_graphs:
+            runner.capture_decode_graphs()
+        return engine
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+    # ---- requests -----------------------------------------------------------------------------------------------
     def check_prompt(self, prompt_ids) -> None:
         n = len(prompt_ids)
         if n == 0:
             raise ValueError("the prompt is empty: give at least one token")
-        if n > self.max_model_len:
-            raise ValueError(f"the prompt has {n} tokens, longer than the model's context of {self.max_model_len} "
-                             f"tokens (max_model_len)")
-        if n > self.kv_cache.num_tokens:
-            raise ValueError(f"the prompt has {n} tokens, more than the KV cache holds ({self.kv_cache.num_tokens} "
-                             f"tokens); pass a larger kv_cache_tokens")
-        vocab = self.runner.model.config.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= int(t) < vocab]
+        if n >= self.max_model_len:
+            raise ValueError(f"the prompt has {n} tokens; the context holds {self.max_model_len} tokens "
+                             f"(max_model_len) and at least one must be left to generate")
+        bad = [t for t in prompt_ids if not 0 <= int(t) < self.vocab_size]
         if bad:
-            raise ValueError(f"prompt token id(s) {bad[:5]} outside the vocabulary (size {vocab})")
+            raise ValueError(f"prompt token id(s) {bad[:5]} outside the vocabulary (size {self.vocab_size})")
 
     def add_request(self, prompt_ids, params, prompt: str | None = None, *, stream: bool = False) -> Sequence:
-        from ..sampling import make_rng
-
+        """Queue one sequence (params.n must be 1; see `add_samples`). `stream`: text deltas are wanted as tokens
+        come (otherwise the text is decoded once, at the end, unless stop strings need it earlier)."""
+        if params.n != 1:
+            raise ValueError(f"add_request takes n=1 (got n={params.n}); use add_samples for several samples")
         prompt_ids = [int(t) for t in prompt_ids]
         self.check_prompt(prompt_ids)
         seq_id = next(self._ids)
-        seed = params.seed if params.seed is not None else (self.seed * 1_000_003 + seq_id) % (2**63)
-        stop_ids = set(params.stop_token_ids or ())
-        if not params.ignore_eos:
-            stop_ids |= self.eos_token_ids
-        detokenizer = self.tokenizer.detokenizer(skip_special_tokens=True, prompt_ids=prompt_ids)
-        seq = Sequence(seq_id, prompt_ids, params, make_rng(seed), detokenizer, prompt, stop_ids)
-        self.waiting.append(seq)
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        detok = None
+        if stream or params.stop:
+            detok = self.tokenizer.detokenizer(skip_special_tokens=True, prompt_ids=prompt_ids)
+        seq = Sequence(seq_id, prompt_ids, params, seed=self.sampler.request_seed(seq_id, params.seed),
+                       stop_ids=stop_ids, prompt=prompt, detokenizer=detok)
+        self.scheduler.add(seq)
         return seq
+
+    def add_samples(self, prompt_ids, params, prompt: str | None = None, *, stream: bool = False) -> list[Sequence]:
+        """`params.n` sequences of one prompt (sample i seeded with seed + i when a seed is given); the prefix
+        cache lets them share the prompt's KV blocks."""
+        one = dataclasses.replace(params, n=1)
+        seqs = []
+        for i in range(params.n):
+            p = one if params.seed is None else dataclasses.replace(one, seed=(params.seed + i) % 2**64)
+            seqs.append(self.add_request(prompt_ids, p, prompt, stream=stream))
+        return seqs
 
     def abort(self, seq: Sequence) -> None:
         if seq.status == FINISHED:
             return
-        if seq in self.waiting:
-            self.waiting.remove(seq)
-        if seq in self.running:
-            self.running.remove(seq)
-        self._release(seq)
-        seq.status = FINISHED
-        seq.finish_reason = seq.finish_reason or "abort"
+        self.scheduler.finish(seq, "abort")
+        self._finalize_text(seq, dropped_last=False)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return self.scheduler.has_unfinished()
 
     def stats(self) -> dict:
         """Counters for monitoring: requests running/waiting, KV blocks, prefix-cache tokens, preemptions."""
-        alloc = self.kv_cache.allocator
-        return {"num_running": len(self.running), "num_waiting": len(self.waiting),
-                "kv_blocks_total": alloc.num_blocks, "kv_blocks_free": alloc.num_free,
-                "prefix_cache_query_tokens": 0, "prefix_cache_hit_tokens": 0,
-                "num_preemptions": self.num_preemptions}
+        b = self.blocks
+        return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+                "kv_blocks_total": b.num_blocks, "kv_blocks_free": b.num_free,
+                "prefix_cache_query_tokens": b.query_tokens, "prefix_cache_hit_tokens": b.hit_tokens,
+                "num_preemptions": self.scheduler.num_preemptions}
 
-    # ---- scheduling ---------------------------------------------------------------------------------------
-    def _release(self, seq: Sequence) -> None:
-        if seq.block_table:
-            self.kv_cache.allocator.free(seq.block_table)
-        seq.block_table = []
-        seq.num_computed = 0
-
-    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
-        need = self.kv_cache.blocks_for(num_tokens) - len(seq.block_table)
-        if need <= 0:
-            return True
-        if not self.kv_cache.allocator.can_allocate(need):
-            return False
-        seq.block_table += self.kv_cache.allocator.allocate(need)
-        return True
-
-    def _preempt(self, seq: Sequence) -> None:
-        self.num_preemptions += 1
-        self.running.remove(seq)
-        self._release(seq)
-        seq.status = WAITING
-        self.waiting.appendleft(seq)
-
-    def _schedule_prefill(self) -> list[tuple[Sequence, int]]:
-        """Sequences with more than one token to compute (new prompts, unfinished chunks), up to the token
-        budget. New sequences are admitted only while the running ones keep a block of headroom each."""
-        budget = self.max_num_batched_tokens
-        scheduled = []
-        for seq in [s for s in self.running if len(s.token_ids) - s.num_computed > 1]:
-            if budget <= 0:
-                break
-            n = min(len(seq.token_ids) - seq.num_computed, budget)
-            if not self._grow(seq, seq.num_computed + n):
-                break
-            scheduled.append((seq, n))
-            budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            n = min(len(seq.token_ids), budget)
-            need = self.kv_cache.blocks_for(n)
-            headroom = len(self.running)
-            if self.kv_cache.allocator.num_free < need + headroom:
-                if not self.running and not scheduled:
-                    if not self.kv_cache.allocator.can_allocate(need):
-                        raise RuntimeError("the KV cache cannot hold a single prompt chunk")
-                else:
-                    break
-            self.waiting.popleft()
-            self._grow(seq, n)
-            seq.status = RUNNING
-            self.running.append(seq)
-            scheduled.append((seq, n))
-            budget -= n
-        return scheduled
-
-    def _schedule_decode(self) -> list[tuple[Sequence, int]]:
-        scheduled = []
-        for seq in list(self.running):
-            if seq.status != RUNNING:
-                continue  # preempted below
-            while not self._grow(seq, len(seq.token_ids)):
-                victim = self.running[-1]
-                self._preempt(victim)
-                if victim is seq:
-                    break
-            if seq.status == RUNNING:
-                scheduled.append((seq, 1))
-        return scheduled
-
-    # ---- one step -----------------------------------------------------------------------------------------
+    # ---- one step -----------------------------------------------------------------------------------------------
     def step(self) -> list[tuple[Sequence, str]]:
-        """Run one forward; returns (sequence, new text) for every sequence that got a token this step."""
-        scheduled = self._schedule_prefill() or self._schedule_decode()
-        if not scheduled:
-            if self.waiting:
-                raise RuntimeError("the KV cache is too small to make progress on the waiting requests")
+        """Book the step in flight, launch the next, and return (sequence, new text) for every sequence that got a
+        token in the booked step ("" for sequences that neither stream nor have stop strings, until they end)."""
+        booked = self._book_inflight()
+        scheduled = self.scheduler.schedule()
+        if scheduled:
+            self._launch(scheduled)
+        return self._emit(booked)
+
+    def _launch(self, scheduled) -> None:
+        sampled = [seq for seq, n in scheduled if seq.num_computed + n == seq.num_tokens]
+        logits = self.runner.run(scheduled)
+        result = self.sampler.sample(logits, sampled) if sampled else None
+        self._inflight = (scheduled, sampled, result)
+
+    def _book_inflight(self) -> list[tuple[Sequence, int, str | None]]:
+        """Wait for the launched step; (sequence, token, finish reason so far) for each sampled row."""
+        if self._inflight is None:
             return []
-        chunks = []
+        scheduled, sampled, result = self._inflight
+        self._inflight = None
         for seq, n in scheduled:
-            start = seq.num_computed
-            completes = start + n == len(seq.token_ids)
-            chunks.append(SeqChunk(seq.token_ids[start:start + n], start, seq.block_table,
-                                   "last" if completes else "none"))
-        sample_rows = [(seq, i) for i, (seq, n) in enumerate(scheduled) if chunks[i].logits == "last"]
-        greedy = [seq.greedy for seq, _ in sample_rows]
-        tokens = self.runner.run_and_sample(chunks, greedy, self._sample_host, [s for s, _ in sample_rows])
-        for seq, n in scheduled:
-            seq.num_computed += n
+            if seq.status == RUNNING:
+                seq.num_computed += n
+                self.scheduler.postprocess(seq, seq.num_computed)
+        if result is None:
+            return []
+        tokens, logprob, top_ids, top_logprobs = result.fetch()
+        booked = []
+        for i, seq in enumerate(sampled):
+            if seq.status != RUNNING:
+                continue  # ended (abort, stop string) while its row was in flight
+            token = int(tokens[i])
+            seq.token_ids.append(token)
+            if seq.logprobs is not None:
+                k = seq.params.logprobs
+                top = [] if k == 0 else list(zip(top_ids[i, :k].tolist(), top_logprobs[i, :k].tolist()))
+                seq.logprobs.append({"token_id": token, "logprob": float(logprob[i]), "top": top})
+            reason = None
+            if token in seq.stop_ids:
+                reason = "stop"
+            elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+                reason = "length"
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+            booked.append((seq, token, reason))
+        return booked
+
+    def _emit(self, booked) -> list[tuple[Sequence, str]]:
         results = []
-        for (seq, _), token in zip(sample_rows, tokens):
-            delta = self._append(seq, int(token))
-            if delta and seq.stream_buffer is not None:
-                seq.stream_buffer.append(delta)
+        for seq, token, reason in booked:
+            delta = ""
+            matcher = seq.matcher
+            if matcher is not None:
+                if reason != "stop":  # a stop token id is not part of the text
+                    matcher.push(seq.detokenizer.push(token))
+                    if matcher.stopped and seq.status != FINISHED:
+                        self.scheduler.finish(seq, "stop")
+                if seq.status == FINISHED:
+                    self._finalize_text(seq, dropped_last=False)
+                    delta = matcher.take(final=True)
+                else:
+                    delta = matcher.take()
+                if delta and seq.stream_buffer is not None:
+                    seq.stream_buffer.append(delta)
+            elif seq.status == FINISHED:
+                self._finalize_text(seq, dropped_last=reason == "stop")
+                delta = seq.final_text
             results.append((seq, delta))
         return results
 
-    def _sample_host(self, seq: Sequence, logits_row: np.ndarray) -> int:
-        return int(self.sampler.sample(logits_row, seq.params, seq.token_ids, seq.rng))
-
-    def _append(self, seq: Sequence, token: int) -> str:
-        seq.token_ids.append(token)
-        params = seq.params
-        reason = None
-        if token in seq.stop_ids:
-            reason = "stop"
-        else:
-            seq.matcher.push(seq.detokenizer.push(token))
-            if seq.matcher.stopped:
-                reason = "stop"
-        if reason is None and (seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= self.max_model_len):
-            reason = "length"
-        if reason is not None:
+    def _finalize_text(self, seq: Sequence, dropped_last: bool) -> None:
+        if seq.final_text is not None:
+            return
+        if seq.matcher is not None:
             if not seq.matcher.stopped:
                 seq.matcher.push(seq.detokenizer.flush())
-            self._finish(seq, reason)
-            return seq.matcher.take(final=True)
-        return seq.matcher.take()
+            seq.final_text = seq.matcher.text
+        else:
+            ids = seq.output_ids[:-1] if dropped_last else seq.output_ids
+            seq.final_text = self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
-        seq.finish_reason = reason
-        seq.status = FINISHED
-        if seq in self.running:
-            self.running.remove(seq)
-        self._release(seq)
-
-    # ---- whole requests -----------------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params_list, prompt_texts=None) -> list[RequestOutput]:
+    # ---- whole requests -----------------------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params_list, prompt_texts=None, on_step=None) -> list[RequestOutput]:
+        """Run the requests to the end; one output per sample (params.n of them per prompt, prompts in order).
+        `on_step(results)` is called after every step (progress bars, benchmarks)."""
         texts = prompt_texts or [None] * len(prompts)
         seqs = []
         try:
             for ids, params, text in zip(prompts, params_list, texts):
-                seqs.append(self.add_request(ids, params, text))
+                seqs += self.add_samples(ids, params, text)
             while any(not s.is_finished for s in seqs):
-                self.step()
+                results = self.step()
+                if on_step is not None:
+                    on_step(results)
         finally:
             for s in seqs:
                 self.abort(s)
@@ -338,13 +231,28 @@ class LLMEngine:
 
     def stream(self, prompt_ids, params, prompt: str | None = None) -> "TextStream":
         """An iterator of one request's text deltas as they come; `.output` holds the request so far."""
-        return TextStream(self, self.add_request(prompt_ids, params, prompt))
+        return TextStream(self, self.add_request(prompt_ids, params, prompt, stream=True))
 
     def logits(self, token_ids) -> np.ndarray:
-        """float32 [len, vocab]: the logits at every position of `token_ids` (prefilled in chunks)."""
+        """float32 [len, vocab]: the logits at every position of `token_ids` (prefilled in chunks into blocks
+        borrowed from the pool for the call)."""
         token_ids = [int(t) for t in token_ids]
-        self.check_prompt(token_ids)
-        return self.runner.logits(token_ids, chunk=self.runner.logits_chunk)
+        if not token_ids:
+            raise ValueError("token_ids is empty")
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(f"{len(token_ids)} tokens, longer than max_model_len {self.max_model_len}")
+        self.check_prompt(token_ids[:1])
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id(s) {bad[:5]} outside the vocabulary (size {self.vocab_size})")
+        need = self.blocks.blocks_for(len(token_ids))
+        if not self.blocks.can_allocate(need):
+            raise RuntimeError(f"KV cache busy: {need} blocks needed, {self.blocks.num_free} free")
+        table = self.blocks.allocate(need)
+        try:
+            return self.runner.logits(token_ids, table)
+        finally:
+            self.blocks.free(table)
 
 
 class TextStream:
@@ -352,6 +260,8 @@ class TextStream:
     dropping it, or an exception such as KeyboardInterrupt inside the loop) aborts the request."""
 
     def __init__(self, engine: LLMEngine, seq: Sequence):
+        from collections import deque
+
         self.engine = engine
         self.seq = seq
         seq.stream_buffer = self._pending = deque()

@@ -1,5 +1,8 @@
-"""Runs the model on batches: builds the batch metadata, owns the activation workspace, samples greedy rows
-on the device, and on CUDA replays decode steps from CUDA graphs captured per (batch-size, context-length) bucket."""
+"""Runs the model on the scheduled sequences and returns logits: batch metadata, the activation workspace, and on
+CUDA decode steps replayed from CUDA graphs captured per (batch-size, context-length) bucket.
+
+A decode step's metadata is built with NumPy from per-sequence arrays (no per-token Python work): block tables
+live in a host mirror indexed by the sequence's slot, updated only when a sequence gains a block."""
 from __future__ import annotations
 
 import math
@@ -9,11 +12,12 @@ import numpy as np
 from ..tensor import Tensor, int32
 from .batch import Batch, SeqChunk, make_batch
 
-GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 # Decode graphs are also bucketed by context length: the split-KV attention sizes its grid from the host-side
 # max_kv_len, so a graph captured for max_model_len (40,960 for Qwen3) runs ~160 mostly idle splits per kv head
 # and a combine over all of them on every step of a short chat.
 GRAPH_KV_BUCKET_START, GRAPH_KV_BUCKET_GROWTH = 2048, 4
+_GRAPH_INPUTS = ("input_ids", "positions", "kv_lens", "slot_mapping")
 
 
 def kv_len_buckets(max_model_len: int) -> list[int]:
@@ -35,64 +39,45 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.logits_chunk = logits_chunk
         self.workspace = workspace or model.make_workspace(max(max_num_batched_tokens, max_num_seqs), max_num_seqs)
-        self.argmax_out = Tensor.empty((max_num_seqs,), int32, self.device)
         self.graphs: dict[tuple[int, int], object] = {}  # (batch-size bucket, max_kv_len bucket) -> graph
-        self._graph_inputs = None
         self._graph_keepalive: list = []
+        # host mirror of every running sequence's block table, by slot (see Scheduler); rows rewritten on change
+        self._max_blocks = math.ceil(max_model_len / self.block_size)
+        self._tables = np.zeros((max_num_seqs, self._max_blocks), np.int32)
+        self._table_len = np.zeros(max_num_seqs, np.int64)
+        self._table_owner = np.full(max_num_seqs, -1, np.int64)
 
-    # ---- forward ------------------------------------------------------------------------------------------
-    def forward(self, chunks: list[SeqChunk]) -> tuple[Tensor, Batch]:
-        if self.graphs and self._graph_eligible(chunks):
-            return self._replay(chunks)
+    # ---- forward ------------------------------------------------------------------------------------------------
+    def run(self, scheduled) -> Tensor:
+        """Forward over `scheduled` [(sequence, tokens to compute)]; float32 logits [rows, vocab], one row per
+        sequence whose chunk reaches its last token (in order)."""
+        if self.graphs and all(n == 1 for _, n in scheduled) and len(scheduled) <= self._max_graph_bs:
+            seqs = [s for s, _ in scheduled]
+            if max(s.num_tokens for s in seqs) <= self.max_model_len:
+                return self._replay(seqs)
+        chunks = []
+        for seq, n in scheduled:
+            start = seq.num_computed
+            last = start + n == seq.num_tokens
+            chunks.append(SeqChunk(seq.token_ids[start:start + n], start, seq.block_table, "last" if last else "none"))
+        return self.forward(chunks)
+
+    def forward(self, chunks: list[SeqChunk]) -> Tensor:
         batch = make_batch(chunks, self.block_size, self.device)
-        return self.model.forward(batch, self.kv_cache, self.workspace), batch
+        return self.model.forward(batch, self.kv_cache, self.workspace)
 
-    def run_and_sample(self, chunks, greedy: list[bool], sample_host, seqs) -> list[int]:
-        """Forward, then one token per sequence in `seqs` (those whose chunk asked for logits, in order)."""
-        logits, _batch = self.forward(chunks)
-        n = len(seqs)
-        if n == 0:
-            return []
-        if logits.shape[0] != n:
-            raise RuntimeError(f"internal: {logits.shape[0]} logit rows for {n} sequences")
-        if all(greedy):
-            from ..ops.argmax import argmax
-
-            return [int(t) for t in argmax(logits, out=self.argmax_out[:n]).numpy()]
-        host = logits.numpy()
-        return [int(np.argmax(host[i])) if g else sample_host(seq, host[i]) for i, (g, seq) in enumerate(zip(greedy, seqs))]
-
-    def logits(self, token_ids: list[int], chunk: int | None = None) -> np.ndarray:
+    def logits(self, token_ids: list[int], block_table: list[int], chunk: int | None = None) -> np.ndarray:
         """Logits at every position of one sequence, prefilled `chunk` tokens at a time through the paged cache
-        (blocks borrowed for the call and given back)."""
+        into the blocks of `block_table` (lent by the caller)."""
         chunk = chunk or self.logits_chunk
-        alloc = self.kv_cache.allocator
-        need = self.kv_cache.blocks_for(len(token_ids))
-        if not alloc.can_allocate(need):
-            raise RuntimeError(f"KV cache busy: {need} blocks needed, {alloc.num_free} free")
-        table = alloc.allocate(need)
-        try:
-            out = np.empty((len(token_ids), self.model.config.vocab_size), np.float32)
-            for start in range(0, len(token_ids), chunk):
-                piece = token_ids[start:start + chunk]
-                batch = make_batch([SeqChunk(piece, start, table, "all")], self.block_size, self.device)
-                out[start:start + len(piece)] = self.model.forward(batch, self.kv_cache).numpy()
-            return out
-        finally:
-            alloc.free(table)
+        out = np.empty((len(token_ids), self.model.config.vocab_size), np.float32)
+        for start in range(0, len(token_ids), chunk):
+            piece = token_ids[start:start + chunk]
+            batch = make_batch([SeqChunk(piece, start, block_table, "all")], self.block_size, self.device)
+            out[start:start + len(piece)] = self.model.forward(batch, self.kv_cache).numpy()
+        return out
 
-    # ---- CUDA graphs for decode ---------------------------------------------------------------------------
-    def _graph_eligible(self, chunks) -> bool:
-        return len(chunks) <= self._max_graph_bs and all(
-            len(c.token_ids) == 1 and c.logits == "last" and len(c.block_table) <= self._graph_max_blocks
-            for c in chunks)
-
-    def _bucket(self, n: int) -> int:
-        return self._bucket_of[n]
-
-    def _kv_bucket(self, kv_len: int) -> int:
-        return next(b for b in self._kv_buckets if b >= kv_len)
-
+    # ---- CUDA graphs for decode ---------------------------------------------------------------------------------
     def _capture_cuda_graph(self, step):
         from ..runtime import get_runtime, synchronize
         from ..runtime.graphs import CUDAGraph
@@ -105,9 +90,10 @@ class ModelRunner:
         return graph
 
     def capture_decode_graphs(self, max_batch_size: int | None = None, graph_factory=None) -> list[int]:
-        """Capture one decode step per batch-size bucket up to `max_batch_size` (default max_num_seqs). Decode
-        batches then run as: metadata copied into static buffers (padded to the bucket), one graph launch.
-        `graph_factory(step) -> object with replay()` replaces CUDA graph capture (tests run the logic on CPU)."""
+        """Capture one decode step per (batch-size, context-length) bucket up to `max_batch_size` (default
+        max_num_seqs). A decode step then runs as: metadata copied into static buffers (padded to the bucket), one
+        graph launch. `graph_factory(step) -> object with replay()` replaces CUDA graph capture (tests run the
+        logic on the CPU)."""
         if graph_factory is None:
             if self.device != "cuda":
                 return []
@@ -115,71 +101,76 @@ class ModelRunner:
         max_bs = min(max_batch_size or self.max_num_seqs, self.max_num_seqs)
         sizes = [b for b in GRAPH_BATCH_SIZES if b < max_bs] + [max_bs]
         self._kv_buckets = kv_len_buckets(self.max_model_len)
-        max_blocks = math.ceil(self.max_model_len / self.block_size)
         d = self.device
-        g = {
-            "input_ids": Tensor.zeros((max_bs,), int32, d),
-            "positions": Tensor.zeros((max_bs,), int32, d),
-            "cu_seqlens_q": Tensor.from_numpy(np.arange(max_bs + 1, dtype=np.int32), d),
-            "kv_lens": Tensor.from_numpy(np.ones(max_bs, np.int32), d),
-            "block_tables": Tensor.zeros((max_bs, max_blocks), int32, d),
-            "slot_mapping": Tensor.full((max_bs,), -1, int32, d),
-        }
-        self._graph_inputs = g
-        self._graph_max_blocks = max_blocks
-        self._graph_batches = {}
-        self._graph_views = {}
-        self._staging = {name: np.zeros(t.shape, np.int32) for name, t in g.items() if name != "cu_seqlens_q"}
+        self._inputs = {name: Tensor.zeros((max_bs,), int32, d) for name in _GRAPH_INPUTS}
+        cu_seqlens = Tensor.from_numpy(np.arange(max_bs + 1, dtype=np.int32), d)
+        # one block-table buffer per context bucket, as wide as that bucket needs: a step uploads only that width
+        self._bucket_tables = {L: Tensor.zeros((max_bs, math.ceil(L / self.block_size)), int32, d)
+                               for L in self._kv_buckets}
+        self._staging = {name: np.zeros(max_bs, np.int32) for name in _GRAPH_INPUTS}
         # Largest first, so that buffers sized by the first capture (the attention workspace) fit every later one.
         for bs in sorted(sizes, reverse=True):
-            self._graph_views[bs] = None
             for max_kv_len in reversed(self._kv_buckets):
+                g = self._inputs
                 batch = Batch(
-                    input_ids=g["input_ids"][:bs], positions=g["positions"][:bs],
-                    cu_seqlens_q=g["cu_seqlens_q"][:bs + 1], kv_lens=g["kv_lens"][:bs],
-                    block_tables=g["block_tables"][:bs], slot_mapping=g["slot_mapping"][:bs], logits_indices=None,
-                    num_tokens=bs, num_seqs=bs, max_q_len=1, max_kv_len=max_kv_len,
-                    logits_rows=np.arange(bs, dtype=np.int32), logits_per_seq=[(i, 1) for i in range(bs)])
+                    input_ids=g["input_ids"][:bs], positions=g["positions"][:bs], cu_seqlens_q=cu_seqlens[:bs + 1],
+                    kv_lens=g["kv_lens"][:bs], block_tables=self._bucket_tables[max_kv_len][:bs],
+                    slot_mapping=g["slot_mapping"][:bs], logits_indices=None, num_tokens=bs, num_seqs=bs,
+                    max_q_len=1, max_kv_len=max_kv_len)
 
                 def step(batch=batch):
                     self.model.forward(batch, self.kv_cache, self.workspace)
 
+                self._pad_inputs(0, bs, max_kv_len)
                 step()  # warm-up outside capture: compiles kernels, lets cuBLAS pick its algorithms
                 if d == "cuda":
                     from ..runtime import synchronize
 
                     synchronize()
                 self.graphs[(bs, max_kv_len)] = graph_factory(step)
-                self._graph_batches[(bs, max_kv_len)] = batch
-                self._graph_views[bs] = {name: getattr(batch, name) for name in self._staging}
         batch_sizes = sorted({bs for bs, _ in self.graphs})
         self._max_graph_bs = batch_sizes[-1]
-        self._bucket_of = [min(b for b in batch_sizes if b >= n) for n in range(self._max_graph_bs + 1)]
+        self._bucket_of = np.array([min(b for b in batch_sizes if b >= n) for n in range(self._max_graph_bs + 1)])
         return batch_sizes
 
-    def _replay(self, chunks) -> tuple[Tensor, Batch]:
-        """A decode step from its graph: the batch metadata written into host staging arrays (rows past the
-        batch padded: slot -1 writes nothing, kv_len 1 reads block 0), uploaded into the static buffers."""
-        n = len(chunks)
-        bs = self._bucket(n)
+    def _pad_inputs(self, n: int, bs: int, max_kv_len: int) -> None:
+        """Rows n..bs of the static buffers: slot -1 writes nothing, kv_len 1 reads block 0."""
+        for name, value in (("input_ids", 0), ("positions", 0), ("kv_lens", 1), ("slot_mapping", -1)):
+            self._staging[name][n:bs] = value
+        if n == 0:
+            for name in _GRAPH_INPUTS:
+                self._inputs[name][:bs].copy_(self._staging[name][:bs])
+            self._bucket_tables[max_kv_len][:bs].zero_()
+
+    def _sync_tables(self, seqs) -> np.ndarray:
+        """The slots of `seqs`, with their rows of the host table mirror brought up to date."""
+        slots = np.fromiter((s.slot for s in seqs), np.int64, len(seqs))
+        for seq, slot in zip(seqs, slots):
+            table = seq.block_table
+            if self._table_len[slot] != len(table) or self._table_owner[slot] != seq.seq_id:
+                self._tables[slot, :len(table)] = table
+                self._table_len[slot] = len(table)
+                self._table_owner[slot] = seq.seq_id
+        return slots
+
+    def _replay(self, seqs) -> Tensor:
+        n = len(seqs)
+        bs = int(self._bucket_of[n])
+        slots = self._sync_tables(seqs)
+        positions = np.fromiter((s.num_computed for s in seqs), np.int64, n)
+        max_kv_len = next(b for b in self._kv_buckets if b >= int(positions.max()) + 1)
+        width = self._bucket_tables[max_kv_len].shape[1]
         st = self._staging
+        st["input_ids"][:n] = np.fromiter((s.token_ids[-1] for s in seqs), np.int64, n)
+        st["positions"][:n] = positions
+        st["kv_lens"][:n] = positions + 1
         bsz = self.block_size
-        for i, c in enumerate(chunks):
-            pos = c.start_pos
-            table = c.block_table
-            st["input_ids"][i] = c.token_ids[0]
-            st["positions"][i] = pos
-            st["kv_lens"][i] = pos + 1
-            st["slot_mapping"][i] = table[pos // bsz] * bsz + pos % bsz
-            st["block_tables"][i, :len(table)] = table
-        if bs > n:
-            st["input_ids"][n:bs] = 0
-            st["positions"][n:bs] = 0
-            st["kv_lens"][n:bs] = 1
-            st["slot_mapping"][n:bs] = -1
-            st["block_tables"][n:bs] = 0
-        for name, view in self._graph_views[bs].items():
-            view.copy_(st[name][:bs])
-        key = (bs, self._kv_bucket(max(c.start_pos + 1 for c in chunks)))
-        self.graphs[key].replay()
-        return self.workspace.logits[:n], self._graph_batches[key]
+        st["slot_mapping"][:n] = self._tables[slots, positions // bsz] * bsz + positions % bsz
+        self._pad_inputs(n, bs, max_kv_len)
+        for name in _GRAPH_INPUTS:
+            self._inputs[name][:bs].copy_(st[name][:bs])
+        tables = np.zeros((bs, width), np.int32)
+        tables[:n] = self._tables[slots, :width]
+        self._bucket_tables[max_kv_len][:bs].copy_(tables)
+        self.graphs[(bs, max_kv_len)].replay()
+        return self.workspace.logits[:n]

@@ -1,0 +1,117 @@
+"""Logits in, tokens out: every row of a step sampled in one launch of the sampling op (`xserv/ops/sampling.py`:
+the CUDA kernel on the GPU, its NumPy reference on the CPU), each row with its own parameters.
+
+Randomness is counter-based (Philox keyed by the request's seed, counter = the token's position), so a seeded
+request draws the same tokens whatever else is in the batch. Penalty state (token counts and the seen set per
+sequence) lives next to the logits, in rows indexed by the sequence's slot; the op updates it as it samples.
+Only token ids (and the logprobs a request asks for) come back to the host, after the step's one sync."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..tensor import Tensor, float32, int32
+
+try:
+    from ..ops import sampling as op
+except ImportError:  # TEMPORARY bridge while the sampling op lands: the old per-row host sampler
+    op = None
+
+_SEED_MIX = 1_000_003
+
+
+def uses_penalties(params) -> bool:
+    return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, max_rows: int, device: str, engine_seed: int = 0):
+        if op is None:
+            self.__class__ = _BridgeSampler
+            self.vocab_size, self.device, self.engine_seed = vocab_size, device, engine_seed
+            return
+        self.vocab_size = vocab_size
+        self.device = device
+        self.engine_seed = engine_seed
+        self.tokens = Tensor.empty((max_rows,), int32, device)
+        self.logprob = Tensor.empty((max_rows,), float32, device)
+        self.top_ids = Tensor.empty((max_rows, op.MAX_TOP_LOGPROBS), int32, device)
+        self.top_logprobs = Tensor.empty((max_rows, op.MAX_TOP_LOGPROBS), float32, device)
+        self.fparams = Tensor.zeros((max_rows, op.NUM_F), float32, device)
+        self.iparams = Tensor.zeros((max_rows, op.NUM_I), int32, device)
+        self.counts, self.seen = op.penalty_state(max_rows, vocab_size, device)
+        self._penalty_owner = np.full(max_rows, -1, np.int64)  # seq_id whose counts a slot's row holds
+
+    def request_seed(self, seq_id: int, seed: int | None) -> int:
+        """A request's own seed, or one derived from the engine's seed and the request id."""
+        return seed if seed is not None else (self.engine_seed * _SEED_MIX + seq_id) % 2**64
+
+    def sample(self, logits: Tensor, seqs) -> "SampleResult":
+        """Launch sampling of one token per row of `logits` (row i belongs to seqs[i]). Asynchronous on CUDA: the
+        result is read by `SampleResult.fetch()`, which waits for the step."""
+        n = len(seqs)
+        if logits.shape[0] != n:
+            raise RuntimeError(f"internal: {logits.shape[0]} logit rows for {n} sequences")
+        rows = []
+        for seq in seqs:
+            p = seq.params
+            slot = -1
+            if uses_penalties(p):
+                slot = seq.slot
+                self._prepare_penalties(seq)
+            rows.append(op.RowParams(p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty,
+                                     p.presence_penalty, p.frequency_penalty, seq.seed, seq.num_tokens, slot))
+        fparams, iparams = op.pack_sampling_params(rows)
+        self.fparams[:n].copy_(fparams)
+        self.iparams[:n].copy_(iparams)
+        top_n = max((s.params.logprobs or 0 for s in seqs if s.params.logprobs is not None), default=-1)
+        kw = {}
+        if top_n >= 0:
+            kw["logprobs_out"] = self.logprob[:n]
+            if top_n > 0:
+                kw["top_ids_out"] = self.top_ids[:n]  # every row gets MAX_TOP_LOGPROBS; each keeps its own N
+                kw["top_logprobs_out"] = self.top_logprobs[:n]
+        op.sample(logits, self.fparams[:n], self.iparams[:n], out=self.tokens[:n], penalty_counts=self.counts,
+                  penalty_seen=self.seen, **kw)
+        return SampleResult(self, n, top_n)
+
+    def _prepare_penalties(self, seq) -> None:
+        """Make the slot's penalty row describe `seq`: its prompt (and any output so far, after a preemption)."""
+        if self._penalty_owner[seq.slot] == seq.seq_id:
+            return  # the row is still this sequence's (nothing else used the slot since it last sampled)
+        op.penalty_reset(self.counts, self.seen, seq.slot, seq.token_ids)
+        outputs = seq.output_ids
+        if outputs:
+            counts = np.bincount(np.asarray(outputs, np.int64), minlength=self.vocab_size).astype(np.int32)
+            self.counts[seq.slot].copy_(counts)
+        self._penalty_owner[seq.slot] = seq.seq_id
+
+
+class SampleResult:
+    """The tokens (and logprobs) of one launched step, read once."""
+
+    def __init__(self, sampler: Sampler, n: int, top_n: int):
+        self.sampler, self.n, self.top_n = sampler, n, top_n
+
+    def fetch(self) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+        """(tokens int32 [n], logprob [n] | None, top ids [n, N] | None, top logprobs [n, N] | None); waits."""
+        s, n = self.sampler, self.n
+        tokens = s.tokens[:n].numpy().copy()
+        if self.top_n < 0:
+            return tokens, None, None, None
+        logprob = s.logprob[:n].numpy().copy()
+        if self.top_n == 0:
+            return tokens, logprob, None, None
+        return tokens, logprob, s.top_ids[:n].numpy().copy(), s.top_logprobs[:n].numpy().copy()
+
+
+class _BridgeSampler(Sampler):
+    def sample(self, logits, seqs):
+        from ..sampling import Sampler as HostSampler, make_rng
+
+        host = logits.numpy()
+        out = []
+        for i, seq in enumerate(seqs):
+            rng = make_rng((seq.seed * 1_000_003 + seq.num_tokens) % 2**63)
+            out.append(HostSampler().sample(host[i], seq.params, seq.token_ids, rng))
+        tokens = np.array(out, np.int32)
+        return type("R", (), {"fetch": lambda self: (tokens, None, None, None)})()
