@@ -1,10 +1,207 @@
-"""`xserv bench serve`."""
+"""`xserv bench serve`: streaming HTTP clients against a running `xserv serve` (or any OpenAI-compatible server),
+like `vllm bench serve`. The workload is `xserv bench throughput`'s (the same seed gives the same random-token
+prompts and output lengths, `ignore_eos`), sent to /v1/completions as token ids, all at once, at a Poisson
+`--request-rate`, or with at most `--max-concurrency` in flight. Prints throughput and TTFT, TPOT (time per output
+token after the first), ITL (time between streamed chunks) and end-to-end latency at p50/p90/p99."""
 from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .common import length_range, write_json
+from .throughput import make_workload
+
+QWEN3_VOCAB = 151_936
 
 
 def add_arguments(p) -> None:
-    pass
+    g = p.add_argument_group("server")
+    g.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default http://127.0.0.1:8000)")
+    g.add_argument("--model", default=None, help="the model name to send (default: the first of /v1/models)")
+    g.add_argument("--api-key", default=os.environ.get("XSERV_API_KEY"), metavar="KEY",
+                   help="sent as 'Authorization: Bearer KEY' (default: the XSERV_API_KEY environment variable)")
+    g.add_argument("--timeout", type=float, default=1800.0, metavar="S", help="per-request timeout (default 1800)")
+    g = p.add_argument_group("workload")
+    g.add_argument("--num-prompts", type=int, default=256, metavar="N", help="requests (default 256)")
+    rate = g.add_mutually_exclusive_group()
+    rate.add_argument("--request-rate", type=float, default=math.inf, metavar="R",
+                      help="requests per second, Poisson arrivals (default inf: all at once)")
+    rate.add_argument("--max-concurrency", type=int, default=None, metavar="C",
+                      help="at most C requests in flight, each new one sent as one ends")
+    g.add_argument("--input-len", type=length_range, default=(100, 1024), metavar="MIN:MAX",
+                   help="prompt length range, uniform (default 100:1024)")
+    g.add_argument("--output-len", type=length_range, default=(100, 1024), metavar="MIN:MAX",
+                   help="output length range, uniform; EOS is ignored (default 100:1024)")
+    g.add_argument("--temperature", type=float, default=0.6, help="0 = greedy (default 0.6)")
+    g.add_argument("--top-p", type=float, default=1.0, help="(default 1.0 = off)")
+    g.add_argument("--top-k", type=int, default=0, help="(default 0 = off)")
+    g.add_argument("--seed", type=int, default=0, help="seeds the workload, the arrivals and the sampling (default 0)")
+    g.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
+
+
+@dataclass
+class RequestResult:
+    ok: bool = False
+    error: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float = math.nan
+    e2e: float = math.nan
+    itl: list[float] = field(default_factory=list)
+
+    @property
+    def tpot(self) -> float:
+        return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else math.nan
+
+
+async def stream_one(client, url: str, body: dict) -> RequestResult:
+    """One streaming /v1/completions request; times its chunks (each carries one or more new tokens)."""
+    result = RequestResult(prompt_tokens=len(body["prompt"]))
+    start = time.perf_counter()
+    last = None
+    try:
+        async with client.stream("POST", url, json=body) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode(errors="replace")
+                result.error = f"HTTP {response.status_code}: {text[:200]}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    result.error = str(chunk["error"].get("message"))
+                    return result
+                now = time.perf_counter()
+                if chunk.get("choices"):
+                    if last is None:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                if chunk.get("usage"):
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+    except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
+        result.error = f"{type(e).__name__}: {e}"
+        return result
+    result.e2e = time.perf_counter() - start
+    result.ok = last is not None
+    if not result.ok:
+        result.error = "no tokens streamed"
+    return result
+
+
+async def run_clients(args, prompts: list[list[int]], out_lens: list[int], model: str | None) -> tuple[list, float]:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    url = args.url.rstrip("/") + "/v1/completions"
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    gate = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+    arrivals = np.random.default_rng(args.seed + 1)
+    async with httpx.AsyncClient(headers=headers, limits=limits, timeout=args.timeout) as client:
+        async def one(i):
+            body = {"prompt": prompts[i], "max_tokens": out_lens[i], "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True}, "temperature": args.temperature,
+                    "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed + i}
+            if model is not None:
+                body["model"] = model
+            if gate is None:
+                return await stream_one(client, url, body)
+            async with gate:
+                return await stream_one(client, url, body)
+
+        start = time.perf_counter()
+        tasks = []
+        for i in range(len(prompts)):
+            tasks.append(asyncio.create_task(one(i)))
+            if math.isfinite(args.request_rate) and i + 1 < len(prompts):
+                await asyncio.sleep(arrivals.exponential(1.0 / args.request_rate))
+        results = await asyncio.gather(*tasks)
+        return results, time.perf_counter() - start
+
+
+def _first_model(args) -> str | None:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    try:
+        r = httpx.get(args.url.rstrip("/") + "/v1/models", headers=headers, timeout=30)
+    except httpx.HTTPError as e:
+        raise RuntimeError(f"cannot reach {args.url}: {e}") from None
+    if r.status_code != 200:
+        raise RuntimeError(f"{args.url}/v1/models answered HTTP {r.status_code}: {r.text[:200]}")
+    data = r.json().get("data") or []
+    return data[0]["id"] if data else None
+
+
+def percentiles(values) -> dict:
+    v = np.asarray([x for x in values if math.isfinite(x)], np.float64)
+    if v.size == 0:
+        return {"mean": math.nan, "p50": math.nan, "p90": math.nan, "p99": math.nan}
+    return {"mean": float(v.mean()), "p50": float(np.percentile(v, 50)), "p90": float(np.percentile(v, 90)),
+            "p99": float(np.percentile(v, 99))}
+
+
+def summarize(results: list[RequestResult], elapsed: float) -> dict:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_tokens for r in ok)
+    return {
+        "completed": len(ok), "failed": len(results) - len(ok), "elapsed_s": elapsed,
+        "input_tokens": in_tokens, "output_tokens": out_tokens,
+        "request_throughput": len(ok) / elapsed, "output_tokens_per_s": out_tokens / elapsed,
+        "total_tokens_per_s": (in_tokens + out_tokens) / elapsed,
+        "ttft_s": percentiles(r.ttft for r in ok), "tpot_s": percentiles(r.tpot for r in ok),
+        "itl_s": percentiles(x for r in ok for x in r.itl), "e2e_s": percentiles(r.e2e for r in ok),
+    }
 
 
 def run(args) -> int:
-    raise RuntimeError("xserv bench serve is not built yet")
+    try:
+        import httpx  # noqa: F401
+    except ImportError:
+        raise RuntimeError("xserv bench serve needs httpx: pip install httpx") from None
+    if args.num_prompts < 1:
+        raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    if not args.request_rate > 0:
+        raise ValueError(f"--request-rate must be > 0, got {args.request_rate}")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    model = args.model or _first_model(args)
+    prompts, out_lens = make_workload(args.num_prompts, args.input_len, args.output_len, args.seed, QWEN3_VOCAB)
+    results, elapsed = asyncio.run(run_clients(args, prompts, out_lens, model))
+    summary = summarize(results, elapsed)
+    result = {"url": args.url, "model": model, "num_prompts": args.num_prompts,
+              "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
+              "max_concurrency": args.max_concurrency, "input_len": list(args.input_len),
+              "output_len": list(args.output_len), "temperature": args.temperature, "top_p": args.top_p,
+              "top_k": args.top_k, "seed": args.seed, **summary}
+    print(format_summary(result))
+    errors = [r.error for r in results if not r.ok]
+    if errors:
+        print(f"xserv: {len(errors)} requests failed; first: {errors[0]}", file=sys.stderr)
+    write_json(args.json, result)
+    return 0 if not errors else 1
+
+
+def format_summary(r: dict) -> str:
+    lines = [f"{r['url']} ({r['model']}): {r['completed']} requests ({r['failed']} failed), "
+             f"{r['input_tokens']} prompt + {r['output_tokens']} output tokens in {r['elapsed_s']:.2f} s",
+             f"  output {r['output_tokens_per_s']:,.0f} tok/s   total {r['total_tokens_per_s']:,.0f} tok/s   "
+             f"{r['request_throughput']:.2f} req/s",
+             f"  {'ms':<6}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}"]
+    for key, name in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E")):
+        s = r[key]
+        lines.append(f"  {name:<6}" + "".join(f"{s[k] * 1e3:>10.1f}" for k in ("mean", "p50", "p90", "p99")))
+    return "\n".join(lines)

@@ -1,6 +1,65 @@
-"""`xserv serve`: builds the engine from the command line and runs the HTTP server."""
+"""`xserv serve`: builds the engine from the command line and runs the HTTP server.
+
+Shutdown: the first SIGTERM or SIGINT starts a drain (new requests and /health get 503, in-flight requests run
+to their end for up to --drain-timeout seconds, then the rest are aborted and their blocks freed) and the process
+exits 0; a second signal aborts at once. An engine failure ends every in-flight request with an error and exits 1.
+"""
 from __future__ import annotations
+
+import logging
+import sys
+
+log = logging.getLogger("xserv.server")
+
+EXIT_ENGINE_FAILED = 1
+
+
+def _import_web():
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn
+    except ImportError as e:
+        raise RuntimeError(f"xserv serve needs the server extra ({e.name} is missing): "
+                           f"pip install 'xserv[server]'") from None
+    return uvicorn
 
 
 def cmd_serve(args) -> int:
-    raise RuntimeError("xserv serve is not built yet")
+    uvicorn = _import_web()
+    from ..cli import load_llm
+    from ..generation_config import sampling_defaults
+    from .app import create_app
+    from .async_engine import AsyncEngine
+    from .openai_api import ServerContext
+    from .uvicorn_server import DrainingServer
+
+    for name in ("max_waiting", "max_request_bytes"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if not args.drain_timeout >= 0:
+        raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+    llm = load_llm(args)
+    defaults = sampling_defaults(llm.folder)
+    model_name = args.served_model_name or args.model or str(llm.folder)
+    server_box: list = []
+
+    def on_broken(error: BaseException) -> None:
+        log.error("the engine failed (%s: %s); ending in-flight requests and exiting", type(error).__name__, error)
+        server_box[0].engine_failed()
+
+    ctx = ServerContext(engine=AsyncEngine(llm.engine, on_broken=on_broken), tokenizer=llm.tokenizer,
+                        model_name=model_name, max_model_len=llm.max_model_len, vocab_size=llm.config.vocab_size,
+                        max_in_flight=llm.engine_config.max_num_seqs + args.max_waiting, sampling_defaults=defaults)
+    app = create_app(ctx, api_key=args.api_key, max_request_bytes=args.max_request_bytes)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
+                            timeout_graceful_shutdown=5, timeout_keep_alive=5)
+    server = DrainingServer(config, ctx, args.drain_timeout)
+    server_box.append(server)
+    print(f"xserv: serving {model_name!r} on http://{args.host}:{args.port} (sampling defaults {defaults or 'none'}"
+          f"{', API key required' if args.api_key else ''})", file=sys.stderr, flush=True)
+    server.run()
+    if ctx.engine.error is not None:
+        return EXIT_ENGINE_FAILED
+    if not server.started:
+        raise RuntimeError(f"the server could not start on {args.host}:{args.port}")
+    return 0

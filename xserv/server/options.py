@@ -2,9 +2,26 @@
 from __future__ import annotations
 
 import argparse
+import os
+
+DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     g.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    g.add_argument("--api-key", default=os.environ.get("XSERV_API_KEY"), metavar="KEY",
+                   help="require `Authorization: Bearer KEY` on every route but /health (default: the "
+                        "XSERV_API_KEY environment variable, which keeps the key out of `ps`; none = open)")
+    g.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model name clients send and /v1/models lists (default: the --model argument)")
+    g.add_argument("--max-waiting", type=int, default=1024, metavar="N",
+                   help="sequences queued beyond the --max-num-seqs running ones before new requests get 503 "
+                        "(default 1024)")
+    g.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="B",
+                   help=f"largest request body; bigger ones get 413 (default {DEFAULT_MAX_REQUEST_BYTES})")
+    g.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM, seconds to let in-flight requests finish before aborting them (default 30)")
+    g.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+                   help="uvicorn's log level (default info; warning hides the access log)")

@@ -1,0 +1,74 @@
+"""A real `xserv serve` process on a free port, for the server tests (tests/test_server*.py)."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m xserv serve ...` (or `python -c CODE ...` when `code` is given, to patch the engine first)."""
+
+    def __init__(self, model_dir, *args: str, device: str = "cpu", code: str | None = None, env: dict | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        launcher = ["-c", code] if code else ["-m", "xserv"]
+        self.cmd = [sys.executable, *launcher, "serve", "--model", str(model_dir), "--device", device,
+                    "--port", str(self.port), "--log-level", "warning", *args]
+        self.env = {**os.environ, **(env or {})}
+        self.env["PYTHONPATH"] = str(ROOT) + os.pathsep + self.env.get("PYTHONPATH", "")
+        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", prefix="xserv-serve-")
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 120.0) -> "ServerProcess":
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"the server did not become healthy in {timeout} s:\n{self.output()}")
+
+    def output(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text(errors="replace")[-4000:]
+
+    def signal(self, sig=signal.SIGTERM) -> None:
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.log.close()
+
+    def metrics(self, headers: dict | None = None) -> dict[str, float]:
+        from xserv.server.metrics import parse_metrics
+
+        r = httpx.get(self.url + "/metrics", headers=headers, timeout=10)
+        r.raise_for_status()
+        return parse_metrics(r.text)

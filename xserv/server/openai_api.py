@@ -1,0 +1,373 @@
+"""/v1/chat/completions and /v1/completions: a validated request -> prompt token ids and SamplingParams -> the
+AsyncEngine -> an OpenAI response body or an SSE stream of chunks."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from ..sampling import SamplingParams
+from .async_engine import AsyncEngine, EngineBroken, EngineStopped, Update
+from .metrics import ServerMetrics
+from .protocol import MAX_STOP_STRINGS, APIError, ChatCompletionRequest, CompletionRequest, error_body
+
+# SamplingParams fields a request may leave to the model's generation_config.json defaults
+_DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+              "frequency_penalty")
+
+
+@dataclass
+class ServerContext:
+    engine: AsyncEngine
+    tokenizer: object
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    max_in_flight: int  # sequences running + queued before new requests get 503
+    sampling_defaults: dict = field(default_factory=dict)
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    draining: bool = False
+
+    def check_serving(self, num_choices: int) -> None:
+        if self.draining:
+            raise APIError(503, "the server is shutting down", code="shutting_down")
+        if self.engine.error is not None:
+            raise APIError(503, "the engine failed; the server is exiting", code="engine_failed")
+        if self.engine.num_in_flight + num_choices > self.max_in_flight:
+            self.metrics.rejected += 1
+            raise APIError(503, f"the server is overloaded: {self.engine.num_in_flight} sequences in flight, the "
+                                f"limit is {self.max_in_flight} (--max-num-seqs + --max-waiting); retry later",
+                           code="overloaded")
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                           "model", "model_not_found")
+
+
+# ---- request -> engine input ----------------------------------------------------------------------------------------
+def chat_prompt(ctx: ServerContext, req: ChatCompletionRequest) -> str:
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
+    kwargs = dict(req.chat_template_kwargs or {})
+    enable_thinking = kwargs.pop("enable_thinking", True)
+    if not isinstance(enable_thinking, bool):
+        raise APIError(400, "chat_template_kwargs.enable_thinking must be a boolean", "chat_template_kwargs")
+    try:
+        return ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                 enable_thinking=enable_thinking, **kwargs)
+    except Exception as e:  # noqa: BLE001 - the template's raise_exception and Jinja errors are the request's fault
+        raise APIError(400, f"the chat template rejected the messages: {e}", "messages") from None
+
+
+def prompt_ids_of(ctx: ServerContext, prompt, param: str) -> list[int]:
+    ids = ctx.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    if not ids:
+        raise APIError(400, f"{param} is empty: give at least one token", param)
+    bad = [t for t in ids if not 0 <= t < ctx.vocab_size]
+    if bad:
+        raise APIError(400, f"{param}: token id(s) {bad[:5]} outside the vocabulary (size {ctx.vocab_size})", param)
+    if len(ids) >= ctx.max_model_len:
+        raise APIError(400, f"{param} has {len(ids)} tokens; the model's context is {ctx.max_model_len} tokens "
+                            f"(max_model_len), which leaves no room for output", param, "context_length_exceeded")
+    return ids
+
+
+def sampling_params(ctx: ServerContext, req, num_prompt_tokens: int, *, max_tokens: int | None,
+                    max_tokens_param: str, logprobs: int | None) -> list[SamplingParams]:
+    """One SamplingParams per choice (n of them: the same values, seed + i when a seed is given)."""
+    room = ctx.max_model_len - num_prompt_tokens
+    if max_tokens is None:
+        max_tokens = min(ctx.sampling_defaults.get("max_tokens", room), room)
+    elif max_tokens > room:
+        raise APIError(400, f"{max_tokens_param} {max_tokens} + the prompt's {num_prompt_tokens} tokens is more than "
+                            f"the model's context of {ctx.max_model_len} tokens (max_model_len); at most {room} "
+                            f"output tokens fit", max_tokens_param, "context_length_exceeded")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if any(s == "" for s in stop):
+        raise APIError(400, "stop: stop strings must not be empty", "stop")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise APIError(400, f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}", "stop")
+    kw = {name: getattr(req, name) for name in _DEFAULTED}
+    for name, value in kw.items():
+        if value is None and name in ctx.sampling_defaults:
+            kw[name] = ctx.sampling_defaults[name]
+    kw = {k: v for k, v in kw.items() if v is not None}
+    try:
+        params = [SamplingParams(max_tokens=max_tokens, stop=stop, stop_token_ids=list(req.stop_token_ids or []),
+                                 ignore_eos=req.ignore_eos, logprobs=logprobs,
+                                 seed=None if req.seed is None else (req.seed + i) % 2**64, **kw)
+                  for i in range(req.n)]
+    except ValueError as e:
+        name = str(e).split(" ", 1)[0]
+        raise APIError(400, str(e), name if name in SamplingParams.__dataclass_fields__ else None) from None
+    return params
+
+
+# ---- engine output -> response ----------------------------------------------------------------------------------------
+@dataclass
+class ChoiceState:
+    text: list[str] = field(default_factory=list)
+    logprobs: list[dict] = field(default_factory=list)
+    has_logprobs: bool = False
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    first_token_s: float | None = None
+
+
+class RequestRun:
+    """One request in flight: feeds the AsyncEngine's updates into per-choice state and the metrics."""
+
+    def __init__(self, ctx: ServerContext, prompt_ids: list[int], params: list[SamplingParams],
+                 prompt_text: str | None, start: float):
+        self.ctx = ctx
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.prompt_text = prompt_text
+        self.start = start
+        self.choices = [ChoiceState() for _ in params]
+        self.num_cached_tokens = 0
+        self.reported: set[int] = set()  # choices whose end went into the metrics
+
+    async def updates(self) -> AsyncIterator[list[Update]]:
+        try:
+            async for batch in self.ctx.engine.generate(self.prompt_ids, self.params, self.prompt_text):
+                now = time.perf_counter() - self.start
+                for u in batch:
+                    self._apply(u, now)
+                yield batch
+        finally:
+            now = time.perf_counter() - self.start
+            for i, c in enumerate(self.choices):
+                if i not in self.reported:  # aborted: the client went away, or the engine failed
+                    self._report(i, c.finish_reason or "abort", now)
+
+    def _apply(self, u: Update, now: float) -> None:
+        c = self.choices[u.index]
+        if u.num_tokens and c.first_token_s is None:
+            c.first_token_s = now
+            if all(x.first_token_s is None or x is c for x in self.choices):
+                self.ctx.metrics.ttft.observe(now)
+        c.text.append(u.text)
+        c.num_tokens = u.num_tokens
+        if u.logprobs is not None:
+            c.has_logprobs = True
+            c.logprobs.extend(u.logprobs)
+        if u.finish_reason is not None:
+            c.finish_reason = u.finish_reason
+            self.num_cached_tokens = max(self.num_cached_tokens, u.num_cached_tokens)
+            self._report(u.index, u.finish_reason, now)
+
+    def _report(self, index: int, reason: str, now: float) -> None:
+        self.reported.add(index)
+        c = self.choices[index]
+        self.ctx.metrics.finished(reason, len(self.prompt_ids) if index == 0 else 0, c.num_tokens, c.first_token_s,
+                                  now)
+
+    def usage(self) -> dict:
+        completion = sum(c.num_tokens for c in self.choices)
+        prompt = len(self.prompt_ids)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens}}
+
+
+def _token_text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id])
+
+
+def chat_logprobs(tokenizer, entries: list[dict] | None, top_n: int) -> dict | None:
+    if entries is None:
+        return None
+
+    def one(token_id, logprob):
+        text = _token_text(tokenizer, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    content = []
+    for e in entries:
+        item = one(e["token_id"], e["logprob"])
+        item["top_logprobs"] = [one(t, lp) for t, lp in (e.get("top") or [])[:top_n]]
+        content.append(item)
+    return {"content": content}
+
+
+def completion_logprobs(tokenizer, entries: list[dict] | None, top_n: int, text_offset: int) -> dict | None:
+    if entries is None:
+        return None
+    tokens, offsets = [], []
+    for e in entries:
+        offsets.append(text_offset)
+        tokens.append(_token_text(tokenizer, e["token_id"]))
+        text_offset += len(tokens[-1])
+    top = [{_token_text(tokenizer, t): lp for t, lp in (e.get("top") or [])[:top_n]} for e in entries]
+    return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": top if top_n else None, "text_offset": offsets}
+
+
+def sse(payload) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+def _error_event(e: BaseException) -> bytes:
+    return sse(error_body(503, str(e), None, "engine_failed" if isinstance(e, EngineBroken) else "shutting_down"))
+
+
+# ---- the two endpoints ---------------------------------------------------------------------------------------------
+class Endpoint:
+    """What differs between chat and completions: the prompt, the logprob format and the choice shape."""
+    object_name: str
+    chunk_object: str
+    id_prefix: str
+    prompt_param: str
+
+    def __init__(self, ctx: ServerContext, req):
+        self.ctx = ctx
+        self.req = req
+        self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    async def prepare(self, start: float) -> RequestRun:
+        ctx, req = self.ctx, self.req
+        ctx.check_model(req.model)
+        ctx.check_serving(req.n)
+        prompt_ids, prompt_text = await self.prompt()
+        params = sampling_params(ctx, req, len(prompt_ids), max_tokens=self.max_tokens(),
+                                 max_tokens_param=self.max_tokens_param(), logprobs=self.engine_logprobs())
+        return RequestRun(ctx, prompt_ids, params, prompt_text, start)
+
+    def envelope(self, choices: list, object_name: str) -> dict:
+        return {"id": self.id, "object": object_name, "created": self.created, "model": self.ctx.model_name,
+                "choices": choices}
+
+    async def respond(self, run: RequestRun) -> dict:
+        try:
+            async for _ in run.updates():
+                pass
+        except ValueError as e:  # the engine refused the prompt
+            raise APIError(400, str(e), self.prompt_param) from None
+        except (EngineBroken, EngineStopped) as e:
+            raise APIError(503, str(e), code="engine_failed" if isinstance(e, EngineBroken) else "shutting_down")
+        body = self.envelope([self.final_choice(i, c) for i, c in enumerate(run.choices)], self.object_name)
+        body["usage"] = run.usage()
+        return body
+
+    async def stream(self, run: RequestRun) -> AsyncIterator[bytes]:
+        include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
+        sent_text = [0] * len(run.choices)
+
+        def chunk(choices):
+            body = self.envelope(choices, self.chunk_object)
+            if include_usage:
+                body["usage"] = None
+            return sse(body)
+
+        try:
+            for first in self.opening_chunks(len(run.choices)):
+                yield chunk([first])
+            async for batch in run.updates():
+                choices = []
+                for u in batch:
+                    choices.append(self.delta_choice(u, run.choices[u.index], sent_text[u.index]))
+                    sent_text[u.index] += len(u.text)
+                yield chunk(choices)
+        except (EngineBroken, EngineStopped) as e:
+            yield _error_event(e)
+            yield sse("[DONE]")
+            return
+        except ValueError as e:  # the engine refused the prompt
+            yield sse(error_body(400, str(e), self.prompt_param))
+            yield sse("[DONE]")
+            return
+        if include_usage:
+            body = self.envelope([], self.chunk_object)
+            body["usage"] = run.usage()
+            yield sse(body)
+        yield sse("[DONE]")
+
+    # hooks
+    async def prompt(self) -> tuple[list[int], str | None]:
+        raise NotImplementedError
+
+    def max_tokens(self) -> int | None:
+        return self.req.max_tokens
+
+    def max_tokens_param(self) -> str:
+        return "max_tokens"
+
+    def engine_logprobs(self) -> int | None:
+        raise NotImplementedError
+
+    def opening_chunks(self, n: int) -> list[dict]:
+        return []
+
+    def final_choice(self, index: int, c: ChoiceState) -> dict:
+        raise NotImplementedError
+
+    def delta_choice(self, u: Update, c: ChoiceState, text_offset: int) -> dict:
+        raise NotImplementedError
+
+
+class ChatEndpoint(Endpoint):
+    object_name, chunk_object, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl"
+    prompt_param = "messages"
+
+    async def prompt(self):
+        text = chat_prompt(self.ctx, self.req)
+        ids = await asyncio.to_thread(self.ctx.tokenizer.encode, text)
+        return prompt_ids_of(self.ctx, ids, "messages"), text
+
+    def max_tokens(self):
+        return self.req.max_completion_tokens if self.req.max_completion_tokens is not None else self.req.max_tokens
+
+    def max_tokens_param(self):
+        return "max_completion_tokens" if self.req.max_completion_tokens is not None else "max_tokens"
+
+    def engine_logprobs(self):
+        return (self.req.top_logprobs or 0) if self.req.logprobs else None
+
+    def _logprobs(self, entries):
+        return chat_logprobs(self.ctx.tokenizer, entries, self.req.top_logprobs or 0) if self.req.logprobs else None
+
+    def opening_chunks(self, n):
+        return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                for i in range(n)]
+
+    def final_choice(self, index, c):
+        return {"index": index, "message": {"role": "assistant", "content": "".join(c.text)},
+                "logprobs": self._logprobs(c.logprobs if c.has_logprobs else None), "finish_reason": c.finish_reason}
+
+    def delta_choice(self, u, c, text_offset):
+        return {"index": u.index, "delta": {"content": u.text} if u.text else {},
+                "logprobs": self._logprobs(u.logprobs), "finish_reason": u.finish_reason}
+
+
+class CompletionEndpoint(Endpoint):
+    object_name, chunk_object, id_prefix = "text_completion", "text_completion", "cmpl"
+    prompt_param = "prompt"
+
+    async def prompt(self):
+        prompt = self.req.prompt
+        if isinstance(prompt, str):
+            ids = await asyncio.to_thread(self.ctx.tokenizer.encode, prompt)
+            return prompt_ids_of(self.ctx, ids, "prompt"), prompt
+        return prompt_ids_of(self.ctx, prompt, "prompt"), None
+
+    def engine_logprobs(self):
+        return self.req.logprobs
+
+    def _logprobs(self, entries, text_offset):
+        if self.req.logprobs is None:
+            return None
+        return completion_logprobs(self.ctx.tokenizer, entries, self.req.logprobs, text_offset)
+
+    def final_choice(self, index, c):
+        return {"index": index, "text": "".join(c.text),
+                "logprobs": self._logprobs(c.logprobs if c.has_logprobs else None, 0),
+                "finish_reason": c.finish_reason}
+
+    def delta_choice(self, u, c, text_offset):
+        return {"index": u.index, "text": u.text, "logprobs": self._logprobs(u.logprobs, text_offset),
+                "finish_reason": u.finish_reason}
