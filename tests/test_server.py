@@ -226,8 +226,8 @@ def test_dropped_streams_free_their_blocks(server):
         async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=None)) as c:
             jobs = []
             for i in range(200):
-                drop = rnd.randint(1, 6) if i % 2 else None
-                body = {"prompt": [100 + i, 200, 300], "max_tokens": 8 if drop is None else 200, "ignore_eos": True}
+                drop = rnd.randint(1, 5) if i % 2 else None
+                body = {"prompt": [100 + i, 200, 300], "max_tokens": 4 if drop is None else 100, "ignore_eos": True}
                 jobs.append(stream_text(c, server.url, body, drop_after=drop))
             return await asyncio.gather(*jobs)
 
