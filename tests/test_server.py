@@ -260,3 +260,45 @@ def test_metrics_page(server):
     assert "# TYPE xserv_e2e_request_latency_seconds histogram" in text
     buckets = [v for k, v in m.items() if k.startswith("xserv_e2e_request_latency_seconds_bucket")]
     assert buckets == sorted(buckets) and buckets[-1] == m["xserv_e2e_request_latency_seconds_count"]
+
+
+def test_logprobs_chat_and_completions(client):
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                                          logprobs=True, top_logprobs=3, **GREEDY, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens == 5
+    for entry in content:
+        tops = [t.logprob for t in entry.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True) and tops[0] <= 0
+        assert entry.logprob == pytest.approx(tops[0], abs=1e-4)  # greedy picks the most likely token
+    assert "".join(e.token for e in content) == chat.choices[0].message.content
+    plain = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert plain.choices[0].logprobs is None
+
+    comp = client.completions.create(model=MODEL, prompt="Hello", max_tokens=6, logprobs=2, **GREEDY,
+                                     extra_body={"ignore_eos": True})
+    lp = comp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    assert all(len(t) <= 2 for t in lp.top_logprobs) and all(x <= 0 for x in lp.token_logprobs)
+    assert lp.text_offset[0] == 0 and "".join(lp.tokens) == comp.choices[0].text
+    streamed = list(client.completions.create(model=MODEL, prompt="Hello", max_tokens=6, logprobs=2, stream=True,
+                                              **GREEDY, extra_body={"ignore_eos": True}))
+    tokens = [t for c in streamed for t in (c.choices[0].logprobs.tokens if c.choices[0].logprobs else [])]
+    assert tokens == lp.tokens
+
+
+def test_bench_serve_against_the_server(server, tmp_path):
+    from xserv.cli import build_parser, main
+
+    out = tmp_path / "bench.json"
+    args = ["bench", "serve", "--url", server.url, "--num-prompts", "6", "--input-len", "4:12", "--output-len", "3:5",
+            "--max-concurrency", "3", "--json", str(out)]
+    build_parser().parse_args(args)
+    assert main(args) == 0
+    result = json.loads(out.read_text())
+    assert result["completed"] == 6 and result["failed"] == 0 and result["model"] == MODEL
+    assert 6 * 3 <= result["output_tokens"] <= 6 * 5
+    for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+        s = result[key]
+        assert 0 < s["p50"] <= s["p90"] <= s["p99"], (key, s)
+    assert result["output_tokens_per_s"] > 0
