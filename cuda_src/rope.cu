@@ -9,7 +9,8 @@
 //   rope:          out = rope(x);  `out` may alias `x` (each lane reads its values before writing them).
 //   qk_norm_rope:  in place on the packed QKV GEMM output: q heads get head-RMSNorm(q_weight) then RoPE, k heads
 //                  head-RMSNorm(k_weight) then RoPE, v heads are not touched. The normalised value is rounded to
-//                  bf16 before RoPE, as HF's q_norm/k_norm return bf16.
+//                  bf16 before RoPE, as HF's q_norm/k_norm return bf16. (Qwen3)
+//   qk_rope:       the same without the head norms: RoPE on the q and k heads of the packed QKV. (Llama)
 //
 // Positions are read on the device and cannot be checked by the launcher: a position outside [0, max_pos) does not
 // read the table; the kernel writes NaN into that head row instead, so the bug shows.
@@ -59,12 +60,13 @@ __device__ __forceinline__ void rope_rows(const __nv_bfloat16* x, const int* __r
     }
 }
 
-template <int D, bool PAIRED>
-__device__ __forceinline__ void qk_norm_rope_rows(__nv_bfloat16* qkv, const __nv_bfloat16* __restrict__ q_weight,
-                                                  const __nv_bfloat16* __restrict__ k_weight,
-                                                  const int* __restrict__ positions, const float* __restrict__ cos_sin,
-                                                  int num_tokens, int num_q_heads, int num_kv_heads, int max_pos,
-                                                  float eps) {
+// NORM: head-RMSNorm each q/k row (q_weight / k_weight) before the rotation; without it the weights are not read.
+template <int D, bool PAIRED, bool NORM>
+__device__ __forceinline__ void qk_rope_rows(__nv_bfloat16* qkv, const __nv_bfloat16* __restrict__ q_weight,
+                                             const __nv_bfloat16* __restrict__ k_weight,
+                                             const int* __restrict__ positions, const float* __restrict__ cos_sin,
+                                             int num_tokens, int num_q_heads, int num_kv_heads, int max_pos,
+                                             float eps) {
     const int lane = threadIdx.x & 31;
     const int qk_heads = num_q_heads + num_kv_heads;        // heads this kernel rewrites, per token
     const int all_heads = num_q_heads + 2 * num_kv_heads;   // heads per token in the packed buffer
@@ -85,7 +87,7 @@ __device__ __forceinline__ void qk_norm_rope_rows(__nv_bfloat16* qkv, const __nv
         if (row < rows) {
             const long long token = row / qk_heads;
             const int head = (int)(row - token * qk_heads);
-            xserv::head_rmsnorm_regs<D>(r[k], head < num_q_heads ? q_weight : k_weight, eps, lane);
+            if constexpr (NORM) xserv::head_rmsnorm_regs<D>(r[k], head < num_q_heads ? q_weight : k_weight, eps, lane);
             const int pos = positions[token];
             if (pos >= 0 && pos < max_pos)
                 rope_regs<D>(r[k], cos_sin + (long long)pos * D, lane);
@@ -165,10 +167,23 @@ XSERV_ROPE_VEC16(rope_d128_bf16_vec16, 128)
     extern "C" __global__ void NAME(__nv_bfloat16* qkv, const __nv_bfloat16* q_weight,                               \
                                     const __nv_bfloat16* k_weight, const int* positions, const float* cos_sin,       \
                                     int num_tokens, int num_q_heads, int num_kv_heads, int max_pos, float eps) {     \
-        qk_norm_rope_rows<D, PAIRED>(qkv, q_weight, k_weight, positions, cos_sin, num_tokens, num_q_heads,           \
-                                     num_kv_heads, max_pos, eps);                                                    \
+        qk_rope_rows<D, PAIRED, true>(qkv, q_weight, k_weight, positions, cos_sin, num_tokens, num_q_heads,          \
+                                      num_kv_heads, max_pos, eps);                                                   \
     }
 XSERV_QK_NORM_ROPE(qk_norm_rope_d64_bf16, 64, false)
 XSERV_QK_NORM_ROPE(qk_norm_rope_d128_bf16, 128, true)
 XSERV_QK_NORM_ROPE(qk_norm_rope_d128_bf16_scalar, 128, false)
 #undef XSERV_QK_NORM_ROPE
+
+// qkv: [num_tokens, num_q_heads + 2 * num_kv_heads, D] bf16, in place; positions: [num_tokens] int32;
+// cos_sin: [max_pos, D] fp32. Same grid as qk_norm_rope.
+#define XSERV_QK_ROPE(NAME, D, PAIRED)                                                                               \
+    extern "C" __global__ void NAME(__nv_bfloat16* qkv, const int* positions, const float* cos_sin, int num_tokens,  \
+                                    int num_q_heads, int num_kv_heads, int max_pos) {                                \
+        qk_rope_rows<D, PAIRED, false>(qkv, nullptr, nullptr, positions, cos_sin, num_tokens, num_q_heads,          \
+                                       num_kv_heads, max_pos, 0.0f);                                                 \
+    }
+XSERV_QK_ROPE(qk_rope_d64_bf16, 64, false)
+XSERV_QK_ROPE(qk_rope_d128_bf16, 128, true)
+XSERV_QK_ROPE(qk_rope_d128_bf16_scalar, 128, false)
+#undef XSERV_QK_ROPE

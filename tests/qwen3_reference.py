@@ -1,29 +1,59 @@
-"""Test helpers: an independent dense NumPy Qwen3 (float64, no paged cache, plain causal attention, Hugging Face
-formulas), and tiny checkpoint fixtures shared by the model / engine / LLM / CLI tests."""
+"""Test helpers: an independent dense NumPy decoder (float64, no paged cache, plain causal attention, Hugging Face
+formulas) for Qwen3 and Llama 3, read straight from config.json and the safetensors files, and tiny checkpoint
+fixtures shared by the model / engine / LLM / CLI tests."""
 from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 
-def dense_qwen3_logits(folder, token_ids) -> np.ndarray:
-    """float64 [T, vocab] logits of Qwen3ForCausalLM as transformers computes them (without its dtype rounding)."""
-    from xserv.models.checkpoint import CheckpointReader
-    from xserv.models.config import Qwen3Config
+def llama3_inv_freq64(d, theta, factor, low_ff, high_ff, original):
+    """Llama 3.1's RoPE scaling as its reference code states it, per frequency in float64: keep wavelengths below
+    original / high_ff, divide by factor above original / low_ff, blend linearly in 1 / wavelength between."""
+    out = []
+    for f in theta ** (-np.arange(0, d, 2) / d):
+        wavelen = 2 * math.pi / f
+        if wavelen < original / high_ff:
+            out.append(f)
+        elif wavelen > original / low_ff:
+            out.append(f / factor)
+        else:
+            smooth = (original / wavelen - low_ff) / (high_ff - low_ff)
+            out.append((1 - smooth) * f / factor + smooth * f)
+    return np.array(out)
 
-    cfg = Qwen3Config.from_pretrained(folder)
+
+def dense_reference_logits(folder, token_ids) -> np.ndarray:
+    """float64 [T, vocab] logits of Qwen3ForCausalLM / LlamaForCausalLM as transformers computes them (without its
+    dtype rounding). Qwen3 differs only by its q/k head RMSNorm; Llama 3 may scale RoPE ('llama3')."""
+    from xserv.models.checkpoint import CheckpointReader
+
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    qk_norm = {"Qwen3ForCausalLM": True, "LlamaForCausalLM": False}[cfg["architectures"][0]]
     reader = CheckpointReader(folder)
+    eps = cfg["rms_norm_eps"]
 
     def w(name):
         return np.asarray(reader.get(name), np.float64)
 
     def rms(x, weight):
-        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + cfg.rms_norm_eps) * weight
+        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
 
     ids = np.asarray(token_ids)
-    t, d = len(ids), cfg.head_dim
-    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    inv_freq = 1.0 / cfg.rope_theta ** (np.arange(0, d, 2) / d)
+    hq = cfg["num_attention_heads"]
+    hkv = cfg.get("num_key_value_heads") or hq
+    t, d = len(ids), cfg.get("head_dim") or cfg["hidden_size"] // hq
+    rs = cfg.get("rope_scaling")
+    if rs is None:
+        inv_freq = 1.0 / cfg["rope_theta"] ** (np.arange(0, d, 2) / d)
+    else:
+        assert rs["rope_type"] == "llama3", rs
+        inv_freq = llama3_inv_freq64(d, cfg["rope_theta"], rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"],
+                                     rs["original_max_position_embeddings"])
     angles = np.arange(t)[:, None] * inv_freq[None, :]
     cos = np.concatenate([np.cos(angles)] * 2, -1)[:, None, :]
     sin = np.concatenate([np.sin(angles)] * 2, -1)[:, None, :]
@@ -34,14 +64,15 @@ def dense_qwen3_logits(folder, token_ids) -> np.ndarray:
 
     causal = np.tril(np.ones((t, t), bool))
     x = w("model.embed_tokens.weight")[ids]
-    for i in range(cfg.num_hidden_layers):
+    for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         h = rms(x, w(p + "input_layernorm.weight"))
         q = (h @ w(p + "self_attn.q_proj.weight").T).reshape(t, hq, d)
         k = (h @ w(p + "self_attn.k_proj.weight").T).reshape(t, hkv, d)
         v = (h @ w(p + "self_attn.v_proj.weight").T).reshape(t, hkv, d)
-        q = rotate(rms(q, w(p + "self_attn.q_norm.weight")))
-        k = rotate(rms(k, w(p + "self_attn.k_norm.weight")))
+        if qk_norm:
+            q, k = rms(q, w(p + "self_attn.q_norm.weight")), rms(k, w(p + "self_attn.k_norm.weight"))
+        q, k = rotate(q), rotate(k)
         group = hq // hkv
         out = np.empty((t, hq, d))
         for head in range(hq):
@@ -56,7 +87,7 @@ def dense_qwen3_logits(folder, token_ids) -> np.ndarray:
         gate, up = h @ w(p + "mlp.gate_proj.weight").T, h @ w(p + "mlp.up_proj.weight").T
         x = x + (gate / (1 + np.exp(-gate)) * up) @ w(p + "mlp.down_proj.weight").T
     x = rms(x, w("model.norm.weight"))
-    head = w("model.embed_tokens.weight") if cfg.tie_word_embeddings else w("lm_head.weight")
+    head = w("model.embed_tokens.weight") if cfg.get("tie_word_embeddings") else w("lm_head.weight")
     return x @ head.T
 
 
@@ -78,5 +109,15 @@ def perturbed_model_dir(tmp_path_factory):
     """The tiny preset with norms off 1, untied LM head, weights std 0.1 so that every layer moves the logits."""
     from xserv.models.random_checkpoint import make_test_model
 
-    return make_test_model("tiny", tmp_path_factory.mktemp("models") / "tiny-perturbed", seed=3, perturb_norms=True,
+    return make_test_model("tiny", tmp_path_factory.mktemp("models") / "tiny-perturbed", seed=3,
+                           overrides={"tie_word_embeddings": False, "initializer_range": 0.1}, progress=False)
+
+
+@pytest.fixture(scope="session")
+def llama_model_dir(tmp_path_factory):
+    """The tiny Llama 3 preset (no head_dim in config.json, llama3 RoPE scaling with a 256-token original context,
+    so all three frequency bands occur), untied, weights std 0.1, norms off 1."""
+    from xserv.models.random_checkpoint import make_test_model
+
+    return make_test_model("llama3-tiny", tmp_path_factory.mktemp("models") / "llama3-tiny", seed=5,
                            overrides={"tie_word_embeddings": False, "initializer_range": 0.1}, progress=False)

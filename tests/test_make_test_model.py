@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from xserv.models.checkpoint import CheckpointReader
-from xserv.models.config import Qwen3Config
+from xserv.models.llama import LlamaConfig, LlamaModel
+from xserv.models.qwen3 import Qwen3Config, Qwen3Model
 from xserv.models.random_checkpoint import bundled_tiny_model, make_test_model, parse_size
 
 REPO = Path(__file__).resolve().parents[1]
@@ -27,12 +28,17 @@ def test_tiny_folder(tiny):
     c = Qwen3Config.from_pretrained(tiny)
     assert c == Qwen3Config.preset("tiny")
     r = CheckpointReader(tiny)
-    r.validate(c.weight_shapes())
+    r.validate({w.name: w.shape for w in Qwen3Model.weight_table(c)})
     assert "lm_head.weight" not in r
     assert all(str(r.dtype(n)) == "bfloat16" for n in r.names())
     emb = r.get("model.embed_tokens.weight").astype(np.float32)
     assert abs(emb.std() - 0.02) < 1e-3 and abs(emb.mean()) < 1e-3
-    assert np.all(r.get("model.layers.1.self_attn.k_norm.weight").astype(np.float32) == 1.0)
+    # norm weights 1 + N(0, 0.1) by default: every norm differs from 1 and from the others
+    norms = [r.get(n).astype(np.float32) for n in r.names() if n.endswith("norm.weight")]
+    assert len(norms) == 2 * 4 + 1
+    for n in norms:
+        assert abs(n.mean() - 1) < 0.05 and 0.07 < n.std() < 0.13
+    assert len({n.tobytes() for n in norms}) == len(norms)
     gen = json.loads((tiny / "generation_config.json").read_text())
     assert gen["eos_token_id"] == [151645, 151643]
     assert (tiny / "model.safetensors").stat().st_size < 25e6
@@ -50,8 +56,29 @@ def test_deterministic_and_seeded(tiny, tmp_path):
                               a.get("model.layers.0.mlp.gate_proj.weight").view(np.uint16))
 
 
+def test_unit_norms(tmp_path):
+    out = make_test_model("tiny", tmp_path / "unit", perturb_norms=False, overrides={"num_hidden_layers": 1})
+    r = CheckpointReader(out)
+    assert np.all(r.get("model.layers.0.self_attn.k_norm.weight").astype(np.float32) == 1.0)
+    assert np.all(r.get("model.norm.weight").astype(np.float32) == 1.0)
+
+
+def test_llama_presets(tmp_path):
+    out = make_test_model("llama3-tiny", tmp_path / "llama", seed=2, overrides={"tie_word_embeddings": False})
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["model_type"] == "llama"
+    assert cfg["rope_scaling"]["rope_type"] == "llama3" and not cfg["mlp_bias"]
+    c = LlamaConfig.from_pretrained(out)
+    r = CheckpointReader(out)
+    r.validate({w.name: w.shape for w in LlamaModel.weight_table(c)})
+    assert "lm_head.weight" in r and not any("q_norm" in n for n in r.names())
+    assert not np.allclose(r.get("model.layers.0.input_layernorm.weight").astype(np.float32), 1.0)
+    assert (out / "tokenizer.json").is_file()  # the Qwen3 tokenizer, hence Qwen3's vocabulary in the presets
+    assert c.vocab_size == 151936
+
+
 def test_sharded_untied_perturbed(tiny, tmp_path):
-    out = make_test_model("tiny", tmp_path / "sh", seed=0, shard_size="4MB", perturb_norms=True,
+    out = make_test_model("tiny", tmp_path / "sh", seed=0, shard_size="4MB",
                           overrides={"tie_word_embeddings": False})
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
@@ -60,7 +87,7 @@ def test_sharded_untied_perturbed(tiny, tmp_path):
     c = Qwen3Config.from_pretrained(out)
     assert not c.tie_word_embeddings
     r = CheckpointReader(out)
-    r.validate(c.weight_shapes())
+    r.validate({w.name: w.shape for w in Qwen3Model.weight_table(c)})
     assert index["metadata"]["total_size"] == r.total_bytes
     # same seed -> same values whatever the sharding
     name = "model.layers.1.self_attn.o_proj.weight"
@@ -107,18 +134,29 @@ def test_bundled_tiny_model(tmp_path, monkeypatch):
     assert (p / "model.safetensors").stat().st_mtime_ns == mtime  # made once
     (p / "xserv_random.json").write_text("{}")  # stale marker -> remade
     assert bundled_tiny_model() == p
-    assert json.loads((p / "xserv_random.json").read_text())["preset"] == "tiny"
+    info = json.loads((p / "xserv_random.json").read_text())
+    assert info["preset"] == "tiny" and info["perturb_norms"] is True
+    info["perturb_norms"] = False  # made by an older xserv, with unit norms -> remade
+    (p / "xserv_random.json").write_text(json.dumps(info))
+    bundled_tiny_model()
+    assert json.loads((p / "xserv_random.json").read_text())["perturb_norms"] is True
 
 
 def test_cli(tmp_path):
     out = tmp_path / "cli"
     res = subprocess.run([sys.executable, "-m", "tools.make_test_model", "--preset", "tiny", "--out", str(out),
-                          "--seed", "3", "--layers", "1", "--untied", "--no-progress"],
+                          "--seed", "3", "--layers", "1", "--untied", "--unit-norms", "--no-progress"],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert "wrote" in res.stdout
     c = Qwen3Config.from_pretrained(out)
     assert c.num_hidden_layers == 1 and not c.tie_word_embeddings
+    assert np.all(CheckpointReader(out).get("model.norm.weight").astype(np.float32) == 1.0)
+    res = subprocess.run([sys.executable, "-m", "tools.make_test_model", "--preset", "llama3-tiny", "--out",
+                          str(tmp_path / "llama"), "--layers", "1", "--no-progress"],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert LlamaConfig.from_pretrained(tmp_path / "llama").num_hidden_layers == 1
     res = subprocess.run([sys.executable, "-m", "tools.make_test_model", "--preset", "huge", "--out", str(out)],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert res.returncode != 0

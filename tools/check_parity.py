@@ -1,7 +1,9 @@
-"""Parity of xserv's CUDA backend with Hugging Face transformers on one checkpoint folder (GPU machine).
+"""Parity of xserv's CUDA backend with Hugging Face transformers on one checkpoint folder (GPU machine), for any
+registered architecture (Qwen3ForCausalLM, LlamaForCausalLM).
 
     python -m tools.check_parity --model DIR [--prompt-len 1000 --decode-steps 64]
 
+0. RoPE: xserv's inverse frequencies (rope scaling included) against the transformers model's rotary embedding.
 1. transformers bf16, greedy from a random prompt: the reference tokens and each step's top-2 margin.
 2. xserv (CUDA): logits at every prompt position (llm.logits), then decode steps through the engine's model
    runner (CUDA graphs when enabled) fed the reference tokens, recording each step's logits and argmax.
@@ -29,13 +31,25 @@ def rel_err_rows(out, ref) -> np.ndarray:
 
 
 def hf_model(folder, dtype):
-    from transformers import Qwen3ForCausalLM
+    from transformers import AutoModelForCausalLM
 
     try:
-        model = Qwen3ForCausalLM.from_pretrained(folder, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
     except TypeError:  # transformers < 4.56 knows only torch_dtype
-        model = Qwen3ForCausalLM.from_pretrained(folder, torch_dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=dtype)
     return model.cuda().eval()
+
+
+def rope_inv_freq_error(model, config) -> float:
+    """Largest relative difference between transformers' rotary inverse frequencies (and attention scaling) and
+    xserv's, whose table the model uses."""
+    from xserv.ops.rope import rope_inv_freq
+
+    rotary = model.model.rotary_emb
+    theirs = rotary.inv_freq.float().cpu().numpy().astype(np.float64) * float(getattr(rotary, "attention_scaling", 1.0))
+    inv, factor = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+    ours = inv.astype(np.float64) * factor
+    return float(np.max(np.abs(ours - theirs) / np.abs(theirs)))
 
 
 def hf_greedy_bf16(folder, prompt, steps):
@@ -60,19 +74,22 @@ def hf_greedy_bf16(folder, prompt, steps):
     return tokens, np.array(margins), prompt_logits
 
 
-def hf_logits_fp32(folder, ids):
+def hf_logits_fp32(folder, ids, config):
     import torch
 
     model = hf_model(folder, torch.float32)
+    rope_err = rope_inv_freq_error(model, config)
     with torch.no_grad():
         logits = model(torch.tensor([ids], device="cuda")).logits[0].float().cpu().numpy()
     del model
-    return logits
+    return logits, rope_err
 
 
 def xserv_logits(folder, prompt, forced, cuda_graphs: bool):
     from xserv import LLM
     from xserv.engine.batch import SeqChunk
+    from xserv.engine.sequence import Sequence
+    from xserv.sampling import SamplingParams
 
     total = len(prompt) + len(forced)
     llm = LLM(folder, device="cuda", max_model_len=total + 16, kv_cache_tokens=total + 256, cuda_graphs=cuda_graphs,
@@ -80,16 +97,21 @@ def xserv_logits(folder, prompt, forced, cuda_graphs: bool):
     t0 = time.perf_counter()
     prefill = llm.logits(prompt)
     t_prefill = time.perf_counter() - t0
-    runner, kv = llm.runner, llm.kv_cache
-    table = kv.allocator.allocate(kv.blocks_for(total))
+    runner, kv, blocks = llm.runner, llm.kv_cache, llm.engine.blocks
+    table = blocks.allocate(blocks.blocks_for(total))
     runner.forward([SeqChunk(prompt, 0, table, "none")])
+    # decode one forced token per step through the engine's path (a CUDA graph replay when graphs are on)
+    seq = Sequence(10**9, prompt, SamplingParams(), seed=0, stop_ids=frozenset())
+    seq.block_table, seq.slot, seq.num_computed = table, 0, len(prompt)
     decode, argmax = [], []
     for i, tok in enumerate(forced):
-        logits, _ = runner.forward([SeqChunk([tok], len(prompt) + i, table, "last")])
+        seq.token_ids.append(tok)
+        logits = runner.run([(seq, 1)])
+        seq.num_computed += 1
         row = logits.numpy()[0].copy()
         decode.append(row)
         argmax.append(int(np.argmax(row)))
-    kv.allocator.free(table)
+    blocks.free(table)
     del llm, runner, kv
     gc.collect()
     from xserv.runtime import empty_cache
@@ -100,7 +122,7 @@ def xserv_logits(folder, prompt, forced, cuda_graphs: bool):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="a Qwen3 checkpoint folder")
+    ap.add_argument("--model", required=True, help="a checkpoint folder of a registered architecture")
     ap.add_argument("--prompt-len", type=int, default=1000)
     ap.add_argument("--decode-steps", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
@@ -111,16 +133,17 @@ def main(argv=None) -> int:
 
     import torch
 
-    from xserv.models.config import Qwen3Config
+    from xserv.models.registry import config_from_pretrained
     from xserv.runtime import get_device
 
     folder = str(Path(args.model).expanduser())
-    config = Qwen3Config.from_pretrained(folder)
+    config = config_from_pretrained(folder)
     rng = np.random.default_rng(args.seed)
     prompt = rng.integers(0, min(config.vocab_size, 151643), args.prompt_len).tolist()
     print(f"device: {get_device().name} (torch sees {torch.cuda.get_device_name()})")
-    print(f"model: {folder}  layers={config.num_hidden_layers} hidden={config.hidden_size} "
-          f"heads={config.num_attention_heads}/{config.num_key_value_heads} vocab={config.vocab_size}")
+    print(f"model: {folder}  {config.ARCHITECTURE} layers={config.num_hidden_layers} hidden={config.hidden_size} "
+          f"heads={config.num_attention_heads}/{config.num_key_value_heads} head_dim={config.head_dim} "
+          f"vocab={config.vocab_size} rope_scaling={config.rope_scaling}")
 
     t = time.perf_counter()
     ref_tokens, margins, hf_bf16_prompt = hf_greedy_bf16(folder, prompt, args.decode_steps)
@@ -131,7 +154,8 @@ def main(argv=None) -> int:
     prefill, decode, xs_argmax, t_prefill = xserv_logits(folder, prompt, ref_tokens, not args.no_cuda_graphs)
     print(f"xserv: prompt logits in {t_prefill:.2f}s")
 
-    ref = hf_logits_fp32(folder, prompt + ref_tokens)
+    ref, rope_err = hf_logits_fp32(folder, prompt + ref_tokens, config)
+    print(f"RoPE inverse frequencies x attention scaling, max relative difference to transformers: {rope_err:.2e}")
     gc.collect()
     torch.cuda.empty_cache()
     err_prefill = rel_err_rows(prefill, ref[:len(prompt)])
@@ -164,7 +188,7 @@ def main(argv=None) -> int:
         print("  confident disagreements at steps " + ", ".join(
             f"{s} (xserv {xs_tokens[s]}, hf {ref_tokens[s]}, hf bf16 margin {margins[s]:.3f}; float32 picks "
             f"{fp32_top[s]} by {fp32_margin[s]:.3f})" for s in bad_steps))
-    ok = err_prefill.max() <= args.tol and err_decode.max() <= args.tol and not bad_steps
+    ok = err_prefill.max() <= args.tol and err_decode.max() <= args.tol and not bad_steps and rope_err < 1e-6
     print("PASS" if ok else "FAIL", f"(tolerance {args.tol})")
     return 0 if ok else 1
 

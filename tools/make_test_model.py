@@ -1,7 +1,11 @@
-"""Write a Hugging Face-format Qwen3 checkpoint folder with random weights at a preset's real shapes.
+"""Write a Hugging Face-format checkpoint folder (Qwen3 or Llama 3) with random weights at a preset's real shapes.
 
     python -m tools.make_test_model --preset tiny --out models/tiny-random
     python -m tools.make_test_model --preset 8b --out models/qwen3-8b-random --seed 1
+    python -m tools.make_test_model --preset llama3-1b --out models/llama3-1b-random
+
+Norm weights are 1 + N(0, 0.1) (so a kernel that ignores them shows); --unit-norms gives transformers' ones. Every
+folder carries the Qwen3 tokenizer; the Llama presets use its vocabulary size and special ids (docs/models.md).
 """
 from __future__ import annotations
 
@@ -21,8 +25,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--shard-size", default=str(DEFAULT_SHARD_SIZE),
                     help="shard the weights above this size, e.g. 4GB (default), 500MB, 2GiB")
-    ap.add_argument("--perturb-norms", action="store_true",
-                    help="RMSNorm weights 1 + N(0, 0.1) instead of 1 (makes norm bugs visible in parity tests)")
+    ap.add_argument("--unit-norms", action="store_true",
+                    help="RMSNorm weights all 1 (as transformers initialises them) instead of 1 + N(0, 0.1)")
     ap.add_argument("--untied", action="store_true", help="force tie_word_embeddings=false (a separate lm_head)")
     ap.add_argument("--layers", type=int, default=None, help="override num_hidden_layers")
     ap.add_argument("--no-progress", action="store_true")
@@ -36,7 +40,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     try:
         out = make_test_model(args.preset, args.out, seed=args.seed, dtype=args.dtype,
-                              perturb_norms=args.perturb_norms, shard_size=parse_size(args.shard_size),
+                              perturb_norms=not args.unit_norms, shard_size=parse_size(args.shard_size),
                               overrides=overrides, progress=False if args.no_progress else None)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -3,12 +3,16 @@ import math
 import numpy as np
 import pytest
 
-from xserv.ops.rope import qk_norm_rope, qk_norm_rope_reference, rope, rope_cos_sin_table, rope_reference
+from xserv.ops.rope import (qk_norm_rope, qk_norm_rope_reference, qk_rope, qk_rope_reference, rope, rope_cos_sin_table,
+                            rope_reference)
 from xserv.tensor import Tensor, bfloat16, float32
+from qwen3_reference import llama3_inv_freq64
 from xserv.testing import misaligned, poisoned, random_array, rel_error
 
 EPS = 1e-6
 QWEN3_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+LLAMA31 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 8192}
 
 
 def cpu(a):
@@ -66,10 +70,29 @@ def test_yarn_table_qwen3():
     np.testing.assert_allclose(table, np.concatenate([np.cos(ang), np.sin(ang)], 1) * mscale, atol=1e-4)
 
 
+@pytest.mark.parametrize("d, theta, scaling", [(128, 5e5, LLAMA31), (64, 5e5, {**LLAMA31, "factor": 32.0}),
+                                               (64, 5e5, {**LLAMA31, "original_max_position_embeddings": 256})])
+def test_llama3_table(d, theta, scaling):
+    inv = llama3_inv_freq64(d, theta, scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"],
+                            scaling["original_max_position_embeddings"])
+    base = inv_freq64(d, theta)
+    # the case must have all three bands, or the test would not see a wrong band
+    assert (inv == base).any() and np.isclose(inv, base / scaling["factor"]).any()
+    assert ((inv < base) & ~np.isclose(inv, base / scaling["factor"])).any()
+    pos = np.array([0, 1, 7, 1000, 8191, 20000])
+    table = rope_cos_sin_table(d, 20001, theta, scaling)[pos]
+    ang = pos[:, None] * inv[None]
+    # the table rounds each angle to float32 as transformers does: up to 1e-3 off at angles near 20000
+    np.testing.assert_allclose(table, np.concatenate([np.cos(ang), np.sin(ang)], 1), atol=2e-3)
+    np.testing.assert_allclose(table[:3], np.concatenate([np.cos(ang[:3]), np.sin(ang[:3])], 1), atol=1e-6)
+
+
 def test_yarn_attention_factor_override_and_unknown_type():
     t = rope_cos_sin_table(64, 8, 1e4, {**QWEN3_YARN, "attention_factor": 1.0})
     np.testing.assert_allclose(t[0, :32], 1.0)
-    with pytest.raises(ValueError, match="llama3"):
+    with pytest.raises(ValueError, match="'linear' is not supported"):
+        rope_cos_sin_table(64, 8, 1e4, {"rope_type": "linear", "factor": 8.0})
+    with pytest.raises(ValueError, match="low_freq_factor"):
         rope_cos_sin_table(64, 8, 1e4, {"rope_type": "llama3", "factor": 8.0})
     with pytest.raises(ValueError, match="original_max_position_embeddings"):
         rope_cos_sin_table(64, 8, 1e4, {"rope_type": "yarn", "factor": 4.0})
@@ -115,6 +138,20 @@ def test_qk_norm_rope_reference_vs_float64(rng):
     np.testing.assert_array_equal(t.array, got)
 
 
+def test_qk_rope_reference_vs_float64(rng):
+    hq, hkv, d = 4, 2, 64
+    qkv = random_array(rng, (6, hq + 2 * hkv, d), bfloat16)
+    pos = rng.integers(0, 100, 6).astype(np.int32)
+    table = rope_cos_sin_table(d, 128, 5e5, {**LLAMA31, "original_max_position_embeddings": 256})
+    got = qk_rope_reference(qkv, pos, table, hq, hkv)
+    inv = llama3_inv_freq64(d, 5e5, 8.0, 1.0, 4.0, 256)
+    assert rel_error(got[:, :hq + hkv], rope64(qkv[:, :hq + hkv], pos, inv)) < 1e-2
+    np.testing.assert_array_equal(got[:, hq + hkv:], qkv[:, hq + hkv:])
+    t = cpu(qkv.copy())
+    assert qk_rope(t, cpu(pos), cpu(table), hq, hkv) is t
+    np.testing.assert_array_equal(t.array, got)
+
+
 def test_errors_name_the_argument(rng):
     x = cpu(random_array(rng, (4, 2, 64), bfloat16))
     pos = cpu(np.arange(4, dtype=np.int32))
@@ -137,6 +174,12 @@ def test_errors_name_the_argument(rng):
     with pytest.raises(ValueError, match="k_weight"):
         qk_norm_rope(cpu(random_array(rng, (4, 4, 64), bfloat16)), w, cpu(random_array(rng, (32,), bfloat16)),
                      pos, table, 2, 1, EPS)
+    with pytest.raises(ValueError, match="qkv: 5 heads"):
+        qk_rope(cpu(random_array(rng, (4, 5, 64), bfloat16)), pos, table, 2, 2)
+    with pytest.raises(ValueError, match="num_q_heads"):
+        qk_rope(cpu(random_array(rng, (4, 4, 64), bfloat16)), pos, table, True, 1)
+    with pytest.raises(ValueError, match="positions"):
+        qk_rope(cpu(random_array(rng, (3, 4, 64), bfloat16)), pos, table, 2, 1)
 
 
 # ---- CUDA ----------------------------------------------------------------------------------------------------------
@@ -208,3 +251,35 @@ def test_cuda_qk_norm_rope_unaligned(rng):
     qd = misaligned(qkv)
     qk_norm_rope(qd, dev(w), dev(w), dev(pos), dev(table), hq, hkv, EPS)
     assert rel_error(qd.numpy(), qk_norm_rope_reference(qkv, w, w, pos, table, hq, hkv, EPS)) < 3e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 7, 1023])
+@pytest.mark.parametrize("hq, hkv", [(32, 8), (14, 2), (1, 1)])
+@pytest.mark.parametrize("d", [64, 128])
+def test_cuda_qk_rope(rng, t, hq, hkv, d):
+    qkv = random_array(rng, (t, hq + 2 * hkv, d), bfloat16)
+    table = rope_cos_sin_table(d, 20000, 5e5, LLAMA31)
+    pos = rng.integers(0, 20000, t).astype(np.int32)
+    qkv_dev = dev(qkv)
+    qk_rope(qkv_dev, dev(pos), dev(table), hq, hkv)
+    got = qkv_dev.numpy()
+    np.testing.assert_array_equal(got[:, hq + hkv:].view(np.uint16), qkv[:, hq + hkv:].view(np.uint16))
+    assert rel_error(got, qk_rope_reference(qkv, pos, table, hq, hkv)) < 3e-3
+    inv = llama3_inv_freq64(d, 5e5, 8.0, 1.0, 4.0, 8192)
+    assert rel_error(got[:, :hq + hkv], rope64(qkv[:, :hq + hkv], pos, inv)) < 1e-2
+
+
+@pytest.mark.gpu
+def test_cuda_qk_rope_unaligned_and_bad_position(rng):
+    hq, hkv, d = 4, 2, 128
+    qkv = random_array(rng, (5, hq + 2 * hkv, d), bfloat16)
+    table = rope_cos_sin_table(d, 64, 5e5)
+    pos = np.array([0, 3, 64, 1, -1], np.int32)
+    qd = misaligned(qkv)
+    qk_rope(qd, dev(pos), dev(table), hq, hkv)
+    got = qd.numpy().astype(np.float32)
+    ok = [0, 1, 3]
+    ref = qk_rope_reference(qkv[ok], pos[ok], table, hq, hkv)
+    assert rel_error(got[ok], ref) < 3e-3
+    assert np.all(np.isnan(got[[2, 4], :hq + hkv])) and np.all(np.isfinite(got[:, hq + hkv:]))

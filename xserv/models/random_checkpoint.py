@@ -1,9 +1,14 @@
-"""Hugging Face-format Qwen3 checkpoint folders with random weights, at any preset's real shapes.
+"""Hugging Face-format checkpoint folders with random weights, for any registered architecture at any preset's real
+shapes (the tensors are the model class's weight table).
 
-Initialised like transformers initialises Qwen3ForCausalLM: linear and embedding weights ~ N(0, initializer_range),
-RMSNorm weights 1 (or 1 + N(0, 0.1) with perturb_norms, so a test can tell q_norm from k_norm). Tensors are
-generated and written one at a time, large ones in row chunks, so an 8B model is written with bounded RAM. Each
-tensor's values depend only on (seed, tensor name): the same seed gives the same weights whatever the sharding.
+Linear and embedding weights ~ N(0, initializer_range), as transformers initialises them. RMSNorm weights are
+1 + N(0, 0.1) by default (perturb_norms), not transformers' 1: a kernel that ignores a norm weight, or swaps
+q_norm and k_norm, then gives wrong logits in the end-to-end tests. Tensors are generated and written one at a
+time, large ones in row chunks, so an 8B model is written with bounded RAM. Each tensor's values depend only on
+(seed, tensor name): the same seed gives the same weights whatever the sharding.
+
+Every folder gets the Qwen3 tokenizer (models/presets/tokenizer), whatever the architecture: the Llama presets
+therefore use Qwen3's vocabulary size and special token ids.
 """
 from __future__ import annotations
 
@@ -23,8 +28,10 @@ from typing import Callable, Iterable
 
 import numpy as np
 
+from ..tensor import as_dtype
 from .checkpoint import INDEX_FILE, NUMPY_TO_SAFETENSORS, SINGLE_FILE
-from .config import Qwen3Config, preset_dict, presets_dir
+from .config import DenseConfig, preset_dict, presets_dir
+from .registry import config_from_dict, model_class
 
 DEFAULT_SHARD_SIZE = 4 * 10**9  # like HF's save_pretrained: shard above ~4 GB
 CHUNK_ELEMENTS = 1 << 24  # rows of at most this many elements are generated at once (64 MB of float32)
@@ -119,7 +126,7 @@ def write_sharded(folder, entries: list[_Entry], shard_size: int, progress=None)
     return [folder / name for name in names]
 
 
-# ---- random Qwen3 weights ---------------------------------------------------------------------------------------
+# ---- random weights ---------------------------------------------------------------------------------------
 def _rng_for(seed: int, name: str) -> np.random.Generator:
     return np.random.default_rng([seed, zlib.crc32(name.encode())])
 
@@ -151,48 +158,46 @@ def _ones_fill(shape, dtype):
     return lambda: [np.ones(shape, dtype)]
 
 
-def random_weight_entries(config: Qwen3Config, seed: int = 0, dtype: str = "bfloat16",
-                          perturb_norms: bool = False) -> list[_Entry]:
-    """The tensors of a random Qwen3ForCausalLM checkpoint, in Hugging Face order, not yet generated."""
+def random_weight_entries(config: DenseConfig, seed: int = 0, dtype: str = "bfloat16",
+                          perturb_norms: bool = True) -> list[_Entry]:
+    """The tensors of a random checkpoint of config's architecture, in weight-table order, not yet generated."""
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-    from ..tensor import as_dtype
-
     dt = as_dtype(dtype)
-    std = config.initializer_range
     entries = []
-    for name, shape in config.weight_shapes().items():
-        if name.endswith("norm.weight"):
-            fill = _normal_fill(seed, name, shape, 0.1, 1.0, dt) if perturb_norms else _ones_fill(shape, dt)
+    for w in model_class(config).weight_table(config):
+        if w.is_norm:
+            fill = _normal_fill(seed, w.name, w.shape, 0.1, 1.0, dt) if perturb_norms else _ones_fill(w.shape, dt)
         else:
-            fill = _normal_fill(seed, name, shape, std, 0.0, dt)
-        entries.append(_Entry(name, dt, shape, fill))
+            fill = _normal_fill(seed, w.name, w.shape, config.initializer_range, 0.0, dt)
+        entries.append(_Entry(w.name, dt, w.shape, fill))
     return entries
 
 
-def generation_config_dict(config: Qwen3Config) -> dict:
+def generation_config_dict(config: DenseConfig) -> dict:
     d = json.loads((presets_dir() / "generation_config.json").read_text())
     if config.bos_token_id is not None:
         d["bos_token_id"] = config.bos_token_id
     return d
 
 
-def make_test_model(preset: str | Qwen3Config, out_dir, seed: int = 0, *, dtype: str = "bfloat16",
-                    perturb_norms: bool = False, shard_size=DEFAULT_SHARD_SIZE, overrides: dict | None = None,
+def make_test_model(preset: str | DenseConfig, out_dir, seed: int = 0, *, dtype: str = "bfloat16",
+                    perturb_norms: bool = True, shard_size=DEFAULT_SHARD_SIZE, overrides: dict | None = None,
                     progress: bool | None = None, overwrite: bool = True) -> Path:
-    """Write a Hugging Face-format Qwen3 folder with random weights to out_dir and return its path.
+    """Write a Hugging Face-format folder with random weights to out_dir and return its path.
 
-    preset: 'tiny', '0.6b', '1.7b', '4b', '8b', '14b', '32b' or a Qwen3Config. overrides: config.json fields to
-    change (e.g. {"tie_word_embeddings": False, "num_hidden_layers": 1}). The folder is built next to out_dir and
-    renamed into place, so a reader never sees a half-written model."""
-    if isinstance(preset, Qwen3Config):
+    preset: a name from xserv.models.config.PRESET_NAMES ('tiny', '0.6b', ..., 'llama3-1b', ...) or a config
+    object. overrides: config.json fields to change (e.g. {"tie_word_embeddings": False, "num_hidden_layers": 1}).
+    perturb_norms=False gives transformers' all-ones norm weights. The folder is built next to out_dir and renamed
+    into place, so a reader never sees a half-written model."""
+    if isinstance(preset, DenseConfig):
         d = preset.to_dict()
     else:
         d = preset_dict(preset)
     d.update(overrides or {})
     d["torch_dtype"] = dtype
     d.pop("dtype", None)
-    config = Qwen3Config.from_dict(d)
+    config = config_from_dict(d)
     if not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
     out = Path(out_dir).expanduser().resolve()
@@ -246,15 +251,15 @@ def cache_dir() -> Path:
 
 
 def bundled_tiny_model() -> Path:
-    """The tiny random model under $XSERV_CACHE_DIR/models/tiny-random (default ~/.cache/xserv), made on first
-    use (and remade if the tiny preset changed since)."""
+    """The tiny random Qwen3 model (norm weights off 1) under $XSERV_CACHE_DIR/models/tiny-random (default
+    ~/.cache/xserv), made on first use (and remade if the tiny preset or the way it is made changed since)."""
     path = cache_dir() / "models" / "tiny-random"
-    want = Qwen3Config.preset("tiny").to_dict()
+    want = config_from_dict(preset_dict("tiny")).to_dict()
     marker = path / "xserv_random.json"
     try:
         info = json.loads(marker.read_text())
-        ok = info.get("config_hash") == _config_hash(want) and (path / SINGLE_FILE).is_file() and all(
-            (path / f).is_file() for f in TOKENIZER_FILES)
+        ok = (info.get("config_hash") == _config_hash(want) and info.get("perturb_norms") is True
+              and (path / SINGLE_FILE).is_file() and all((path / f).is_file() for f in TOKENIZER_FILES))
     except (OSError, json.JSONDecodeError):
         ok = False
     if not ok:

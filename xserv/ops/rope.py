@@ -1,5 +1,6 @@
-"""Rotary position embedding (Qwen3 / GPT-NeoX rotate-half layout), its cos/sin table (default or YaRN, as Hugging
-Face transformers computes them), and the fused q/k head-RMSNorm + RoPE applied in place to the packed QKV.
+"""Rotary position embedding (Qwen3 / Llama / GPT-NeoX rotate-half layout), its cos/sin table (default, YaRN or
+Llama 3 scaling, as Hugging Face transformers computes them), and RoPE applied in place to the q and k heads of the
+packed QKV, with the q/k head-RMSNorm fused in (Qwen3: qk_norm_rope) or without it (Llama: qk_rope).
 
 For a head vector v of D values at position p, with c_i = cos_sin[p, i], s_i = cos_sin[p, D/2 + i], i < D/2:
     out[i] = v[i] c_i - v[i + D/2] s_i,    out[i + D/2] = v[i + D/2] c_i + v[i] s_i.
@@ -12,6 +13,7 @@ import math
 
 import numpy as np
 
+from ..runtime import kernel
 from ..tensor import Tensor, bfloat16, float32, int32
 from ._checks import check_tensor, output, same_device
 from ._launch import aligned, cdiv, check_alias, check_eps, check_int32_range
@@ -22,13 +24,22 @@ _ROWS_PER_WARP = 2  # kRowsPerWarp in rope.cu (warp-per-row kernels)
 
 
 # ---- the table ---------------------------------------------------------------------------------------------------
+# The one implementation of the inverse frequencies (configs validate rope_scaling; they do not compute with it).
+# Each scaled variant follows transformers' ROPE_INIT_FUNCTIONS, in float32 where transformers computes in float32.
+ROPE_TYPES = ("default", "yarn", "llama3")
+
+
+def _scaling_number(scaling: dict, key: str, rope_type: str) -> float:
+    value = scaling.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"rope_scaling: {rope_type} needs a number {key!r}, got {value!r}")
+    return float(value)
+
+
 def _yarn_inv_freq(dim: int, base: float, scaling: dict, pos_freqs: np.ndarray) -> tuple[np.ndarray, float]:
-    """transformers' `_compute_yarn_parameters` (float32 where it computes in float32)."""
-    factor = scaling.get("factor")
-    original = scaling.get("original_max_position_embeddings")
-    if factor is None or original is None:
-        raise ValueError("rope_scaling: yarn needs 'factor' and 'original_max_position_embeddings'")
-    factor = float(factor)
+    """transformers' `_compute_yarn_parameters`."""
+    factor = _scaling_number(scaling, "factor", "yarn")
+    original = _scaling_number(scaling, "original_max_position_embeddings", "yarn")
 
     def get_mscale(scale, mscale=1.0):
         return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
@@ -60,25 +71,52 @@ def _yarn_inv_freq(dim: int, base: float, scaling: dict, pos_freqs: np.ndarray) 
     return inv_freq.astype(np.float32), float(attention_factor)
 
 
-def rope_cos_sin_table(head_dim: int, max_positions: int, theta: float, rope_scaling: dict | None = None) -> np.ndarray:
-    """float32 [max_positions, head_dim]: cos(p * inv_freq_i) in the first half, sin in the second (times YaRN's
-    attention factor). Computed like transformers' Qwen3 rotary embedding in float32: inv_freq in float32, the
-    angle p * inv_freq rounded to float32, then cos/sin of that angle."""
+def _llama3_inv_freq(scaling: dict, pos_freqs: np.ndarray) -> tuple[np.ndarray, float]:
+    """transformers' `_compute_llama3_parameters`: wavelengths shorter than original / high_freq_factor keep their
+    frequency, those longer than original / low_freq_factor are divided by `factor`, and the band between
+    interpolates smoothly. No attention factor."""
+    factor = _scaling_number(scaling, "factor", "llama3")
+    low_freq_factor = _scaling_number(scaling, "low_freq_factor", "llama3")
+    high_freq_factor = _scaling_number(scaling, "high_freq_factor", "llama3")
+    original = _scaling_number(scaling, "original_max_position_embeddings", "llama3")
+    if not high_freq_factor > low_freq_factor:
+        raise ValueError(f"rope_scaling: llama3 needs high_freq_factor > low_freq_factor, got {high_freq_factor} "
+                         f"and {low_freq_factor}")
+    inv_freq = np.float32(1) / pos_freqs
+    wavelen = np.float32(2 * math.pi) / inv_freq
+    scaled = np.where(wavelen > np.float32(original / low_freq_factor), inv_freq / np.float32(factor), inv_freq)
+    smooth = (np.float32(original) / wavelen - np.float32(low_freq_factor)) / np.float32(high_freq_factor - low_freq_factor)
+    smoothed = (np.float32(1) - smooth) * scaled / np.float32(factor) + smooth * scaled
+    medium = ~(wavelen < np.float32(original / high_freq_factor)) & ~(wavelen > np.float32(original / low_freq_factor))
+    return np.where(medium, smoothed, scaled).astype(np.float32), 1.0
+
+
+def rope_inv_freq(head_dim: int, theta: float, rope_scaling: dict | None = None) -> tuple[np.ndarray, float]:
+    """(inverse frequencies float32 [head_dim // 2], attention factor that scales cos and sin) for rope_scaling None
+    or {"rope_type": "default" | "yarn" | "llama3", ...}, as transformers computes them."""
     if head_dim <= 0 or head_dim % 2:
         raise ValueError(f"head_dim: expected a positive even number, got {head_dim}")
-    if max_positions <= 0:
-        raise ValueError(f"max_positions: expected > 0, got {max_positions}")
     if not theta > 1:
         raise ValueError(f"theta: expected > 1, got {theta}")
     exponent = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
     pos_freqs = np.power(np.float64(theta), exponent.astype(np.float64)).astype(np.float32)
     rope_type = None if rope_scaling is None else rope_scaling.get("rope_type", rope_scaling.get("type"))
     if rope_type in (None, "default"):
-        inv_freq, attention_factor = np.float32(1) / pos_freqs, 1.0
-    elif rope_type == "yarn":
-        inv_freq, attention_factor = _yarn_inv_freq(head_dim, float(theta), rope_scaling, pos_freqs)
-    else:
-        raise ValueError(f"rope_scaling: rope_type {rope_type!r} is not supported (supported: default, yarn)")
+        return np.float32(1) / pos_freqs, 1.0
+    if rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, float(theta), rope_scaling, pos_freqs)
+    if rope_type == "llama3":
+        return _llama3_inv_freq(rope_scaling, pos_freqs)
+    raise ValueError(f"rope_scaling: rope_type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+
+
+def rope_cos_sin_table(head_dim: int, max_positions: int, theta: float, rope_scaling: dict | None = None) -> np.ndarray:
+    """float32 [max_positions, head_dim]: cos(p * inv_freq_i) in the first half, sin in the second (times YaRN's
+    attention factor). Computed like transformers' rotary embedding in float32: inv_freq in float32, the angle
+    p * inv_freq rounded to float32, then cos/sin of that angle."""
+    if max_positions <= 0:
+        raise ValueError(f"max_positions: expected > 0, got {max_positions}")
+    inv_freq, attention_factor = rope_inv_freq(head_dim, theta, rope_scaling)
     angle = np.arange(max_positions, dtype=np.float32)[:, None] * inv_freq[None, :].astype(np.float32)
     cos = np.cos(angle.astype(np.float64)).astype(np.float32)
     sin = np.sin(angle.astype(np.float64)).astype(np.float32)
@@ -99,6 +137,15 @@ def rope_reference(x: np.ndarray, positions: np.ndarray, cos_sin: np.ndarray) ->
     xf = x.astype(np.float32)
     lo, hi = xf[..., :half], xf[..., half:]
     return np.concatenate([lo * c - hi * s, hi * c + lo * s], axis=-1)
+
+
+def qk_rope_reference(qkv: np.ndarray, positions: np.ndarray, cos_sin: np.ndarray, num_q_heads: int,
+                      num_kv_heads: int) -> np.ndarray:
+    """The new packed qkv (its dtype): RoPE on the q and k heads, v heads unchanged."""
+    out = qkv.copy()
+    qk = num_q_heads + num_kv_heads
+    out[:, :qk] = rope_reference(qkv[:, :qk], positions, cos_sin).astype(qkv.dtype)
+    return out
 
 
 def qk_norm_rope_reference(qkv: np.ndarray, q_weight: np.ndarray, k_weight: np.ndarray, positions: np.ndarray,
@@ -141,8 +188,6 @@ def rope(x: Tensor, positions: Tensor, cos_sin: Tensor, out: Tensor | None = Non
     if device == "cpu":
         out.array[...] = rope_reference(x.array, positions.array, cos_sin.array).astype(out.dtype)
         return out
-    from ..runtime import kernel
-
     args = (x, positions, cos_sin, out, np.int64(rows), np.int32(num_heads), np.int32(cos_sin.shape[0]))
     if aligned(x, out, cos_sin, nbytes=16):  # 16-byte accesses, D/16 threads per row
         kernel("rope", f"rope_d{head_dim}_bf16_vec16")(cdiv(rows * (head_dim // 16), _BLOCK), _BLOCK, *args)
@@ -154,10 +199,8 @@ def rope(x: Tensor, positions: Tensor, cos_sin: Tensor, out: Tensor | None = Non
     return out
 
 
-def qk_norm_rope(qkv: Tensor, q_weight: Tensor, k_weight: Tensor, positions: Tensor, cos_sin: Tensor,
-                 num_q_heads: int, num_kv_heads: int, eps: float) -> Tensor:
-    """In place on the packed QKV projection qkv: bf16 [T, Hq + 2 Hkv, D]: heads [0, Hq) get head-RMSNorm(q_weight)
-    then RoPE, heads [Hq, Hq + Hkv) head-RMSNorm(k_weight) then RoPE, the v heads are untouched. Returns qkv."""
+def _check_packed_qkv(qkv: Tensor, positions: Tensor, cos_sin: Tensor, num_q_heads: int, num_kv_heads: int) -> int:
+    """Checks shared by qk_rope and qk_norm_rope; returns head_dim."""
     check_tensor("qkv", qkv, dtype=bfloat16, ndim=3)
     num_tokens, all_heads, head_dim = qkv.shape
     for name, value in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads)):
@@ -168,27 +211,57 @@ def qk_norm_rope(qkv: Tensor, q_weight: Tensor, k_weight: Tensor, positions: Ten
                          f"{num_q_heads + 2 * num_kv_heads}")
     _check_head_dim("qkv", head_dim)
     check_int32_range("qkv", all_heads)
+    _check_positions_table(positions, cos_sin, num_tokens, head_dim)
+    return head_dim
+
+
+def _launch_packed(family_kernel: str, qkv: Tensor, num_q_heads: int, num_kv_heads: int, *args) -> None:
+    """Launch a qk_rope / qk_norm_rope kernel: one warp per (token, q-or-k head) row, kRowsPerWarp rows a warp."""
+    num_tokens, _, head_dim = qkv.shape
+    check_int32_range("qkv", num_tokens)
+    name = f"{family_kernel}_d{head_dim}_bf16"
+    if head_dim == 128 and not aligned(qkv, nbytes=4):
+        name += "_scalar"
+    rows = num_tokens * (num_q_heads + num_kv_heads)
+    kernel("rope", name)(cdiv(rows, _ROWS_PER_WARP * _BLOCK // 32), _BLOCK, qkv, *args)
+
+
+def qk_rope(qkv: Tensor, positions: Tensor, cos_sin: Tensor, num_q_heads: int, num_kv_heads: int) -> Tensor:
+    """In place on the packed QKV projection qkv: bf16 [T, Hq + 2 Hkv, D]: RoPE on heads [0, Hq + Hkv) (q and k),
+    the v heads untouched (Llama: no head norms). Returns qkv."""
+    _check_packed_qkv(qkv, positions, cos_sin, num_q_heads, num_kv_heads)
+    device = same_device(qkv=qkv, positions=positions, cos_sin=cos_sin)
+    for name, t in (("positions", positions), ("cos_sin", cos_sin)):
+        check_alias(name, t, "qkv", qkv, allow_identical=False)
+    if qkv.shape[0] == 0:
+        return qkv
+    if device == "cpu":
+        qkv.array[...] = qk_rope_reference(qkv.array, positions.array, cos_sin.array, int(num_q_heads),
+                                           int(num_kv_heads))
+        return qkv
+    _launch_packed("qk_rope", qkv, num_q_heads, num_kv_heads, positions, cos_sin, np.int32(qkv.shape[0]),
+                   np.int32(num_q_heads), np.int32(num_kv_heads), np.int32(cos_sin.shape[0]))
+    return qkv
+
+
+def qk_norm_rope(qkv: Tensor, q_weight: Tensor, k_weight: Tensor, positions: Tensor, cos_sin: Tensor,
+                 num_q_heads: int, num_kv_heads: int, eps: float) -> Tensor:
+    """In place on the packed QKV projection qkv: bf16 [T, Hq + 2 Hkv, D]: heads [0, Hq) get head-RMSNorm(q_weight)
+    then RoPE, heads [Hq, Hq + Hkv) head-RMSNorm(k_weight) then RoPE, the v heads are untouched. Returns qkv."""
+    head_dim = _check_packed_qkv(qkv, positions, cos_sin, num_q_heads, num_kv_heads)
     check_tensor("q_weight", q_weight, dtype=bfloat16, shape=(head_dim,))
     check_tensor("k_weight", k_weight, dtype=bfloat16, shape=(head_dim,))
-    _check_positions_table(positions, cos_sin, num_tokens, head_dim)
     eps32 = check_eps(eps)
     device = same_device(qkv=qkv, q_weight=q_weight, k_weight=k_weight, positions=positions, cos_sin=cos_sin)
     for name, t in (("q_weight", q_weight), ("k_weight", k_weight), ("positions", positions), ("cos_sin", cos_sin)):
         check_alias(name, t, "qkv", qkv, allow_identical=False)
-    if num_tokens == 0:
+    if qkv.shape[0] == 0:
         return qkv
     if device == "cpu":
         qkv.array[...] = qk_norm_rope_reference(qkv.array, q_weight.array, k_weight.array, positions.array,
                                                 cos_sin.array, int(num_q_heads), int(num_kv_heads), eps32)
         return qkv
-    check_int32_range("qkv", num_tokens)
-    from ..runtime import kernel
-
-    name = f"qk_norm_rope_d{head_dim}_bf16"
-    if head_dim == 128 and not aligned(qkv, nbytes=4):
-        name += "_scalar"
-    rows = num_tokens * (num_q_heads + num_kv_heads)
-    grid = cdiv(rows, _ROWS_PER_WARP * _BLOCK // 32)
-    kernel("rope", name)(grid, _BLOCK, qkv, q_weight, k_weight, positions, cos_sin, np.int32(num_tokens),
-                         np.int32(num_q_heads), np.int32(num_kv_heads), np.int32(cos_sin.shape[0]), eps32)
+    _launch_packed("qk_norm_rope", qkv, num_q_heads, num_kv_heads, q_weight, k_weight, positions, cos_sin,
+                   np.int32(qkv.shape[0]), np.int32(num_q_heads), np.int32(num_kv_heads),
+                   np.int32(cos_sin.shape[0]), eps32)
     return qkv

@@ -1,0 +1,280 @@
+"""The dense decoder shared by Qwen3 and Llama: weights, the weight-name table, and the forward pass, written once
+against xserv.ops.
+
+A layer is pre-norm attention (fused QKV GEMM, optional q/k head RMSNorm, RoPE, paged attention, o_proj) and a
+pre-norm SwiGLU MLP (fused gate/up GEMM, down). An architecture subclasses `DenseModel` and sets `LAYER_WEIGHTS`
+(its Hugging Face names) and `QK_NORM`; nothing else differs.
+
+The forward takes a Batch (packed tokens of several sequences, positions, block tables, slot mapping, which rows
+need logits) and the paged KV cache, so prefill, chunked prefill, decode and mixed batches share one code path.
+CUDA tensors run the kernels (bf16 storage, fp32 accumulation); CPU tensors run the NumPy references (float32 math
+on the same bf16 tensors, rounding where the kernels round).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from ..ops.activation import silu_and_mul
+from ..ops.attention import attention_decode, attention_prefill, write_kv_packed
+from ..ops.embedding import embedding
+from ..ops.linear import linear
+from ..ops.rmsnorm import fused_add_rmsnorm
+from ..ops.rope import qk_norm_rope, qk_rope, rope_cos_sin_table
+from ..tensor import Tensor, as_dtype, bfloat16, float32
+from .base import KVLayout
+
+# The ops take bf16 activations and weights on both backends (the NumPy references compute in float32 and round
+# where the kernels round), so the CPU model is the reference of the CUDA one step by step.
+WEIGHT_DTYPE = {"cuda": bfloat16, "cpu": bfloat16}
+# The residual stream between layers stays in float32: rounding it to bf16 twice per layer (as transformers does
+# in bf16) put the 8B-shaped model's logits 6e-2 (relative L2) away from transformers' float32 logits.
+RESIDUAL_DTYPE = float32
+
+
+@dataclass
+class DenseLayer:
+    input_norm: Tensor  # [H]
+    qkv: Tensor  # [q_size + 2 * kv_size, H]: q_proj, k_proj, v_proj rows
+    o_proj: Tensor  # [H, q_size]
+    post_norm: Tensor  # [H]
+    gate_up: Tensor  # [2 * I, H]: gate_proj rows then up_proj rows
+    down: Tensor  # [H, I]
+    q_norm: Tensor | None = None  # [D] (QK_NORM architectures only)
+    k_norm: Tensor | None = None  # [D]
+
+
+# ---- the weight-name table ---------------------------------------------------------------------------------------
+# One row per Hugging Face tensor of a layer: (name under "model.layers.{i}.", DenseLayer field, part of the fused
+# field or None). The fused fields' parts are listed in their row order.
+DENSE_LAYER_WEIGHTS = (
+    ("input_layernorm.weight", "input_norm", None),
+    ("self_attn.q_proj.weight", "qkv", "q"),
+    ("self_attn.k_proj.weight", "qkv", "k"),
+    ("self_attn.v_proj.weight", "qkv", "v"),
+    ("self_attn.o_proj.weight", "o_proj", None),
+    ("post_attention_layernorm.weight", "post_norm", None),
+    ("mlp.gate_proj.weight", "gate_up", "gate"),
+    ("mlp.up_proj.weight", "gate_up", "up"),
+    ("mlp.down_proj.weight", "down", None),
+)
+QK_NORM_WEIGHTS = (
+    ("self_attn.q_norm.weight", "q_norm", None),
+    ("self_attn.k_norm.weight", "k_norm", None),
+)
+NORM_FIELDS = ("input_norm", "post_norm", "q_norm", "k_norm", "final_norm")
+
+
+def layer_prefix(i: int) -> str:
+    return f"model.layers.{i}."
+
+
+def field_shapes(config) -> dict[str, tuple[int, ...]]:
+    """The shape of each fused/loaded tensor of a layer, and the model-level ones."""
+    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
+    return {"input_norm": (h,), "qkv": (config.qkv_size, h), "o_proj": (h, config.q_size), "post_norm": (h,),
+            "gate_up": (2 * i, h), "down": (h, i), "q_norm": (d,), "k_norm": (d,),
+            "embed": (config.vocab_size, h), "final_norm": (h,), "lm_head": (config.vocab_size, h)}
+
+
+def part_rows(config) -> dict[str, tuple[int, int]]:
+    """Row range [start, stop) of each part inside its fused tensor."""
+    q, kv, i = config.q_size, config.kv_size, config.intermediate_size
+    return {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv), "gate": (0, i), "up": (i, 2 * i)}
+
+
+@dataclass(frozen=True)
+class Weight:
+    """One tensor of a checkpoint: its Hugging Face name and shape, and where the model keeps it."""
+    name: str
+    shape: tuple[int, ...]
+    layer: int | None  # None: a model-level tensor (embed, final_norm, lm_head)
+    field: str  # DenseLayer field, or DenseModel attribute for model-level tensors
+    rows: tuple[int, int] | None = None  # rows inside the fused field; None: the whole field
+
+    @property
+    def is_norm(self) -> bool:
+        return self.field in NORM_FIELDS
+
+
+# ---- activations ------------------------------------------------------------------------------------------------
+class Workspace:
+    """Activation buffers for up to `max_tokens` packed tokens and `max_logits` logit rows. The forward writes
+    into views of these, so a step allocates nothing (what a CUDA graph needs)."""
+
+    def __init__(self, config, max_tokens: int, max_logits: int, device: str, dtype):
+        c = config
+        self.max_tokens, self.max_logits = max_tokens, max_logits
+
+        def buf(cols, dt=dtype, rows=max_tokens):
+            return Tensor.empty((rows, cols), dt, device)
+
+        self.hidden = buf(c.hidden_size)
+        self.residual = buf(c.hidden_size, RESIDUAL_DTYPE)
+        self.normed = buf(c.hidden_size)
+        self.qkv = buf(c.qkv_size)
+        self.attn = buf(c.q_size)
+        self.gate_up = buf(2 * c.intermediate_size)
+        self.act = buf(c.intermediate_size)
+        self.gathered = buf(c.hidden_size, rows=max_logits)
+        self.logits = buf(c.vocab_size, float32, rows=max_logits)
+
+    def fits(self, num_tokens: int, num_logits: int) -> bool:
+        return num_tokens <= self.max_tokens and num_logits <= self.max_logits
+
+
+# ---- the model ----------------------------------------------------------------------------------------------------
+class DenseModel:
+    """Implements xserv.models.base.CausalLM for the dense decoder family."""
+
+    LAYER_WEIGHTS: ClassVar[tuple[tuple[str, str, str | None], ...]] = DENSE_LAYER_WEIGHTS
+    QK_NORM: ClassVar[bool] = False  # q/k head RMSNorm before RoPE (Qwen3)
+
+    def __init__(self, config, device: str, embed: Tensor, layers: list[DenseLayer], final_norm: Tensor,
+                 lm_head: Tensor, max_positions: int | None = None):
+        self.config = config
+        self.device = device
+        self.dtype = embed.dtype
+        self.embed = embed
+        self.layers = layers
+        self.final_norm = final_norm
+        self.lm_head = lm_head
+        self.eps = float(config.rms_norm_eps)
+        self.scale = float(config.head_dim) ** -0.5
+        self.max_positions = int(max_positions or config.context_length)
+        table = rope_cos_sin_table(config.head_dim, self.max_positions, config.rope_theta, config.rope_scaling)
+        self.cos_sin = Tensor.from_numpy(np.ascontiguousarray(table, np.float32), device)
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        c = self.config
+        return KVLayout(c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
+
+    # ---- weights ------------------------------------------------------------------------------------------
+    @classmethod
+    def weight_table(cls, config) -> list[Weight]:
+        """Every tensor a Hugging Face checkpoint of this architecture and config holds, in file order: what
+        loading checks and fills, and what a random checkpoint is made of."""
+        shapes, rows = field_shapes(config), part_rows(config)
+
+        def weight(name, field, part=None, layer=None):
+            span = rows[part] if part else None
+            shape = (span[1] - span[0],) + shapes[field][1:] if span else shapes[field]
+            return Weight(name, shape, layer, field, span)
+
+        table = [weight("model.embed_tokens.weight", "embed")]
+        for n in range(config.num_hidden_layers):
+            table += [weight(layer_prefix(n) + suffix, field, part, n) for suffix, field, part in cls.LAYER_WEIGHTS]
+        table.append(weight("model.norm.weight", "final_norm"))
+        if not config.tie_word_embeddings:
+            table.append(weight("lm_head.weight", "lm_head"))
+        return table
+
+    @classmethod
+    def from_checkpoint(cls, config, reader, device: str = "cuda", progress: bool = True,
+                        max_positions: int | None = None, dtype=None) -> "DenseModel":
+        """Upload a checkpoint into `dtype` tensors (default: WEIGHT_DTYPE[device]; other float dtypes in the file
+        are cast one tensor at a time on the host). Fused tensors are allocated once and filled part by part in
+        place; on CUDA every tensor goes from the memory-mapped file straight to device memory."""
+        table = cls.weight_table(config)
+        expected = {w.name: w.shape for w in table}
+        if config.tie_word_embeddings and "lm_head.weight" in reader.names():
+            expected["lm_head.weight"] = (config.vocab_size, config.hidden_size)  # present but unused
+        reader.validate(expected)
+        dtype = as_dtype(dtype) if dtype is not None else WEIGHT_DTYPE[device]
+        shapes = field_shapes(config)
+        model_fields: dict[str, Tensor] = {}
+        layer_fields: list[dict[str, Tensor]] = [{} for _ in range(config.num_hidden_layers)]
+
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(table), desc="loading weights", unit="tensor", leave=False)
+        try:
+            for w in table:
+                fields = model_fields if w.layer is None else layer_fields[w.layer]
+                if w.field not in fields:
+                    fields[w.field] = Tensor.empty(shapes[w.field], dtype, device)
+                dest = fields[w.field] if w.rows is None else fields[w.field][w.rows[0]:w.rows[1]]
+                arr = reader.get(w.name)
+                dest.copy_(np.ascontiguousarray(arr if arr.dtype == dtype else arr.astype(dtype)))
+                if bar is not None:
+                    bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        if device == "cuda":
+            from ..runtime import synchronize
+
+            synchronize()
+        embed = model_fields["embed"]
+        model = cls(config, device, embed, [DenseLayer(**f) for f in layer_fields], model_fields["final_norm"],
+                    model_fields.get("lm_head", embed), max_positions=max_positions)
+        if device == "cpu":  # frozen: lets the CPU GEMM cache its float32 copies (xserv/ops/linear.py)
+            for tensor in model.weight_tensors():
+                tensor.array.flags.writeable = False
+        return model
+
+    def weight_tensors(self) -> list[Tensor]:
+        tensors = [self.embed, self.final_norm] + ([] if self.lm_head is self.embed else [self.lm_head])
+        for layer in self.layers:
+            tensors += [t for t in vars(layer).values() if t is not None]
+        return tensors
+
+    def weight_bytes(self) -> int:
+        return sum(t.nbytes for t in self.weight_tensors())
+
+    def make_workspace(self, max_tokens: int, max_logits: int) -> Workspace:
+        return Workspace(self.config, max_tokens, max_logits, self.device, self.dtype)
+
+    # ---- forward ------------------------------------------------------------------------------------------
+    def forward(self, batch, kv_cache, workspace: Workspace | None = None) -> Tensor:
+        """Logits float32 [batch.num_logits, vocab] for the rows batch.logits_indices names (every row if None)."""
+        t = batch.num_tokens
+        n = t if batch.logits_indices is None else batch.logits_indices.shape[0]
+        if workspace is None or not workspace.fits(t, n):
+            workspace = self.make_workspace(t, n)
+        ws = workspace
+        c = self.config
+        hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        residual = ws.residual[:t]
+        normed = ws.normed[:t]
+        hidden = ws.hidden[:t]
+        qkv = ws.qkv[:t]
+        qkv3 = qkv.view(t, hq + 2 * hkv, d)
+        attn = ws.attn[:t]
+        attn3 = attn.view(t, hq, d)
+        gate_up = ws.gate_up[:t]
+        act = ws.act[:t]
+
+        embedding(batch.input_ids, self.embed, out=hidden)
+        residual.zero_()  # the first layer's add starts the float32 stream from the embeddings, exactly
+        for i, layer in enumerate(self.layers):
+            fused_add_rmsnorm(hidden, residual, layer.input_norm, self.eps, out=normed)
+            linear(normed, layer.qkv, out=qkv)
+            if self.QK_NORM:
+                qk_norm_rope(qkv3, layer.q_norm, layer.k_norm, batch.positions, self.cos_sin, hq, hkv, self.eps)
+            else:
+                qk_rope(qkv3, batch.positions, self.cos_sin, hq, hkv)
+            write_kv_packed(qkv3, hq, kv_cache.k[i], kv_cache.v[i], batch.slot_mapping)
+            if batch.max_q_len > 1:
+                attention_prefill(qkv3, kv_cache.k[i], kv_cache.v[i], batch.cu_seqlens_q, batch.kv_lens,
+                                  batch.block_tables, self.scale, batch.max_q_len, out=attn3, num_q_heads=hq)
+            else:
+                attention_decode(qkv3, kv_cache.k[i], kv_cache.v[i], batch.kv_lens, batch.block_tables,
+                                 self.scale, batch.max_kv_len, out=attn3, num_q_heads=hq)
+            linear(attn, layer.o_proj, out=hidden)
+            fused_add_rmsnorm(hidden, residual, layer.post_norm, self.eps, out=normed)
+            linear(normed, layer.gate_up, out=gate_up)
+            silu_and_mul(gate_up, out=act)
+            linear(act, layer.down, out=hidden)
+        fused_add_rmsnorm(hidden, residual, self.final_norm, self.eps, out=normed)
+        if batch.logits_indices is not None:
+            rows = ws.gathered[:n]
+            embedding(batch.logits_indices, normed, out=rows)
+        else:
+            rows = normed
+        return linear(rows, self.lm_head, out=ws.logits[:n])
