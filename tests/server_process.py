@@ -1,6 +1,7 @@
 """A real `xserv serve` process on a free port, for the server tests (tests/test_server*.py)."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -72,3 +73,24 @@ class ServerProcess:
         r = httpx.get(self.url + "/metrics", headers=headers, timeout=10)
         r.raise_for_status()
         return parse_metrics(r.text)
+
+
+async def stream_text(client: httpx.AsyncClient, url: str, body: dict, drop_after: int | None = None):
+    """(joined text, finish_reason, chunks) of one streamed completion; stop reading after `drop_after` chunks."""
+    parts, finish, n = [], None, 0
+    async with client.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                break
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            choice = chunk["choices"][0]
+            parts.append(choice["text"])
+            finish = choice["finish_reason"] or finish
+            n += 1
+            if drop_after is not None and n >= drop_after:
+                return None, None, n
+    return "".join(parts), finish, n

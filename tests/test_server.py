@@ -12,7 +12,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from qwen3_reference import perturbed_model_dir  # noqa: E402,F401
-from server_process import ServerProcess  # noqa: E402
+from server_process import ServerProcess, stream_text  # noqa: E402
 
 MODEL = "tiny"
 GREEDY = {"temperature": 0.0}
@@ -28,37 +28,6 @@ def server(perturbed_model_dir):  # noqa: F811
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-
-
-def sse_events(text: str) -> list:
-    events = []
-    for block in text.split("\n\n"):
-        if block.strip():
-            assert block.startswith("data: "), block
-            data = block[len("data: "):]
-            events.append(data if data == "[DONE]" else json.loads(data))
-    return events
-
-
-async def stream_text(client: httpx.AsyncClient, url: str, body: dict, drop_after: int | None = None):
-    """(joined text, finish_reason, chunks) of one streamed completion; stop reading after `drop_after` chunks."""
-    parts, finish, n = [], None, 0
-    async with client.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as r:
-        assert r.status_code == 200, await r.aread()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
-                break
-            chunk = json.loads(line[6:])
-            assert "error" not in chunk, chunk
-            choice = chunk["choices"][0]
-            parts.append(choice["text"])
-            finish = choice["finish_reason"] or finish
-            n += 1
-            if drop_after is not None and n >= drop_after:
-                return None, None, n
-    return "".join(parts), finish, n
 
 
 def test_models_and_health(server, client):

@@ -12,7 +12,7 @@ from typing import AsyncIterator
 from ..sampling import SamplingParams
 from .async_engine import AsyncEngine, EngineBroken, EngineStopped, Update
 from .metrics import ServerMetrics
-from .protocol import MAX_STOP_STRINGS, APIError, ChatCompletionRequest, CompletionRequest, error_body
+from .protocol import MAX_STOP_STRINGS, APIError, ChatCompletionRequest, error_body
 
 # SamplingParams fields a request may leave to the model's generation_config.json defaults
 _DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
