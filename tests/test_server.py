@@ -3,6 +3,7 @@
 import asyncio
 import json
 import random
+import time
 
 import pytest
 
@@ -202,8 +203,6 @@ def test_dropped_streams_free_their_blocks(server):
 
     results = asyncio.run(many())
     assert all(r[1] == "length" for r in results[0::2])  # the kept half completed
-    import time
-
     deadline = time.monotonic() + 20
     while True:
         m = server.metrics()
@@ -271,3 +270,18 @@ def test_bench_serve_against_the_server(server, tmp_path):
         s = result[key]
         assert 0 < s["p50"] <= s["p90"] <= s["p99"], (key, s)
     assert result["output_tokens_per_s"] > 0
+
+
+def test_non_streaming_client_that_leaves_aborts_its_request(server):
+    before = server.metrics()['xserv_request_success_total{finish_reason="abort"}']
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 250, "ignore_eos": True},
+                   timeout=0.3)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        m = server.metrics()
+        if m['xserv_request_success_total{finish_reason="abort"}'] > before and not m["xserv_num_requests_running"]:
+            break
+        time.sleep(0.05)
+    assert m['xserv_request_success_total{finish_reason="abort"}'] == before + 1
+    assert m["xserv_num_requests_running"] == 0

@@ -206,9 +206,12 @@ def completion_logprobs(tokenizer, entries: list[dict] | None, top_n: int, text_
             "top_logprobs": top if top_n else None, "text_offset": offsets}
 
 
+def _dumps(payload) -> str:
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+
+
 def sse(payload) -> bytes:
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
-    return f"data: {data}\n\n".encode()
+    return f"data: {payload if isinstance(payload, str) else _dumps(payload)}\n\n".encode()
 
 
 def _error_event(e: BaseException) -> bytes:
@@ -258,11 +261,12 @@ class Endpoint:
         include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
         sent_text = [0] * len(run.choices)
 
+        # the envelope is the same in every chunk: encode it once
+        head = _dumps(self.envelope([], self.chunk_object))[:-len(',"choices":[]}')]
+        tail = ',"usage":null}\n\n' if include_usage else "}\n\n"
+
         def chunk(choices):
-            body = self.envelope(choices, self.chunk_object)
-            if include_usage:
-                body["usage"] = None
-            return sse(body)
+            return f'data: {head},"choices":{_dumps(choices)}{tail}'.encode()
 
         try:
             for first in self.opening_chunks(len(run.choices)):
