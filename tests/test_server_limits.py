@@ -194,3 +194,57 @@ def test_request_values_override_the_defaults():
                          max_tokens=7, max_tokens_param="max_tokens", logprobs=None)
     assert [(p.temperature, p.top_p, p.top_k, p.max_tokens, p.seed) for p in ps] == [(0, 0.95, -1, 7, 5),
                                                                                       (0, 0.95, -1, 7, 6)]
+
+
+class _Seq:
+    def __init__(self, n):
+        self.num_prompt_tokens = n
+
+
+class _FailingEngine:
+    """Accepts requests; its first step fails like a CUDA error would."""
+
+    def __init__(self):
+        self.live = []
+
+    def stats(self):
+        return {"num_running": len(self.live), "num_waiting": 0, "kv_blocks_total": 8, "kv_blocks_free": 8}
+
+    def add_request(self, prompt_ids, params, prompt=None, stream=False):
+        self.live.append(_Seq(len(prompt_ids)))
+        return self.live[-1]
+
+    def has_unfinished(self):
+        return bool(self.live)
+
+    def step(self):
+        raise RuntimeError("CUDA_ERROR_LAUNCH_FAILED (simulated)")
+
+    def abort(self, seq):
+        self.live.remove(seq)
+
+
+def test_health_is_503_after_an_engine_failure():
+    import asyncio
+
+    from xserv.server.app import create_app
+    from xserv.server.async_engine import AsyncEngine
+    from xserv.server.openai_api import ServerContext
+
+    async def scenario():
+        failed = asyncio.Event()
+        ctx = ServerContext(engine=AsyncEngine(_FailingEngine(), on_broken=lambda e: failed.set()), tokenizer=None,
+                            model_name="m", max_model_len=64, vocab_size=1000, max_in_flight=8)
+        app = create_app(ctx)
+        ctx.engine.start()
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://xserv") as c:
+            assert (await c.get("/health")).status_code == 200
+            r = await c.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4})
+            assert _error(r, 503)["code"] == "engine_failed" and "LAUNCH_FAILED" in r.json()["error"]["message"]
+            await asyncio.wait_for(failed.wait(), 5)
+            assert (await c.get("/health")).status_code == 503
+            assert _error(await c.post("/v1/completions", json={"prompt": [1], "max_tokens": 1}), 503)["code"] == \
+                "engine_failed"
+        await ctx.engine.stop()
+
+    asyncio.run(scenario())
