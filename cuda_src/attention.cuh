@@ -32,6 +32,15 @@ __device__ __forceinline__ unsigned smem_u32(const void* p) {
     return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
 
+// Traps unless the launch gave at least `end_bytes` of dynamic shared memory (counted from its start). The launchers'
+// shared-memory sizes (xserv/ops/attention/) are host copies of each kernel's layout; one that fell out of step
+// would otherwise let the kernel write past its allocation unseen. One special-register read per thread.
+__device__ __forceinline__ void require_dynamic_smem(unsigned end_bytes) {
+    unsigned size;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(size));
+    if (size < end_bytes) __trap();
+}
+
 // ---- cp.async: 16 bytes global -> shared without passing through registers (sm_80+) ------------------------
 // With `valid` false the source size is 0 and the 16 destination bytes are zero-filled: out-of-range rows become
 // zeros, never whatever (possibly NaN) data lies at the address. .cg bypasses L1 (each byte is used once per CTA).

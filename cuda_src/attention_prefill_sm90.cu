@@ -174,16 +174,13 @@ __device__ __forceinline__ WarpgroupRows warpgroup_rows(const PrefillTile& t, in
 
 }  // namespace prefill4
 
-// PROBE (timing decomposition only; the result is wrong on purpose): 0 = the real kernel, 1 = no K/V copies after
-// the first tile, 2 = no softmax (P = S), 3 = no PV product. tools/bench_attention --v4-probes times them.
-//
 // K/V copies: with tensor maps (k_tmap, v_tmap non-null; block_size a multiple of 8 that divides BKV or is a
 // multiple of it) the TMA copies every chunk of R = min(block_size, BKV) keys (one page, or one tile of a page)
 // that lies wholly below kv_end; the rest of a tile (the sequence's last, partial chunk and rows past it) is copied
 // by every thread with cp.async, zero-filled past kv_end so that stale or NaN cache slots never reach PV. Without
 // tensor maps every row goes through cp.async.
-template <int D, int NWG, int BKV, int PROBE = 0>
-__device__ __forceinline__ void prefill_v4(XSERV_PREFILL_ARGS, const void* k_tmap, const void* v_tmap, int tma_spread) {
+template <int D, int NWG, int BKV>
+__device__ __forceinline__ void prefill_v4(XSERV_PREFILL_ARGS, const void* k_tmap, const void* v_tmap) {
 #if !defined(__CUDA_ARCH_FEAT_SM90_ALL)
     __trap();  // wgmma exists only on sm_90a; xserv.ops.attention picks v4 only there (this keeps other archs compiling)
 #else
@@ -205,6 +202,7 @@ __device__ __forceinline__ void prefill_v4(XSERV_PREFILL_ARGS, const void* k_tma
     const unsigned sK = sQ + Q_BYTES;          // [2][BKV x D]
     const unsigned sV = sK + 2 * KV_BYTES;     // [2][BKV x D]
     const unsigned bars = sV + 2 * KV_BYTES;   // mbarriers: K stage 0, 1, V stage 0, 1 (8 bytes each)
+    require_dynamic_smem(bars + 32 - raw);
 
     const int tid = threadIdx.x, lane = tid & 31;
     const int wg = tid >> 7, warp_in_wg = (tid >> 5) & 3;
@@ -252,11 +250,11 @@ __device__ __forceinline__ void prefill_v4(XSERV_PREFILL_ARGS, const void* k_tma
     };
 
     // ---- TMA: chunks of R keys. Chunk c of a tile is copied (both panels of K and V) by lane c / W of warp c % W
-    // (W warps) with tma_spread (a few copies per warp), else by lane c of warp 0. The chunk's cache
-    // slot is looked up one tile ahead (tma_slot), so that load's latency is never waited for.
+    // (W warps): a few copies per warp rather than all by warp 0 (measured faster). The chunk's cache slot is looked
+    // up one tile ahead (tma_slot), so that load's latency is never waited for.
     const bool use_tma = k_tmap != nullptr;
     const int R = min(block_size, BKV), chunks = BKV / R;
-    const int my_chunk = tma_spread ? lane * (4 * NWG) + (tid >> 5) : (tid < 32 ? lane : BKV);
+    const int my_chunk = lane * (4 * NWG) + (tid >> 5);
     const bool chunk_owner = use_tma && my_chunk < chunks;
     auto chunk_slot = [&](int t) -> int {
         const int key = t * BKV + my_chunk * R;
@@ -335,7 +333,7 @@ __device__ __forceinline__ void prefill_v4(XSERV_PREFILL_ARGS, const void* k_tma
             fence_proxy_async();
         }
         __syncthreads();  // tile kt visible to every warpgroup; all are done with tile kt-1, whose stage is refilled
-        pending_cp_async = kt + 1 < n_tiles && PROBE != 1 && issue_tile(kt + 1, stage ^ KV_BYTES, page);
+        pending_cp_async = kt + 1 < n_tiles && issue_tile(kt + 1, stage ^ KV_BYTES, page);
         cp_async_commit();
         page = kt + 2 < n_tiles && !use_tma ? page_of(kt + 2) : 0;
 
@@ -344,29 +342,17 @@ __device__ __forceinline__ void prefill_v4(XSERV_PREFILL_ARGS, const void* k_tma
 
         // ---- S = Q K^T
         const unsigned parity = (kt >> 1) & 1;
-        if (use_tma && PROBE != 1) mbarrier_wait(bars + (stage ? 8 : 0), parity);
+        if (use_tma) mbarrier_wait(bars + (stage ? 8 : 0), parity);
         float sacc[BKV / 2];
         qk_product<D, BQ, BKV>(sacc, q_desc, k_desc, stage);
         wgmma_fence_operands(o);
 
         unsigned pa[BKV / 16][4];  // P as the A operand of the PV product
-        if constexpr (PROBE == 2) {  // no softmax: P = S
-#pragma unroll
-            for (int ks = 0; ks < BKV / 16; ++ks)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) pa[ks][i] = pack_bf16x2(sacc[8 * ks + 2 * i], sacc[8 * ks + 2 * i + 1]);
-        } else {
-            // mask only tiles reaching past the warpgroup's first row
-            softmax_to_p<D, BKV>(sacc, o, m_row, l_row, pa, kt * BKV + BKV - 1 > rows.first, kt * BKV + 2 * (lane & 3),
-                                 rows.pos_lo, rows.pos_hi, scale_log2);
-        }
-        if constexpr (PROBE == 3) {  // no PV product
-#pragma unroll
-            for (int ks = 0; ks < BKV / 16; ++ks) o[ks] += __uint_as_float(pa[ks][0] ^ pa[ks][1] ^ pa[ks][2] ^ pa[ks][3]);
-            continue;
-        }
+        // mask only tiles reaching past the warpgroup's first row
+        softmax_to_p<D, BKV>(sacc, o, m_row, l_row, pa, kt * BKV + BKV - 1 > rows.first, kt * BKV + 2 * (lane & 3),
+                             rows.pos_lo, rows.pos_hi, scale_log2);
         // ---- O += P V
-        if (use_tma && PROBE != 1) mbarrier_wait(bars + (stage ? 24 : 16), parity);
+        if (use_tma) mbarrier_wait(bars + (stage ? 24 : 16), parity);
         pv_product<D, BKV>(o, pa, v_desc, stage);
     }
     cp_async_wait<0>();  // no copy may still target shared memory when the CTA exits
@@ -397,6 +383,7 @@ __device__ __forceinline__ void prefill_v5(XSERV_PREFILL_ARGS, const void* k_tma
     const unsigned sV = sK + STAGES * KV_BYTES;       // [STAGES][BKV x D]
     const unsigned full_k = sV + STAGES * KV_BYTES;   // mbarriers, 8 bytes each: full_k[STAGES], full_v, empty
     const unsigned full_v = full_k + 8 * STAGES, empty = full_v + 8 * STAGES;
+    require_dynamic_smem(empty + 8 * STAGES - smem_u32(smem_raw));
 
     const int tid = threadIdx.x, lane = tid & 31;
     PrefillTile T;  // heaviest (last) q tiles first
@@ -513,6 +500,7 @@ __device__ __forceinline__ void prefill_v5(XSERV_PREFILL_ARGS, const void* k_tma
 
 // attention_prefill_v5_d{D}_w{NWG}_k{BKV}_s{STAGES}: block 128 (NWG + 1) (the producer warpgroup last); dynamic shared
 // memory (64 NWG + 2 STAGES BKV) * D * 2 + 1024 + 24 STAGES bytes; arguments: XSERV_PREFILL_ARGS, k_tmap, v_tmap.
+// The measured best per head_dim ships (the other tuning points are in cuda_src/dev/attention_prefill_sm90_dev.cu).
 #define XSERV_PREFILL_V5(D, NWG, BKV, STAGES)                                                                   \
     extern "C" __global__ void __launch_bounds__(128 * NWG + 128, 1)                                             \
         attention_prefill_v5_d##D##_w##NWG##_k##BKV##_s##STAGES(XSERV_PREFILL_ARGS, const void* k_tmap,          \
@@ -520,33 +508,16 @@ __device__ __forceinline__ void prefill_v5(XSERV_PREFILL_ARGS, const void* k_tma
         prefill_v5<D, NWG, BKV, STAGES>(XSERV_PREFILL_PASS, k_tmap, v_tmap);                                     \
     }
 XSERV_PREFILL_V5(128, 2, 128, 3)
-XSERV_PREFILL_V5(128, 2, 128, 2)
-XSERV_PREFILL_V5(128, 2, 64, 4)
-XSERV_PREFILL_V5(128, 3, 64, 3)
 XSERV_PREFILL_V5(64, 2, 128, 3)
-XSERV_PREFILL_V5(64, 3, 128, 3)
 
 // attention_prefill_v4_d{D}_w{NWG}_k{BKV}: NWG warpgroups (64 query rows each), key tiles of BKV;
 // dynamic shared memory (64 NWG + 4 BKV) * D * 2 + 1024 + 32 bytes; arguments: XSERV_PREFILL_ARGS, then the
-// K and V cache tensor maps (device addresses of CUtensorMap, or null for cp.async only) and tma_spread.
+// K and V cache tensor maps (device addresses of CUtensorMap, or null for cp.async only). Runs on sm_90a where the
+// block size rules out v5's TMA copies.
 #define XSERV_PREFILL_V4(D, NWG, BKV)                                                                           \
     extern "C" __global__ void __launch_bounds__(128 * NWG, 1) attention_prefill_v4_d##D##_w##NWG##_k##BKV(     \
-        XSERV_PREFILL_ARGS, const void* k_tmap, const void* v_tmap, int tma_spread) {                           \
-        prefill_v4<D, NWG, BKV>(XSERV_PREFILL_PASS, k_tmap, v_tmap, tma_spread);                                 \
+        XSERV_PREFILL_ARGS, const void* k_tmap, const void* v_tmap) {                                           \
+        prefill_v4<D, NWG, BKV>(XSERV_PREFILL_PASS, k_tmap, v_tmap);                                             \
     }
 XSERV_PREFILL_V4(128, 2, 128)
-XSERV_PREFILL_V4(128, 2, 64)
-XSERV_PREFILL_V4(128, 3, 64)
-XSERV_PREFILL_V4(64, 2, 128)
-XSERV_PREFILL_V4(64, 2, 64)
 XSERV_PREFILL_V4(64, 3, 128)
-
-// timing probes of the default d128 kernel (see PROBE above)
-#define XSERV_PREFILL_V4_PROBE(P)                                                                                \
-    extern "C" __global__ void __launch_bounds__(256, 1) attention_prefill_v4probe##P##_d128_w2_k128(            \
-        XSERV_PREFILL_ARGS, const void* k_tmap, const void* v_tmap, int tma_spread) {                            \
-        prefill_v4<128, 2, 128, P>(XSERV_PREFILL_PASS, k_tmap, v_tmap, tma_spread);                              \
-    }
-XSERV_PREFILL_V4_PROBE(1)
-XSERV_PREFILL_V4_PROBE(2)
-XSERV_PREFILL_V4_PROBE(3)

@@ -1,16 +1,65 @@
-"""Every kernel family compiles to an sm_90a cubin (no GPU needed), and the disk cache works."""
+"""Every kernel family compiles to an sm_90a cubin (no GPU needed), .cu through NVRTC and .ptx through nvJitLink, and
+the disk cache works. The families compile once per session, in parallel (as a first start does)."""
+import os
+
 import pytest
 
 from xserv.runtime import CompileError
-from xserv.runtime.compiler import cache_key, compile_family, list_families
+from xserv.runtime.compiler import (cache_key, compile_families, compile_family, family_source, list_dev_families,
+                                    list_families, ptx_to_cubin)
+
+
+@pytest.fixture(scope="session")
+def hopper_cubins(tmp_path_factory):
+    """family -> sm_90a cubin of every production family, compiled in parallel into a fresh cache."""
+    saved = os.environ.get("XSERV_CACHE_DIR")
+    os.environ["XSERV_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
+    try:
+        compile_families(list_families(), "sm_90a")
+        yield {f: compile_family(f, "sm_90a") for f in list_families()}  # cache hits
+    finally:
+        if saved is None:
+            del os.environ["XSERV_CACHE_DIR"]
+        else:
+            os.environ["XSERV_CACHE_DIR"] = saved
 
 
 @pytest.mark.parametrize("family", list_families())
-def test_family_compiles_for_hopper(family, tmp_path, monkeypatch):
-    monkeypatch.setenv("XSERV_CACHE_DIR", str(tmp_path))
-    cubin = compile_family(family, "sm_90a")
+def test_family_compiles_for_hopper(family, hopper_cubins):
+    cubin = hopper_cubins[family]
     assert cubin[:4] == b"\x7fELF"  # a cubin is an ELF image, not PTX text
-    assert list(tmp_path.rglob("*.cubin"))
+
+
+def test_ptx_family_ships_its_kernels(hopper_cubins):
+    assert family_source("activation").suffix == ".ptx"
+    for name in ("silu_and_mul_bf16_vec", "silu_and_mul_bf16_scalar"):
+        assert b"\0" + name.encode() + b"\0" in hopper_cubins["activation"]  # in the cubin's symbol names
+
+
+def test_dev_families_are_not_production():
+    dev = list_dev_families()
+    assert dev and all(f.startswith("dev/") for f in dev)
+    assert not set(dev) & set(list_families())
+    assert "dev/attention_decode_dev" in dev and family_source("dev/attention_decode_dev").is_file()
+
+
+def test_dev_cache_key_follows_the_production_file_it_includes(tmp_path, monkeypatch):
+    """A dev family includes its production file ("../x.cu") and that file's headers: all are in its key."""
+    import xserv.runtime.compiler as compiler
+
+    src = tmp_path / "src"
+    (src / "dev").mkdir(parents=True)
+    (src / "base.cuh").write_text("#define N 1\n")
+    (src / "base.cu").write_text('#include "base.cuh"\nextern "C" __global__ void k() {}\n')
+    (src / "dev" / "exp.cu").write_text('#include "../base.cu"\nextern "C" __global__ void k2() {}\n')
+    monkeypatch.setattr(compiler, "kernel_source_dir", lambda: src)
+    monkeypatch.setenv("XSERV_CACHE_DIR", str(tmp_path / "cache"))
+    assert compiler.list_families() == ["base"] and compiler.list_dev_families() == ["dev/exp"]
+    before = cache_key("dev/exp", "sm_90a", ())
+    (src / "base.cuh").write_text("#define N 2\n")
+    assert cache_key("dev/exp", "sm_90a", ()) != before
+    assert compile_family("dev/exp", "sm_90a")[:4] == b"\x7fELF"
+    assert list((tmp_path / "cache").rglob("dev/exp-sm_90a-*.cubin"))
 
 
 def test_cache_hit_returns_same_bytes_and_key_changes_with_options(tmp_path, monkeypatch):
@@ -22,6 +71,7 @@ def test_cache_hit_returns_same_bytes_and_key_changes_with_options(tmp_path, mon
     assert compile_family("fill", "sm_90a", use_cache=False) == first
     assert cache_key("fill", "sm_90a", ("-O3",)) != cache_key("fill", "sm_90a", ())
     assert cache_key("fill", "sm_80", ()) != cache_key("fill", "sm_90a", ())
+    assert cache_key("activation", "sm_80", ()) != cache_key("activation", "sm_90a", ())
 
 
 def test_compile_error_carries_the_nvrtc_log(tmp_path, monkeypatch):
@@ -32,6 +82,44 @@ def test_compile_error_carries_the_nvrtc_log(tmp_path, monkeypatch):
     monkeypatch.setenv("XSERV_CACHE_DIR", str(tmp_path / "cache"))
     with pytest.raises(CompileError, match=r"broken.cu.*undefined_thing"):
         compiler.compile_family("broken", "sm_90a")
+
+
+BROKEN_PTX = """.version 8.0
+.target sm_90a
+.address_size 64
+
+.visible .entry k(.param .u64 p)
+{
+    .reg .b64 %rd<2>;
+    ld.param.u64 %rd1, [p];
+    mov.u64 %rd1, %no_such_register;
+    ret;
+}
+"""
+
+
+def test_ptx_error_names_file_and_line(tmp_path, monkeypatch):
+    import xserv.runtime.compiler as compiler
+
+    (tmp_path / "broken.ptx").write_text(BROKEN_PTX)
+    monkeypatch.setattr(compiler, "kernel_source_dir", lambda: tmp_path)
+    monkeypatch.setenv("XSERV_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(CompileError, match=r"broken\.ptx:9: error: .*no_such_register"):
+        compiler.compile_family("broken", "sm_90a")
+    with pytest.raises(CompileError, match=r"inline\.ptx:9: error"):
+        ptx_to_cubin(BROKEN_PTX.encode(), "sm_90a", "inline.ptx")
+    fixed = BROKEN_PTX.replace("    mov.u64 %rd1, %no_such_register;\n", "")
+    assert ptx_to_cubin(fixed.encode(), "sm_90a")[:4] == b"\x7fELF"
+
+
+def test_a_family_with_both_sources_is_refused(tmp_path, monkeypatch):
+    import xserv.runtime.compiler as compiler
+
+    (tmp_path / "twice.cu").write_text('extern "C" __global__ void k() {}\n')
+    (tmp_path / "twice.ptx").write_text(BROKEN_PTX)
+    monkeypatch.setattr(compiler, "kernel_source_dir", lambda: tmp_path)
+    with pytest.raises(CompileError, match="both twice.cu and twice.ptx"):
+        compiler.compile_family("twice", "sm_90a")
 
 
 def test_unknown_family_is_named():
@@ -50,7 +138,20 @@ def test_ensure_compiled_fills_the_cache_once(tmp_path, monkeypatch):
     import xserv.runtime.compiler as compiler
 
     monkeypatch.setenv("XSERV_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(compiler, "list_families", lambda: ["fill", "elementwise"])
-    assert compiler.missing_families("sm_90a") == ["fill", "elementwise"]
-    assert sorted(compiler.ensure_compiled("sm_90a", progress=False)) == ["elementwise", "fill"]
+    monkeypatch.setattr(compiler, "list_families", lambda: ["fill", "elementwise", "activation"])
+    assert compiler.missing_families("sm_90a") == ["fill", "elementwise", "activation"]
+    assert sorted(compiler.ensure_compiled("sm_90a", progress=False)) == ["activation", "elementwise", "fill"]
     assert compiler.missing_families("sm_90a") == [] and compiler.ensure_compiled("sm_90a") == []
+
+
+def test_compile_families_raises_after_running_all(tmp_path, monkeypatch):
+    import xserv.runtime.compiler as compiler
+
+    (tmp_path / "good.cu").write_text('extern "C" __global__ void k() {}\n')
+    (tmp_path / "bad.cu").write_text('extern "C" __global__ void k() { nope(); }\n')
+    monkeypatch.setattr(compiler, "kernel_source_dir", lambda: tmp_path)
+    monkeypatch.setenv("XSERV_CACHE_DIR", str(tmp_path / "cache"))
+    done = []
+    with pytest.raises(CompileError, match="bad.cu"):
+        compile_families(["bad", "good"], "sm_90a", on_done=lambda f, s: done.append(f))
+    assert done == ["good"] and compiler.missing_families("sm_90a") == ["bad"]

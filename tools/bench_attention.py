@@ -2,7 +2,11 @@
 CUDNN_ATTENTION backends (and EFFICIENT_ATTENTION for decode), in the same run, on the same data (dense copies of
 the paged cache for SDPA). Prints TFLOP/s (prefill) or GB/s (decode), ratios, and the device name.
 
-    python -m tools.bench_attention [--quick] [--skip-torch] [--decode-only] [--decode-variants v2,v3,v3s3]
+    python -m tools.bench_attention [--quick] [--skip-torch] [--decode-only] [--prefill all|shipped|NAMES]
+                                    [--decode-variants v4,v2,v3,v3s3]
+
+Kernels are named as in xserv.ops.attention's tables (PREFILL_KERNELS, DECODE_KERNELS): the shipped ones and the
+development ones in cuda_src/dev/ (compiled on first use here, never by the library).
 
 Prefill is timed as plain launches (ms-scale kernels), decode as CUDA-graph replays (the engine's decode step;
 also proves the op is capturable). Median of many, rotating input sets larger than L2.
@@ -39,21 +43,15 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer iterations")
     p.add_argument("--skip-torch", action="store_true")
-    p.add_argument("--warps", default="4,8", help="fa2 prefill variants to time (warps per CTA; '' for none)")
-    p.add_argument("--v3", default="all", help="v3 prefill variants to time: all, default, none, or names "
-                   "(comma-separated, e.g. m2w4_b2)")
-    p.add_argument("--v4", default="all", help="v4 (wgmma, sm_90a) prefill variants to time: all, default, none, "
-                   "or names (e.g. w2_k64)")
-    p.add_argument("--v5", default="all", help="v5 (producer warp + TMA ring, sm_90a) prefill variants to time: "
-                   "all, default, none, or names (e.g. w2_k128_s3)")
-    p.add_argument("--v4-probes", action="store_true", help="also time the v4 d128 timing probes (kernels that "
-                   "leave out the K/V copies, the softmax or the PV product; wrong results on purpose)")
+    p.add_argument("--prefill", default="all", help="prefill kernels to time: all (shipped and dev, probes "
+                   "excepted), shipped, or comma-separated names (e.g. v5,v4_w2_k64,fa2_w8,v4probe1)")
     p.add_argument("--only", default="", help="prefill configs whose label contains this text")
     p.add_argument("--once", action="store_true", help="run each prefill kernel once, untimed (for ncu)")
     p.add_argument("--prefill-only", action="store_true", help="skip the decode configs")
     p.add_argument("--decode-only", action="store_true", help="skip the prefill configs")
-    p.add_argument("--decode-variants", default="v2,v3,v3s3,v4", help="decode kernels to time (variant=; v4p is "
-                   "a load-only probe with a wrong result; v4s3, v4s4, v4n, v4p exist for the shapes here only)")
+    p.add_argument("--decode-variants", default="v4,v2,v3,v3s3", help="decode kernels to time (DECODE_KERNELS "
+                   "names; v4p is a load-only probe with a wrong result; v4s3, v4s4, v4n, v4p exist for the shapes "
+                   "here only)")
     args = p.parse_args(argv)
 
     torch = None
@@ -62,14 +60,15 @@ def main(argv=None) -> int:
             import torch
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
-            from tools.bench_runtime import _torch_graph_median, _torch_median
+            from tools._bench_util import torch_graph_median, torch_median
         except ImportError:
             print("PyTorch not importable: no peers")
             torch = None
 
     from tools.harness_specs import attention as S
-    from tools.kernel_harness import _to_device, _torch_inputs, copy_bandwidth_gbs
+    from tools._bench_util import copy_bandwidth_gbs, to_device, torch_inputs
     from xserv.ops import attention as A
+    from xserv.ops.attention.decode import plan_decode
     from xserv.runtime import get_device
     from xserv.runtime.timing import benchmark, benchmark_graph
     from xserv.tensor import Tensor, bfloat16
@@ -85,17 +84,23 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     rows = []
 
+    def prefill_names(head_dim):
+        if args.prefill in ("all", "shipped"):
+            names = A.prefill_variants(head_dim, dev=args.prefill == "all")
+            return [v for v in names if not v.startswith("v4probe") and v != "simple"]
+        return [v for v in args.prefill.split(",") if head_dim in A.PREFILL_KERNELS.get(v, {})]
+
     def torch_time(sets_np, fn, backend, graph=False):
         if torch is None:
             return None
-        tsets = [_torch_inputs(x) for x in sets_np]
+        tsets = [torch_inputs(x) for x in sets_np]
         try:
             with sdpa_kernel([backend]):
                 for t in tsets:
                     fn(t)
                 torch.cuda.synchronize()
                 fns = [lambda t=t: fn(t) for t in tsets]
-                return _torch_graph_median(torch, fns) if graph else _torch_median(torch, fns, 3, iters, 3)
+                return torch_graph_median(torch, fns) if graph else torch_median(torch, fns, 3, iters, 3)
         except Exception as exc:  # a backend that does not take this shape
             print(f"  ({backend.name}: {type(exc).__name__}: {str(exc).splitlines()[0][:100]})")
             return None
@@ -116,29 +121,18 @@ def main(argv=None) -> int:
         if torch is not None:
             for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
                 results[name] = torch_time(sets_np, S._prefill_torch, backend)
-        sets = [_to_device(x) for x in sets_np]
+        sets = [to_device(x) for x in sets_np]
         outs = [Tensor.empty(x["q"].shape, bfloat16) for x in sets_np]
-        impls = [(f"fa2 w{w}", "fa2", int(w)) for w in args.warps.split(",") if w]
-        v3 = {"all": A.V3_VARIANTS[d], "default": (A.V3_DEFAULT[d],), "none": ()}.get(
-            args.v3, [v for v in args.v3.split(",") if v in A.V3_VARIANTS[d]])
-        impls += [(f"v3 {v}", f"v3_{v}", 0) for v in v3]
-        if dev.arch == "sm_90a":
-            v4 = {"all": A.V4_VARIANTS[d], "default": (A.V4_DEFAULT[d],), "none": ()}.get(
-                args.v4, [v for v in args.v4.split(",") if v in A.V4_VARIANTS[d]])
-            impls += [(f"v4 {v}", f"v4_{v}", 0) for v in v4]
-            v5 = {"all": A.V5_VARIANTS[d], "default": (A.V5_DEFAULT[d],), "none": ()}.get(
-                args.v5, [v for v in args.v5.split(",") if v in A.V5_VARIANTS[d]])
-            impls += [(f"v5 {v}", f"v5_{v}", 0) for v in v5]
-            if args.v4_probes and d == 128:
-                impls += [(f"v4 probe{p}", f"v4probe{p}_w2_k128", 0) for p in (1, 2, 3)]
-        for name, impl, w in impls:
-            fns = [lambda t=t, o=o, impl=impl, w=w: A._prefill_cuda(
+        for variant in prefill_names(d):
+            if A.PREFILL_KERNELS[variant][d].tma != "none" and dev.arch != "sm_90a":
+                continue
+            fns = [lambda t=t, o=o, variant=variant: A.attention_prefill(
                 t["q"], t["k_cache"], t["v_cache"], t["cu_seqlens_q"], t["kv_lens"], t["block_tables"], t["scale"],
-                t["max_q_len"], o, hq, impl, w, causal) for t, o in zip(sets, outs)]
+                t["max_q_len"], out=o, causal=causal, variant=variant) for t, o in zip(sets, outs)]
             if args.once:
                 fns[0]()
                 continue
-            results[name] = benchmark(fns, warmup=3, iters=iters)
+            results[variant] = benchmark(fns, warmup=3, iters=iters)
         del sets, outs
         for name, ms in results.items():
             if ms is None:
@@ -161,7 +155,7 @@ def main(argv=None) -> int:
             for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
                                   ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
                 results[name] = torch_time(sets_np, S._decode_torch, backend, graph=True)
-        sets = [_to_device(x) for x in sets_np]
+        sets = [to_device(x) for x in sets_np]
         outs = [Tensor.empty(x["q"].shape, bfloat16) for x in sets_np]
         splits = {}
         for var in args.decode_variants.split(","):
@@ -173,15 +167,9 @@ def main(argv=None) -> int:
             except Exception as exc:  # report and go on with the other variants
                 print(f"  ({var}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]})")
                 continue
-            if var.startswith("v4"):
-                st = A._v4_config(var)[0]
-                splits[var] = A.decode_plan(b, hkv, lkv, dev.multiprocessor_count, A._v4_resident(hq // hkv, st),
-                                            True, max_chunk=(A._V4_TAB_CAP - 1) * block // 64 * 64)[0]
-            elif var == "v2" or block % 16:
-                splits[var] = A.decode_plan(b, hkv, lkv, dev.multiprocessor_count, A.DECODE_CTAS_PER_SM)[0]
-            else:
-                st = int(var[3:]) if len(var) > 2 else 2
-                splits[var] = A.decode_plan(b, hkv, lkv, dev.multiprocessor_count, A._V3_RESIDENT[d, st], True)[0]
+            k, splits[var], _ = plan_decode(var, b, hkv, lkv, block, d, hq // hkv, dev.multiprocessor_count)
+            if k.variant != var:
+                splits[var] = f"{splits[var]} ({k.variant})"  # the fallback ran
         # agreement with v2 on the same data (the tests check against the float64 reference)
         check = {}
         for var in splits:

@@ -12,6 +12,8 @@ import time
 
 import numpy as np
 
+from tools._bench_util import copy_bandwidth_gbs, gemm_tflops, torch_graph_median, torch_median
+
 # Qwen3-8B projections (hidden 4096, 32 q / 8 kv heads of 128, intermediate 12288): (name, N, K)
 GEMM_SHAPES = [("qkv_proj", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up_proj", 24576, 4096), ("down_proj", 4096, 12288)]
 DECODE_M = [1, 8, 16, 32, 64]
@@ -55,54 +57,9 @@ def bench_gemm(vs_torch: bool) -> None:
                 tx = torch.from_numpy(x_np.view(np.int16)).view(torch.bfloat16).cuda()
                 tout = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
                 fns = [lambda w=w: torch.matmul(tx, w.t(), out=tout) for w in tws]
-                tms = _torch_graph_median(torch, fns) if m < PREFILL_M else _torch_median(torch, fns, 3, 10, 3)
+                tms = torch_graph_median(torch, fns) if m < PREFILL_M else torch_median(torch, fns, 3, 10, 3)
                 row += f" {tms * 1e3:9.1f} {tms / ms:10.2f}x"
             print(row)
-
-
-def _torch_graph_median(torch, fns, calls=20, iters=20) -> float:
-    """Like xserv.runtime.timing.benchmark_graph: replay a torch CUDA graph of `calls` calls."""
-    import statistics
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in fns:
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fns[i % len(fns)]()
-    graph.replay()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(iters):
-        start.record()
-        graph.replay()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) / calls)
-    return statistics.median(times)
-
-
-def _torch_median(torch, fns, warmup=5, iters=30, inner=10) -> float:
-    """The same protocol as xserv.runtime.timing.benchmark, with torch's events on torch's stream."""
-    import statistics
-
-    for i in range(warmup):
-        fns[i % len(fns)]()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times, n = [], 0
-    for _ in range(iters):
-        start.record()
-        for _ in range(inner):
-            fns[n % len(fns)]()
-            n += 1
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) / inner)
-    return statistics.median(times)
 
 
 def bench_launch() -> None:
@@ -165,7 +122,6 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--skip-torch", action="store_true")
     args = p.parse_args()
-    from tools.kernel_harness import copy_bandwidth_gbs, gemm_tflops
     from xserv.runtime import get_device, get_runtime
 
     dev = get_device()

@@ -1,15 +1,16 @@
 """The kernel harness: list, compile, check and benchmark xserv's kernels one by one.
 
     python -m tools.kernel_harness list
-    python -m tools.kernel_harness compile [--arch sm_90a]          # no GPU needed
-    python -m tools.kernel_harness check OP [--shapes 8192x4096,1x128] [--seed N]
-    python -m tools.kernel_harness bench OP [--shapes ...] [--vs torch]
+    python -m tools.kernel_harness compile [--arch sm_90a] [--dev]  # no GPU needed; --dev: cuda_src/dev/ too
+    python -m tools.kernel_harness check OP [--shapes 8192x4096,1x128] [--seed N] [--variant NAME]
+    python -m tools.kernel_harness bench OP [--shapes ...] [--vs torch] [--variant NAME]
     python -m tools.kernel_harness ceilings                          # copy bandwidth and a large cuBLAS GEMM
 
 `check` draws fresh random inputs, poisons the outputs, runs the CUDA op and compares it with the op's NumPy
 reference in float64 (relative L2 error). `bench` times the op with CUDA events (warm-up, median, rotating
 input sets larger than L2) and reports GB/s or TFLOP/s against the device's own ceilings measured in the same
-run; `--vs torch` also times the PyTorch equivalent and prints the ratio.
+run; `--vs torch` also times the PyTorch equivalent and prints the ratio. `--variant` picks one of an op's kernels
+(the attention ops' PREFILL_KERNELS / DECODE_KERNELS names, development kernels in cuda_src/dev/ included).
 """
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ import sys
 import time
 
 import numpy as np
+
+from tools._bench_util import copy_bandwidth_gbs, gemm_tflops, to_device, torch_inputs, torch_median
 
 
 def _specs():
@@ -54,33 +57,39 @@ def cmd_list(args) -> int:
 
 
 def cmd_compile(args) -> int:
-    from xserv.runtime.compiler import compile_family, list_families, nvrtc_version
+    from xserv.runtime.compiler import compile_families, list_dev_families, list_families, nvrtc_version
 
     arch = args.arch
     if arch is None:
         from xserv.runtime import get_device
 
         arch = get_device().arch
-    failures = 0
-    families = list_families()
-    print(f"NVRTC {'.'.join(map(str, nvrtc_version()))}, target {arch}, {len(families)} families")
+    families = list_families() + (list_dev_families() if args.dev else [])
+    print(f"NVRTC {'.'.join(map(str, nvrtc_version()))}, target {arch}, {len(families)} families, "
+          f"{'one at a time' if args.serial else 'in parallel threads'}")
+    failures = []
+
+    def report(family, seconds, error=None):
+        if error is None:
+            print(f"  ok    {family:32s} {seconds:6.2f} s", flush=True)
+        else:
+            failures.append(family)
+            print(f"  FAIL  {family}\n{error}", flush=True)
+
     total = time.perf_counter()
-    for family in families:
-        t0 = time.perf_counter()
+    for group in ([[f] for f in families] if args.serial else [families]):
         try:
-            cubin = compile_family(family, arch, use_cache=not args.no_cache)
-            print(f"  ok    {family:24s} {len(cubin) / 1024:8.1f} KiB  {time.perf_counter() - t0:6.2f} s")
-        except Exception as exc:  # report every failure, then exit non-zero
-            failures += 1
-            print(f"  FAIL  {family}\n{exc}")
-    print(f"{len(families) - failures}/{len(families)} compiled in {time.perf_counter() - total:.2f} s")
+            compile_families(group, arch, use_cache=not args.no_cache, on_done=report)
+        except Exception as exc:  # compile_families raises the first failure after all ran: find every one
+            for family in group:
+                try:
+                    compile_families([family], arch, use_cache=not args.no_cache)
+                except Exception as one:
+                    report(family, 0.0, one)
+            if not failures:
+                report("?", 0.0, exc)
+    print(f"{len(families) - len(failures)}/{len(families)} compiled in {time.perf_counter() - total:.2f} s (wall)")
     return 1 if failures else 0
-
-
-def _to_device(inputs: dict) -> dict:
-    from xserv.tensor import Tensor
-
-    return {k: Tensor.from_numpy(v, "cuda") if isinstance(v, np.ndarray) else v for k, v in inputs.items()}
 
 
 def _error(spec, out, ref, inputs) -> float:
@@ -107,7 +116,7 @@ def cmd_check(args) -> int:
         for shape in shapes:
             inputs = spec.make_inputs(rng, shape)
             ref = spec.reference(inputs)
-            out = spec.run(_to_device(inputs))
+            out = spec.run(to_device(_with_variant(inputs, args)))
             err = _error(spec, out, ref, inputs)
             ok = err <= spec.tolerance
             failed += not ok
@@ -123,33 +132,6 @@ def _get(specs, name):
 
 
 # ---- ceilings ------------------------------------------------------------------------------------------------
-def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy through our 16-byte copy kernel, counting bytes read plus bytes written."""
-    from xserv.runtime import get_device, kernel
-    from xserv.runtime.timing import benchmark
-    from xserv.tensor import Tensor, uint8
-
-    src, dst = Tensor.empty((nbytes,), uint8), Tensor.empty((nbytes,), uint8)
-    copy = kernel("fill", "copy_u128")
-    n16 = np.int64(nbytes // 16)
-    grid = get_device().multiprocessor_count * 16
-    ms = benchmark([lambda: copy(grid, 256, dst, src, n16)], warmup=5, iters=20)
-    return 2 * nbytes / ms / 1e6
-
-
-def gemm_tflops(m: int = 8192, n: int = 8192, k: int = 8192) -> float:
-    from xserv.ops.linear import linear
-    from xserv.runtime.timing import benchmark
-    from xserv.tensor import Tensor, bfloat16
-
-    rng = np.random.default_rng(0)
-    x = Tensor.from_numpy(rng.standard_normal((m, k), np.float32).astype(bfloat16))
-    w = Tensor.from_numpy(rng.standard_normal((n, k), np.float32).astype(bfloat16))
-    out = Tensor.empty((m, n), bfloat16)
-    ms = benchmark([lambda: linear(x, w, out)], warmup=3, iters=10)
-    return 2 * m * n * k / ms / 1e9
-
-
 def cmd_ceilings(args) -> int:
     from xserv.runtime import get_device
 
@@ -160,27 +142,15 @@ def cmd_ceilings(args) -> int:
     return 0
 
 
-def _torch_inputs(inputs: dict):
-    import torch
-
-    out = {}
-    for k, v in inputs.items():
-        if isinstance(v, np.ndarray):
-            if v.dtype.name == "bfloat16":
-                out[k] = torch.from_numpy(v.view(np.uint16).astype(np.int16)).view(torch.bfloat16).cuda()
-            else:
-                out[k] = torch.from_numpy(np.ascontiguousarray(v)).cuda()
-        else:
-            out[k] = v
-    return out
-
-
 def _time_torch(fn, sets) -> float:
     import torch
 
-    from tools.bench_runtime import _torch_median
+    return torch_median(torch, [lambda s=s: fn(s) for s in sets])
 
-    return _torch_median(torch, [lambda s=s: fn(s) for s in sets])
+
+def _with_variant(inputs: dict, args) -> dict:
+    """The op's inputs with the kernel variant asked for (ops that take one read inputs["variant"])."""
+    return dict(inputs, variant=args.variant) if args.variant else inputs
 
 
 def cmd_bench(args) -> int:
@@ -213,7 +183,8 @@ def cmd_bench(args) -> int:
             inputs = spec.make_inputs(rng, shape)
             per_set = sum(v.nbytes for v in inputs.values() if isinstance(v, np.ndarray))
             n_sets = max(1, min(8, (3 * dev.info.l2_cache_bytes) // max(per_set, 1) + 1))
-            sets = [_to_device(inputs)] + [_to_device(spec.make_inputs(rng, shape)) for _ in range(n_sets - 1)]
+            sets = [to_device(_with_variant(inputs, args))] + [
+                to_device(_with_variant(spec.make_inputs(rng, shape), args)) for _ in range(n_sets - 1)]
             with no_poisoning():
                 ms = benchmark([lambda s=s: spec.run(s) for s in sets], warmup=5, iters=args.iters)
             us = ms * 1e3
@@ -229,7 +200,7 @@ def cmd_bench(args) -> int:
             else:
                 row += f" {'':8s} {'':6s}"
             if vs_torch and spec.torch_peer:
-                tsets = [_torch_inputs(spec.make_inputs(rng, shape)) for _ in range(n_sets)]
+                tsets = [torch_inputs(spec.make_inputs(rng, shape)) for _ in range(n_sets)]
                 tms = _time_torch(spec.torch_peer, tsets)
                 row += f" {tms * 1e3:9.1f} {tms / ms:7.2f}x"
             print(row)
@@ -244,11 +215,15 @@ def main(argv=None) -> int:
     c = sub.add_parser("compile", help="compile every kernel family (no GPU needed with --arch)")
     c.add_argument("--arch", help="target, e.g. sm_90a (default: the current device's)")
     c.add_argument("--no-cache", action="store_true", help="ignore and do not write the cubin cache")
+    c.add_argument("--dev", action="store_true", help="also the development families in cuda_src/dev/")
+    c.add_argument("--serial", action="store_true", help="one family at a time (per-family times without contention)")
     for name, helptext in (("check", "compare an op with its NumPy reference"), ("bench", "time an op")):
         s = sub.add_parser(name, help=helptext)
         s.add_argument("op", help="op name from `list`, or 'all'")
         s.add_argument("--shapes", help="comma-separated shapes like 8192x4096,1x128 (see the op's spec)")
         s.add_argument("--seed", type=int, default=None, help="seed for the random inputs (default: fresh)")
+        s.add_argument("--variant", help="the op's kernel variant (e.g. v4_w2_k64 for attention_prefill, v3 for "
+                       "attention_decode; dev kernels compile on request)")
         if name == "bench":
             s.add_argument("--vs", choices=["torch"], help="also time the PyTorch equivalent")
             s.add_argument("--iters", type=int, default=30)

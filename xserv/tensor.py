@@ -7,6 +7,9 @@ from typing import Iterable
 
 import ml_dtypes
 import numpy as np
+from cuda.bindings import driver
+
+from .runtime import check_driver, get_device, get_runtime
 
 bfloat16 = np.dtype(ml_dtypes.bfloat16)
 float16 = np.dtype(np.float16)
@@ -62,8 +65,6 @@ class Tensor:
         shape, dtype = _shape(shape), as_dtype(dtype)
         if _check_device(device) == "cpu":
             return cls(shape, dtype, array=np.empty(shape, dtype))
-        from .runtime import get_runtime
-
         nbytes = math.prod(shape) * dtype.itemsize
         return cls(shape, dtype, buffer=get_runtime().allocator.allocate(nbytes))
 
@@ -76,10 +77,6 @@ class Tensor:
         if self.device == "cpu":
             self._array[...] = 0
         elif self.nbytes:
-            from cuda.bindings import driver
-
-            from .runtime import check_driver, get_device
-
             check_driver(driver.cuMemsetD8Async(self.ptr, 0, self.nbytes, get_device().stream_handle), "cuMemsetD8Async")
         return self
 
@@ -194,10 +191,6 @@ class Tensor:
         """A host copy for a CUDA tensor (synchronises the stream); the array itself for a CPU tensor."""
         if self._array is not None:
             return self._array
-        from cuda.bindings import driver
-
-        from .runtime import check_driver, get_device
-
         out = np.empty(self.shape, self.dtype)
         if self.nbytes:
             dev = get_device()
@@ -206,10 +199,6 @@ class Tensor:
         return out
 
     def _upload(self, array: np.ndarray) -> None:
-        from cuda.bindings import driver
-
-        from .runtime import check_driver, get_device
-
         if array.nbytes:
             # From pageable memory the call returns once the bytes are staged, so `array` may be dropped after.
             check_driver(
@@ -228,10 +217,6 @@ class Tensor:
         elif src.device == "cpu":
             self._upload(np.ascontiguousarray(src._array))
         elif self.nbytes:
-            from cuda.bindings import driver
-
-            from .runtime import check_driver, get_device
-
             check_driver(driver.cuMemcpyDtoDAsync(self.ptr, src.ptr, self.nbytes, get_device().stream_handle), "cuMemcpyDtoDAsync")
         return self
 
@@ -242,12 +227,6 @@ class Tensor:
         if device == "cpu":
             return Tensor.from_numpy(self.numpy(), "cpu")
         return Tensor.from_numpy(self._array, "cuda")
-
-    def cast(self, dtype) -> "Tensor":
-        """A copy converted to `dtype` (a kernel on CUDA; round-to-nearest-even to bf16 on both backends)."""
-        from .ops.cast import cast
-
-        return cast(self, as_dtype(dtype))
 
     def clone(self) -> "Tensor":
         return Tensor.empty(self.shape, self.dtype, self.device).copy_(self)

@@ -53,3 +53,28 @@ def misaligned(array: np.ndarray, device: str = "cuda") -> Tensor:
     not 16-byte aligned): makes launchers take their unaligned (scalar) kernels."""
     flat = Tensor.from_numpy(np.concatenate([np.zeros(1, array.dtype), array.reshape(-1)]), device)
     return flat[1:].view(*array.shape)
+
+
+def paged_kv_from_dense(rng: np.random.Generator, ks: list[np.ndarray], vs: list[np.ndarray], block_size: int,
+                        spare_blocks: int = 2, fill=np.nan, unused_entry: int = -1):
+    """Scatter per-sequence dense K/V ([kv_len_s, Hkv, D] each) into a paged cache whose blocks are randomly
+    permuted (non-contiguous, out of order). Returns (k_cache, v_cache, block_tables) as NumPy arrays; cache slots
+    no sequence owns hold `fill` and block-table entries past a sequence's blocks hold `unused_entry`."""
+    num_kv_heads, head_dim = ks[0].shape[1:]
+    counts = [-(-k.shape[0] // block_size) for k in ks]
+    num_blocks = sum(counts) + spare_blocks
+    order = rng.permutation(num_blocks)
+    k_cache = np.full((num_blocks, block_size, num_kv_heads, head_dim), fill, ks[0].dtype)
+    v_cache = np.full_like(k_cache, fill)
+    tables = np.full((len(ks), max(max(counts), 1)), unused_entry, np.int32)
+    nxt = 0
+    for s, (k, v) in enumerate(zip(ks, vs)):
+        blocks = order[nxt:nxt + counts[s]]
+        nxt += counts[s]
+        tables[s, :counts[s]] = blocks
+        for i, b in enumerate(blocks):
+            rows = slice(i * block_size, min((i + 1) * block_size, k.shape[0]))
+            n = rows.stop - rows.start
+            k_cache[b, :n] = k[rows]
+            v_cache[b, :n] = v[rows]
+    return k_cache, v_cache, tables

@@ -31,8 +31,6 @@ def test_cpu_dispatch(rng, src, dst):
     with np.errstate(over="ignore"):
         expect = x.astype(np.float64).astype(np.float32).astype(dst)
     np.testing.assert_array_equal(out.array.astype(np.float64), expect.astype(np.float64))
-    t = Tensor.from_numpy(x, "cpu").cast(dst)
-    np.testing.assert_array_equal(t.array.view(np.uint8), out.array.view(np.uint8))
 
 
 def test_errors_name_the_argument(rng):

@@ -4,7 +4,8 @@ Shapes (every sequence of a shape has the same lengths; the tests cover mixed on
   attention_prefill[_noncausal]  BxHQxHKVxLQxLKVxD[xBLOCK]   B sequences, LQ new queries over LKV cached keys
   attention_decode               BxHQxHKVxLKVxD[xBLOCK]
   write_kv                       TxHQxHKVxD[xBLOCK]          (the packed-qkv form the model calls)
-BLOCK is the KV-cache block size (default 16).
+BLOCK is the KV-cache block size (default 16). `--variant NAME` runs one of the op's kernels (a PREFILL_KERNELS or
+DECODE_KERNELS name of xserv.ops.attention; development kernels compile on request), else the default.
 
 FLOPs count the visible (query, key) pairs exactly: 4 * D * HQ * sum over queries of the keys each one sees
 (2 D for q.k, 2 D for p.v; the softmax is not counted). Causal LQ = LKV = L gives 4 D HQ L (L+1) / 2.
@@ -62,7 +63,7 @@ def _prefill_run(t):
 
     out = poisoned(t["q"].shape, bfloat16)
     return attention_prefill(t["q"], t["k_cache"], t["v_cache"], t["cu_seqlens_q"], t["kv_lens"], t["block_tables"],
-                             t["scale"], t["max_q_len"], out=out, causal=t["causal"])
+                             t["scale"], t["max_q_len"], out=out, causal=t["causal"], variant=t.get("variant"))
 
 
 def _prefill_reference(x):
@@ -136,7 +137,7 @@ def _decode_run(t):
 
     out = poisoned(t["q"].shape, bfloat16)
     return attention_decode(t["q"], t["k_cache"], t["v_cache"], t["kv_lens"], t["block_tables"], t["scale"],
-                            t["max_kv_len"], out=out)
+                            t["max_kv_len"], out=out, variant=t.get("variant"))
 
 
 def _decode_reference(x):
@@ -203,10 +204,14 @@ def _write_kv_torch(t):
     return kv
 
 
+# the sm_90a defaults (v3 in attention_prefill runs on other archs)
+_PREFILL_KERNELS = ("attention_prefill_v5_d128_w2_k128_s3", "attention_prefill_v5_d64_w2_k128_s3",
+                    "attention_prefill_v4_d128_w2_k128", "attention_prefill_v4_d64_w3_k128")
+
 SPECS = [
     OpSpec(
-        name="attention_prefill", family="attention_prefill",
-        kernels=("attention_prefill_fa2_d64_w4", "attention_prefill_fa2_d128_w8"),
+        name="attention_prefill", family="attention_prefill_sm90",
+        kernels=_PREFILL_KERNELS,
         make_inputs=_prefill_inputs, run=_prefill_run, reference=_prefill_reference, tolerance=1e-2,
         check_shapes=[(1, 4, 4, 1, 1, 64), (3, 8, 2, 65, 65, 128), (2, 8, 2, 63, 1000, 64, 32),
                       (1, 16, 2, 200, 700, 128, 256), (1, 8, 8, 1000, 1000, 128)],
@@ -214,8 +219,8 @@ SPECS = [
         bytes_moved=_prefill_bytes, flops=_prefill_flops, torch_peer=_prefill_torch,
         shape_help="BxHQxHKVxLQxLKVxD[xBLOCK]"),
     OpSpec(
-        name="attention_prefill_noncausal", family="attention_prefill",
-        kernels=("attention_prefill_fa2_d64_w4", "attention_prefill_fa2_d128_w8"),
+        name="attention_prefill_noncausal", family="attention_prefill_sm90",
+        kernels=_PREFILL_KERNELS,
         make_inputs=lambda rng, shape: _prefill_inputs(rng, shape, causal=False), run=_prefill_run,
         reference=_prefill_reference, tolerance=1e-2,
         check_shapes=[(2, 8, 2, 70, 300, 128), (1, 4, 4, 33, 33, 64)],

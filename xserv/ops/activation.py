@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..runtime import kernel
 from ..tensor import Tensor, bfloat16
 from ._checks import check_tensor, output, same_device
 from ._launch import aligned, cdiv, check_alias, check_int32_range
@@ -39,8 +40,6 @@ def silu_and_mul(x: Tensor, out: Tensor | None = None) -> Tensor:
     if device == "cpu":
         out.array[...] = silu_and_mul_reference(x.array).astype(out.dtype)
         return out
-    from ..runtime import kernel
-
     if inter % 8 == 0 and aligned(x, out):
         work, name = num_tokens * (inter // 8), "silu_and_mul_bf16_vec"
     else:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..runtime import kernel
 from ..tensor import Tensor, bfloat16, float32, int32
 from ._checks import check_tensor, output, same_device
 from ._launch import aligned, check_alias, check_int32_range, round_up
@@ -30,8 +31,6 @@ def argmax(x: Tensor, out: Tensor | None = None) -> Tensor:
     if device == "cpu":
         out.array[...] = argmax_reference(x.array)
         return out
-    from ..runtime import kernel
-
     suffix = "bf16" if x.dtype == bfloat16 else "f32"
     per_vector = 16 // x.itemsize
     if vocab % per_vector == 0 and aligned(x):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..runtime import kernel
 from ..tensor import Tensor, as_dtype, bfloat16, float16, float32
 from ._checks import check_tensor, output
 from ._launch import check_alias, identical
@@ -39,8 +40,6 @@ def cast(x: Tensor, dtype, out: Tensor | None = None) -> Tensor:
     if x.device == "cpu":
         out.array[...] = cast_reference(x.array, dtype)
         return out
-    from ..runtime import kernel
-
     n = x.numel
     grid = min(-(-n // _BLOCK), _MAX_GRID)
     kernel("cast", f"cast_{_SUFFIX[x.dtype]}_to_{_SUFFIX[dtype]}")(grid, _BLOCK, x, out, np.int64(n))

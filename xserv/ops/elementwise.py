@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..runtime import kernel
 from ..tensor import Tensor, bfloat16, float32
 from ._checks import check_tensor, output, same_device
 from ._launch import aligned, cdiv, check_alias
@@ -29,8 +30,6 @@ def add(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
     if device == "cpu":
         out.array[...] = add_reference(a.array, b.array).astype(out.dtype)
         return out
-    from ..runtime import kernel
-
     suffix = "bf16" if a.dtype == bfloat16 else "f32"
     per_vector = 16 // a.itemsize
     if n % per_vector == 0 and aligned(a, b, out):

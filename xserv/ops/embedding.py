@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..runtime import kernel
 from ..tensor import Tensor, bfloat16, int32
 from ._checks import check_tensor, output, same_device
 from ._launch import aligned, check_alias, check_int32_range, round_up
@@ -33,8 +34,6 @@ def embedding(ids: Tensor, table: Tensor, out: Tensor | None = None) -> Tensor:
     if device == "cpu":
         out.array[...] = embedding_reference(ids.array, table.array)
         return out
-    from ..runtime import kernel
-
     if hidden % 8 == 0 and aligned(table, out):
         chunks = hidden // 8
         kernel("embedding", "embedding_bf16_vec")(

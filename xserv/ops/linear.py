@@ -8,6 +8,7 @@ import weakref
 
 import numpy as np
 
+from ..runtime import get_runtime
 from ..tensor import Tensor, bfloat16, float16, float32
 from ._checks import check_tensor, output, same_device
 
@@ -54,8 +55,6 @@ def linear(x: Tensor, weight: Tensor, out: Tensor | None = None, out_dtype=None,
         y = linear_reference(x.array, weight.array)
         out.array[...] = (out.array.astype(np.float32) + y if accumulate else y).astype(out.dtype)
         return out
-    from ..runtime import get_runtime
-
     get_runtime().cublas.gemm(x.ptr, weight.ptr, out.ptr, m, n, k, x.dtype, out.dtype, accumulate=accumulate)
     return out
 
@@ -73,8 +72,6 @@ def batched_linear(x: Tensor, weight: Tensor, out: Tensor | None = None) -> Tens
     if device == "cpu":
         out.array[...] = np.einsum("bmk,bnk->bmn", x.array.astype(np.float32), weight.array.astype(np.float32)).astype(out.dtype)
         return out
-    from ..runtime import get_runtime
-
     get_runtime().cublas.gemm(x.ptr, weight.ptr, out.ptr, m, n, k, x.dtype, out.dtype, batch=b,
                               stride_x=m * k, stride_w=n * k, stride_out=m * n)
     return out

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..runtime import kernel
 from ..tensor import Tensor, bfloat16, float32
 from ._checks import check_tensor, output, same_device
 from ._launch import aligned, cdiv, check_alias, check_eps, check_int32_range, round_up
@@ -88,8 +89,6 @@ def fused_add_rmsnorm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, o
 def _launch_rows(op: str, num_rows: int, hidden: int, inputs: tuple, weight: Tensor, out: Tensor, eps32) -> None:
     """One CTA per row; the row in registers (VPT 16-byte vectors per thread) when hidden % 8 == 0, the pointers
     are 16-byte aligned and the row fits 8 * 8 * 1024 values, else the two-pass scalar kernel."""
-    from ..runtime import kernel
-
     args = (*inputs, weight, out, np.int32(hidden), eps32)
     nchunks = hidden // 8
     if hidden % 8 == 0 and aligned(*inputs, weight, out):
@@ -123,8 +122,6 @@ def head_rmsnorm(x: Tensor, weight: Tensor, eps: float, out: Tensor | None = Non
     if device == "cpu":
         out.array[...] = head_rmsnorm_reference(x.array, weight.array, eps32).astype(out.dtype)
         return out
-    from ..runtime import kernel
-
     name = f"head_rmsnorm_d{head_dim}_bf16"
     if head_dim == 128 and not aligned(x, out, nbytes=4):
         name += "_scalar"

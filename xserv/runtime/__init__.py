@@ -4,17 +4,17 @@ Created on first use by any CUDA path; a CPU-only program never creates it.
 """
 from __future__ import annotations
 
-from .errors import CompileError, CublasError, CudaError, DeviceOutOfMemory, check_driver
+from .allocator import CachingAllocator
+from .cublas import Cublas
 from .device import Device, device_count
+from .errors import CompileError, CublasError, CudaError, DeviceOutOfMemory, check_driver
+from .kernels import KernelCache
 
 _runtime = None
 
 
 class Runtime:
     def __init__(self, device_index: int = 0):
-        from .allocator import CachingAllocator
-        from .kernels import KernelCache
-
         self.device = Device(device_index)
         self.allocator = CachingAllocator(self.device.memory_info)
         self.kernels = KernelCache(self.device)
@@ -23,8 +23,6 @@ class Runtime:
     @property
     def cublas(self):
         if self._cublas is None:
-            from .cublas import Cublas
-
             self._cublas = Cublas(self.device, self.allocator)
         return self._cublas
 

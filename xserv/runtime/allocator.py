@@ -12,6 +12,8 @@ from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from cuda.bindings import driver
+
 from .errors import CudaError, DeviceOutOfMemory, check_driver
 
 _SMALL = 1 << 20  # below 1 MiB: 512-byte granules
@@ -86,8 +88,6 @@ class CachingAllocator:
             self._recorders.remove(into)
 
     def _device_alloc(self, size: int) -> int:
-        from cuda.bindings import driver
-
         err, ptr = driver.cuMemAlloc(size)
         if err == driver.CUresult.CUDA_ERROR_OUT_OF_MEMORY:
             self.empty_cache()
@@ -109,8 +109,6 @@ class CachingAllocator:
 
     def empty_cache(self) -> None:
         """Give every cached (free) block back to the driver."""
-        from cuda.bindings import driver
-
         for size, ptrs in self._free.items():
             for ptr in ptrs:
                 try:

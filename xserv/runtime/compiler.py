@@ -1,8 +1,12 @@
-"""NVRTC: a cuda_src family (one .cu file) -> a cubin for one arch, cached on disk.
+"""Kernel families -> cubins for one arch, cached on disk.
+
+A family is one file in cuda_src/: `<family>.cu` (CUDA C++, compiled by NVRTC) or `<family>.ptx` (PTX written by
+hand or by another compiler, assembled by nvJitLink). Families in cuda_src/dev/ (named "dev/<name>") are
+development kernels: compiled only when asked for by name, never by list_families / ensure_compiled.
 
 The cache key covers everything that changes the binary: the family's source and every header it includes
-(followed recursively), the compile options, the target arch and the NVRTC version. Compiling needs no GPU,
-so CI compiles every family for sm_90a.
+(followed recursively), the options, the target arch and the compiler's version (NVRTC for .cu; for .ptx
+nvJitLink's, or the driver's where its JIT linker assembles).  Compiling needs no GPU, so CI compiles every family for sm_90a.
 """
 from __future__ import annotations
 
@@ -10,16 +14,23 @@ import hashlib
 import os
 import re
 import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from pathlib import Path
+
+from cuda.bindings import driver, nvjitlink, nvrtc
 
 from .errors import CompileError
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+_SUFFIXES = (".cu", ".ptx")
+DEV_DIR = "dev"
 
 # -lineinfo keeps source lines for profilers at no run-time cost. Fast math is applied per kernel through
 # intrinsics (exp2f, __expf, rsqrtf) where it is safe, not globally, so that reductions keep IEEE division.
 DEFAULT_OPTIONS = ("--std=c++17", "-lineinfo", "--fmad=true", "-default-device")
+PTX_OPTIONS = ()  # .ptx families: ptxas at its default optimisation level
 
 
 def kernel_source_dir() -> Path:
@@ -27,7 +38,7 @@ def kernel_source_dir() -> Path:
     repo = Path(__file__).resolve().parents[2] / "cuda_src"
     if repo.is_dir() and any(repo.glob("*.cu")):
         return repo
-    import xserv.cuda_src as shipped
+    import xserv.cuda_src as shipped  # only in an installed wheel: a checkout never gets here
 
     return Path(shipped.__file__).parent
 
@@ -36,21 +47,40 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XSERV_CACHE_DIR", Path.home() / ".cache" / "xserv")) / "cubin"
 
 
+def _families_in(folder: Path, prefix: str = "") -> list[str]:
+    return sorted({prefix + p.stem for suffix in _SUFFIXES for p in folder.glob(f"*{suffix}")})
+
+
 def list_families() -> list[str]:
-    return sorted(p.stem for p in kernel_source_dir().glob("*.cu"))
+    """The production families (what a first start compiles): every .cu and .ptx directly in cuda_src/."""
+    return _families_in(kernel_source_dir())
+
+
+def list_dev_families() -> list[str]:
+    """The development families in cuda_src/dev/, as "dev/<name>" (compiled on request only)."""
+    return _families_in(kernel_source_dir() / DEV_DIR, f"{DEV_DIR}/")
+
+
+def family_source(family: str) -> Path:
+    """The source file of a family ("rope", "activation", "dev/attention_decode_dev")."""
+    src_dir = kernel_source_dir()
+    found = [src_dir / f"{family}{suffix}" for suffix in _SUFFIXES if (src_dir / f"{family}{suffix}").is_file()]
+    if not found:
+        raise CompileError(f"unknown kernel family {family!r}: no {src_dir / family}.cu or .ptx")
+    if len(found) > 1:
+        raise CompileError(f"kernel family {family!r} has both {found[0].name} and {found[1].name}; keep one")
+    return found[0]
 
 
 @lru_cache(maxsize=None)
 def nvrtc_version() -> tuple[int, int]:
-    from cuda.bindings import nvrtc
-
     err, major, minor = nvrtc.nvrtcVersion()
     return int(major), int(minor)
 
 
 @lru_cache(maxsize=None)
 def cuda_include_dir() -> str:
-    from cuda import pathfinder
+    from cuda import pathfinder  # looked up once, only when a .cu family is compiled
 
     found = pathfinder.find_nvidia_header_directory("cudart")
     if not found:
@@ -59,40 +89,50 @@ def cuda_include_dir() -> str:
 
 
 def _sources_of(path: Path, seen: dict[Path, bytes]) -> None:
-    """Collect the file and the local headers it includes, recursively, into `seen`."""
+    """Collect the file and the local headers it includes, recursively, into `seen`. A quoted include is looked up
+    beside the including file, then in cuda_src/ (the compiler's search order, see _nvrtc_compile)."""
     if path in seen:
         return
     text = path.read_bytes()
     seen[path] = text
     for name in _INCLUDE.findall(text.decode("utf-8", "replace")):
-        header = path.parent / name
-        if header.is_file():
-            _sources_of(header, seen)
+        for folder in (path.parent, kernel_source_dir()):
+            header = (folder / name).resolve()
+            if header.is_file():
+                _sources_of(header, seen)
+                break
+
+
+def _options_for(path: Path, extra_options: tuple[str, ...]) -> tuple[str, ...]:
+    return (PTX_OPTIONS if path.suffix == ".ptx" else DEFAULT_OPTIONS) + tuple(extra_options)
 
 
 def cache_key(family: str, arch: str, options: tuple[str, ...]) -> str:
-    src_dir = kernel_source_dir()
+    path = family_source(family)
     files: dict[Path, bytes] = {}
-    _sources_of(src_dir / f"{family}.cu", files)
+    _sources_of(path.resolve(), files)
+    src_dir = kernel_source_dir().resolve()
     h = hashlib.sha256()
-    for path in sorted(files):
-        h.update(path.name.encode() + b"\0" + files[path] + b"\0")
-    h.update(repr((arch, options, nvrtc_version())).encode())
+    for file in sorted(files):
+        h.update(str(file.relative_to(src_dir) if file.is_relative_to(src_dir) else file.name).encode() + b"\0")
+        h.update(files[file] + b"\0")
+    compiler = ptx_assembler() if path.suffix == ".ptx" else ("nvrtc", nvrtc_version())
+    h.update(repr((arch, options, compiler)).encode())
     return h.hexdigest()[:32]
 
 
+def _cached_path(family: str, arch: str, key: str) -> Path:
+    return cache_dir() / f"{family}-{arch}-{key}.cubin"  # "dev/x" families land in cache_dir()/dev/
+
+
 def compile_family(family: str, arch: str, extra_options: tuple[str, ...] = (), use_cache: bool = True) -> bytes:
-    """Return the cubin of cuda_src/<family>.cu for `arch` (e.g. "sm_90a"), compiling it on a cache miss."""
-    src_dir = kernel_source_dir()
-    path = src_dir / f"{family}.cu"
-    if not path.is_file():
-        raise CompileError(f"unknown kernel family {family!r}: no {path}")
-    options = DEFAULT_OPTIONS + tuple(extra_options)
-    key = cache_key(family, arch, options)
-    cached = cache_dir() / f"{family}-{arch}-{key}.cubin"
+    """Return the cubin of family `family` for `arch` (e.g. "sm_90a"), compiling it on a cache miss."""
+    path = family_source(family)
+    options = _options_for(path, extra_options)
+    cached = _cached_path(family, arch, cache_key(family, arch, options))
     if use_cache and cached.is_file():
         return cached.read_bytes()
-    cubin = _nvrtc_compile(path, arch, options)
+    cubin = (_ptx_assemble if path.suffix == ".ptx" else _nvrtc_compile)(path, arch, options)
     if use_cache:
         cached.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=cached.parent, delete=False) as tmp:  # atomic against racing writers
@@ -101,14 +141,15 @@ def compile_family(family: str, arch: str, extra_options: tuple[str, ...] = (), 
     return cubin
 
 
-def _nvrtc_compile(path: Path, arch: str, options: tuple[str, ...]) -> bytes:
-    from cuda.bindings import nvrtc
+# ---- CUDA C++ through NVRTC ------------------------------------------------------------------------------------
 
+def _nvrtc_compile(path: Path, arch: str, options: tuple[str, ...]) -> bytes:
     source = path.read_bytes()
     err, prog = nvrtc.nvrtcCreateProgram(source, str(path).encode(), 0, [], [])
     _check(err, "nvrtcCreateProgram", path)
     try:
-        opts = [f"--gpu-architecture={arch}".encode(), f"-I{path.parent}".encode(), f"-I{cuda_include_dir()}".encode()]
+        opts = [f"--gpu-architecture={arch}".encode(), f"-I{path.parent}".encode(),
+                f"-I{kernel_source_dir()}".encode(), f"-I{cuda_include_dir()}".encode()]
         opts += [o.encode() for o in options]
         (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         log = _program_log(prog)
@@ -125,8 +166,6 @@ def _nvrtc_compile(path: Path, arch: str, options: tuple[str, ...]) -> bytes:
 
 
 def _program_log(prog) -> str:
-    from cuda.bindings import nvrtc
-
     err, size = nvrtc.nvrtcGetProgramLogSize(prog)
     # A fresh bytearray, never `b" " * size`: for size 1 that is CPython's shared one-byte b" " object, and
     # NVRTC writing its NUL into it turns every later b" " in the process into b"\x00".
@@ -136,45 +175,111 @@ def _program_log(prog) -> str:
 
 
 def _check(err, what: str, path: Path) -> None:
-    from cuda.bindings import nvrtc
-
     if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
         _, msg = nvrtc.nvrtcGetErrorString(err)
         raise CompileError(f"{what} failed for {path.name}: {msg.decode() if isinstance(msg, bytes) else err}")
 
 
+# ---- PTX through nvJitLink (or the driver's linker) ---------------------------------------------------------------
+
+_PTXAS_LINE = re.compile(r"ptxas[^,\n]*, line (\d+); (\w+)\s*: ([^\n]*)")
+
+
+@lru_cache(maxsize=None)
+def ptx_assembler() -> tuple[str, tuple[int, ...]]:
+    """Who assembles PTX here, with its version (part of the cache key): nvJitLink (the nvidia-nvjitlink wheel; no
+    GPU needed), else the CUDA driver's JIT linker (a GPU machine without the wheel)."""
+    try:
+        return "nvjitlink", tuple(int(v) for v in nvjitlink.version())
+    except Exception:  # the library is a separate wheel: not loadable here
+        pass
+    from .device import device_count  # only without nvJitLink: the driver needs a GPU
+
+    if device_count() == 0:
+        raise CompileError("PTX kernel families need nvJitLink (pip install nvidia-nvjitlink) or a CUDA GPU")
+    err, version = driver.cuDriverGetVersion()
+    return "driver", (int(version),)
+
+
+def ptx_to_cubin(ptx: bytes, arch: str, name: str = "<ptx>") -> bytes:
+    """Assemble PTX text for `arch` into a cubin. A PTX error raises CompileError with `name:line: error: ...`
+    lines (ptxas's messages, re-addressed to the file)."""
+    from cuda.core import Device, Program, ProgramOptions  # cuda.core costs 0.4 s to import: PTX families only
+
+    if ptx_assembler()[0] == "driver":
+        Device(0).set_current()  # the driver's linker works in a context (this thread may have none yet)
+    try:
+        program = Program(ptx.decode("utf-8"), code_type="ptx", options=ProgramOptions(arch=arch))
+        return bytes(program.compile("cubin").code)
+    except Exception as exc:  # the linker's own error type, with ptxas's log in its message
+        raise CompileError(f"failed to assemble {name} for {arch}:\n{_ptx_error_lines(str(exc), name)}") from None
+
+
+def _ptx_error_lines(log: str, name: str) -> str:
+    """ptxas says "ptxas application ptx input, line 9; error   : ..."; make it "name:9: error: ..." (the other
+    lines of the log as they are)."""
+    return _PTXAS_LINE.sub(lambda m: f"{name}:{m.group(1)}: {m.group(2)}: {m.group(3)}", log)
+
+
+def _ptx_assemble(path: Path, arch: str, options: tuple[str, ...]) -> bytes:
+    return ptx_to_cubin(path.read_bytes(), arch, str(path))
+
+
+# ---- a first start: every family, in parallel -------------------------------------------------------------------
+
 def missing_families(arch: str, extra_options: tuple[str, ...] = ()) -> list[str]:
     """Families whose cubin for `arch` is not in the disk cache yet."""
-    options = DEFAULT_OPTIONS + tuple(extra_options)
     return [f for f in list_families()
-            if not (cache_dir() / f"{f}-{arch}-{cache_key(f, arch, options)}.cubin").is_file()]
+            if not _cached_path(f, arch, cache_key(f, arch, _options_for(family_source(f), extra_options))).is_file()]
+
+
+def compile_families(families: list[str], arch: str, use_cache: bool = True, workers: int | None = None,
+                     on_done=None) -> dict[str, float]:
+    """Compile `families` on parallel threads (NVRTC and nvJitLink release the GIL: measured, two families on two
+    cores take the time of the longer one) and return each family's compile seconds. By default every family gets a
+    thread at once: the OS shares the cores, so the wall time is about max(longest family, total / cores) without
+    knowing beforehand which family is long. on_done(family, seconds) is called as each finishes; the first failure
+    is raised after all ran."""
+    if not families:
+        return {}
+    workers = workers or min(len(families), 32)
+
+    def build(family: str) -> float:
+        t0 = time.perf_counter()
+        compile_family(family, arch, use_cache=use_cache)
+        seconds = time.perf_counter() - t0
+        if on_done is not None:
+            on_done(family, seconds)
+        return seconds
+
+    times: dict[str, float] = {}
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = {f: pool.submit(build, f) for f in families}
+        errors = []
+        for family, future in futures.items():
+            try:
+                times[family] = future.result()
+            except Exception as exc:
+                errors.append(exc)
+    if errors:
+        raise errors[0]
+    return times
 
 
 def ensure_compiled(arch: str, progress: bool = True) -> list[str]:
-    """Compile every family missing from the disk cache (a first run takes tens of seconds; later starts load
-    the cubins in milliseconds), with a progress bar. NVRTC runs outside the GIL, so families compile in
-    parallel threads. Returns the families compiled."""
-    import os
-    from concurrent.futures import ThreadPoolExecutor
-
+    """Compile every family missing from the disk cache (a first run takes seconds; later starts load the cubins in
+    milliseconds), on parallel threads, with a progress bar. Returns the families compiled."""
     todo = missing_families(arch)
     if not todo:
         return []
     bar = None
     if progress:
-        from tqdm.auto import tqdm
+        from tqdm.auto import tqdm  # only a first start draws a bar
 
         bar = tqdm(total=len(todo), desc=f"compiling CUDA kernels for {arch} (first run; cached in {cache_dir()})",
                    unit="family", leave=False)
-
-    def build(family):
-        compile_family(family, arch)
-        if bar is not None:
-            bar.update(1)
-
     try:
-        with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1, len(todo))) as pool:
-            list(pool.map(build, todo))
+        compile_families(todo, arch, on_done=None if bar is None else lambda family, seconds: bar.update(1))
     finally:
         if bar is not None:
             bar.close()

@@ -7,23 +7,23 @@ All calls run on xserv's stream with a preallocated workspace, so they can be ca
 """
 from __future__ import annotations
 
-import numpy as np
+import os
 
-from .errors import CublasError
+import ml_dtypes
+import numpy as np
+from cuda.bindings import driver
+
+from .errors import CublasError, check_driver
+from .timing import EventTimer
 
 # cudaDataType_t and cublasComputeType_t values (ABI-stable enums of the CUDA headers).
-_CUDA_TYPE = {np.dtype("float32"): 0, np.dtype("float16"): 2}
-_CUDA_R_16BF = 14
+_CUDA_TYPE = {np.dtype("float32"): 0, np.dtype("float16"): 2, np.dtype(ml_dtypes.bfloat16): 14}
 _COMPUTE_32F = 68
 _OP_N, _OP_T = 0, 1
 WORKSPACE_BYTES = 32 << 20
 
 
 def _cuda_type(dtype) -> int:
-    from ..tensor import bfloat16
-
-    if dtype == bfloat16:
-        return _CUDA_R_16BF
     if dtype not in _CUDA_TYPE:
         raise ValueError(f"cuBLAS GEMM does not take dtype {dtype}")
     return _CUDA_TYPE[dtype]
@@ -91,8 +91,6 @@ class _Plan:
 
 
 def _autotune_default() -> bool:
-    import os
-
     return os.environ.get("XSERV_GEMM_AUTOTUNE", "1") != "0"
 
 
@@ -150,20 +148,10 @@ class Cublas:
         )
 
     def _capturing(self) -> bool:
-        from cuda.bindings import driver
-
-        from .errors import check_driver
-
         status = check_driver(driver.cuStreamIsCapturing(self.device.stream_handle), "cuStreamIsCapturing")
         return status != driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
 
     def _tune(self, plan: _Plan, x_ptr, w_ptr, out_ptr, reps: int = 5) -> None:
-        from .timing import EventTimer
-
-        from cuda.bindings import driver
-
-        from .errors import check_driver
-
         timer = EventTimer()
         # In a model the weights stream from HBM, not L2: each timed run starts after overwriting a buffer twice
         # the size of L2. (Tuned on a warm L2, a skinny GEMM picks algorithms that lose once the weight is cold.)

@@ -3,15 +3,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cuda.bindings import driver
+
 from .errors import CudaError, check_driver
 
 
 def device_count() -> int:
     """Number of CUDA devices; 0 when there is no driver or no GPU (never raises)."""
-    try:
-        from cuda.bindings import driver
-    except ImportError:
-        return 0
     try:
         (err,) = driver.cuInit(0)
         if err != driver.CUresult.CUDA_SUCCESS:
@@ -51,7 +49,6 @@ class Device:
             raise RuntimeError("no CUDA device found; use --device cpu")
         if not 0 <= index < n:
             raise RuntimeError(f"CUDA device {index} does not exist; this machine has {n} device(s)")
-        from cuda.bindings import driver
         from cuda.core import Device as CoreDevice
 
         self._core = CoreDevice(index)
@@ -89,14 +86,10 @@ class Device:
 
     def memory_info(self) -> tuple[int, int]:
         """(free, total) bytes of device memory."""
-        from cuda.bindings import driver
-
         free, total = check_driver(driver.cuMemGetInfo(), "cuMemGetInfo")
         return int(free), int(total)
 
     def synchronize(self) -> None:
-        from cuda.bindings import driver
-
         check_driver(driver.cuStreamSynchronize(self.stream_handle), "cuStreamSynchronize")
 
 

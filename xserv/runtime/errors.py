@@ -2,6 +2,8 @@
 message names the failing call and the library's status name."""
 from __future__ import annotations
 
+from cuda.bindings import driver
+
 
 class CudaError(RuntimeError):
     """A CUDA driver call failed."""
@@ -21,8 +23,6 @@ class DeviceOutOfMemory(MemoryError):
 
 def check_driver(result, what: str = "CUDA driver call"):
     """Unwrap a cuda.bindings.driver return tuple `(CUresult, *values)`; raise CudaError on failure."""
-    from cuda.bindings import driver
-
     err, *values = result if isinstance(result, tuple) else (result,)
     if err != driver.CUresult.CUDA_SUCCESS:
         _, name = driver.cuGetErrorName(err)

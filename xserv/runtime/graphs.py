@@ -1,6 +1,8 @@
 """CUDA graphs: capture a region of work on xserv's stream once, replay it with one launch."""
 from __future__ import annotations
 
+from cuda.bindings import driver
+
 from .errors import check_driver
 
 
@@ -23,15 +25,11 @@ class CUDAGraph:
         return _Capture(self)
 
     def replay(self) -> None:
-        from cuda.bindings import driver
-
         if self._exec is None:
             raise RuntimeError("CUDAGraph.replay() before a capture")
         check_driver(driver.cuGraphLaunch(self._exec, self._device.stream_handle), "cuGraphLaunch")
 
     def close(self) -> None:
-        from cuda.bindings import driver
-
         if self._exec is not None:
             driver.cuGraphExecDestroy(self._exec)
             self._exec = None
@@ -51,8 +49,6 @@ class _Capture:
         self.graph = graph
 
     def __enter__(self):
-        from cuda.bindings import driver
-
         self.graph.close()
         # Relaxed mode: the caching allocator may still call cuMemAlloc for a size it has not seen (outside the
         # stream); capture only records stream work.
@@ -61,8 +57,6 @@ class _Capture:
         return self.graph
 
     def __exit__(self, exc_type, exc, tb):
-        from cuda.bindings import driver
-
         graph = check_driver(driver.cuStreamEndCapture(self.graph._device.stream_handle), "cuStreamEndCapture")
         if exc_type is not None:
             if graph is not None:

@@ -2,6 +2,9 @@
 cache) and loaded on first use; nothing else is registered anywhere."""
 from __future__ import annotations
 
+from cuda.bindings import driver
+
+from .compiler import compile_family, family_source
 from .errors import CudaError, check_driver
 
 _SMEM_DEFAULT_LIMIT = 48 * 1024
@@ -44,8 +47,6 @@ class Kernel:
         limit = self._device.info.max_shared_memory_per_block_optin
         if smem > limit:
             raise ValueError(f"{self.name}: {smem} bytes of dynamic shared memory asked, the device allows {limit}")
-        from cuda.bindings import driver
-
         attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         handle = self._kernel.handle
         if isinstance(handle, driver.CUkernel):
@@ -83,16 +84,14 @@ class KernelCache:
             try:
                 core = module.get_kernel(name)
             except Exception as exc:
-                raise ValueError(f"kernel {name!r} not found in cuda_src/{family}.cu") from exc
+                raise ValueError(f"kernel {name!r} not found in {family_source(family).name} (family {family!r})") from exc
             kernel = self._kernels[(family, name)] = Kernel(family, name, core, self._device)
         return kernel
 
     def load_family(self, family: str):
         module = self._modules.get(family)
         if module is None:
-            from cuda.core import ObjectCode
-
-            from .compiler import compile_family
+            from cuda.core import ObjectCode  # cuda.core costs 0.4 s to import: only where kernels load
 
             cubin = compile_family(family, self._device.arch)
             module = self._modules[family] = ObjectCode.from_cubin(cubin)

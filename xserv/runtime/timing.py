@@ -4,13 +4,13 @@ from __future__ import annotations
 import statistics
 from typing import Callable
 
+from cuda.bindings import driver
+
 from .errors import check_driver
 
 
 class EventTimer:
     def __init__(self):
-        from cuda.bindings import driver
-
         from . import get_device
 
         self._stream = get_device().stream_handle
@@ -20,8 +20,6 @@ class EventTimer:
 
     def time_ms(self, fn: Callable[[], None], repeat: int = 1) -> float:
         """Milliseconds per call of `fn` (run `repeat` times between two events)."""
-        from cuda.bindings import driver
-
         check_driver(driver.cuEventRecord(self._start, self._stream), "cuEventRecord")
         for _ in range(repeat):
             fn()

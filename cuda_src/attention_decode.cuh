@@ -1,0 +1,160 @@
+// Decode attention: what the split kernels share (attention_decode.cu = v4, the default; attention_decode_v2.cu =
+// v2, its fallback; cuda_src/dev/attention_decode_dev.cu): the kernel arguments, bf16 unpacking, the merge of
+// online-softmax states, the write of a split's result and the split combine folded into the split kernel.
+//
+// Arguments of every split kernel (XSERV_DECODE_ARGS):
+//
+//   q:            sequence s's head h at q + s * q_row_stride + h * D   (q or the packed qkv tensor)
+//   k_cache/v_cache: [num_blocks, block_size, num_kv_heads, D] bf16
+//   kv_lens:      [num_seqs] int32 (0 gives a zero output row)
+//   block_tables: [num_seqs, max_blocks_per_seq] int32
+//   out:          [num_seqs, num_q_heads, D] bf16
+//   part_o:       [num_seqs, num_q_heads, num_splits, D] fp32    (unused when num_splits == 1)
+//   part_lse:     [num_seqs, num_q_heads, num_splits] fp32, log2 domain (scores already scaled by scale*log2 e)
+// Splits that start at or past kv_len write nothing; the combine kernel reads only the ceil(kv_len / chunk_len)
+// splits that hold keys.
+#pragma once
+
+#include "attention.cuh"
+
+namespace xserv {
+namespace decode {
+
+__device__ __forceinline__ void bf16x8_to_float(const uint4& v, float (&f)[8]) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 x = __bfloat1622float2(h[i]);
+        f[2 * i] = x.x;
+        f[2 * i + 1] = x.y;
+    }
+}
+
+// Merge online-softmax state (m, l, acc) with another (log2 domain); an empty state has m = -inf, l = 0.
+__device__ __forceinline__ void merge_state(float& m, float& l, float (&acc)[8], float m_o, float l_o,
+                                            const float (&acc_o)[8]) {
+    const float m_new = fmaxf(m, m_o);
+    const float m_use = m_new == neg_inf() ? 0.f : m_new;
+    const float a = exp2f(m - m_use), b = exp2f(m_o - m_use);
+    l = l * a + l_o * b;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] = acc[e] * a + acc_o[e] * b;
+    m = m_new;
+}
+
+// The end of every split kernel: merge the WARPS per-warp online-softmax states of the CTA's G heads (shared
+// memory, flat: m, l [WARPS][G], acc [WARPS][G][D]) and write the normalised bf16 output (num_splits == 1) or the
+// fp32 partial and the log2-sum-exp2 of this split. row0 = s * num_q_heads + first head of the group.
+template <int D, int G, int WARPS>
+__device__ __forceinline__ void write_split_result(const float* sm_m, const float* sm_l, const float* sm_acc,
+                                                   long long row0, int split, int num_splits,
+                                                   __nv_bfloat16* __restrict__ out, float* __restrict__ part_o,
+                                                   float* __restrict__ part_lse) {
+    for (int idx = threadIdx.x; idx < G * D; idx += WARPS * 32) {
+        const int g = idx / D, d = idx % D;
+        float mm = neg_inf();
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) mm = fmaxf(mm, sm_m[w * G + g]);  // finite: warp 0 saw key `start`
+        float ll = 0.f, aa = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            const float wgt = exp2f(sm_m[w * G + g] - mm);  // 0 for a warp that saw no key
+            ll += sm_l[w * G + g] * wgt;
+            aa += sm_acc[(w * G + g) * D + d] * wgt;
+        }
+        const long long row = row0 + g;
+        if (num_splits == 1) {
+            out[row * D + d] = __float2bfloat16(aa / ll);
+        } else {
+            part_o[(row * num_splits + split) * D + d] = aa / ll;
+            if (d == 0) part_lse[row * num_splits + split] = mm + log2f(ll);
+        }
+    }
+}
+
+// Split-KV combine folded into the split kernel (threadfence-reduction pattern): after write_split_result, the last
+// CTA of a (sequence, kv head) to finish merges the `active` splits' partials of its G heads into `out` and resets
+// the counter (graph replays reuse it). sm_w: shared scratch of G * active floats; sm_last: a shared int.
+template <int D, int G, int WARPS>
+__device__ __forceinline__ void combine_splits_if_last(int* counter, int active, long long row0, int num_splits,
+                                                       const float* __restrict__ part_o,
+                                                       const float* __restrict__ part_lse,
+                                                       __nv_bfloat16* __restrict__ out, float* sm_w, int& sm_last) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __threadfence();  // this thread's partial writes are visible device-wide before the CTA counts itself done
+    __syncthreads();
+    if (threadIdx.x == 0) sm_last = atomicAdd(counter, 1) == active - 1;
+    __syncthreads();
+    if (!sm_last) return;
+    __threadfence();  // the other CTAs' partials (counted before our atomic) are visible from here on
+    // split weights 2^(lse_i - M) / sum per head, one warp per head
+    for (int g = warp; g < G; g += WARPS) {
+        const float* lse = part_lse + (row0 + g) * num_splits;
+        float mm = neg_inf();
+        for (int i = lane; i < active; i += 32) mm = fmaxf(mm, __ldcg(lse + i));
+        mm = warp_max(mm);  // finite: split 0 holds keys
+        float den = 0.f;
+        for (int i = lane; i < active; i += 32) {
+            const float w = exp2f(__ldcg(lse + i) - mm);
+            sm_w[g * active + i] = w;
+            den += w;
+        }
+        den = warp_sum(den);
+        __syncwarp();  // the lanes' weights are written before they are rescaled by other lanes
+        for (int i = lane; i < active; i += 32) sm_w[g * active + i] /= den;
+    }
+    __syncthreads();  // all heads' weights are in shared memory
+    for (int idx = threadIdx.x; idx < G * D / 4; idx += WARPS * 32) {
+        const int g = idx / (D / 4), d4 = idx % (D / 4);
+        const long long row = row0 + g;
+        const float4* src = reinterpret_cast<const float4*>(part_o + row * num_splits * D) + d4;
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+        for (int i = 0; i < active; ++i) {
+            const float w = sm_w[g * active + i];
+            const float4 x = __ldcg(src + i * (D / 4));
+            acc.x += w * x.x;
+            acc.y += w * x.y;
+            acc.z += w * x.z;
+            acc.w += w * x.w;
+        }
+        __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(out + row * D + 4 * d4);
+        dst[0] = __floats2bfloat162_rn(acc.x, acc.y);
+        dst[1] = __floats2bfloat162_rn(acc.z, acc.w);
+    }
+    if (threadIdx.x == 0) *counter = 0;
+}
+
+
+// cp.async with a "memory" clobber: the per-lane pipeline has no __syncthreads, so the compiler must not move a
+// shared-memory read of a stage above the wait for it, nor a write into a stage above the reads of its last use.
+__device__ __forceinline__ void cp_async16_m(unsigned smem_addr, const void* gptr, bool valid) {
+    const int src_size = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(gptr), "r"(src_size)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit_m() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait_m() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+__device__ __forceinline__ uint4 lds128(unsigned addr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "r"(addr)
+                 : "memory");
+    return v;
+}
+
+}  // namespace decode
+}  // namespace xserv
+
+#define XSERV_DECODE_ARGS                                                                                        \
+    const __nv_bfloat16 *__restrict__ q, long long q_row_stride, const __nv_bfloat16 *__restrict__ k_cache,     \
+        const __nv_bfloat16 *__restrict__ v_cache, const int *__restrict__ kv_lens,                             \
+        const int *__restrict__ block_tables, int max_blocks_per_seq, int block_size, int num_q_heads,           \
+        int num_kv_heads, float scale_log2, int chunk_len, int num_splits, __nv_bfloat16 *__restrict__ out,      \
+        float *__restrict__ part_o, float *__restrict__ part_lse
+#define XSERV_DECODE_PASS                                                                                        \
+    q, q_row_stride, k_cache, v_cache, kv_lens, block_tables, max_blocks_per_seq, block_size, num_q_heads,       \
+        num_kv_heads, scale_log2, chunk_len, num_splits, out, part_o, part_lse

@@ -1,0 +1,48 @@
+"""Argument checks shared by the attention ops (shapes, dtypes, alignment; a wrong call raises ValueError)."""
+from __future__ import annotations
+
+from ...tensor import Tensor, bfloat16, int32
+from .._checks import check_aligned, check_tensor
+
+HEAD_DIMS = (64, 128)
+MAX_GQA_GROUP = 8  # kernels are instantiated for Hq / Hkv = 1..8 (Qwen3 uses 1, 2, 4, 5, 8)
+
+
+def check_cache(k_cache: Tensor, v_cache: Tensor) -> tuple[int, int, int, int]:
+    """(num_blocks, block_size, num_kv_heads, head_dim) of a checked K/V cache pair."""
+    check_tensor("k_cache", k_cache, dtype=bfloat16, ndim=4)
+    check_tensor("v_cache", v_cache, dtype=bfloat16, shape=k_cache.shape)
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"k_cache: head_dim {head_dim} not supported; expected one of {HEAD_DIMS}")
+    if block_size < 1 or num_kv_heads < 1:
+        raise ValueError(f"k_cache: shape {list(k_cache.shape)} has an empty block or no kv heads")
+    check_aligned("k_cache", k_cache)
+    check_aligned("v_cache", v_cache)
+    return num_blocks, block_size, num_kv_heads, head_dim
+
+
+def query_heads(q: Tensor, num_q_heads: int | None, num_kv_heads: int, head_dim: int) -> int:
+    """Hq, given q [T, Hq, D] or the packed qkv [T, Hq + 2 Hkv, D] with num_q_heads."""
+    check_tensor("q", q, dtype=bfloat16, ndim=3)
+    if q.shape[2] != head_dim:
+        raise ValueError(f"q: head_dim {q.shape[2]} does not match the cache's {head_dim}")
+    heads = q.shape[1]
+    if num_q_heads is None:
+        num_q_heads = heads
+    elif heads not in (num_q_heads, num_q_heads + 2 * num_kv_heads):
+        raise ValueError(f"q: {heads} heads is neither num_q_heads={num_q_heads} nor the packed "
+                         f"num_q_heads + 2 * num_kv_heads = {num_q_heads + 2 * num_kv_heads}")
+    if num_q_heads < 1 or num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads {num_q_heads} is not a positive multiple of num_kv_heads {num_kv_heads}")
+    if num_q_heads // num_kv_heads > MAX_GQA_GROUP:
+        raise ValueError(f"num_q_heads / num_kv_heads = {num_q_heads // num_kv_heads} > {MAX_GQA_GROUP} is not supported")
+    check_aligned("q", q)
+    return num_q_heads
+
+
+def check_tables(kv_lens: Tensor, block_tables: Tensor, num_seqs: int) -> None:
+    check_tensor("kv_lens", kv_lens, dtype=int32, shape=(num_seqs,))
+    check_tensor("block_tables", block_tables, dtype=int32, ndim=2)
+    if block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables: {block_tables.shape[0]} rows for {num_seqs} sequences")

@@ -1,0 +1,226 @@
+"""Single-token decode over the paged cache: split-KV ("flash-decoding") with GQA grouping, and the table of decode
+kernels.
+
+Which kernel runs: v4 (cuda_src/attention_decode.cu: v2's CUDA-core math behind a per-lane cp.async ring and a
+shared page table, split combine folded in), or v2 (attention_decode_v2.cu, plain loads and a separate combine
+kernel) where a split's pages would overflow v4's shared page table (a block size below 8 with a very long
+context). v3 (tensor cores) and the v4 experiments are development kernels in cuda_src/dev/, run when a test, the
+harness or tools/bench_attention.py names them. Measurements: docs/kernels/attention.md.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ...runtime import get_device, kernel
+from ...tensor import Tensor, bfloat16, float32, int32
+from .._checks import output, same_device
+from ._args import check_cache, check_tables, query_heads
+from .reference import attention_decode_reference
+
+# Mirrors of device constants (tests/ops/test_attention.py reads them back from the sources):
+V4_TABLE_CAP = 512  # kV4TabCap (attention_decode.cu): page-table entries a v4 CTA keeps in shared memory
+V4_RING_STAGE_BYTES = 16384  # 4 warps x 8 chunks x 32 lanes x 16 bytes: one stage of v4's ring
+V2_CTAS_PER_SM = 4  # v2's split-KV grid aims at this many CTAs per SM
+_SM_SMEM = 227 * 1024  # shared memory per SM available to CTAs on sm_90 (sizes resident-CTA counts)
+_THREADS = 128
+
+
+def v4_min_blocks(group: int) -> int:
+    """XSERV_V4_MINB(G) of attention_decode.cu: the CTAs per SM v4's __launch_bounds__ asks for."""
+    return 4 if group <= 4 else 2
+
+
+def v3_min_blocks(head_dim: int, stages: int) -> int:
+    """XSERV_V3_MINB_<D>_<S> of dev/attention_decode_dev.cu (what shared memory allows)."""
+    return {(128, 2): 3, (128, 3): 2, (64, 2): 5, (64, 3): 4}[head_dim, stages]
+
+
+@dataclass(frozen=True)
+class DecodeKernel:
+    """A decode kernel family member: generation 2, 3 or 4, ring stages, name suffix, and the (head_dim, group)
+    shapes it is compiled for (None: every supported one)."""
+
+    variant: str
+    generation: int
+    family: str
+    stages: int = 2
+    suffix: str = ""
+    shapes: frozenset | None = None
+
+    @property
+    def dev(self) -> bool:
+        return self.family.startswith("dev/")
+
+    def name(self, head_dim: int, group: int) -> str:
+        if self.generation == 2:
+            return f"attention_decode_d{head_dim}_g{group}"
+        return f"attention_decode_v{self.generation}_d{head_dim}_g{group}_s{self.stages}{self.suffix}"
+
+    def smem(self, head_dim: int) -> int:
+        """Dynamic shared memory: v4's ring + page table + a flag; v3's per-warp staging + a flag; v2 none."""
+        if self.generation == 4:
+            return self.stages * V4_RING_STAGE_BYTES + V4_TABLE_CAP * 4 + 16
+        if self.generation == 3:
+            return 4 * self.stages * head_dim * 64 + 16
+        return 0
+
+    def resident(self, head_dim: int, group: int) -> int:
+        """CTAs resident per SM (sizes the split-KV grid): launch bounds and shared memory."""
+        if self.generation == 4:
+            return min(v4_min_blocks(group), _SM_SMEM // (self.smem(head_dim) + 1024))
+        if self.generation == 3:
+            return v3_min_blocks(head_dim, self.stages)
+        return V2_CTAS_PER_SM
+
+
+_EXPERIMENT_SHAPES = frozenset({(128, 4), (128, 2), (64, 2)})  # the benchmark's (head_dim, group)
+DECODE_KERNELS = {k.variant: k for k in (
+    DecodeKernel("v4", 4, "attention_decode"),
+    DecodeKernel("v2", 2, "attention_decode_v2"),
+    DecodeKernel("v3", 3, "dev/attention_decode_dev"),
+    DecodeKernel("v3s3", 3, "dev/attention_decode_dev", stages=3),
+    DecodeKernel("v4s3", 4, "dev/attention_decode_dev", stages=3, shapes=_EXPERIMENT_SHAPES),
+    DecodeKernel("v4s4", 4, "dev/attention_decode_dev", stages=4, shapes=_EXPERIMENT_SHAPES),
+    DecodeKernel("v4n", 4, "dev/attention_decode_dev", suffix="_n", shapes=_EXPERIMENT_SHAPES),
+    DecodeKernel("v4p", 4, "dev/attention_decode_dev", suffix="_p", shapes=_EXPERIMENT_SHAPES),  # wrong on purpose
+)}
+DEFAULT_DECODE = "v4"
+
+_workspaces: list[Tensor] = []  # kept for the life of the process: CUDA graphs may have captured their addresses
+_counters: list[Tensor] = []  # per-(sequence, kv head) split counters: zeroed once, reset by the kernels themselves
+
+
+def fast_div(d: int) -> tuple[int, int]:
+    """(magic, shift) with n // d == (umulhi(n, magic) + n) >> shift for 0 <= n < 2**31 (fast_div in the kernel)."""
+    shift = (d - 1).bit_length()
+    return ((1 << 32) * ((1 << shift) - d)) // d + 1, shift
+
+
+def decode_plan(num_seqs: int, num_kv_heads: int, max_kv_len: int, multiprocessor_count: int,
+                ctas_per_sm: int = V2_CTAS_PER_SM, balance: bool = False,
+                max_chunk: int | None = None) -> tuple[int, int]:
+    """(num_splits, chunk_len): split-KV grid over (sequence x kv head x split), chunk_len a multiple of 64, each
+    split at least 256 keys. v2 (balance=False): enough CTAs for ~`ctas_per_sm` per multiprocessor. v3/v4
+    (balance=True, ctas_per_sm = CTAs resident per SM): the split count whose grid fills the last wave of resident
+    CTAs best (within 3% of the best fill, the fewest splits). max_chunk (balance=True): no split longer than this
+    (v4's page table), as far as 256 splits allow."""
+    max_kv_len = max(int(max_kv_len), 1)
+    pairs = max(num_seqs * num_kv_heads, 1)
+    limit = max(1, min(-(-max_kv_len // 256), 256))
+    lowest = 1 if max_chunk is None else max(1, min(limit, -(-max_kv_len // max_chunk)))
+
+    def shape(splits: int) -> tuple[int, int]:
+        chunk = -(-max_kv_len // splits)
+        chunk = -(-chunk // 64) * 64
+        return -(-max_kv_len // chunk), chunk
+
+    if not balance:
+        want = -(-ctas_per_sm * multiprocessor_count // pairs)
+        return shape(max(1, min(want, limit)))
+    slots = max(ctas_per_sm * multiprocessor_count, 1)
+    fills = {}
+    for want in range(lowest, limit + 1):
+        splits, chunk = shape(want)
+        ctas = pairs * splits
+        fills.setdefault((splits, chunk), ctas / (-(-ctas // slots) * slots))
+        if ctas >= 8 * slots:
+            break
+    best = max(fills.values())
+    return min(k for k, f in fills.items() if f >= best - 0.03)
+
+
+def plan_decode(variant: str, num_seqs: int, num_kv_heads: int, max_kv_len: int, block_size: int, head_dim: int,
+                group: int, multiprocessor_count: int) -> tuple[DecodeKernel, int, int]:
+    """(kernel, num_splits, chunk_len) for `variant` on this shape, with the fallbacks applied: v4 whose split would
+    overflow its shared page table runs v2; v3 needs block_size % 16 == 0, else v2."""
+    k = DECODE_KERNELS.get(variant)
+    if k is None:
+        raise ValueError(f"variant: unknown decode kernel {variant!r}; known: {', '.join(DECODE_KERNELS)}")
+    if k.shapes is not None and (head_dim, group) not in k.shapes:
+        raise ValueError(f"variant: {variant} is compiled for (head_dim, group) in {sorted(k.shapes)} only, "
+                         f"not ({head_dim}, {group})")
+    sms = multiprocessor_count
+    if k.generation == 4:
+        splits, chunk = decode_plan(num_seqs, num_kv_heads, max_kv_len, sms, k.resident(head_dim, group), True,
+                                    max_chunk=(V4_TABLE_CAP - 1) * block_size // 64 * 64)
+        if -(-chunk // block_size) + 1 <= V4_TABLE_CAP:  # the split's pages fit the shared page table
+            return k, splits, chunk
+        k = DECODE_KERNELS["v2"]
+    elif k.generation == 3:
+        if block_size % 16 == 0:
+            splits, chunk = decode_plan(num_seqs, num_kv_heads, max_kv_len, sms, k.resident(head_dim, group), True)
+            return k, splits, chunk
+        k = DECODE_KERNELS["v2"]
+    splits, chunk = decode_plan(num_seqs, num_kv_heads, max_kv_len, sms, k.resident(head_dim, group))
+    return k, splits, chunk
+
+
+def _workspace(nbytes: int) -> Tensor:
+    for t in _workspaces:
+        if t.nbytes >= nbytes:
+            return t
+    t = Tensor.empty((max(nbytes, 1 << 20) // 4,), float32, "cuda")
+    _workspaces.append(t)
+    return t
+
+
+def _counter_workspace(count: int) -> Tensor:
+    for t in _counters:
+        if t.shape[0] >= count:
+            return t
+    t = Tensor.zeros((max(count, 4096),), int32, "cuda")
+    _counters.append(t)
+    return t
+
+
+def attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_lens: Tensor, block_tables: Tensor,
+                     scale: float, max_kv_len: int, out: Tensor | None = None,
+                     num_q_heads: int | None = None, variant: str | None = None) -> Tensor:
+    """One query per sequence at position kv_lens[s] - 1 (its K/V already in the cache): q [B, Hq, D] (or packed
+    qkv with num_q_heads), kv_lens int32 [B] (0 <= kv_len <= max_kv_len; 0 gives a zero row), block_tables int32
+    [B, max_blocks] -> out bf16 [B, Hq, D]. max_kv_len is a host-side bound that sizes the split-KV grid (no device
+    reads). variant: a DECODE_KERNELS name (default v4; the others are for tests and benchmarks)."""
+    _, block_size, num_kv_heads, head_dim = check_cache(k_cache, v_cache)
+    num_q_heads = query_heads(q, num_q_heads, num_kv_heads, head_dim)
+    num_seqs = q.shape[0]
+    check_tables(kv_lens, block_tables, num_seqs)
+    device = same_device(q=q, k_cache=k_cache, v_cache=v_cache, kv_lens=kv_lens, block_tables=block_tables, out=out)
+    out = output("out", out, (num_seqs, num_q_heads, head_dim), bfloat16, device)
+    variant = DEFAULT_DECODE if variant is None else variant
+    if variant not in DECODE_KERNELS:
+        raise ValueError(f"variant: unknown decode kernel {variant!r}; known: {', '.join(DECODE_KERNELS)}")
+    if num_seqs == 0:
+        return out
+    if device == "cpu":
+        out.array[...] = attention_decode_reference(q.array, k_cache.array, v_cache.array, kv_lens.array,
+                                                    block_tables.array, scale, num_q_heads).astype(bfloat16)
+        return out
+    max_kv_len = int(max_kv_len)
+    if max_kv_len < 1:
+        raise ValueError(f"max_kv_len: {max_kv_len} < 1")
+    group = num_q_heads // num_kv_heads
+    k, splits, chunk = plan_decode(variant, num_seqs, num_kv_heads, max_kv_len, block_size, head_dim, group,
+                                   get_device().multiprocessor_count)
+    part_o = part_lse = out  # unused by the kernels when splits == 1
+    if splits > 1:
+        rows = num_seqs * num_q_heads * splits
+        ws = _workspace(rows * (head_dim + 1) * 4)
+        part_o, part_lse = ws.ptr, ws.ptr + rows * head_dim * 4
+    args = [q, np.int64(q.shape[1] * head_dim), k_cache, v_cache, kv_lens, block_tables,
+            np.int32(block_tables.shape[1]), np.int32(block_size), np.int32(num_q_heads), np.int32(num_kv_heads),
+            np.float32(scale * math.log2(math.e)), np.int32(chunk), np.int32(splits), out, part_o, part_lse]
+    if k.generation >= 3:  # the split combine is folded in: the last CTA of a (sequence, kv head) merges
+        args.append(_counter_workspace(num_seqs * num_kv_heads))
+    if k.generation == 4:
+        magic, shift = fast_div(block_size)
+        args += [np.uint32(magic), np.int32(shift)]
+    grid = (splits, num_kv_heads, num_seqs)
+    kernel(k.family, k.name(head_dim, group))(grid, (_THREADS, 1, 1), *args, smem=k.smem(head_dim))
+    if k.generation == 2 and splits > 1:
+        kernel(k.family, "attention_decode_combine")(
+            (num_q_heads, num_seqs, 1), (head_dim, 1, 1), part_o, part_lse, kv_lens, np.int32(chunk),
+            np.int32(splits), np.int32(head_dim), out)
+    return out

@@ -1,0 +1,205 @@
+"""Causal prefill of packed variable-length query chunks against the paged cache, and the table of prefill kernels.
+
+Which kernel runs: v5 (wgmma + a TMA producer warp) on sm_90a, v4 (wgmma, cp.async where the TMA cannot copy) on
+sm_90a when the cache's block size rules out v5's TMA copies, v3 (mma.sync) on any other architecture. `simple`
+(one warp per query row) is an independent GPU cross-check. Every other kernel (v2 "fa2", the v3/v4/v5 tuning
+points, the v4 timing probes) is a development kernel in cuda_src/dev/, compiled only when a test, the harness or
+tools/bench_attention.py names it. Measurements: docs/kernels/attention.md.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ...runtime import get_device, get_runtime, kernel
+from ...runtime.tma import kv_cache_tensor_map
+from ...tensor import Tensor, bfloat16, int32
+from .._checks import check_tensor, output, same_device
+from ._args import HEAD_DIMS, check_cache, check_tables, query_heads
+from .reference import attention_prefill_reference
+
+_TILE_ALIGN = 1024  # sm_90a kernels align their tiles to 1 KB (the 128-byte swizzle works on address bits)
+_MBARRIER = 8  # bytes
+
+
+@dataclass(frozen=True)
+class PrefillKernel:
+    """One compiled prefill kernel: its name, where it lives and how it is launched.
+
+    rows: query rows per CTA; keys: keys per K/V tile; smem: dynamic shared memory bytes (the kernel traps when
+    given less than its layout needs); tma: "none", "optional" (v4: K/V tensor maps, or null for cp.async only)
+    or "required" (v5); q_tiles_first: grid (q tiles, Hq, B) instead of (Hq, B, q tiles); extra_args: constants
+    after the tensor maps (the dev probes' tma_spread)."""
+
+    variant: str
+    head_dim: int
+    family: str
+    name: str
+    rows: int
+    threads: int
+    smem: int
+    keys: int = 64
+    tma: str = "none"
+    q_tiles_first: bool = False
+    causal_only: bool = False
+    extra_args: tuple = ()
+
+    @property
+    def dev(self) -> bool:
+        return self.family.startswith("dev/")
+
+    def tma_rows(self, block_size: int) -> int | None:
+        """Keys per TMA copy for this cache block size, or None where the TMA cannot copy (a block size that is not
+        a multiple of 8, or that neither divides the key tile nor is a multiple of it)."""
+        if self.tma == "none" or block_size % 8 or (self.keys % block_size and block_size % self.keys):
+            return None
+        return min(block_size, self.keys)
+
+    def grid(self, num_q_heads: int, num_seqs: int, max_q_len: int) -> tuple[int, int, int]:
+        q_tiles = -(-max_q_len // self.rows)
+        return (q_tiles, num_q_heads, num_seqs) if self.q_tiles_first else (num_q_heads, num_seqs, q_tiles)
+
+
+def _simple(d):
+    return PrefillKernel("simple", d, "attention_prefill", f"attention_prefill_simple_d{d}", rows=4, threads=128,
+                         smem=0, q_tiles_first=True, causal_only=True)
+
+
+def _fa2(d, warps):
+    rows = 16 * warps
+    return PrefillKernel(f"fa2_w{warps}", d, "dev/attention_prefill_dev", f"attention_prefill_fa2_d{d}_w{warps}",
+                         rows=rows, threads=32 * warps, smem=(rows + 4 * 64) * d * 2, q_tiles_first=True)
+
+
+def _v3(d, tag, dev=False):
+    """tag "m{m-tiles per warp}w{warps}[q]_b{ldmatrix ring}[_k32]" (q: Q fragments kept in registers)."""
+    mt, warps, keys = int(tag[1]), int(tag[3]), 32 if tag.endswith("_k32") else 64
+    rows = 16 * mt * warps
+    return PrefillKernel("v3_" + tag if dev else "v3", d, "dev/attention_prefill_dev" if dev else "attention_prefill",
+                         f"attention_prefill_v3_d{d}_{tag}", rows=rows, threads=32 * warps,
+                         smem=(rows + 4 * keys) * d * 2, keys=keys)
+
+
+def _v4(d, warpgroups, keys, dev=False):
+    rows, tag = 64 * warpgroups, f"w{warpgroups}_k{keys}"
+    return PrefillKernel("v4_" + tag if dev else "v4", d,
+                         "dev/attention_prefill_sm90_dev" if dev else "attention_prefill_sm90",
+                         f"attention_prefill_v4_d{d}_{tag}", rows=rows, threads=128 * warpgroups,
+                         smem=(rows + 4 * keys) * d * 2 + _TILE_ALIGN + 4 * _MBARRIER, keys=keys, tma="optional")
+
+
+def _v5(d, warpgroups, keys, stages, dev=False):
+    rows, tag = 64 * warpgroups, f"w{warpgroups}_k{keys}_s{stages}"
+    return PrefillKernel("v5_" + tag if dev else "v5", d,
+                         "dev/attention_prefill_sm90_dev" if dev else "attention_prefill_sm90",
+                         f"attention_prefill_v5_d{d}_{tag}", rows=rows, threads=128 * warpgroups + 128,
+                         smem=(rows + 2 * stages * keys) * d * 2 + _TILE_ALIGN + 3 * stages * _MBARRIER, keys=keys,
+                         tma="required")
+
+
+def _v4_probe(probe, spread=1):
+    """The d128 v4 kernel as measured, with a timing probe (1: no K/V copies after the first tile, 2: no softmax,
+    3: no PV product; wrong results on purpose) or, probe 0, the real kernel with its TMA-issue switch."""
+    base = _v4(128, 2, 128)
+    return PrefillKernel(f"v4probe{probe}" + ("" if spread else "_warp0"), 128, "dev/attention_prefill_sm90_dev",
+                         f"attention_prefill_v4probe{probe}_d128_w2_k128", rows=base.rows, threads=base.threads,
+                         smem=base.smem, keys=base.keys, tma="optional", extra_args=(np.int32(spread),))
+
+
+def _table(kernels) -> dict[str, dict[int, PrefillKernel]]:
+    table: dict[str, dict[int, PrefillKernel]] = {}
+    for k in kernels:
+        table.setdefault(k.variant, {})[k.head_dim] = k
+    return table
+
+
+# variant -> head_dim -> kernel. The production kernels first (cuda_src/attention_prefill*.cu), then dev/.
+PREFILL_KERNELS = _table([
+    _simple(64), _simple(128),
+    _v3(128, "m2w8_b3"), _v3(64, "m1w8q_b3"),
+    _v4(128, 2, 128), _v4(64, 3, 128),
+    _v5(128, 2, 128, 3), _v5(64, 2, 128, 3),
+    *(_fa2(d, w) for d in HEAD_DIMS for w in (4, 8)),
+    *(_v3(128, t, dev=True) for t in ("m2w4_b2", "m2w4_b3", "m2w4_b3_k32", "m2w8_b3_k32", "m1w4q_b3", "m1w8q_b3")),
+    *(_v3(64, t, dev=True) for t in ("m2w4q_b3", "m1w4q_b3", "m1w8q_b3_k32")),
+    _v4(128, 2, 64, dev=True), _v4(128, 3, 64, dev=True), _v4(64, 2, 128, dev=True), _v4(64, 2, 64, dev=True),
+    _v5(128, 2, 128, 2, dev=True), _v5(128, 2, 64, 4, dev=True), _v5(128, 3, 64, 3, dev=True),
+    _v5(64, 3, 128, 3, dev=True),
+    *(_v4_probe(p) for p in range(4)), _v4_probe(0, spread=0),
+])
+PRODUCTION_PREFILL = ("simple", "v3", "v4", "v5")
+
+
+def prefill_variants(head_dim: int, dev: bool = False) -> list[str]:
+    """The variant names compiled for head_dim (production ones, plus the dev ones with dev=True)."""
+    return [v for v, by_dim in PREFILL_KERNELS.items() if head_dim in by_dim and (dev or v in PRODUCTION_PREFILL)]
+
+
+def default_prefill_variant() -> str:
+    """v5 on sm_90a (v4 where the block size rules out the TMA; see select_prefill_kernel), v3 elsewhere."""
+    return "v5" if get_device().arch == "sm_90a" else "v3"
+
+
+def select_prefill_kernel(variant: str, head_dim: int, block_size: int, use_tma: bool = True) -> PrefillKernel:
+    """The kernel that runs `variant` for this head_dim and block size: v5 needs the TMA, so without it (the block
+    size, or use_tma=False in tests) its place is taken by v4."""
+    by_dim = PREFILL_KERNELS.get(variant)
+    if by_dim is None or head_dim not in by_dim:
+        raise ValueError(f"variant: no prefill kernel {variant!r} for head_dim {head_dim}; "
+                         f"known: {', '.join(prefill_variants(head_dim, dev=True))}")
+    k = by_dim[head_dim]
+    if k.tma == "required" and (not use_tma or k.tma_rows(block_size) is None):
+        return PREFILL_KERNELS["v4"][head_dim]
+    if k.tma != "none" and get_device().arch != "sm_90a":
+        raise ValueError(f"variant: {variant} prefill needs sm_90a (wgmma), the device is {get_device().arch}")
+    return k
+
+
+def attention_prefill(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Tensor, kv_lens: Tensor,
+                      block_tables: Tensor, scale: float, max_q_len: int, out: Tensor | None = None,
+                      num_q_heads: int | None = None, causal: bool = True, variant: str | None = None,
+                      use_tma: bool = True) -> Tensor:
+    """Causal attention of packed query chunks against the paged cache (which already holds their K/V).
+    q [T, Hq, D] (or packed qkv with num_q_heads), cu_seqlens_q int32 [B+1], kv_lens int32 [B] (>= q_len),
+    block_tables int32 [B, max_blocks]; max_q_len >= every q_len (sizes the grid) -> out bf16 [T, Hq, D].
+    causal=False (every query sees all kv_len keys) exists for benchmarks against non-causal peers.
+    variant: a PREFILL_KERNELS name (default: default_prefill_variant()); use_tma=False keeps v4/v5 off the TMA
+    (cp.async copies only), for tests of that path."""
+    _, block_size, num_kv_heads, head_dim = check_cache(k_cache, v_cache)
+    num_q_heads = query_heads(q, num_q_heads, num_kv_heads, head_dim)
+    check_tensor("cu_seqlens_q", cu_seqlens_q, dtype=int32, ndim=1)
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    if num_seqs < 0:
+        raise ValueError("cu_seqlens_q: needs at least one entry")
+    check_tables(kv_lens, block_tables, num_seqs)
+    max_q_len = int(max_q_len)
+    if max_q_len < 0:
+        raise ValueError(f"max_q_len: {max_q_len} < 0")
+    device = same_device(q=q, k_cache=k_cache, v_cache=v_cache, cu_seqlens_q=cu_seqlens_q, kv_lens=kv_lens,
+                         block_tables=block_tables, out=out)
+    num_tokens = q.shape[0]
+    out = output("out", out, (num_tokens, num_q_heads, head_dim), bfloat16, device)
+    if device == "cpu":
+        if num_tokens and num_seqs and max_q_len:
+            out.array[...] = attention_prefill_reference(
+                q.array, k_cache.array, v_cache.array, cu_seqlens_q.array, kv_lens.array, block_tables.array, scale,
+                num_q_heads, causal=causal).astype(bfloat16)
+        return out
+    k = select_prefill_kernel(variant or default_prefill_variant(), head_dim, block_size, use_tma)
+    if k.causal_only and not causal:
+        raise ValueError(f"variant: the {k.variant} prefill kernel is causal only")
+    if num_tokens == 0 or num_seqs == 0 or max_q_len == 0:
+        return out
+    args = [q, np.int64(q.shape[1] * head_dim), k_cache, v_cache, cu_seqlens_q, kv_lens, block_tables,
+            np.int32(block_tables.shape[1]), np.int32(block_size), np.int32(num_q_heads), np.int32(num_kv_heads),
+            np.float32(scale * math.log2(math.e)), out, np.int32(bool(causal))]
+    if k.tma != "none":
+        rows = k.tma_rows(block_size) if use_tma else None
+        runtime = get_runtime()
+        args += [0, 0] if rows is None else [kv_cache_tensor_map(runtime, c.ptr, c.shape, rows)
+                                             for c in (k_cache, v_cache)]
+    kernel(k.family, k.name)(k.grid(num_q_heads, num_seqs, max_q_len), (k.threads, 1, 1), *args, *k.extra_args,
+                             smem=k.smem)
+    return out

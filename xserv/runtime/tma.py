@@ -1,0 +1,46 @@
+"""Tensor Memory Accelerator descriptors (CUtensorMap, sm_90+), encoded by the driver and kept in device memory
+for kernels that take them by address (the sm_90a prefill kernels)."""
+from __future__ import annotations
+
+import ctypes
+
+from cuda.bindings import driver
+
+from .errors import check_driver
+
+DESCRIPTOR_BYTES = 128  # sizeof(CUtensorMap); the driver wants it 64-byte aligned (allocations are)
+_PANEL_COLUMNS = 64  # bf16 columns of one 128-byte swizzled panel
+
+_maps: dict[tuple, object] = {}  # (address, shape, rows) -> DeviceBuffer holding the descriptor, kept for the process
+
+
+def kv_cache_tensor_map(runtime, address: int, shape: tuple[int, int, int, int], rows: int) -> int:
+    """Device address of a TMA descriptor for one K or V cache (bf16 [num_blocks, block_size, Hkv, D] at `address`),
+    seen as the 3-D tensor (D, Hkv, slot) with boxes of 64 x 1 x `rows`: one 128-byte swizzled panel of `rows`
+    keys, the unit the prefill kernels copy. Encoded once per (buffer, shape, rows); 128 bytes each, kept (a CUDA
+    graph may hold the address)."""
+    num_blocks, block_size, num_kv_heads, head_dim = shape
+    if head_dim % _PANEL_COLUMNS or not 1 <= rows <= 256:
+        raise ValueError(f"TMA box: head_dim {head_dim} must be a multiple of {_PANEL_COLUMNS}, rows {rows} in 1..256")
+    key = (address, tuple(shape), rows)
+    buf = _maps.get(key)
+    if buf is None:
+        u64, u32 = driver.cuuint64_t, driver.cuuint32_t
+        err, tmap = driver.cuTensorMapEncodeTiled(
+            driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, address,
+            [u64(head_dim), u64(num_kv_heads), u64(num_blocks * block_size)],
+            [u64(head_dim * 2), u64(num_kv_heads * head_dim * 2)],  # byte strides of dims 1 and 2
+            [u32(_PANEL_COLUMNS), u32(1), u32(rows)], [u32(1), u32(1), u32(1)],
+            driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+            driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+            driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+        check_driver((err,), "cuTensorMapEncodeTiled")
+        raw = ctypes.create_string_buffer(ctypes.string_at(tmap.getPtr(), DESCRIPTOR_BYTES), DESCRIPTOR_BYTES)
+        buf = runtime.allocator.allocate(DESCRIPTOR_BYTES)
+        # On the runtime's stream, so it is ordered before the kernels that read it; from pageable memory the call
+        # returns once the bytes are staged.
+        check_driver(driver.cuMemcpyHtoDAsync(buf.ptr, ctypes.addressof(raw), DESCRIPTOR_BYTES, runtime.device.stream_handle),
+                     "cuMemcpyHtoDAsync")
+        _maps[key] = buf
+    return buf.ptr
