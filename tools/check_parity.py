@@ -6,7 +6,8 @@ registered architecture (Qwen3ForCausalLM, LlamaForCausalLM).
 0. RoPE: xserv's inverse frequencies (rope scaling included) against the transformers model's rotary embedding.
 1. transformers bf16, greedy from a random prompt: the reference tokens and each step's top-2 margin.
 2. xserv (CUDA): logits at every prompt position (llm.logits), then decode steps through the engine's model
-   runner (CUDA graphs when enabled) fed the reference tokens, recording each step's logits and argmax.
+   runner (eager forward, decode attention kernel) fed the reference tokens, recording each step's logits and
+   argmax.
 3. transformers float32 on prompt + reference tokens: logits at every position.
 Reports relative L2 error per position (max and mean) for the prompt and the decode steps, and whether xserv's
 greedy token equals transformers' bf16 one at every step whose top-2 margin exceeds --margin. Exit status 1 when
@@ -85,34 +86,28 @@ def hf_logits_fp32(folder, ids, config):
     return logits, rope_err
 
 
-def xserv_logits(folder, prompt, forced, cuda_graphs: bool):
+def xserv_logits(folder, prompt, forced):
     from xserv import LLM
     from xserv.engine.batch import SeqChunk
-    from xserv.engine.sequence import Sequence
-    from xserv.sampling import SamplingParams
 
     total = len(prompt) + len(forced)
-    llm = LLM(folder, device="cuda", max_model_len=total + 16, kv_cache_tokens=total + 256, cuda_graphs=cuda_graphs,
+    llm = LLM(folder, device="cuda", max_model_len=total + 16, kv_cache_tokens=total + 256, cuda_graphs=False,
               max_num_seqs=8)
     t0 = time.perf_counter()
     prefill = llm.logits(prompt)
     t_prefill = time.perf_counter() - t0
-    runner, kv, blocks = llm.runner, llm.kv_cache, llm.engine.blocks
+    # decode steps one token at a time through the runner's eager forward (the decode attention kernel), into
+    # blocks borrowed from the engine's pool
+    runner, blocks = llm.runner, llm.engine.blocks
     table = blocks.allocate(blocks.blocks_for(total))
     runner.forward([SeqChunk(prompt, 0, table, "none")])
-    # decode one forced token per step through the engine's path (a CUDA graph replay when graphs are on)
-    seq = Sequence(10**9, prompt, SamplingParams(), seed=0, stop_ids=frozenset())
-    seq.block_table, seq.slot, seq.num_computed = table, 0, len(prompt)
     decode, argmax = [], []
     for i, tok in enumerate(forced):
-        seq.token_ids.append(tok)
-        logits = runner.run([(seq, 1)])
-        seq.num_computed += 1
-        row = logits.numpy()[0].copy()
+        row = runner.forward([SeqChunk([tok], len(prompt) + i, table, "last")]).numpy()[0].copy()
         decode.append(row)
         argmax.append(int(np.argmax(row)))
     blocks.free(table)
-    del llm, runner, kv
+    del llm, runner, blocks
     gc.collect()
     from xserv.runtime import empty_cache
 
@@ -128,7 +123,6 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tol", type=float, default=2e-2, help="largest allowed relative L2 error per position")
     ap.add_argument("--margin", type=float, default=0.1, help="top-2 logit margin above which tokens must agree")
-    ap.add_argument("--no-cuda-graphs", action="store_true")
     args = ap.parse_args(argv)
 
     import torch
@@ -151,7 +145,7 @@ def main(argv=None) -> int:
     torch.cuda.empty_cache()
     print(f"transformers bf16 greedy: {args.decode_steps} steps in {time.perf_counter() - t:.1f}s")
 
-    prefill, decode, xs_argmax, t_prefill = xserv_logits(folder, prompt, ref_tokens, not args.no_cuda_graphs)
+    prefill, decode, xs_argmax, t_prefill = xserv_logits(folder, prompt, ref_tokens)
     print(f"xserv: prompt logits in {t_prefill:.2f}s")
 
     ref, rope_err = hf_logits_fp32(folder, prompt + ref_tokens, config)

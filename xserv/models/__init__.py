@@ -1,1 +1,1 @@
-"""Qwen3: configuration, checkpoint reading, random test checkpoints."""
+"""Model configs, checkpoints and forwards: registry.py maps Hugging Face architectures to them (docs/models.md)."""
