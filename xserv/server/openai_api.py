@@ -132,17 +132,21 @@ class RequestRun:
         self.reported: set[int] = set()  # choices whose end went into the metrics
 
     async def updates(self) -> AsyncIterator[list[Update]]:
+        unfinished = "abort"  # how choices that end early count: the client went away (or "error" below)
         try:
             async for batch in self.ctx.engine.generate(self.prompt_ids, self.params, self.prompt_text):
                 now = time.perf_counter() - self.start
                 for u in batch:
                     self._apply(u, now)
                 yield batch
+        except (EngineBroken, EngineStopped):
+            unfinished = "error"
+            raise
         finally:
             now = time.perf_counter() - self.start
-            for i, c in enumerate(self.choices):
-                if i not in self.reported:  # aborted: the client went away, or the engine failed
-                    self._report(i, c.finish_reason or "abort", now)
+            for i in range(len(self.choices)):
+                if i not in self.reported:
+                    self._report(i, unfinished, now)
 
     def _apply(self, u: Update, now: float) -> None:
         c = self.choices[u.index]
