@@ -105,13 +105,16 @@ def test_seeded_sampling_reproducible(llm):
 
 
 def test_decode_graph_replay_logic_on_cpu(perturbed_model_dir, llm):  # noqa: F811
-    """The CUDA-graph decode path (static buffers, padding to a bucket, block tables as wide as max_model_len)
-    run eagerly on the NumPy backend: same tokens as plain decode."""
+    """The CUDA-graph decode path (static buffers, padding to a bucket, per-bucket block tables, steps launched
+    ahead with their input tokens gathered from the previous step's output) run eagerly on the NumPy backend:
+    same tokens as plain decode, greedy and seeded sampling."""
     from types import SimpleNamespace
 
     from xserv import LLM
 
-    params = SamplingParams(max_tokens=6, ignore_eos=True, **GREEDY)
+    params = [SamplingParams(max_tokens=6, ignore_eos=True, **GREEDY),
+              SamplingParams(max_tokens=6, ignore_eos=True, temperature=1.0, seed=3),
+              SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.7, top_k=50, seed=4)]
     want = [o.token_ids for o in llm.generate(PROMPTS[:3], params)]
     graphed = LLM(str(perturbed_model_dir), device="cpu", max_model_len=256, max_num_seqs=4, progress=False)
     replays = []
@@ -121,7 +124,8 @@ def test_decode_graph_replay_logic_on_cpu(perturbed_model_dir, llm):  # noqa: F8
 
     assert graphed.runner.capture_decode_graphs(graph_factory=fake_graph) == [1, 2, 4]
     got = [o.token_ids for o in graphed.generate(PROMPTS[:3], params)]
-    assert got == want and len(replays) == 5  # 5 decode steps of a 3-sequence batch, padded to 4
+    assert got == want and len(replays) == 5  # 5 decode steps (the third request stops after 3 of them)
+    assert graphed.engine.num_steps_ahead >= 3  # all but the first decode step went ahead of the booking
 
 
 def test_decode_graphs_are_bucketed_by_context_length(perturbed_model_dir):  # noqa: F811
@@ -180,7 +184,8 @@ def test_decodes_keep_going_while_a_long_prompt_prefills(perturbed_model_dir, ll
                 max_num_seqs=4, progress=False)
     steps = []
     run = small.runner.run
-    small.runner.run = lambda scheduled: (steps.append([(s.seq_id, n) for s, n in scheduled]), run(scheduled))[1]
+    small.runner.run = lambda scheduled, **kw: (steps.append([(s.seq_id, n) for s, n in scheduled]),
+                                                run(scheduled, **kw))[1]
     eng = small.engine
     a = eng.add_request(PROMPTS[0], params)
     eng.step()  # a's prompt
@@ -221,7 +226,7 @@ def test_every_block_comes_back_after_finished_aborted_and_preempted(perturbed_m
             eng.abort(seqs[5])  # possibly still waiting
         if not eng.has_unfinished():
             break
-    while eng._inflight is not None:
+    while eng._inflight:
         eng.step()
     assert eng.num_preemptions > 0
     assert {s.finish_reason for s in seqs} == {"length", "abort"}

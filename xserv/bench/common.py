@@ -5,6 +5,8 @@ import json
 import platform
 import sys
 
+import numpy as np
+
 
 def length_range(text: str) -> tuple[int, int]:
     """'100:1024' -> (100, 1024); '512' -> (512, 512)."""
@@ -33,3 +35,59 @@ def write_json(path: str | None, result: dict) -> None:
         with open(path, "w") as f:
             json.dump(result, f, indent=2)
         print(f"wrote {path}", file=sys.stderr)
+
+
+def measure_ceilings() -> dict:
+    """The device's copy bandwidth (bytes read + written per second, 1 GiB device-to-device copies) and bf16 GEMM
+    rate (8192^3 through the same cuBLASLt path the model uses), measured now."""
+    from cuda.bindings import driver
+
+    from ..ops.linear import linear
+    from ..runtime import check_driver, get_device
+    from ..runtime.timing import EventTimer
+    from ..tensor import Tensor, bfloat16
+
+    nbytes = 1 << 30
+    src, dst = Tensor.empty((nbytes,), "uint8", "cuda"), Tensor.empty((nbytes,), "uint8", "cuda")
+    stream = get_device().stream_handle
+    timer = EventTimer()
+
+    def copy():
+        check_driver(driver.cuMemcpyDtoDAsync(dst.ptr, src.ptr, nbytes, stream), "cuMemcpyDtoDAsync")
+
+    copy()
+    copy_s = min(timer.time_ms(copy, 5) for _ in range(3)) / 1e3
+    n = 8192
+    a, w = Tensor.zeros((n, n), bfloat16, "cuda"), Tensor.zeros((n, n), bfloat16, "cuda")
+    out = Tensor.empty((n, n), bfloat16, "cuda")
+    linear(a, w, out=out)
+    gemm_s = min(timer.time_ms(lambda: linear(a, w, out=out), 5) for _ in range(3)) / 1e3
+    return {"copy_bytes_per_s": 2 * nbytes / copy_s, "gemm_flops_per_s": 2 * n**3 / gemm_s}
+
+
+def workload_limit(model, prompt_lens, output_lens, ceilings: dict) -> dict:
+    """The physical limit of generating `output_lens[i]` tokens after prompts of `prompt_lens[i]` tokens, all
+    batched together: every decode step reads the weights once and every live sequence's K/V at the copy
+    bandwidth; prefill runs its GEMM and attention FLOPs at the measured GEMM rate."""
+    c = model.config
+    weight_bytes = sum(t.nbytes for t in model.weight_tensors())
+    kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2  # bf16 K and V
+    embed = c.vocab_size * c.hidden_size
+    params = weight_bytes // 2
+    layer_params = params - embed * (1 if c.tie_word_embeddings else 2)
+    prompts = np.asarray(prompt_lens, np.float64)
+    outs = np.asarray(output_lens, np.int64)
+    attn_flops = 2 * 2 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * np.sum(prompts**2) / 2
+    prefill_flops = 2 * layer_params * prompts.sum() + 2 * embed * len(prompts) + attn_flops
+    prefill_s = prefill_flops / ceilings["gemm_flops_per_s"]
+    # decode step s (1..max-1) runs every sequence that still wants a token; it reads the cached K/V of
+    # prompt + s tokens for each
+    order = np.sort(outs)
+    decode_bytes = 0.0
+    for s in range(1, int(order[-1])):
+        live = outs > s
+        decode_bytes += weight_bytes + kv_per_token * float(np.sum(prompts[live] + s))
+    decode_s = decode_bytes / ceilings["copy_bytes_per_s"]
+    total = prefill_s + decode_s
+    return {"limit_s": total, "prefill_s": prefill_s, "decode_s": decode_s,
+            "limit_output_tokens_per_s": float(outs.sum()) / total}

@@ -3,12 +3,13 @@ token ids, prompt and output lengths uniform in the given ranges, `ignore_eos`, 
 output and total tokens/s; `--json` writes them, `--plot` draws tokens/s and batch size per step."""
 from __future__ import annotations
 
+import random
 import sys
 import time
 
 import numpy as np
 
-from .common import device_name, length_range, write_json
+from .common import device_name, length_range, measure_ceilings, workload_limit, write_json
 
 
 def add_arguments(p) -> None:
@@ -29,12 +30,14 @@ def add_arguments(p) -> None:
 
 def make_workload(num_seqs: int, input_len: tuple[int, int], output_len: tuple[int, int], seed: int,
                   vocab: int) -> tuple[list[list[int]], list[int]]:
-    rng = np.random.default_rng(seed)
-    in_lens = rng.integers(input_len[0], input_len[1] + 1, num_seqs)
-    out_lens = rng.integers(output_len[0], output_len[1] + 1, num_seqs)
-    high = min(vocab, 10_000)  # ordinary tokens, as nano-vllm's bench draws them
-    prompts = [rng.integers(0, high, n).tolist() for n in in_lens]
-    return prompts, out_lens.tolist()
+    """Prompts of random ordinary token ids and their output lengths, drawn the way nano-vllm's bench.py draws
+    them (Python's `random`, lengths inclusive), so that the defaults with seed 0 give the same workload: 256
+    requests, 142,892 output tokens."""
+    rng = random.Random(seed)
+    high = min(vocab - 1, 10_000)
+    prompts = [[rng.randint(0, high) for _ in range(rng.randint(*input_len))] for _ in range(num_seqs)]
+    out_lens = [rng.randint(*output_len) for _ in range(num_seqs)]
+    return prompts, out_lens
 
 
 def run(args) -> int:
@@ -64,6 +67,7 @@ def run(args) -> int:
         if bar is not None:
             bar.update(len(results))
 
+    llm.engine.host_seconds.update(dict.fromkeys(llm.engine.host_seconds, 0.0))
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, on_step=on_step)
     elapsed = time.perf_counter() - start
@@ -79,12 +83,24 @@ def run(args) -> int:
         "elapsed_s": elapsed, "input_tokens": in_tokens, "output_tokens": out_tokens,
         "output_tokens_per_s": out_tokens / elapsed, "total_tokens_per_s": (in_tokens + out_tokens) / elapsed,
         "num_steps": len(steps), "num_preemptions": llm.engine.num_preemptions,
+        "host_seconds": {k: round(v, 4) for k, v in llm.engine.host_seconds.items()},
+        "steps": {"t": [round(s[0] - start, 5) for s in steps], "running": [s[1] for s in steps],
+                  "booked": [s[2] for s in steps]},
     }
     print(f"{device}: {args.num_seqs} requests, {in_tokens} prompt + {out_tokens} output tokens in {elapsed:.2f} s\n"
           f"  output {result['output_tokens_per_s']:,.0f} tok/s   total {result['total_tokens_per_s']:,.0f} tok/s   "
-          f"({len(steps)} steps, {llm.engine.num_preemptions} preemptions)")
+          f"({len(steps)} steps, {llm.engine.num_preemptions} preemptions)\n"
+          f"  host seconds: " + ", ".join(f"{k} {v:.2f}" for k, v in llm.engine.host_seconds.items()))
     if out_tokens != total_out:
         print(f"xserv: warning: {out_tokens} output tokens, expected {total_out}", file=sys.stderr)
+    if llm.device == "cuda":
+        ceilings = measure_ceilings()
+        limit = workload_limit(llm.model, [len(p) for p in prompts], out_lens, ceilings)
+        result.update(ceilings=ceilings, limit=limit)
+        print(f"  limit {limit['limit_s']:.2f} s = {limit['limit_output_tokens_per_s']:,.0f} output tok/s "
+              f"(prefill {limit['prefill_s']:.2f} s at {ceilings['gemm_flops_per_s'] / 1e12:.0f} TFLOP/s, decode "
+              f"{limit['decode_s']:.2f} s at {ceilings['copy_bytes_per_s'] / 1e9:,.0f} GB/s copy bandwidth): "
+              f"this run reached {limit['limit_s'] / elapsed:.0%} of it")
     write_json(args.json, result)
     if plot is not None:
         _plot(plot, steps, start, args.plot)

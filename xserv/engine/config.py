@@ -16,7 +16,9 @@ class EngineConfig:
     kv_cache_tokens: the KV pool size in tokens; None = from free memory on CUDA (gpu_memory_fraction of it), about
     1 GiB on CPU. max_num_seqs: sequences decoded together. max_num_batched_tokens: tokens in one forward (prefill
     chunks + decodes); None = 8192 on CUDA, 2048 on CPU. enable_prefix_caching: share full KV blocks between
-    requests with the same prefix. seed: the sampling seed of requests that give none."""
+    requests with the same prefix. overlap_steps: launch a decode step before the previous one's tokens are back on
+    the host (the GPU never waits for the host between decode steps). seed: the sampling seed of requests that
+    give none."""
 
     max_model_len: int | None = None
     kv_cache_tokens: int | None = None
@@ -26,6 +28,7 @@ class EngineConfig:
     gpu_memory_fraction: float = 0.85
     cuda_graphs: bool = True
     enable_prefix_caching: bool = True
+    overlap_steps: bool = True
     seed: int = 0
 
     def __post_init__(self):

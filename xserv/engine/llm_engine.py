@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
+from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -24,6 +27,14 @@ from .model_runner import ModelRunner
 from .sampler import Sampler
 from .scheduler import Scheduler
 from .sequence import FINISHED, RUNNING, RequestOutput, Sequence, StopStringMatcher  # noqa: F401 (re-exported)
+
+
+@dataclass
+class _Launched:
+    scheduled: list  # [(sequence, tokens computed)]
+    sampled: list  # the sequences that get a token, in the order of the sampler's rows
+    result: object  # SampleResult, or None when no row samples
+    replayed: bool  # a decode step run from a CUDA graph
 
 
 class LLMEngine:
@@ -43,7 +54,10 @@ class LLMEngine:
                                    max_num_batched_tokens=config.batched_tokens(device))
         self.sampler = sampler or Sampler(self.vocab_size, config.max_num_seqs, device, config.seed)
         self._ids = itertools.count()
-        self._inflight = None  # (scheduled, sampled sequences, SampleResult) of the launched step
+        self._inflight: deque[_Launched] = deque()  # launched steps not yet booked (at most two)
+        self.num_steps_ahead = 0  # decode steps launched before the previous step was booked
+        # where step() spends its time: "wait" (for the GPU, inside "book") and the host work around it
+        self.host_seconds = {"book": 0.0, "wait": 0.0, "schedule_launch": 0.0, "emit": 0.0}
 
     @classmethod
     def from_model(cls, model, tokenizer, config: EngineConfig, *, context_len: int, eos_token_ids) -> "LLMEngine":
@@ -132,37 +146,88 @@ class LLMEngine:
     def step(self) -> list[tuple[Sequence, str]]:
         """Book the step in flight, launch the next, and return (sequence, new text) for every sequence that got a
         token in the booked step ("" for sequences that neither stream nor have stop strings, until they end)."""
-        booked = self._book_inflight()
-        scheduled = self.scheduler.schedule()
-        if scheduled:
-            self._launch(scheduled)
-        return self._emit(booked)
+        t0 = time.perf_counter()
+        ahead = self._decode_ahead()
+        if ahead is not None:
+            rows, index = ahead
+            self.num_steps_ahead += 1
+            self._launch([(seq, 1) for seq in rows], ahead=1, token_index=index)
+            booked = self._book(self._inflight.popleft())
+            t1 = t2 = time.perf_counter()
+        else:
+            booked = []
+            while self._inflight:
+                booked += self._book(self._inflight.popleft())
+            t1 = time.perf_counter()
+            scheduled = self.scheduler.schedule()
+            if scheduled:
+                self._launch(scheduled)
+            t2 = time.perf_counter()
+        results = self._emit(booked)
+        t = self.host_seconds
+        t["book"] += t1 - t0
+        t["schedule_launch"] += t2 - t1
+        t["emit"] += time.perf_counter() - t2
+        return results
 
-    def _launch(self, scheduled) -> None:
-        sampled = [seq for seq, n in scheduled if seq.num_computed + n == seq.num_tokens]
-        logits = self.runner.run(scheduled)
-        result = self.sampler.sample(logits, sampled) if sampled else None
-        self._inflight = (scheduled, sampled, result)
+    def _decode_ahead(self):
+        """When the step in flight is a pure decode step replayed from a graph and nothing waits to be admitted,
+        the next step is that step's sequences again, one token further: launch it now, before the step in
+        flight has been booked, with each row's input token gathered on the device from the step in flight's
+        output (`index`). Sequences that the token in flight ends by length are left out; one that a stop token
+        or string ends keeps its row, whose token is dropped when booked. Returns (rows, index) or None."""
+        if not self.config.overlap_steps or len(self._inflight) != 1 or self.scheduler.waiting:
+            return None
+        last = self._inflight[0]
+        if not last.replayed:
+            return None
+        rows, index = [], []
+        for i, seq in enumerate(last.sampled):
+            if seq.status != RUNNING:
+                continue
+            if seq.logprobs is not None:
+                return None  # logprobs are read back after each step, not ahead
+            after = len(seq.token_ids) + 1  # tokens once the one in flight is booked
+            if after - seq.num_prompt_tokens >= seq.params.max_tokens or after >= self.max_model_len:
+                continue
+            rows.append(seq)
+            index.append(i)
+        if not rows or not self.runner.can_replay([(s, 1) for s in rows], ahead=1):
+            return None
+        for seq in rows:  # room for the K/V of the token in flight
+            if not self.scheduler.reserve(seq, len(seq.token_ids) + 1):
+                return None
+        return rows, np.array(index, np.int32)
 
-    def _book_inflight(self) -> list[tuple[Sequence, int, str | None]]:
-        """Wait for the launched step; (sequence, token, finish reason so far) for each sampled row."""
-        if self._inflight is None:
-            return []
-        scheduled, sampled, result = self._inflight
-        self._inflight = None
+    def _launch(self, scheduled, *, ahead: int = 0, token_index=None) -> None:
+        if ahead:
+            sampled = [seq for seq, _ in scheduled]
+        else:
+            sampled = [seq for seq, n in scheduled if seq.num_computed + n == len(seq.token_ids)]
+        logits = self.runner.run(scheduled, ahead=ahead, token_index=token_index, token_src=self.sampler.tokens)
+        result = self.sampler.sample(logits, sampled, ahead) if sampled else None
+        self._inflight.append(_Launched(scheduled, sampled, result, self.runner.last_run_replayed))
+
+    def _book(self, launched: "_Launched") -> list[tuple[Sequence, int, str | None]]:
+        """Wait for a launched step; (sequence, token, finish reason so far) for each sampled row."""
+        scheduled, sampled, result = launched.scheduled, launched.sampled, launched.result
+        postprocess = self.scheduler.postprocess
         for seq, n in scheduled:
             if seq.status == RUNNING:
                 seq.num_computed += n
-                self.scheduler.postprocess(seq, seq.num_computed)
+                postprocess(seq, seq.num_computed)
         if result is None:
             return []
+        waited = time.perf_counter()
         tokens, logprob, top_ids, top_logprobs = result.fetch()
+        self.host_seconds["wait"] += time.perf_counter() - waited
         booked = []
-        for i, seq in enumerate(sampled):
+        max_len = self.max_model_len
+        for i, (seq, token) in enumerate(zip(sampled, tokens.tolist())):
             if seq.status != RUNNING:
-                continue  # ended (abort, stop string) while its row was in flight
-            token = int(tokens[i])
-            seq.token_ids.append(token)
+                continue  # ended (abort, stop token or string) while its row was in flight
+            ids = seq.token_ids
+            ids.append(token)
             if seq.logprobs is not None:
                 k = seq.params.logprobs
                 top = [] if k == 0 else list(zip(top_ids[i, :k].tolist(), top_logprobs[i, :k].tolist()))
@@ -170,7 +235,7 @@ class LLMEngine:
             reason = None
             if token in seq.stop_ids:
                 reason = "stop"
-            elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+            elif len(ids) - seq.num_prompt_tokens >= seq.params.max_tokens or len(ids) >= max_len:
                 reason = "length"
             if reason is not None:
                 self.scheduler.finish(seq, reason)

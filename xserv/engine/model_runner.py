@@ -9,6 +9,7 @@ import math
 
 import numpy as np
 
+from ..ops.gather import gather
 from ..tensor import Tensor, int32
 from .batch import Batch, SeqChunk, make_batch
 
@@ -41,6 +42,7 @@ class ModelRunner:
         self.workspace = workspace or model.make_workspace(max(max_num_batched_tokens, max_num_seqs), max_num_seqs)
         self.graphs: dict[tuple[int, int], object] = {}  # (batch-size bucket, max_kv_len bucket) -> graph
         self._graph_keepalive: list = []
+        self.last_run_replayed = False
         # host mirror of every running sequence's block table, by slot (see Scheduler); rows rewritten on change
         self._max_blocks = math.ceil(max_model_len / self.block_size)
         self._tables = np.zeros((max_num_seqs, self._max_blocks), np.int32)
@@ -48,19 +50,31 @@ class ModelRunner:
         self._table_owner = np.full(max_num_seqs, -1, np.int64)
 
     # ---- forward ------------------------------------------------------------------------------------------------
-    def run(self, scheduled) -> Tensor:
+    def run(self, scheduled, *, ahead: int = 0, token_index: np.ndarray | None = None,
+            token_src: Tensor | None = None) -> Tensor:
         """Forward over `scheduled` [(sequence, tokens to compute)]; float32 logits [rows, vocab], one row per
-        sequence whose chunk reaches its last token (in order)."""
-        if self.graphs and all(n == 1 for _, n in scheduled) and len(scheduled) <= self._max_graph_bs:
-            seqs = [s for s, _ in scheduled]
-            if max(s.num_tokens for s in seqs) <= self.max_model_len:
-                return self._replay(seqs)
+        sequence whose chunk reaches its last token (in order). `ahead`/`token_index`/`token_src`: a decode step
+        launched before the previous step's tokens reached the host (see LLMEngine): every row is one ahead of
+        its sequence's host state, and row i's input token is token_src[token_index[i]], gathered on the device.
+        Such steps must be graph-eligible (`can_replay`)."""
+        seqs = [s for s, _ in scheduled]
+        if self.can_replay(scheduled, ahead):
+            self.last_run_replayed = True
+            return self._replay(seqs, ahead, token_index, token_src)
+        if ahead:
+            raise RuntimeError("internal: a step launched ahead must replay a decode graph")
+        self.last_run_replayed = False
         chunks = []
         for seq, n in scheduled:
             start = seq.num_computed
             last = start + n == seq.num_tokens
             chunks.append(SeqChunk(seq.token_ids[start:start + n], start, seq.block_table, "last" if last else "none"))
         return self.forward(chunks)
+
+    def can_replay(self, scheduled, ahead: int = 0) -> bool:
+        """A pure decode step that a captured graph covers (batch size and context length)."""
+        return bool(self.graphs) and len(scheduled) <= self._max_graph_bs and all(n == 1 for _, n in scheduled) \
+            and max(s.num_computed for s, _ in scheduled) + ahead < self.max_model_len
 
     def forward(self, chunks: list[SeqChunk]) -> Tensor:
         batch = make_batch(chunks, self.block_size, self.device)
@@ -108,6 +122,7 @@ class ModelRunner:
         self._bucket_tables = {L: Tensor.zeros((max_bs, math.ceil(L / self.block_size)), int32, d)
                                for L in self._kv_buckets}
         self._staging = {name: np.zeros(max_bs, np.int32) for name in _GRAPH_INPUTS}
+        self._token_index = Tensor.zeros((max_bs,), int32, d)
         # Largest first, so that buffers sized by the first capture (the attention workspace) fit every later one.
         for bs in sorted(sizes, reverse=True):
             for max_kv_len in reversed(self._kv_buckets):
@@ -153,22 +168,28 @@ class ModelRunner:
                 self._table_owner[slot] = seq.seq_id
         return slots
 
-    def _replay(self, seqs) -> Tensor:
+    def _replay(self, seqs, ahead: int, token_index, token_src) -> Tensor:
         n = len(seqs)
         bs = int(self._bucket_of[n])
         slots = self._sync_tables(seqs)
-        positions = np.fromiter((s.num_computed for s in seqs), np.int64, n)
+        positions = np.fromiter((s.num_computed for s in seqs), np.int64, n) + ahead
         max_kv_len = next(b for b in self._kv_buckets if b >= int(positions.max()) + 1)
         width = self._bucket_tables[max_kv_len].shape[1]
         st = self._staging
-        st["input_ids"][:n] = np.fromiter((s.token_ids[-1] for s in seqs), np.int64, n)
+        if token_index is None:
+            st["input_ids"][:n] = np.fromiter((s.token_ids[-1] for s in seqs), np.int64, n)
         st["positions"][:n] = positions
         st["kv_lens"][:n] = positions + 1
         bsz = self.block_size
         st["slot_mapping"][:n] = self._tables[slots, positions // bsz] * bsz + positions % bsz
         self._pad_inputs(n, bs, max_kv_len)
         for name in _GRAPH_INPUTS:
+            if name == "input_ids" and token_index is not None:
+                continue  # gathered below; padding rows keep whatever valid ids they hold
             self._inputs[name][:bs].copy_(st[name][:bs])
+        if token_index is not None:
+            self._token_index[:n].copy_(np.asarray(token_index, np.int32))
+            gather(token_src, self._token_index[:n], self._inputs["input_ids"][:n])
         tables = np.zeros((bs, width), np.int32)
         tables[:n] = self._tables[slots, :width]
         self._bucket_tables[max_kv_len][:bs].copy_(tables)

@@ -9,12 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..ops import sampling as op
 from ..tensor import Tensor, float32, int32
-
-try:
-    from ..ops import sampling as op
-except ImportError:  # TEMPORARY bridge while the sampling op lands: the old per-row host sampler
-    op = None
 
 _SEED_MIX = 1_000_003
 
@@ -25,10 +21,6 @@ def uses_penalties(params) -> bool:
 
 class Sampler:
     def __init__(self, vocab_size: int, max_rows: int, device: str, engine_seed: int = 0):
-        if op is None:
-            self.__class__ = _BridgeSampler
-            self.vocab_size, self.device, self.engine_seed = vocab_size, device, engine_seed
-            return
         self.vocab_size = vocab_size
         self.device = device
         self.engine_seed = engine_seed
@@ -40,14 +32,22 @@ class Sampler:
         self.iparams = Tensor.zeros((max_rows, op.NUM_I), int32, device)
         self.counts, self.seen = op.penalty_state(max_rows, vocab_size, device)
         self._penalty_owner = np.full(max_rows, -1, np.int64)  # seq_id whose counts a slot's row holds
+        self._host_tokens = None
+        if device == "cuda":  # two steps can be in flight: each reads its tokens back into its own pinned array
+            from ..runtime.pinned import Event, PinnedArray
+
+            self._host_tokens = [(PinnedArray((max_rows,), np.int32), Event()) for _ in range(2)]
+            self._next_host = 0
 
     def request_seed(self, seq_id: int, seed: int | None) -> int:
         """A request's own seed, or one derived from the engine's seed and the request id."""
         return seed if seed is not None else (self.engine_seed * _SEED_MIX + seq_id) % 2**64
 
-    def sample(self, logits: Tensor, seqs) -> "SampleResult":
+    def sample(self, logits: Tensor, seqs, ahead: int = 0) -> "SampleResult":
         """Launch sampling of one token per row of `logits` (row i belongs to seqs[i]). Asynchronous on CUDA: the
-        result is read by `SampleResult.fetch()`, which waits for the step."""
+        tokens are copied back as the step ends, and `SampleResult.fetch()` waits for them. `ahead`: the
+        sequences' host state lags the step by that many tokens (a step launched before the previous one was
+        booked); the sampled token's position, which keys the random draw, counts them."""
         n = len(seqs)
         if logits.shape[0] != n:
             raise RuntimeError(f"internal: {logits.shape[0]} logit rows for {n} sequences")
@@ -59,7 +59,8 @@ class Sampler:
                 slot = seq.slot
                 self._prepare_penalties(seq)
             rows.append(op.RowParams(p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty,
-                                     p.presence_penalty, p.frequency_penalty, seq.seed, seq.num_tokens, slot))
+                                     p.presence_penalty, p.frequency_penalty, seq.seed, len(seq.token_ids) + ahead,
+                                     slot))
         fparams, iparams = op.pack_sampling_params(rows)
         self.fparams[:n].copy_(fparams)
         self.iparams[:n].copy_(iparams)
@@ -72,7 +73,16 @@ class Sampler:
                 kw["top_logprobs_out"] = self.top_logprobs[:n]
         op.sample(logits, self.fparams[:n], self.iparams[:n], out=self.tokens[:n], penalty_counts=self.counts,
                   penalty_seen=self.seen, **kw)
-        return SampleResult(self, n, top_n)
+        if self._host_tokens is None:  # the CPU backend has already computed them
+            return SampleResult(self, n, top_n, (self.tokens[:n].numpy().copy(), None))
+        from ..runtime import get_device
+
+        pinned, event = self._host_tokens[self._next_host]
+        self._next_host ^= 1
+        stream = get_device().stream_handle
+        host = (pinned.copy_from_async(self.tokens[:n], stream), event)
+        event.record(stream)
+        return SampleResult(self, n, top_n, host)
 
     def _prepare_penalties(self, seq) -> None:
         """Make the slot's penalty row describe `seq`: its prompt (and any output so far, after a preemption)."""
@@ -89,13 +99,19 @@ class Sampler:
 class SampleResult:
     """The tokens (and logprobs) of one launched step, read once."""
 
-    def __init__(self, sampler: Sampler, n: int, top_n: int):
-        self.sampler, self.n, self.top_n = sampler, n, top_n
+    def __init__(self, sampler: Sampler, n: int, top_n: int, host=None):
+        self.sampler, self.n, self.top_n, self.host = sampler, n, top_n, host
 
     def fetch(self) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, np.ndarray | None]:
         """(tokens int32 [n], logprob [n] | None, top ids [n, N] | None, top logprobs [n, N] | None); waits."""
         s, n = self.sampler, self.n
-        tokens = s.tokens[:n].numpy().copy()
+        if self.host is not None:
+            view, event = self.host
+            if event is not None:
+                event.synchronize()
+            tokens = view.copy()
+        else:
+            tokens = s.tokens[:n].numpy().copy()
         if self.top_n < 0:
             return tokens, None, None, None
         logprob = s.logprob[:n].numpy().copy()
@@ -103,15 +119,3 @@ class SampleResult:
             return tokens, logprob, None, None
         return tokens, logprob, s.top_ids[:n].numpy().copy(), s.top_logprobs[:n].numpy().copy()
 
-
-class _BridgeSampler(Sampler):
-    def sample(self, logits, seqs):
-        from ..sampling import Sampler as HostSampler, make_rng
-
-        host = logits.numpy()
-        out = []
-        for i, seq in enumerate(seqs):
-            rng = make_rng((seq.seed * 1_000_003 + seq.num_tokens) % 2**63)
-            out.append(HostSampler().sample(host[i], seq.params, seq.token_ids, rng))
-        tokens = np.array(out, np.int32)
-        return type("R", (), {"fetch": lambda self: (tokens, None, None, None)})()

@@ -60,10 +60,13 @@ class Scheduler:
     def schedule(self) -> list[tuple[Sequence, int]]:
         """(sequence, tokens to compute) for the next forward: decodes first, then prefill chunks."""
         scheduled: list[tuple[Sequence, int]] = []
+        capacity = self.blocks.block_size
         for seq in list(self.running):
-            if seq.status != RUNNING or seq.num_tokens - seq.num_computed != 1:
+            n_tokens = len(seq.token_ids)
+            if seq.status != RUNNING or n_tokens - seq.num_computed != 1:
                 continue
-            if self._grow_or_preempt(seq):
+            # the common case, a decode within its last block, costs one comparison
+            if n_tokens <= len(seq.block_table) * capacity or self._grow_or_preempt(seq):
                 scheduled.append((seq, 1))
         budget = self.max_num_batched_tokens - len(scheduled)
         for seq in self.running:
@@ -90,12 +93,18 @@ class Scheduler:
     def postprocess(self, seq: Sequence, num_computed_now: int) -> None:
         """Register the blocks that `seq`'s last step filled (their K/V are now in the cache)."""
         bs = self.blocks.block_size
-        full = min(num_computed_now, seq.num_tokens) // bs
+        full = min(num_computed_now, len(seq.token_ids)) // bs
         keys = seq.block_keys
+        if full <= len(keys):
+            return
         parent = keys[-1] if keys else NO_PARENT
         for i in range(len(keys), full):
             parent = self.blocks.register(seq.block_table[i], parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
             keys.append(parent)
+
+    def reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        """Blocks for `num_tokens` of a running sequence, if free ones exist (no preemption)."""
+        return self._grow(seq, num_tokens)
 
     # ---- blocks -------------------------------------------------------------------------------------------------
     def _admit(self, seq: Sequence, budget: int) -> int:
