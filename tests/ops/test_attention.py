@@ -418,10 +418,11 @@ def test_decode_gpu_long_catches_planted_bugs(rng, variant):
 
 @pytest.mark.gpu
 def test_decode_gpu_v2_fallback_block_size_1(rng):
-    # block size 1 with 20000 keys: a v4 split's pages overflow the shared page table, so v2 runs
-    case = make_case(rng, [1, 1], [20000, 3], 8, 2, 64, 1)
-    assert D.plan_decode("v4", 2, 2, 20000, 1, 64, 4, 132)[0].variant == "v2"
-    assert row_error(run_decode(case, 20000), dense_expected(case)) < TOL_LONG
+    # block size 1 with 120000 keys: even 256 splits leave a split more pages than v4's shared page table holds,
+    # so v2 runs
+    case = make_case(rng, [1, 1], [120000, 3], 8, 2, 64, 1)
+    assert D.plan_decode("v4", 2, 2, 120000, 1, 64, 4, 132)[0].variant == "v2"
+    assert row_error(run_decode(case, 120000), dense_expected(case)) < TOL_LONG
 
 
 def _graph_replays(rng, variant):
