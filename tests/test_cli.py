@@ -1,13 +1,28 @@
-"""`xserv generate` and `xserv chat` as a user runs them (subprocesses, tiny model, CPU)."""
+"""`xserv generate` and `xserv chat` as a user runs them, on the CPU.
+
+Every flag is checked on tests/scripted_model.py's model, whose next-token logits are written down (test_options.py
+checks the same options through the `LLM` API): what a flag must change in the output follows from those logits,
+so a flag that were ignored or inverted fails its test. Prompts pick the script's branch by their last token:
+"Count:" counts " one two three four" then <|im_end|>; "... green" cycles " red green" (44 > 40) unless a
+repetition penalty lets " blue" in; "... peach" draws words from DRAW; "... eight" says " nine" then
+<|endoftext|>; a chat prompt gets " yes" (thinking on) or " no" (off); "Paris" anywhere makes every token " flag".
+
+Subprocesses (started together: most of each run is start-up, imports and the 11 MB tokenizer) cover the whole
+path once per kind of use; the other flags run `xserv.cli.main` in this process on one loaded model (a subprocess
+each would add ~1.3 s of CPU apiece for the same code path).
+"""
+import io
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from qwen3_reference import tiny_model_dir  # noqa: F401
+from scripted_model import DRAW, scripted_model  # noqa: F401
 
-from xserv.cli import build_parser
+from xserv.cli import build_parser, main
 
 
 def xserv(*args, stdin=None, timeout=120, env=None):
@@ -16,14 +31,170 @@ def xserv(*args, stdin=None, timeout=120, env=None):
                           timeout=timeout, env=env)
 
 
-def test_generate_prints_text(tiny_model_dir):  # noqa: F811
-    r = xserv("generate", "--model", str(tiny_model_dir), "--device", "cpu", "--prompt", "Hello",
-              "--max-tokens", "16", "--temperature", "0")
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip()
-    again = xserv("generate", "--model", str(tiny_model_dir), "--device", "cpu", "--prompt", "Hello",
-                  "--max-tokens", "16", "--temperature", "0")
-    assert again.stdout == r.stdout
+# ---- subprocesses ------------------------------------------------------------------------------------------------
+# A chat session (--no-enable-thinking: plain replies are " no") and what each turn prints to stdout after ">>> ".
+CHAT_TURNS = [
+    ("hi", " flag flag flag"),  # --system Paris reached the model
+    ("/system", "(system prompt cleared; conversation reset)\n"),
+    ("hi", " no"),
+    ("I like Paris", " flag flag flag"),
+    ("hi", " flag flag flag"),  # the conversation so far is part of the prompt
+    ("/reset", "(conversation reset)\n"),
+    ("hi", " no"),
+    ("/system Paris", "(system prompt set; conversation reset)\n"),
+    ("hi", " flag flag flag"),
+    ("/bogus", "unknown command /bogus; /help lists the commands\n"),
+    ("/exit", ""),
+]
+
+
+@pytest.fixture(scope="module")
+def runs(scripted_model):  # noqa: F811
+    """The CompletedProcess of a `generate` and of a `chat` session, and a `generate` piped into `head`, run side by
+    side."""
+    model = ["--model", str(scripted_model.path), "--device", "cpu"]
+    commands = {
+        # the prompt from stdin (" red green red green ..." follows it); --stop is repeatable, the text not printed
+        "generate": (["generate", *model, "--prompt-file", "-", "-t", "0", "--max-tokens", "8", "--stop", "zzz",
+                      "--stop", "n re"], "Colors: green"),
+        "chat": (["chat", *model, "-t", "0", "--max-tokens", "3", "--system", "Paris", "--no-enable-thinking"],
+                 "".join(turn + "\n" for turn, _ in CHAT_TURNS)),
+    }
+    with ThreadPoolExecutor(len(commands) + 1) as pool:
+        futures = {name: pool.submit(xserv, *args, stdin=stdin) for name, (args, stdin) in commands.items()}
+        futures["broken_pipe"] = pool.submit(head_of_generate, model, 10)
+        return {name: f.result() for name, f in futures.items()}
+
+
+def head_of_generate(model_args, num_bytes):
+    """`xserv generate ... | head -c NUM_BYTES`: (the bytes read, the exit status, stderr). The output would be
+    3000 tokens: xserv must notice the closed pipe and stop."""
+    proc = subprocess.Popen([sys.executable, "-m", "xserv", "generate", *model_args, "-p", "Count:", "-t", "0",
+                             "--ignore-eos", "--max-tokens", "3000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        head = proc.stdout.read(num_bytes)
+        proc.stdout.close()
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return head, proc.returncode, err.decode()
+
+
+def test_generate(runs):
+    r = runs["generate"]
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert r.stdout == " red gree\n"
+
+
+def test_broken_pipe_exits_quietly(runs):
+    head, code, err = runs["broken_pipe"]
+    assert head == b" one two t"
+    assert code == 141 and "Traceback" not in err and "BrokenPipe" not in err, (code, err)  # 141: ended by SIGPIPE
+
+
+def test_chat_session(runs):
+    r = runs["chat"]
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert r.stdout.split(">>> ") == [""] + [want for _, want in CHAT_TURNS]
+    assert r.stderr.count("tok/s") == sum(not turn.startswith("/") for turn, _ in CHAT_TURNS)
+
+
+# ---- in this process ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def loaded(scripted_model):  # noqa: F811
+    from xserv import LLM
+
+    return LLM(str(scripted_model.path), device="cpu", max_num_seqs=8, progress=False)
+
+
+@pytest.fixture
+def generate(loaded, scripted_model, monkeypatch, capsys):  # noqa: F811
+    """`xserv generate --model M --device cpu ARGS` through xserv.cli.main, on the already loaded model: its
+    stdout (the exit status must be 0)."""
+    import xserv.llm
+
+    def same_model(model, device=None, config=None):
+        assert model == str(scripted_model.path) and device == "cpu"
+        return loaded
+
+    monkeypatch.setattr(xserv.llm, "LLM", same_model)
+
+    def run(*args, stdin=""):
+        monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+        capsys.readouterr()
+        code = main(["generate", "--model", str(scripted_model.path), "--device", "cpu", *args])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        return out
+    return run
+
+
+def test_generate_stopping_flags(generate):
+    assert generate("-p", "Count:", "-t", "0") == " one two three four\n"  # <|im_end|> (default --max-tokens 256)
+    assert generate("-p", "Count:", "-t", "0", "--max-tokens", "2") == " one two\n"
+    assert generate("-p", "Count:", "-t", "0", "--ignore-eos", "--max-tokens", "7") == " one two three four five six\n"
+    assert generate("-p", "Count:", "-t", "0", "--stop", " three") == " one two\n"
+
+
+def test_generate_repetition_penalty(generate):
+    assert generate("-p", "Colors: green", "-t", "0", "--max-tokens", "4") == " red green red green\n"
+    # 44 / 1.5 < 40: blue instead of a second red, then <|im_end|>
+    assert generate("-p", "Colors: green", "-t", "0", "--max-tokens", "8", "--repetition-penalty", "1.5") == \
+        " red green blue\n"
+
+
+def test_generate_chat_flags(generate):
+    assert generate("-p", "hi", "-t", "0") == " one two three four\n"  # plain text: no template
+    assert generate("-p", "hi", "-t", "0", "--chat") == " yes\n"  # thinking on by default: "assistant\n" last
+    assert generate("-p", "hi", "-t", "0", "--chat", "--no-enable-thinking") == " no\n"  # "</think>\n\n" last
+    assert generate("-p", "hi", "-t", "0", "--chat", "--enable-thinking") == " yes\n"
+    assert generate("-p", "Paris", "-t", "0", "--chat", "--max-tokens", "2") == " flag flag\n"
+
+
+def test_generate_prompt_file(generate, tmp_path):
+    path = tmp_path / "prompt.txt"
+    path.write_text("A long prompt,\nover lines.\nColors: green", encoding="utf-8")
+    assert generate("--prompt-file", str(path), "-t", "0", "--max-tokens", "4") == " red green red green\n"
+    assert generate("--prompt-file", "-", "-t", "0", stdin="Numbers: eight") == " nine\n"
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["-p", "hi", "--prompt-file", "-"], "not allowed with argument"),
+    (["-t", "0"], "one of the arguments --prompt/-p --prompt-file is required"),
+    (["--prompt-file", "/no/such/prompt.txt"], "prompt file not found"),
+])
+def test_generate_prompt_source_errors(scripted_model, capsys, args, needle):  # noqa: F811
+    try:
+        code = main(["generate", "--model", str(scripted_model.path), "--device", "cpu", *args])
+    except SystemExit as e:  # argparse
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and needle in err, err
+
+
+def drawn(generate, *flags) -> list[str]:
+    """12 words drawn after "I like peach" (all from DRAW)."""
+    words = [" " + w for w in generate("-p", "I like peach", "--max-tokens", "12", *flags).split()]
+    assert len(words) == 12 and set(words) <= set(DRAW), words
+    return words
+
+
+def test_generate_sampling_flags(generate):
+    seed1 = drawn(generate, "--seed", "1")
+    assert drawn(generate, "--seed", "1") == seed1
+    assert drawn(generate, "--seed", "2") != seed1
+    assert len(set(seed1)) > 1  # the default temperature 1 samples (apple 12 times: P = .413^12 = 3e-5)
+    # each keeps apple only (the numbers are in test_options.py, which checks the kept sets at the LLM API)
+    for flags in (["--top-k", "1"], ["--top-p", "0.3"], ["--min-p", "0.7"], ["--temperature", "0.02"]):
+        assert drawn(generate, "--seed", "0", *flags) == [" apple"] * 12, flags
+
+
+def test_bad_model_path_is_reported_before_the_device(tmp_path):
+    r = xserv("generate", "--model", str(tmp_path / "missing"), "-p", "hi")  # no --device: xserv picks one
+    assert r.returncode == 2 and "not found" in r.stderr, r.stderr
+    assert "CUDA" not in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 def test_generate_without_a_model_uses_the_bundled_tiny_one(tmp_path):
@@ -62,15 +233,6 @@ def test_unsupported_architecture(tiny_model_dir, tmp_path):  # noqa: F811
     assert r.returncode == 2 and "Qwen3MoeForCausalLM" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_chat_session(tiny_model_dir):  # noqa: F811
-    script = "Hello\n/system You are terse.\nHow are you?\n/reset\n/bogus\nAgain\n/exit\n"
-    r = xserv("chat", "--model", str(tiny_model_dir), "--device", "cpu", "--max-tokens", "8", "--temperature", "0",
-              stdin=script)
-    assert r.returncode == 0, r.stderr
-    assert r.stderr.count("tok/s") == 3
-    assert "system prompt set" in r.stdout and "conversation reset" in r.stdout and "unknown command" in r.stdout
-
-
 def test_chat_without_model_says_weights_are_random(tiny_model_dir):  # noqa: F811
     r = xserv("chat", "--device", "cpu", "--max-tokens", "4", stdin="/exit\n")
     assert r.returncode == 0, r.stderr
@@ -85,7 +247,7 @@ def test_help_lists_commands_and_options(capsys):
         parser.parse_args(["generate", "--help"])
     out = capsys.readouterr().out
     for flag in ("--max-tokens", "--temperature", "--top-p", "--top-k", "--min-p", "--repetition-penalty",
-                 "--seed", "--device", "--chat", "--enable-thinking"):
+                 "--seed", "--stop", "--ignore-eos", "--device", "--chat", "--enable-thinking", "--prompt-file"):
         assert flag in out
 
 

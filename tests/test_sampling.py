@@ -188,16 +188,15 @@ def test_params_normalised():
     assert np.allclose(S.probabilities(logits, SamplingParams(top_k=-1)), S.probabilities(logits, SamplingParams(top_k=0)))
 
 
-def test_speed_full_vocab(rng):
-    import time
-
+def test_full_vocab_draws_land_where_the_reference_puts_mass(rng):
+    """Qwen3's full vocabulary with a long history: the partial-partition paths (top-k, the nucleus probe) and the
+    penalty agree with the brute-force reference, and every draw is a token it gives probability. (How fast the host
+    sampler is belongs to benchmarks, not to a unit test.)"""
     logits = (rng.standard_normal(151936) * 3).astype(np.float32)
     prev = list(range(0, 3000, 3))
     r = make_rng(0)
-    for p in (SamplingParams(), SamplingParams(temperature=0.6, top_k=20, top_p=0.95, repetition_penalty=1.1),
-              SamplingParams(top_p=0.95)):
-        S.sample(logits, p, prev, r)
-        t = time.perf_counter()
-        for _ in range(10):
-            S.sample(logits, p, prev, r)
-        assert (time.perf_counter() - t) / 10 < 0.05, p
+    for p in (SamplingParams(temperature=0.6, top_k=20, top_p=0.95, repetition_penalty=1.1),
+              SamplingParams(top_p=0.95, min_p=0.05)):
+        want = reference_probs(logits, p, prev)
+        assert_probs_close(S.probabilities(logits, p, prev), want)
+        assert all(want[S.sample(logits, p, prev, r)] > 0 for _ in range(10)), p

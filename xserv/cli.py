@@ -7,10 +7,13 @@ and exit with status 2.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+from pathlib import Path
 
 EXIT_USAGE = 2
+EXIT_BROKEN_PIPE = 128 + 13  # what a shell reports for a command ended by SIGPIPE
 
 CHAT_HELP = """\
 commands:  /reset         forget the conversation
@@ -58,10 +61,15 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Generate a completion for one prompt and print it to stdout.",
                          epilog="examples:\n"
                                 "  xserv generate -m ./Qwen3-8B --prompt 'The capital of France is' --temperature 0\n"
-                                "  xserv generate -m Qwen/Qwen3-0.6B --chat --no-enable-thinking -p 'Write a haiku'",
+                                "  xserv generate -m Qwen/Qwen3-0.6B --chat --no-enable-thinking -p 'Write a haiku'\n"
+                                "  xserv generate -m ./Qwen3-8B --prompt-file article.txt --max-tokens 200 | less",
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_model_args(gen, max_num_seqs=8)
-    gen.add_argument("--prompt", "-p", required=True, help="the prompt text")
+    source = gen.add_argument_group("prompt (one of)").add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", "-p", help="the prompt text")
+    source.add_argument("--prompt-file", metavar="PATH",
+                        help="read the prompt from a UTF-8 file, used as is (a final newline is part of it); "
+                             "'-' reads standard input")
     gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=False,
                      help="wrap the prompt as a user message in the model's chat template (default: plain text)")
     _add_sampling_args(gen, max_tokens=256)
@@ -113,6 +121,7 @@ def _sampling_params(args):
 def load_llm(args):
     from .engine.config import EngineConfig
     from .llm import LLM
+    from .models.checkpoint import resolve_model_source
 
     model = args.model
     if model is None:
@@ -121,14 +130,30 @@ def load_llm(args):
         model = str(bundled_tiny_model())
         print("xserv: no --model given, using the bundled tiny model. Its weights are RANDOM: the answers are "
               "gibberish. Pass --model PATH (a Qwen3 folder or hub id) for a real model.", file=sys.stderr)
+    folder = resolve_model_source(model)  # a bad path is reported before anything about the device
     print(f"xserv: loading {model} ...", file=sys.stderr, flush=True)
-    return LLM(model, device=args.device, config=EngineConfig.from_cli_args(args))
+    return LLM(str(folder), device=args.device, config=EngineConfig.from_cli_args(args))
+
+
+def read_prompt(args) -> str:
+    """--prompt's text, or --prompt-file's content as is ('-': standard input)."""
+    if args.prompt_file is None:
+        return args.prompt
+    if args.prompt_file == "-":
+        return sys.stdin.read()
+    path = Path(args.prompt_file).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file not found (or not a file): {path}")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"prompt file {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
 def cmd_generate(args) -> int:
     params = _sampling_params(args)
+    prompt = read_prompt(args)
     llm = load_llm(args)
-    prompt = args.prompt
     if args.chat:
         prompt = llm.chat_prompt([{"role": "user", "content": prompt}], enable_thinking=args.enable_thinking)
     stream = llm.stream(prompt, params)
@@ -206,6 +231,16 @@ def cmd_chat(args) -> int:
         print(f"\n[{note}{n} tokens, {rate:.1f} tok/s]", file=sys.stderr, flush=True)
 
 
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null so that the interpreter's final flush of the dead pipe raises nothing."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no real stdout file descriptor (e.g. replaced in a test): nothing to silence
+        pass
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -231,6 +266,9 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`xserv generate ... | head`): stop quietly, like other tools
+        _discard_stdout()
+        return EXIT_BROKEN_PIPE
     except (ValueError, FileNotFoundError, NotADirectoryError, PermissionError) as e:
         print(f"xserv: error: {e}", file=sys.stderr)
         return EXIT_USAGE
