@@ -48,3 +48,13 @@ def test_latency_on_cpu(tiny_model_dir, tmp_path):  # noqa: F811
 def test_bad_range_is_a_usage_error(tiny_model_dir):  # noqa: F811
     r = xserv("bench", "throughput", "--model", str(tiny_model_dir), "--device", "cpu", "--input-len", "9:5")
     assert r.returncode == 2 and "MIN <= MAX" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_latency_with_a_shared_prefix_hits_the_cache(tiny_model_dir, tmp_path):  # noqa: F811
+    out = tmp_path / "lat.json"
+    r = xserv("bench", "latency", "--model", str(tiny_model_dir), "--device", "cpu", "--input-len", "5",
+              "--output-len", "2", "--iters", "3", "--shared-prefix", "40", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    assert res["cached_tokens_each"] == [0, 32, 32]  # two full blocks of 16 of the 40 shared tokens
+    assert "shared prefix" in r.stdout

@@ -13,7 +13,9 @@ for preset in "${@:-0.6b}"; do
   echo "=== $preset ceilings"; python3 -m tools.kernel_harness ceilings 2>&1 | tail -4
   echo "=== $preset greedy"; python3 -m xserv bench throughput --model $m --temperature 0 --json $OUT/tp-$preset-greedy.json 2>&1 | grep -v "it/s\|tok/s]" | tail -5
   echo "=== $preset sampled"; python3 -m xserv bench throughput --model $m --temperature 0.6 --top-p 0.95 --top-k 20 --json $OUT/tp-$preset-sampled.json 2>&1 | grep -v "it/s\|tok/s]" | tail -5
-  echo "=== $preset latency"; python3 -m xserv bench latency --model $m --input-len 512 --output-len 256 --json $OUT/lat-$preset.json 2>&1 | tail -2
+  echo "=== $preset latency"; python3 -m xserv bench latency --model $m --input-len 512 --output-len 256 --json $OUT/lat-$preset.json 2>&1 | tail -1
+  echo "=== $preset ttft 16"; python3 -m xserv bench latency --model $m --input-len 16 --output-len 8 --iters 20 2>&1 | tail -1
+  echo "=== $preset shared prefix"; python3 -m xserv bench latency --model $m --shared-prefix 2000 --input-len 64 --output-len 16 --iters 64 --json $OUT/prefix-$preset.json 2>&1 | tail -2
   OLD=${OLD:-.old}
   if [ -d "$OLD" ] && [ -z "${NO_PEER:-}" ]; then
     echo "=== $preset peer (engine at 3b00985)"
