@@ -217,16 +217,22 @@ def test_cuda_model_matches_numpy_and_reference(models, folders, arch, rng):
         return (make_cache(cpu), Cache(KVCacheSpec(*gpu.kv_layout, BLOCK), 64, "cuda", gpu.dtype))
 
     cpu_cache, gpu_cache = caches()
+    # These checkpoints have weights of std 0.1, which amplifies bf16 rounding: CUDA and NumPy round at the same
+    # points but sum in other orders and differ by 1.4e-2 (H100, these inputs); CUDA is 1.6e-2 from the float64
+    # reference. A norm weight ignored or plain RoPE instead of llama3 moves the logits by > 0.1.
     chunks = [SeqChunk(s[:-2], 0, t, "all") for s, t in zip(seqs, tables)]
     want = cpu.forward(make_batch(chunks, BLOCK, "cpu"), cpu_cache).numpy().copy()
     got = gpu.forward(make_batch(chunks, BLOCK, "cuda"), gpu_cache).numpy().copy()
     assert np.all(np.isfinite(got))
-    assert rel_err_rows(got, want).max() < 1e-2
     ref = dense_reference_logits(folders[arch], seqs[2][:-2])
     rows = sum(len(s) - 2 for s in seqs[:2])
+    print(f"{arch}: CUDA vs NumPy {rel_err_rows(got, want).max():.2e}, CUDA vs float64 reference "
+          f"{rel_err_rows(got[rows:], ref).max():.2e}")
+    assert rel_err_rows(got, want).max() < 3e-2
     assert rel_err_rows(got[rows:], ref).max() < 3e-2
     for step in (2, 1):  # two decode steps of all three sequences
         chunks = [SeqChunk(s[-step:][:1], len(s) - step, t, "last") for s, t in zip(seqs, tables)]
         want = cpu.forward(make_batch(chunks, BLOCK, "cpu"), cpu_cache).numpy().copy()
         got = gpu.forward(make_batch(chunks, BLOCK, "cuda"), gpu_cache).numpy().copy()
-        assert rel_err_rows(got, want).max() < 1e-2
+        print(f"{arch}: decode step, CUDA vs NumPy {rel_err_rows(got, want).max():.2e}")
+        assert rel_err_rows(got, want).max() < 3e-2
