@@ -248,3 +248,31 @@ def test_health_is_503_after_an_engine_failure():
         await ctx.engine.stop()
 
     asyncio.run(scenario())
+
+
+def test_thread_setup_runs_on_the_engine_thread_and_its_failure_breaks_the_engine():
+    import asyncio
+    import threading
+
+    from xserv.server.async_engine import AsyncEngine, EngineBroken
+
+    async def scenario():
+        where = []
+        engine = AsyncEngine(_FailingEngine(), thread_setup=lambda: where.append(threading.current_thread().name))
+        engine.start()
+        await engine.stop()
+        assert where == ["xserv-engine"]  # CUDA contexts are per thread: the binding must happen there
+
+        def cannot_bind():
+            raise RuntimeError("CUDA_ERROR_INVALID_CONTEXT (simulated)")
+
+        failed = asyncio.Event()
+        engine = AsyncEngine(_FailingEngine(), thread_setup=cannot_bind, on_broken=lambda e: failed.set())
+        engine.start()
+        await asyncio.wait_for(failed.wait(), 5)
+        with pytest.raises(EngineBroken, match="INVALID_CONTEXT"):
+            async for _ in engine.generate([1, 2], [None]):
+                pass
+        await engine.stop()
+
+    asyncio.run(scenario())

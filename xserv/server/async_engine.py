@@ -76,9 +76,11 @@ class AsyncEngine:
     early (a client disconnect cancels the coroutine). `stats()` is the engine's latest `stats()` snapshot.
     """
 
-    def __init__(self, engine, *, on_broken: Callable[[BaseException], None] | None = None):
+    def __init__(self, engine, *, on_broken: Callable[[BaseException], None] | None = None,
+                 thread_setup: Callable[[], None] | None = None):
         self.engine = engine
         self.on_broken = on_broken
+        self.thread_setup = thread_setup  # run first on the engine thread (CUDA: make the context current there)
         self.error: BaseException | None = None
         self.num_in_flight = 0  # sequences submitted and not finished (event-loop side count)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -173,6 +175,12 @@ class AsyncEngine:
         engine = self.engine
         tracked: dict = {}  # Sequence -> _Tracked
         by_handle: dict = {}  # RequestHandle -> [Sequence]
+        if self.thread_setup is not None:
+            try:
+                self.thread_setup()
+            except BaseException as e:  # noqa: BLE001 - an engine that cannot run on this thread is broken
+                self._fail(e, by_handle, [])
+                return
         while True:
             outbox: list = []
             stop = self._apply_commands(tracked, by_handle, outbox, block=not engine.has_unfinished())

@@ -47,7 +47,9 @@ def cmd_serve(args) -> int:
         log.error("the engine failed (%s: %s); ending in-flight requests and exiting", type(error).__name__, error)
         server_box[0].engine_failed()
 
-    ctx = ServerContext(engine=AsyncEngine(llm.engine, on_broken=on_broken), tokenizer=llm.tokenizer,
+    thread_setup = _bind_cuda_context if llm.device == "cuda" else None
+    ctx = ServerContext(engine=AsyncEngine(llm.engine, on_broken=on_broken, thread_setup=thread_setup),
+                        tokenizer=llm.tokenizer,
                         model_name=model_name, max_model_len=llm.max_model_len, vocab_size=llm.config.vocab_size,
                         max_in_flight=llm.engine_config.max_num_seqs + args.max_waiting, sampling_defaults=defaults)
     app = create_app(ctx, api_key=args.api_key, max_request_bytes=args.max_request_bytes)
@@ -67,3 +69,14 @@ def cmd_serve(args) -> int:
     if not server.started:
         raise RuntimeError(f"the server could not start on {args.host}:{args.port}")
     return 0
+
+
+def _bind_cuda_context() -> None:
+    """Make the GPU's primary context current on the calling thread. The engine was built (and its context made
+    current) on the main thread; CUDA contexts are per thread, so the engine thread must bind it too before its
+    first step (without it: CUDA_ERROR_INVALID_CONTEXT)."""
+    from cuda.core import Device as CoreDevice
+
+    from ..runtime import get_device
+
+    CoreDevice(get_device().info.index).set_current()
