@@ -207,3 +207,15 @@ def test_kernel_reports_its_registers():
     from xserv.runtime import kernel
 
     assert 0 < kernel("fill", "copy_u128").registers <= 255
+
+
+def test_runtime_imports_nothing_above_it():
+    """The floors: importing the runtime loads neither xserv.tensor nor any op (the old circle tensor -> ops.cast ->
+    runtime -> cublas -> tensor is closed), and xserv.tensor loads no op."""
+    import subprocess
+    import sys
+
+    code = ("import sys, xserv.runtime, xserv.runtime.cublas, xserv.runtime.tma; "
+            "assert not [m for m in sys.modules if m == 'xserv.tensor' or m.startswith('xserv.ops')], 'runtime'; "
+            "import xserv.tensor; assert not [m for m in sys.modules if m.startswith('xserv.ops')], 'tensor'")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -151,7 +151,7 @@ def select_prefill_kernel(variant: str, head_dim: int, block_size: int, use_tma:
                          f"known: {', '.join(prefill_variants(head_dim, dev=True))}")
     k = by_dim[head_dim]
     if k.tma == "required" and (not use_tma or k.tma_rows(block_size) is None):
-        return PREFILL_KERNELS["v4"][head_dim]
+        k = PREFILL_KERNELS["v4"][head_dim]
     if k.tma != "none" and get_device().arch != "sm_90a":
         raise ValueError(f"variant: {variant} prefill needs sm_90a (wgmma), the device is {get_device().arch}")
     return k
