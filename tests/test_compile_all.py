@@ -153,5 +153,5 @@ def test_compile_families_raises_after_running_all(tmp_path, monkeypatch):
     monkeypatch.setenv("XSERV_CACHE_DIR", str(tmp_path / "cache"))
     done = []
     with pytest.raises(CompileError, match="bad.cu"):
-        compile_families(["bad", "good"], "sm_90a", on_done=lambda f, s: done.append(f))
-    assert done == ["good"] and compiler.missing_families("sm_90a") == ["bad"]
+        compile_families(["bad", "good"], "sm_90a", on_done=lambda f, s, e: done.append((f, e is None)))
+    assert sorted(done) == [("bad", False), ("good", True)] and compiler.missing_families("sm_90a") == ["bad"]

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from pathlib import Path
 
-from cuda.bindings import driver, nvjitlink, nvrtc
+from cuda.bindings import driver, nvrtc
 
 from .errors import CompileError
 
@@ -190,8 +190,10 @@ def ptx_assembler() -> tuple[str, tuple[int, ...]]:
     """Who assembles PTX here, with its version (part of the cache key): nvJitLink (the nvidia-nvjitlink wheel; no
     GPU needed), else the CUDA driver's JIT linker (a GPU machine without the wheel)."""
     try:
+        from cuda.bindings import nvjitlink  # its library is a separate wheel: may be missing on a GPU machine
+
         return "nvjitlink", tuple(int(v) for v in nvjitlink.version())
-    except Exception:  # the library is a separate wheel: not loadable here
+    except Exception:
         pass
     from .device import device_count  # only without nvJitLink: the driver needs a GPU
 
@@ -238,18 +240,24 @@ def compile_families(families: list[str], arch: str, use_cache: bool = True, wor
     """Compile `families` on parallel threads (NVRTC and nvJitLink release the GIL: measured, two families on two
     cores take the time of the longer one) and return each family's compile seconds. By default every family gets a
     thread at once: the OS shares the cores, so the wall time is about max(longest family, total / cores) without
-    knowing beforehand which family is long. on_done(family, seconds) is called as each finishes; the first failure
-    is raised after all ran."""
+    knowing beforehand which family is long. on_done(family, seconds, error) is called as each finishes (error: None,
+    or the exception); the first failure is raised after all ran."""
     if not families:
         return {}
     workers = workers or min(len(families), 32)
 
     def build(family: str) -> float:
         t0 = time.perf_counter()
-        compile_family(family, arch, use_cache=use_cache)
+        error = None
+        try:
+            compile_family(family, arch, use_cache=use_cache)
+        except Exception as exc:
+            error = exc
         seconds = time.perf_counter() - t0
         if on_done is not None:
-            on_done(family, seconds)
+            on_done(family, seconds, error)
+        if error is not None:
+            raise error
         return seconds
 
     times: dict[str, float] = {}
@@ -279,7 +287,7 @@ def ensure_compiled(arch: str, progress: bool = True) -> list[str]:
         bar = tqdm(total=len(todo), desc=f"compiling CUDA kernels for {arch} (first run; cached in {cache_dir()})",
                    unit="family", leave=False)
     try:
-        compile_families(todo, arch, on_done=None if bar is None else lambda family, seconds: bar.update(1))
+        compile_families(todo, arch, on_done=None if bar is None else lambda *done: bar.update(1))
     finally:
         if bar is not None:
             bar.close()
