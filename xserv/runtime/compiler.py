@@ -21,6 +21,7 @@ from pathlib import Path
 
 from cuda.bindings import driver, nvrtc
 
+from .device import device_count
 from .errors import CompileError
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
@@ -195,8 +196,6 @@ def ptx_assembler() -> tuple[str, tuple[int, ...]]:
         return "nvjitlink", tuple(int(v) for v in nvjitlink.version())
     except Exception:
         pass
-    from .device import device_count  # only without nvJitLink: the driver needs a GPU
-
     if device_count() == 0:
         raise CompileError("PTX kernel families need nvJitLink (pip install nvidia-nvjitlink) or a CUDA GPU")
     err, version = driver.cuDriverGetVersion()

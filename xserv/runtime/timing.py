@@ -7,6 +7,7 @@ from typing import Callable
 from cuda.bindings import driver
 
 from .errors import check_driver
+from .graphs import CUDAGraph
 
 
 class EventTimer:
@@ -49,8 +50,6 @@ def benchmark_graph(fns: list[Callable[[], None]], calls: int = 20, iters: int =
     """Median milliseconds of one call, measured by replaying a CUDA graph that holds `calls` calls (cycling
     through `fns`): the GPU time of the work alone, without the host's launch cost. The decode step runs
     this way in the engine. Each fn is run once first, outside the capture, so that plans and buffers exist."""
-    from .graphs import CUDAGraph
-
     for fn in fns:
         fn()
     graph = CUDAGraph()
