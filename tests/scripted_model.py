@@ -110,7 +110,9 @@ IM_END, END_OF_TEXT = "<|im_end|>", "<|endoftext|>"  # config.json's eos_token_i
 COUNT = (" one", " two", " three", " four")  # DEFAULT -> one -> two -> three -> four -> <|im_end|>
 AFTER_EOS = (" five", " six")  # <|im_end|> -> five -> six (seen only with ignore_eos)
 DRAW = (" apple", " banana", " cherry", " grape", " lemon", " mango", " olive", " plum")
-DRAW_LOGITS = (42.0, 41.5) + (40.0,) * 6  # probabilities .413, .251, then .056 each (temperature 1)
+# probabilities at temperature 1: apple .185, banana .144, the six others .112 each (.672 together); multiples of
+# 0.25 so that logit / 8 is exact in bf16
+DRAW_LOGITS = (42.0, 41.75) + (41.5,) * 6
 
 
 @dataclass(frozen=True)
