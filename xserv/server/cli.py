@@ -55,10 +55,6 @@ def cmd_serve(args) -> int:
     app = create_app(ctx, api_key=args.api_key, max_request_bytes=args.max_request_bytes)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
                             timeout_graceful_shutdown=5, timeout_keep_alive=5)
-    # Two threads share the GIL: the engine thread (its CUDA syncs release it) and the event loop. When a step's
-    # sync returns while the loop is busy encoding chunks, the engine waits for the loop to yield the GIL, by
-    # default up to 5 ms, a large share of a decode step; 1 ms bounds that stall.
-    sys.setswitchinterval(0.001)
     server = DrainingServer(config, ctx, args.drain_timeout)
     server_box.append(server)
     print(f"xserv: serving {model_name!r} on http://{args.host}:{args.port} (sampling defaults {defaults or 'none'}"
