@@ -32,10 +32,13 @@ constexpr int GROUP = 4;                   // tokens per float4 load and per Phi
 constexpr int TILE = BLOCK * GROUP;        // tokens read per pass-1 step
 constexpr int CAND_CAP = 3 * 1024;         // candidate buffer (z, token) entries
 constexpr int CAND_LIMIT = CAND_CAP - TILE;  // compact once more than this many: a whole tile must still fit
+constexpr int CAND_KEEP = CAND_LIMIT / 2;  // a compaction keeps at least this many (k for top-k rows with k <= it):
+                                           // half the room stays free, so compactions stay rare
 constexpr int RAW_CAP = TILE + BLOCK;      // raw-logit buffer for the top-N log-probs
 constexpr int RAW_LIMIT = RAW_CAP - TILE;
 constexpr int RAW_KEEP = 64;               // >= MAX_TOP_LOGPROBS
 constexpr float WINDOW = 30.f;             // tokens 30 below the max weigh < 1e-13 of it: never needed in the buffer
+constexpr float GUMBEL_MAX = 16.7f;        // > -log(-log(1 - 2^-24)) = 16.64, the largest noise gumbel() returns
 #define NEG_INF (-__int_as_float(0x7f800000))
 
 // Parameter columns: keep in step with xserv/ops/sampling.py.
@@ -412,7 +415,7 @@ __device__ void compact(float* vals, int* idxs, int& count, float& floor, int& o
 __device__ Best draw_from_buffer(const BufferSource& c, float theta, const RowParams& p, Shared& sm) {
     Best b{NEG_INF, 0x7fffffff};
     c.for_each([&](float v, int i) {
-        if (v >= theta) {
+        if (v >= theta && v + GUMBEL_MAX >= b.v) {  // else even the largest noise cannot reach the best
             const uint4 r = philox4x32_10(make_uint4((unsigned)i / GROUP, p.step, 0u, 0u), p.key);
             const float x = __fadd_rn(v, gumbel(word(r, i % GROUP)));
             if (better(x, i, b)) b = Best{x, i};
@@ -432,7 +435,8 @@ __device__ Best draw_from_row(const Row<VEC>& row, float theta, Shared& sm) {
         for (int j = 0; j < GROUP; ++j) {
             const int i = g * GROUP + j;
             zs[j] = i < row.vocab ? row.z(comp(q, j), i) : NEG_INF;
-            any |= i < row.vocab && zs[j] >= theta;
+            // A token below theta is filtered out; one more than GUMBEL_MAX below this thread's best cannot win.
+            any |= i < row.vocab && zs[j] >= theta && zs[j] + GUMBEL_MAX >= b.v;
         }
         if (!any) continue;
         const uint4 r = philox4x32_10(make_uint4((unsigned)g, row.p.step, 0u, 0u), row.p.key);  // one call, 4 tokens
@@ -513,11 +517,13 @@ __device__ void sample_row(const float* __restrict__ logits, const float* __rest
     const RowParams p = load_params(fparams, iparams, b, vocab, counts != nullptr && seen != nullptr ? num_slots : 0);
     const long long slot_base = (long long)(p.slot < 0 ? 0 : p.slot) * vocab;
     const Row<VEC> row{logits + (long long)b * vocab, counts + slot_base, seen + slot_base, vocab, p};
-    const bool collect_c = !p.greedy;
+    // The z buffer serves rows with a filter (temperature alone keeps every token: its draw reads the row).
+    const bool collect_c = !p.greedy && (p.top_k > 0 || p.top_p < 1.f || p.min_p > 0.f);
     const bool collect_r = top_n > 0;
+    const bool collecting = collect_c || collect_r;  // uniform: greedy rows run pass 1 without barriers
     const bool want_lse = logprobs != nullptr || top_n > 0;
     const bool want_zsum = !p.greedy && p.top_p < 1.f && p.top_k == 0;
-    const int keep_c = p.top_k > 0 && p.top_k <= CAND_LIMIT ? p.top_k : CAND_LIMIT;
+    const int keep_c = p.top_k > 0 && p.top_k <= CAND_KEEP ? p.top_k : CAND_KEEP;
     if (threadIdx.x == 0) {
         sm.count_c = sm.count_r = 0;
         sm.floor_c = sm.floor_r = NEG_INF;
@@ -532,11 +538,16 @@ __device__ void sample_row(const float* __restrict__ logits, const float* __rest
     float floor_c = NEG_INF, floor_r = NEG_INF;
     bool append_c = collect_c, append_r = collect_r;
     const int groups = row.groups();
-    float4 next = threadIdx.x < groups ? row.load(threadIdx.x) : make_float4(NEG_INF, NEG_INF, NEG_INF, NEG_INF);
+    // Two tiles of prefetch: two 16-byte loads per thread in flight while a tile is processed (with a barrier per
+    // tile, one in flight leaves the memory system idle half the time).
+    const float4 none = make_float4(NEG_INF, NEG_INF, NEG_INF, NEG_INF);
+    float4 next0 = threadIdx.x < groups ? row.load(threadIdx.x) : none;
+    float4 next1 = threadIdx.x + BLOCK < groups ? row.load(threadIdx.x + BLOCK) : none;
     for (int base = 0; base < groups; base += BLOCK) {
         const int g = base + threadIdx.x;
-        const float4 q = next;
-        if (g + BLOCK < groups) next = row.load(g + BLOCK);  // prefetch: the next load is in flight meanwhile
+        const float4 q = next0;
+        next0 = next1;
+        if (g + 2 * BLOCK < groups) next1 = row.load(g + 2 * BLOCK);
         bool full = false;
         float tile_max = NEG_INF;
 #pragma unroll
@@ -551,9 +562,14 @@ __device__ void sample_row(const float* __restrict__ logits, const float* __rest
                 if (want_lse) raw.add(l);
                 tile_max = fmaxf(tile_max, z);
             }
-            full |= warp_append(sm.cand_v, sm.cand_i, &sm.count_c, append_c && valid && z >= floor_c, z, i, CAND_LIMIT);
-            full |= warp_append(sm.raw_v, sm.raw_i, &sm.count_r, append_r && valid && l >= floor_r, l, i, RAW_LIMIT);
+            if (collecting) {
+                full |= warp_append(sm.cand_v, sm.cand_i, &sm.count_c, append_c && valid && z >= floor_c, z, i,
+                                    CAND_LIMIT);
+                full |= warp_append(sm.raw_v, sm.raw_i, &sm.count_r, append_r && valid && l >= floor_r, l, i,
+                                    RAW_LIMIT);
+            }
         }
+        if (!collecting) continue;
         if (collect_c) {
             tile_max = xserv::warp_max(tile_max);
             if ((threadIdx.x & 31) == 0 && tile_max > NEG_INF) atomicMax(&sm.runmax_key, order_key(tile_max));
