@@ -160,6 +160,14 @@ def test_generate_prompt_file(generate, tmp_path):
     assert generate("--prompt-file", "-", "-t", "0", stdin="Numbers: eight") == " nine\n"
 
 
+def test_generate_engine_flags_reach_the_engine(scripted_model, capsys):  # noqa: F811
+    """Loads the model itself (no shared model): --max-model-len 4 leaves room for two tokens after "Count:"."""
+    code = main(["generate", "--model", str(scripted_model.path), "--device", "cpu", "-p", "Count:", "-t", "0",
+                 "--max-model-len", "4", "--kv-cache-tokens", "64", "--max-num-seqs", "1", "--no-prefix-caching"])
+    out, err = capsys.readouterr()
+    assert code == 0 and out == " one two\n", err
+
+
 @pytest.mark.parametrize("args, needle", [
     (["-p", "hi", "--prompt-file", "-"], "not allowed with argument"),
     (["-t", "0"], "one of the arguments --prompt/-p --prompt-file is required"),
