@@ -136,6 +136,22 @@ def test_gumbel_noise_is_per_token_and_seeded():
     assert np.all(np.isfinite(big)) and abs(big.mean() - 0.5772) < 0.01 and abs(big.std() - 1.2825) < 0.01
 
 
+def test_reference_draw_is_the_gumbel_argmax_over_every_survivor(rng):
+    # The reference skips tokens that cannot reach the best perturbed value; the result must equal the plain
+    # argmax over every kept token (peaked rows, where the skip drops most of the vocabulary, and flat ones).
+    v = 5000
+    for row in range(4):
+        x = (rng.standard_normal(v) * 2).astype(np.float32)
+        if row % 2:
+            x[rng.choice(v, 20)] += 15
+        for s in range(25):
+            p = RowParams(1.0 + 0.3 * row, top_p=0.99 if row == 3 else 1.0, seed=s * 101 + row, step=s)
+            z = x * (np.float32(1) / np.float32(p.temperature))
+            kept = np.flatnonzero(sampling_distribution_reference(x, p) > 0)
+            want = kept[np.argmax(z[kept] + gumbel_noise(p.seed, p.step, kept))]
+            assert sample_row_reference(x, p) == want
+
+
 def test_pack_roundtrip_and_layout():
     rows = [RowParams(0.5, 20, 0.9, 0.1, 1.2, 0.3, -0.4, seed=2**64 - 1, step=2**32 - 1, penalty_slot=3),
             (0.0,), RowParams(top_k=-1)]

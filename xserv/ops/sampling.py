@@ -138,6 +138,9 @@ def philox4x32_10(counter, key) -> tuple[np.ndarray, ...]:
     return tuple(w.astype(np.uint32) for w in (c0, c1, c2, c3))
 
 
+_GUMBEL_MAX = np.float32(16.7)  # > -log(-log(1 - 2**-24)) = 16.64, the largest noise gumbel_noise returns
+
+
 def gumbel_noise(seed: int, step: int, token_ids: np.ndarray) -> np.ndarray:
     """float32 Gumbel noise of the given tokens for (seed, step)."""
     ids = np.asarray(token_ids, np.int64)
@@ -221,6 +224,10 @@ def sample_row_reference(logits_row, row_params, counts_row=None, seen_row=None)
     if p.greedy or zmax == -np.inf:
         return int(np.argmax(z))
     kept = np.flatnonzero(z >= _threshold(z, p))
+    # Only tokens within the largest noise of (the top token + its noise) can win: the others need no Philox.
+    top = int(np.argmax(z))
+    reach = z[top] + gumbel_noise(p.seed, p.step, np.array([top]))[0] - _GUMBEL_MAX
+    kept = kept[z[kept] >= reach]
     perturbed = z[kept] + gumbel_noise(p.seed, p.step, kept)
     return int(kept[np.argmax(perturbed)])  # first maximum: the lowest token id on ties
 
@@ -241,13 +248,13 @@ def top_logprobs_reference(logits_row, n: int) -> tuple[np.ndarray, np.ndarray]:
     return order.astype(np.int32), lp[order]
 
 
-def sample_reference(logits, fparams, iparams, counts=None, seen=None, top_n: int = 0):
-    """NumPy version of `sample` on arrays: (tokens int32 [B], logprobs float64 [B], top ids int32 [B, N],
-    top log-probs float64 [B, N]). Updates counts/seen in place like the kernel."""
+def sample_reference(logits, fparams, iparams, counts=None, seen=None, top_n: int = 0, logprobs: bool = True):
+    """NumPy version of `sample` on arrays: (tokens int32 [B], logprobs float64 [B] (zeros unless `logprobs`),
+    top ids int32 [B, N], top log-probs float64 [B, N]). Updates counts/seen in place like the kernel."""
     logits = np.asarray(logits, np.float32)
     b = logits.shape[0]
     tokens = np.zeros(b, np.int32)
-    logprobs = np.zeros(b, np.float64)
+    lps = np.zeros(b, np.float64)
     top_ids = np.zeros((b, top_n), np.int32)
     top_lp = np.zeros((b, top_n), np.float64)
     have_state = counts is not None and seen is not None
@@ -260,14 +267,14 @@ def sample_reference(logits, fparams, iparams, counts=None, seen=None, top_n: in
         s_row = seen[slot] if slot >= 0 else None
         t = sample_row_reference(logits[r], p, c_row, s_row)
         tokens[r] = t
-        lp = _log_softmax(logits[r])
-        logprobs[r] = lp[t]
+        if logprobs:
+            lps[r] = _log_softmax(logits[r])[t]
         if top_n:
             top_ids[r], top_lp[r] = top_logprobs_reference(logits[r], top_n)
         if slot >= 0:
             counts[slot, t] += 1
             seen[slot, t] = 1
-    return tokens, logprobs, top_ids, top_lp
+    return tokens, lps, top_ids, top_lp
 
 
 # ---- the op ---------------------------------------------------------------------------------------------------
@@ -327,7 +334,8 @@ def sample(logits: Tensor, fparams: Tensor, iparams: Tensor, out: Tensor | None 
     if device == "cpu":
         counts = penalty_counts.array if penalty_counts is not None else None
         seen = penalty_seen.array if penalty_seen is not None else None
-        tokens, lps, ids, top_lps = sample_reference(logits.array, fparams.array, iparams.array, counts, seen, top_n)
+        tokens, lps, ids, top_lps = sample_reference(logits.array, fparams.array, iparams.array, counts, seen, top_n,
+                                                     logprobs=logprobs_out is not None)
         out.array[...] = tokens
         if logprobs_out is not None:
             logprobs_out.array[...] = lps
