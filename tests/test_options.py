@@ -16,9 +16,11 @@ COUNT_PROMPT, COLORS_PROMPT, DRAW_PROMPT, EIGHT_PROMPT = "Count:", "Colors: gree
 TOP2 = {" apple", " banana"}  # DRAW's two most likely words (probabilities .185 and .144 at temperature 1)
 
 
-@pytest.fixture(scope="module")
-def llm(scripted_model):  # noqa: F811
-    return LLM(str(scripted_model.path), device="cpu", max_model_len=256, progress=False)
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def llm(request, scripted_model):  # noqa: F811
+    """The NumPy backend here; on a GPU machine the CUDA one too (its sampler is a kernel of its own)."""
+    return LLM(str(scripted_model.path), device=request.param, max_model_len=256, kv_cache_tokens=4096,
+               max_num_seqs=8, progress=False)
 
 
 def greedy(**kw):
