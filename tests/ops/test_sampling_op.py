@@ -7,7 +7,7 @@ import pytest
 from xserv.ops.sampling import (I_PENALTY_SLOT, I_SEED_LO, I_STEP, MAX_TOP_LOGPROBS, NUM_F, NUM_I, RowParams, gumbel_noise, pack_sampling_params,
                                 penalty_reset, penalty_state, philox4x32_10, sample, sample_reference,
                                 sample_row_reference, sampling_distribution_reference, unpack_row)
-from xserv.tensor import Tensor, float32, int32, uint8
+from xserv.tensor import Tensor, float32, int32
 from xserv.testing import poisoned
 
 P_MIN = 1e-4  # chi-square significance: a correct sampler fails one option in 10,000 runs

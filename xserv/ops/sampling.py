@@ -99,11 +99,12 @@ def pack_sampling_params(rows) -> tuple[np.ndarray, np.ndarray]:
     rows = [_as_row_params(r) for r in rows]
     fp = np.zeros((len(rows), NUM_F), np.float32)
     ip = np.zeros((len(rows), NUM_I), np.int64)
-    for b, r in enumerate(rows):
-        fp[b, [F_TEMPERATURE, F_TOP_P, F_MIN_P, F_REPETITION, F_PRESENCE, F_FREQUENCY]] = (
-            r.temperature, r.top_p, r.min_p, r.repetition_penalty, r.presence_penalty, r.frequency_penalty)
-        ip[b, [I_TOP_K, I_SEED_LO, I_SEED_HI, I_STEP, I_PENALTY_SLOT]] = (
-            r.top_k, r.seed & 0xFFFFFFFF, r.seed >> 32, r.step, r.penalty_slot)
+    if rows:  # one array per table (a per-row NumPy assignment costs ~10 us: 2.5 ms for a batch of 256)
+        fp[:, [F_TEMPERATURE, F_TOP_P, F_MIN_P, F_REPETITION, F_PRESENCE, F_FREQUENCY]] = [
+            (r.temperature, r.top_p, r.min_p, r.repetition_penalty, r.presence_penalty, r.frequency_penalty)
+            for r in rows]
+        ip[:, [I_TOP_K, I_SEED_LO, I_SEED_HI, I_STEP, I_PENALTY_SLOT]] = [
+            (r.top_k, r.seed & 0xFFFFFFFF, r.seed >> 32, r.step, r.penalty_slot) for r in rows]
     # Seeds and steps are unsigned 32-bit words stored in int32 columns (two's complement).
     return fp, (ip & 0xFFFFFFFF).astype(np.uint32).view(np.int32)
 
