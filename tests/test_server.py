@@ -285,3 +285,12 @@ def test_non_streaming_client_that_leaves_aborts_its_request(server):
         time.sleep(0.05)
     assert m['xserv_request_success_total{finish_reason="abort"}'] == before + 1
     assert m["xserv_num_requests_running"] == 0
+
+
+def test_usage_counts_prefix_cached_prompt_tokens(client):
+    prompt = list(range(2000, 2070))  # 70 tokens: four full 16-token KV blocks
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, **GREEDY)
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, **GREEDY)
+    assert first.usage.prompt_tokens == again.usage.prompt_tokens == 70
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens >= 48  # the full blocks came from the prefix cache
