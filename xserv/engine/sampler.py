@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..ops import sampling as op
+from ..ops.argmax import argmax
 from ..tensor import Tensor, float32, int32
 
 _SEED_MIX = 1_000_003
@@ -51,19 +52,23 @@ class Sampler:
         n = len(seqs)
         if logits.shape[0] != n:
             raise RuntimeError(f"internal: {logits.shape[0]} logit rows for {n} sequences")
-        rows = []
-        for seq in seqs:
-            p = seq.params
-            slot = -1
-            if uses_penalties(p):
-                slot = seq.slot
+        fparams = np.empty((n, op.NUM_F), np.float32)
+        iparams = np.empty((n, op.NUM_I), np.int32)
+        greedy_only = True
+        for i, seq in enumerate(seqs):
+            packed = seq.packed_params
+            if packed is None:  # a sequence's parameters are packed once; position and slot change per step
+                p = seq.params
+                row = op.RowParams(p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty,
+                                   p.presence_penalty, p.frequency_penalty, seq.seed, 0, -1)
+                f, ip = op.pack_sampling_params([row])
+                packed = seq.packed_params = (f[0], ip[0], uses_penalties(p), p.temperature == 0.0)
+            fparams[i], iparams[i] = packed[0], packed[1]
+            iparams[i, op.I_STEP] = len(seq.token_ids) + ahead
+            if packed[2]:
+                iparams[i, op.I_PENALTY_SLOT] = seq.slot
                 self._prepare_penalties(seq)
-            rows.append(op.RowParams(p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty,
-                                     p.presence_penalty, p.frequency_penalty, seq.seed, len(seq.token_ids) + ahead,
-                                     slot))
-        fparams, iparams = op.pack_sampling_params(rows)
-        self.fparams[:n].copy_(fparams)
-        self.iparams[:n].copy_(iparams)
+            greedy_only = greedy_only and packed[3] and not packed[2]
         top_n = max((s.params.logprobs or 0 for s in seqs if s.params.logprobs is not None), default=-1)
         kw = {}
         if top_n >= 0:
@@ -71,8 +76,13 @@ class Sampler:
             if top_n > 0:
                 kw["top_ids_out"] = self.top_ids[:n]  # every row gets MAX_TOP_LOGPROBS; each keeps its own N
                 kw["top_logprobs_out"] = self.top_logprobs[:n]
-        op.sample(logits, self.fparams[:n], self.iparams[:n], out=self.tokens[:n], penalty_counts=self.counts,
-                  penalty_seen=self.seen, **kw)
+        if greedy_only and top_n < 0:
+            argmax(logits, out=self.tokens[:n])  # the same tokens as the sampler's greedy rows, sooner
+        else:
+            self.fparams[:n].copy_(fparams)
+            self.iparams[:n].copy_(iparams)
+            op.sample(logits, self.fparams[:n], self.iparams[:n], out=self.tokens[:n], penalty_counts=self.counts,
+                      penalty_seen=self.seen, **kw)
         if self._host_tokens is None:  # the CPU backend has already computed them
             return SampleResult(self, n, top_n, (self.tokens[:n].numpy().copy(), None))
         from ..runtime import get_device

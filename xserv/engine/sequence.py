@@ -90,6 +90,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_keys: list[int] = []  # prefix-cache keys of the full blocks registered so far
         self.slot = -1  # the sampler's per-sequence state row (penalties), -1 when none
+        self.packed_params = None  # the sampler's packed form of `params`, made at the first sampling
         self.finish_reason: str | None = None
         self.final_text: str | None = None
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
