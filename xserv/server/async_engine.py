@@ -38,22 +38,35 @@ class Update:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (set on the finishing update)
 
 
-def _merge(earlier: Update | None, later: Update) -> Update:
-    if earlier is None:
-        return later
-    logprobs = later.logprobs
-    if earlier.logprobs is not None:
-        logprobs = earlier.logprobs + (later.logprobs or [])
-    return Update(later.index, earlier.text + later.text, later.num_tokens, logprobs, later.finish_reason,
-                  later.num_cached_tokens)
+def _merged(updates: list[Update]) -> list[Update]:
+    """One update per choice out of several (in arrival order): texts and logprobs joined, the latest counts."""
+    if len(updates) == 1:
+        return updates
+    by_index: dict[int, list[Update]] = {}
+    for u in updates:
+        by_index.setdefault(u.index, []).append(u)
+    out = []
+    for index, us in by_index.items():
+        if len(us) == 1:
+            out.append(us[0])
+            continue
+        last = us[-1]
+        logprobs = None
+        if any(u.logprobs is not None for u in us):
+            logprobs = [entry for u in us for entry in (u.logprobs or ())]
+        out.append(Update(index, "".join(u.text for u in us), last.num_tokens, logprobs, last.finish_reason,
+                          last.num_cached_tokens))
+    return out
 
 
 class RequestHandle:
-    """One request (n choices) as the event loop sees it."""
+    """One request (n choices) as the event loop sees it. Updates land in `pending` (a plain list: the engine
+    hands over one batch per step, and the consumer takes everything at once) and `waiter` wakes the consumer."""
 
     def __init__(self, num_choices: int):
         self.num_choices = num_choices
-        self.updates: asyncio.Queue = asyncio.Queue()  # Update | BaseException
+        self.pending: list = []  # Update | BaseException, not yet taken by generate()
+        self.waiter: asyncio.Future | None = None
         self.accepted: asyncio.Future = asyncio.get_running_loop().create_future()
         self.num_prompt_tokens = 0
         self.num_unfinished = num_choices
@@ -142,18 +155,18 @@ class AsyncEngine:
         try:
             await handle.accepted
             while handle.num_unfinished:
-                items = [await handle.updates.get()]
-                while not handle.updates.empty():
-                    items.append(handle.updates.get_nowait())
-                merged: dict[int, Update] = {}
+                if not handle.pending:
+                    handle.waiter = self._loop.create_future()
+                    await handle.waiter
+                    handle.waiter = None
+                items, handle.pending = handle.pending, []
                 for item in items:
                     if isinstance(item, BaseException):
                         raise item
                     if item.finish_reason is not None:
                         handle.num_unfinished -= 1
                         self._leave(1)
-                    merged[item.index] = _merge(merged.get(item.index), item)
-                yield list(merged.values())
+                yield _merged(items)
         finally:
             if handle.num_unfinished:
                 self._leave(handle.num_unfinished)
@@ -286,13 +299,17 @@ class AsyncEngine:
     def _deliver(self, outbox: list, stats: dict | None) -> None:
         if stats is not None:
             self._stats = stats
+        woken = {}
         for handle, item in outbox:
-            if isinstance(item, tuple):  # ("accepted", num_prompt_tokens)
+            if item.__class__ is Update or handle.accepted.done():
+                handle.pending.append(item)
+                woken[id(handle)] = handle
+            elif isinstance(item, tuple):  # ("accepted", num_prompt_tokens)
                 handle.num_prompt_tokens = item[1]
-                if not handle.accepted.done():
-                    handle.accepted.set_result(True)
-            elif isinstance(item, BaseException) and not handle.accepted.done():
+                handle.accepted.set_result(True)
+            else:  # refused: the prompt (ValueError) or a broken engine
                 handle.accepted.set_exception(item)
-            else:
-                handle.updates.put_nowait(item)
+        for handle in woken.values():
+            if handle.waiter is not None and not handle.waiter.done():
+                handle.waiter.set_result(None)
 
