@@ -41,7 +41,7 @@ def test_stream_closed_early_frees_the_request(llm):
     next(stream)
     stream.close()
     assert not llm.engine.has_unfinished()
-    assert llm.kv_cache.allocator.num_free == llm.kv_cache.num_blocks
+    assert llm.engine.blocks.num_free == llm.kv_cache.num_blocks
 
 
 def test_chat_uses_the_template(llm):
@@ -105,15 +105,20 @@ def test_cuda_greedy_generation_and_graph_decode(tiny_model_dir):  # noqa: F811
     assert [o.token_ids for o in gpu.generate(prompts, params)] == [o.token_ids for o in outs]  # deterministic
 
     # a 3-sequence decode step from its graph (padded to the bucket of 4) against the same step run eagerly
-    kv, runner = gpu.kv_cache, gpu.runner
-    seqs = [o.prompt_token_ids + o.token_ids for o in outs]
-    tables = [kv.allocator.allocate(kv.blocks_for(len(s) + 1)) for s in seqs]
-    runner.forward([SeqChunk(s[:-1], 0, t, "none") for s, t in zip(seqs, tables)])
-    step = [SeqChunk(s[-1:], len(s) - 1, t, "last") for s, t in zip(seqs, tables)]
-    graphed = runner.forward(step)[0].numpy().copy()
+    from xserv.engine.sequence import Sequence
+
+    kv, runner, blocks = gpu.kv_cache, gpu.runner, gpu.engine.blocks
+    seqs = []
+    for i, o in enumerate(outs):
+        s = Sequence(1000 + i, o.prompt_token_ids + o.token_ids, params, seed=0, stop_ids=frozenset())
+        s.block_table, s.slot, s.num_computed = blocks.allocate(blocks.blocks_for(s.num_tokens)), i, s.num_tokens - 1
+        seqs.append(s)
+    runner.forward([SeqChunk(s.token_ids[:-1], 0, s.block_table, "none") for s in seqs])
+    graphed = runner.run([(s, 1) for s in seqs]).numpy().copy()
+    step = [SeqChunk(s.token_ids[-1:], s.num_tokens - 1, s.block_table, "last") for s in seqs]
     eager = gpu.model.forward(make_batch(step, kv.block_size, "cuda"), kv).numpy()
-    for t in tables:
-        kv.allocator.free(t)
+    for s in seqs:
+        blocks.free(s.block_table)
     assert rel_err_rows(graphed, eager).max() <= 1e-2
 
 
