@@ -2,8 +2,8 @@
 
 `LLMEngine` is not thread-safe, so exactly one thread (the engine thread started here) calls its methods. The
 asyncio side talks to that thread through a command queue (add / abort / abort all / stop) and gets back, once
-per engine step, a batch of `Update`s that the event loop files under each request (waking its reader). While any request
-is unfinished the thread steps the engine back to back: every concurrent request shares each forward
+per engine step, a batch of `Update`s that the event loop files under each request (waking its reader). While
+any request is unfinished the thread steps the engine back to back: every concurrent request shares each forward
 (continuous batching) and no HTTP handler ever waits on a step.
 
 An exception from `engine.step()` (a CUDA error, say) marks the engine broken: every in-flight request gets an
