@@ -106,7 +106,7 @@ def sampling_params(ctx: ServerContext, req, num_prompt_tokens: int, *, max_toke
     return params
 
 
-# ---- engine output -> response ----------------------------------------------------------------------------------------
+# ---- engine output -> response ------------------------------------------------------------------------------------
 @dataclass
 class ChoiceState:
     text: list[str] = field(default_factory=list)
