@@ -11,7 +11,7 @@ for preset in "${@:-0.6b}"; do
   m=/tmp/model-$preset
   [ -d $m ] || python3 -m tools.make_test_model --preset $preset --out $m --no-progress
   echo "=== $preset ceilings"; python3 -m tools.kernel_harness ceilings 2>&1 | tail -4
-  echo "=== $preset greedy"; python3 -m xserv bench throughput --model $m --temperature 0 --json $OUT/tp-$preset-greedy.json 2>&1 | grep -v "it/s\|tok/s]" | tail -5
+  echo "=== $preset greedy"; python3 -m xserv bench throughput --model $m --temperature 0 --profile --json $OUT/tp-$preset-greedy.json 2>&1 | grep -v "it/s\|tok/s]" | tail -5
   echo "=== $preset sampled"; python3 -m xserv bench throughput --model $m --temperature 0.6 --top-p 0.95 --top-k 20 --json $OUT/tp-$preset-sampled.json 2>&1 | grep -v "it/s\|tok/s]" | tail -5
   echo "=== $preset latency"; python3 -m xserv bench latency --model $m --input-len 512 --output-len 256 --json $OUT/lat-$preset.json 2>&1 | tail -1
   echo "=== $preset ttft 16"; python3 -m xserv bench latency --model $m --input-len 16 --output-len 8 --iters 20 2>&1 | tail -1

@@ -24,6 +24,8 @@ def add_arguments(p) -> None:
     g.add_argument("--top-k", type=int, default=0, help="(default 0 = off)")
     g.add_argument("--seed", type=int, default=0, help="seeds the workload and the sampling (default 0)")
     g.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
+    g.add_argument("--profile", action="store_true",
+                   help="time every step on the GPU (events): busy time by step kind and idle gaps")
     g.add_argument("--plot", default=None, metavar="PNG", help="plot tokens/s and batch size per step "
                    "(needs matplotlib: pip install 'xserv[plot]')")
 
@@ -68,6 +70,9 @@ def run(args) -> int:
             bar.update(len(results))
 
     llm.engine.host_seconds.update(dict.fromkeys(llm.engine.host_seconds, 0.0))
+    llm.engine.num_steps_ahead = 0
+    if args.profile:
+        llm.engine.step_profile = []
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, on_step=on_step)
     elapsed = time.perf_counter() - start
@@ -84,6 +89,7 @@ def run(args) -> int:
         "output_tokens_per_s": out_tokens / elapsed, "total_tokens_per_s": (in_tokens + out_tokens) / elapsed,
         "num_steps": len(steps), "num_preemptions": llm.engine.num_preemptions,
         "host_seconds": {k: round(v, 4) for k, v in llm.engine.host_seconds.items()},
+        "num_steps_ahead": llm.engine.num_steps_ahead,
         "steps": {"t": [round(s[0] - start, 5) for s in steps], "running": [s[1] for s in steps],
                   "booked": [s[2] for s in steps]},
     }
@@ -93,6 +99,12 @@ def run(args) -> int:
           f"  host seconds: " + ", ".join(f"{k} {v:.2f}" for k, v in llm.engine.host_seconds.items()))
     if out_tokens != total_out:
         print(f"xserv: warning: {out_tokens} output tokens, expected {total_out}", file=sys.stderr)
+    if llm.engine.step_profile:
+        result["gpu_profile"] = _gpu_profile(llm.engine.step_profile)
+        g = result["gpu_profile"]
+        print(f"  GPU busy {g['busy_s']:.2f} s (decode graphs {g['graph_s']:.2f} s in {g['graph_steps']} steps, other "
+              f"{g['eager_s']:.2f} s in {g['eager_steps']}), idle between steps {g['idle_s']:.2f} s; "
+              f"{llm.engine.num_steps_ahead} steps launched ahead")
     if llm.device == "cuda":
         ceilings = measure_ceilings()
         limit = workload_limit(llm.model, [len(p) for p in prompts], out_lens, ceilings)
@@ -105,6 +117,21 @@ def run(args) -> int:
     if plot is not None:
         _plot(plot, steps, start, args.plot)
     return 0
+
+
+def _gpu_profile(records) -> dict:
+    """Busy time of the launched steps (first event to last) and the gaps between consecutive steps."""
+    busy = {True: 0.0, False: 0.0}
+    count = {True: 0, False: 0}
+    idle = 0.0
+    for i, (events, _rows, _tokens, replayed, _ahead) in enumerate(records):
+        events[1].synchronize()
+        busy[replayed] += events[0].elapsed_ms(events[1]) / 1e3
+        count[replayed] += 1
+        if i:
+            idle += max(0.0, records[i - 1][0][1].elapsed_ms(events[0]) / 1e3)
+    return {"busy_s": busy[True] + busy[False], "graph_s": busy[True], "graph_steps": count[True],
+            "eager_s": busy[False], "eager_steps": count[False], "idle_s": idle}
 
 
 def _progress(total: int):

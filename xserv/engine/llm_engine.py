@@ -56,6 +56,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._inflight: deque[_Launched] = deque()  # launched steps not yet booked (at most two)
         self.num_steps_ahead = 0  # decode steps launched before the previous step was booked
+        self.step_profile: list | None = None  # set to [] to record GPU timing events per step (benchmarks)
         # where step() spends its time: "wait" (for the GPU, inside "book") and the host work around it
         self.host_seconds = {"book": 0.0, "wait": 0.0, "schedule_launch": 0.0, "emit": 0.0}
 
@@ -204,9 +205,27 @@ class LLMEngine:
             sampled = [seq for seq, _ in scheduled]
         else:
             sampled = [seq for seq, n in scheduled if seq.num_computed + n == len(seq.token_ids)]
+        events = self._step_events()
         logits = self.runner.run(scheduled, ahead=ahead, token_index=token_index, token_src=self.sampler.tokens)
         result = self.sampler.sample(logits, sampled, ahead) if sampled else None
+        if events is not None:
+            from ..runtime import get_device
+
+            events[1].record(get_device().stream_handle)
+            self.step_profile.append((events, len(scheduled), sum(n for _, n in scheduled),
+                                      self.runner.last_run_replayed, bool(ahead)))
         self._inflight.append(_Launched(scheduled, sampled, result, self.runner.last_run_replayed))
+
+    def _step_events(self):
+        """With `step_profile` set to a list (benchmarks), each launched step records a pair of timing events."""
+        if self.step_profile is None or self.runner.device != "cuda":
+            return None
+        from ..runtime import get_device
+        from ..runtime.pinned import Event
+
+        events = (Event(timing=True), Event(timing=True))
+        events[0].record(get_device().stream_handle)
+        return events
 
     def _book(self, launched: "_Launched") -> list[tuple[Sequence, int, str | None]]:
         """Wait for a launched step; (sequence, token, finish reason so far) for each sampled row."""

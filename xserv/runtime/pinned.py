@@ -40,11 +40,15 @@ class PinnedArray:
 
 
 class Event:
-    """A CUDA event without timing (cheap to record and wait on)."""
+    """A CUDA event; without timing (the default) it is cheaper to record and wait on."""
 
-    def __init__(self):
-        flags = driver.CUevent_flags.CU_EVENT_DISABLE_TIMING
+    def __init__(self, timing: bool = False):
+        flags = driver.CUevent_flags.CU_EVENT_DEFAULT if timing else driver.CUevent_flags.CU_EVENT_DISABLE_TIMING
         self.handle = check_driver(driver.cuEventCreate(flags), "cuEventCreate")
+
+    def elapsed_ms(self, later: "Event") -> float:
+        """Milliseconds from this event to `later` (both recorded with timing, both completed)."""
+        return check_driver(driver.cuEventElapsedTime(self.handle, later.handle), "cuEventElapsedTime")
 
     def record(self, stream: int) -> None:
         check_driver(driver.cuEventRecord(self.handle, stream), "cuEventRecord")
