@@ -50,8 +50,8 @@ class LLM:
         cfg = (config or EngineConfig()).replace(**overrides)
         self.engine_config = cfg
         max_model_len = cfg.max_model_len
+        self.folder = resolve_model_source(model)  # a bad path is reported before any device notice
         self.device = pick_device(device)
-        self.folder = resolve_model_source(model)
         self.config = config = config_from_pretrained(self.folder)
         context = config.context_length
         if max_model_len is not None and max_model_len > context:
