@@ -22,6 +22,20 @@ def length_range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
+def add_workload_arguments(g) -> None:
+    """The standard workload's options, shared by `bench throughput` and `bench serve` (the request count is
+    each benchmark's own)."""
+    g.add_argument("--input-len", type=length_range, default=(100, 1024), metavar="MIN:MAX",
+                   help="prompt length range, uniform (default 100:1024)")
+    g.add_argument("--output-len", type=length_range, default=(100, 1024), metavar="MIN:MAX",
+                   help="output length range, uniform; EOS is ignored (default 100:1024)")
+    g.add_argument("--temperature", type=float, default=0.6, help="0 = greedy (default 0.6)")
+    g.add_argument("--top-p", type=float, default=1.0, help="(default 1.0 = off)")
+    g.add_argument("--top-k", type=int, default=0, help="(default 0 = off)")
+    g.add_argument("--seed", type=int, default=0, help="seeds the workload and the sampling (default 0)")
+    g.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
+
+
 def device_name(device: str) -> str:
     if device == "cuda":
         from ..runtime import get_device

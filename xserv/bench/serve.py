@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .common import length_range, write_json
+from .common import add_workload_arguments, write_json
 from .throughput import make_workload
 
 QWEN3_VOCAB = 151_936
@@ -35,15 +35,7 @@ def add_arguments(p) -> None:
                       help="requests per second, Poisson arrivals (default inf: all at once)")
     rate.add_argument("--max-concurrency", type=int, default=None, metavar="C",
                       help="at most C requests in flight, each new one sent as one ends")
-    g.add_argument("--input-len", type=length_range, default=(100, 1024), metavar="MIN:MAX",
-                   help="prompt length range, uniform (default 100:1024)")
-    g.add_argument("--output-len", type=length_range, default=(100, 1024), metavar="MIN:MAX",
-                   help="output length range, uniform; EOS is ignored (default 100:1024)")
-    g.add_argument("--temperature", type=float, default=0.6, help="0 = greedy (default 0.6)")
-    g.add_argument("--top-p", type=float, default=1.0, help="(default 1.0 = off)")
-    g.add_argument("--top-k", type=int, default=0, help="(default 0 = off)")
-    g.add_argument("--seed", type=int, default=0, help="seeds the workload, the arrivals and the sampling (default 0)")
-    g.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
+    add_workload_arguments(g)  # --seed also seeds the arrivals here
 
 
 @dataclass

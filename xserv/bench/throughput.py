@@ -9,21 +9,13 @@ import time
 
 import numpy as np
 
-from .common import device_name, length_range, measure_ceilings, workload_limit, write_json
+from .common import add_workload_arguments, device_name, measure_ceilings, workload_limit, write_json
 
 
 def add_arguments(p) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--num-seqs", type=int, default=256, metavar="N", help="requests (default 256)")
-    g.add_argument("--input-len", type=length_range, default=(100, 1024), metavar="MIN:MAX",
-                   help="prompt length range, uniform (default 100:1024)")
-    g.add_argument("--output-len", type=length_range, default=(100, 1024), metavar="MIN:MAX",
-                   help="output length range, uniform; EOS is ignored (default 100:1024)")
-    g.add_argument("--temperature", type=float, default=0.6, help="0 = greedy (default 0.6)")
-    g.add_argument("--top-p", type=float, default=1.0, help="(default 1.0 = off)")
-    g.add_argument("--top-k", type=int, default=0, help="(default 0 = off)")
-    g.add_argument("--seed", type=int, default=0, help="seeds the workload and the sampling (default 0)")
-    g.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
+    add_workload_arguments(g)
     g.add_argument("--profile", action="store_true",
                    help="time every step on the GPU (events): busy time by step kind and idle gaps")
     g.add_argument("--plot", default=None, metavar="PNG", help="plot tokens/s and batch size per step "

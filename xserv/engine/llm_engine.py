@@ -26,7 +26,7 @@ from .kv_cache import KVCache, KVCacheSpec
 from .model_runner import ModelRunner
 from .sampler import Sampler
 from .scheduler import Scheduler
-from .sequence import FINISHED, RUNNING, RequestOutput, Sequence, StopStringMatcher  # noqa: F401 (re-exported)
+from .sequence import FINISHED, RUNNING, RequestOutput, Sequence
 
 
 @dataclass
