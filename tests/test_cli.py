@@ -199,6 +199,19 @@ def test_generate_sampling_flags(generate):
         assert drawn(generate, "--seed", "0", *flags) == [" apple"] * 8, flags
 
 
+def test_generate_takes_generation_config_defaults(generate, loaded, monkeypatch):
+    """A flag left out takes the model folder's generation_config.json value (as `xserv serve` does); a flag given
+    wins over it."""
+    import xserv.generation_config
+
+    folders = []
+    monkeypatch.setattr(xserv.generation_config, "sampling_defaults",
+                        lambda folder: (folders.append(str(folder)), {"top_k": 1})[1])
+    assert drawn(generate, "--seed", "3") == [" apple"] * 8  # top_k 1 from the folder's defaults
+    assert folders == [str(loaded.folder)]
+    assert len(set(drawn(generate, "--seed", "3", "--top-k", "0"))) > 1  # the flag wins: top-k off again
+
+
 def test_bad_model_path_is_reported_before_the_device(tmp_path):
     r = xserv("generate", "--model", str(tmp_path / "missing"), "-p", "hi")  # no --device: xserv picks one
     assert r.returncode == 2 and "not found" in r.stderr, r.stderr

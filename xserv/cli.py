@@ -105,12 +105,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _sampling_params(args):
+def _sampling_params(args, folder=None):
+    """The flags' sampling parameters; a flag left out takes the model folder's generation_config.json value
+    (`folder`, once the model is resolved), else SamplingParams' default."""
+    from .generation_config import sampling_defaults
     from .sampling import SamplingParams
 
     kw = {"max_tokens": args.max_tokens}
+    defaults = sampling_defaults(folder) if folder is not None else {}
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop"):
         value = getattr(args, name)
+        if value is None:
+            value = defaults.get(name)
         if value is not None:
             kw[name] = value
     if args.ignore_eos:
@@ -151,9 +157,10 @@ def read_prompt(args) -> str:
 
 
 def cmd_generate(args) -> int:
-    params = _sampling_params(args)
+    _sampling_params(args)  # bad values are reported before the model loads
     prompt = read_prompt(args)
     llm = load_llm(args)
+    params = _sampling_params(args, llm.folder)
     if args.chat:
         prompt = llm.chat_prompt([{"role": "user", "content": prompt}], enable_thinking=args.enable_thinking)
     stream = llm.stream(prompt, params)
@@ -165,8 +172,9 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    params = _sampling_params(args)
+    _sampling_params(args)  # bad values are reported before the model loads
     llm = load_llm(args)
+    params = _sampling_params(args, llm.folder)
     model = llm.folder
     try:
         import readline  # noqa: F401  (line editing and history for input())
