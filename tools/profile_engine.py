@@ -1,0 +1,72 @@
+"""Where a decode step's GPU time goes: the standard workload runs until `--warm` steps have passed, then
+torch's profiler (CUPTI: every kernel of the process, graph replays included) records `--steps` engine steps.
+Prints the kernels by total time, their sum against the recorded GPU span (the rest is gaps between kernels),
+and the device name. GPU machine only (needs torch).
+
+    python -m tools.profile_engine --model DIR [--warm 300 --steps 50 --temperature 0]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--warm", type=int, default=300, help="engine steps before recording (default 300)")
+    ap.add_argument("--steps", type=int, default=50, help="engine steps recorded (default 50)")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top", type=int, default=25, help="kernels listed (default 25)")
+    args = ap.parse_args(argv)
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from xserv import LLM, SamplingParams
+    from xserv.bench.throughput import make_workload
+    from xserv.runtime import get_device, synchronize
+
+    llm = LLM(args.model, device="cuda", max_model_len=2048, progress=False)
+    prompts, out_lens = make_workload(256, (100, 1024), (100, 1024), 0, llm.config.vocab_size)
+    engine = llm.engine
+    for i, (p, n) in enumerate(zip(prompts, out_lens)):
+        engine.add_request(p, SamplingParams(max_tokens=n, temperature=args.temperature, ignore_eos=True, seed=i))
+    for _ in range(args.warm):
+        engine.step()
+    synchronize()
+    running = engine.stats()["num_running"]
+    torch.cuda.init()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            engine.step()
+        synchronize()
+        wall = time.perf_counter() - start
+    while engine.has_unfinished():
+        engine.step()
+
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    per_name = collections.defaultdict(lambda: [0.0, 0])
+    for e in kernels:
+        per_name[e.name][0] += e.device_time
+        per_name[e.name][1] += 1
+    total_us = sum(v[0] for v in per_name.values())
+    span_us = (max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)) if kernels else 0
+    print(f"{get_device().name}: {args.steps} steps with {running} running sequences recorded; wall {wall * 1e3:.1f} ms, "
+          f"GPU span {span_us / 1e3:.1f} ms, kernel time {total_us / 1e3:.1f} ms "
+          f"({total_us / max(span_us, 1):.0%} of the span; the rest is gaps between kernels), "
+          f"{len(kernels) / args.steps:.0f} kernels per step")
+    print(f"{'kernel':<90} {'calls':>7} {'total ms':>9} {'share':>6} {'us/call':>8}")
+    for name, (t, n) in sorted(per_name.items(), key=lambda kv: -kv[1][0])[:args.top]:
+        print(f"{name[:90]:<90} {n:>7} {t / 1e3:>9.2f} {t / total_us:>6.1%} {t / n:>8.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
