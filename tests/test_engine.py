@@ -128,6 +128,29 @@ def test_decode_graph_replay_logic_on_cpu(perturbed_model_dir, llm):  # noqa: F8
     assert graphed.engine.num_steps_ahead >= 3  # all but the first decode step went ahead of the booking
 
 
+def test_decode_graph_replay_with_preemption(perturbed_model_dir, llm):  # noqa: F811
+    """Preempted sequences come back with new blocks (often in the same slot, with as many blocks as before): the
+    graph path's block-table mirror must follow, or decode reads and writes someone else's K/V."""
+    from types import SimpleNamespace
+
+    from xserv import LLM
+
+    params = SamplingParams(max_tokens=10, ignore_eos=True, **GREEDY)
+    want = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    small = LLM(str(perturbed_model_dir), device="cpu", max_model_len=64, kv_cache_tokens=64, block_size=4,
+                max_num_batched_tokens=8, max_num_seqs=4, progress=False)
+    small.runner.capture_decode_graphs(graph_factory=lambda step: SimpleNamespace(replay=step))
+    assert [o.token_ids for o in small.generate(PROMPTS, params)] == want
+    assert small.engine.num_preemptions > 0 and small.engine.num_steps_ahead > 0
+
+    # the mirror itself: the same sequence back in the same slot with as many, but other, blocks
+    seq = SimpleNamespace(slot=1, block_table=[3, 4])
+    small.runner._sync_tables([seq])
+    seq.block_table = [5, 6]
+    small.runner._sync_tables([seq])
+    assert small.runner._tables[1, :2].tolist() == [5, 6]
+
+
 def test_decode_graphs_are_bucketed_by_context_length(perturbed_model_dir):  # noqa: F811
     """A decode step replays the graph captured for the smallest context bucket that holds its longest sequence
     (the attention's split-KV grid is sized from that bucket): same tokens as plain decode."""

@@ -47,7 +47,7 @@ class ModelRunner:
         self._max_blocks = math.ceil(max_model_len / self.block_size)
         self._tables = np.zeros((max_num_seqs, self._max_blocks), np.int32)
         self._table_len = np.zeros(max_num_seqs, np.int64)
-        self._table_owner = np.full(max_num_seqs, -1, np.int64)
+        self._table_of: list = [None] * max_num_seqs  # the block-table list each mirror row was copied from
 
     # ---- forward ------------------------------------------------------------------------------------------------
     def run(self, scheduled, *, ahead: int = 0, token_index: np.ndarray | None = None,
@@ -162,10 +162,11 @@ class ModelRunner:
         slots = np.fromiter((s.slot for s in seqs), np.int64, len(seqs))
         for seq, slot in zip(seqs, slots):
             table = seq.block_table
-            if self._table_len[slot] != len(table) or self._table_owner[slot] != seq.seq_id:
+            # a sequence's table only grows while it runs; an admission (also after a preemption) makes a new list
+            if self._table_of[slot] is not table or self._table_len[slot] != len(table):
                 self._tables[slot, :len(table)] = table
                 self._table_len[slot] = len(table)
-                self._table_owner[slot] = seq.seq_id
+                self._table_of[slot] = table
         return slots
 
     def _replay(self, seqs, ahead: int, token_index, token_src) -> Tensor:
