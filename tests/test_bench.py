@@ -58,3 +58,14 @@ def test_latency_with_a_shared_prefix_hits_the_cache(tiny_model_dir, tmp_path): 
     res = json.loads(out.read_text())
     assert res["cached_tokens_each"] == [0, 32, 32]  # two full blocks of 16 of the 40 shared tokens
     assert "shared prefix" in r.stdout
+
+
+def test_throughput_plot(tiny_model_dir, tmp_path):  # noqa: F811
+    import pytest
+
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "steps.png"
+    r = xserv("bench", "throughput", "--model", str(tiny_model_dir), "--device", "cpu", "--num-seqs", "2",
+              "--input-len", "5", "--output-len", "3", "--plot", str(png))
+    assert r.returncode == 0, r.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -148,9 +148,12 @@ def _plot_module():
 def _plot(plt, steps, start, path) -> None:
     t = np.array([s[0] - start for s in steps])
     running = np.array([s[1] for s in steps])
-    booked = np.array([s[2] for s in steps])
-    dt = np.diff(np.concatenate([[0.0], t]))
-    rate = np.where(dt > 0, booked / np.maximum(dt, 1e-9), 0)
+    booked = np.cumsum([s[2] for s in steps])
+    # tokens/s over a window of steps (a single step's rate is noise: steps that book nothing, or end the run)
+    k = max(3, len(steps) // 50)
+    t0 = np.concatenate([[0.0] * k, t])[:len(t)]
+    b0 = np.concatenate([[0] * k, booked])[:len(booked)]
+    rate = (booked - b0) / np.maximum(t - t0, 1e-9)
     fig, ax = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
     ax[0].plot(t, rate, lw=0.8)
     ax[0].set_ylabel("output tokens/s")
