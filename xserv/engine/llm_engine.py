@@ -9,6 +9,8 @@ One `step()`:
    for sequences that stream or have stop strings (others decode their text once, when they finish), stop
    strings, stream buffers.
 A sequence that a stop string ends in (3) already has a row in the step in flight; that token is dropped.
+When the step in flight is a pure decode step, the next decode step is launched *before* (1), its input tokens
+gathered on the device (see `_decode_ahead`), so the GPU never waits for the host between decode steps.
 """
 from __future__ import annotations
 
@@ -68,7 +70,7 @@ class LLMEngine:
         max_len = min(config.max_model_len or context_len, context_len)
         workspace = model.make_workspace(config.batched_tokens(device), config.max_num_seqs)
         sampler = Sampler(mc.vocab_size, config.max_num_seqs, device, config.seed)
-        spec = KVCacheSpec(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, config.block_size)
+        spec = KVCacheSpec(*model.kv_layout, config.block_size)
         kv_tokens = config.kv_cache_tokens
         if kv_tokens is None and device == "cpu":
             kv_tokens = min(4 * max_len, max(CPU_KV_BYTES // spec.bytes_per_token(model.dtype), 2048))
