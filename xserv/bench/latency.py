@@ -21,6 +21,8 @@ def add_arguments(p) -> None:
     g.add_argument("--shared-prefix", type=int, default=0, metavar="N",
                    help="tokens every prompt starts with (default 0: none)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
+    g.add_argument("--top-p", type=float, default=1.0, help="(default 1.0 = off)")
+    g.add_argument("--top-k", type=int, default=0, help="(default 0 = off)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
 
@@ -56,8 +58,8 @@ def run(args) -> int:
     engine = llm.engine
     rng = np.random.default_rng(args.seed)
     high = min(llm.config.vocab_size, 10_000)
-    params = SamplingParams(max_tokens=args.output_len, temperature=args.temperature, ignore_eos=True,
-                            seed=args.seed)
+    params = SamplingParams(max_tokens=args.output_len, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, ignore_eos=True, seed=args.seed)
     _one(engine, rng.integers(0, high, 16).tolist(), SamplingParams(max_tokens=4))  # warm-up
     prefix = rng.integers(0, high, args.shared_prefix).tolist()
     runs = [_one(engine, prefix + rng.integers(0, high, args.input_len).tolist(), params)
