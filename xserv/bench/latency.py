@@ -60,7 +60,8 @@ def run(args) -> int:
     high = min(llm.config.vocab_size, 10_000)
     params = SamplingParams(max_tokens=args.output_len, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, ignore_eos=True, seed=args.seed)
-    _one(engine, rng.integers(0, high, 16).tolist(), SamplingParams(max_tokens=4))  # warm-up
+    warm = rng.integers(0, high, min(16, args.input_len)).tolist()
+    _one(engine, warm, SamplingParams(max_tokens=min(4, args.output_len)))  # warm-up: first-call costs
     prefix = rng.integers(0, high, args.shared_prefix).tolist()
     runs = [_one(engine, prefix + rng.integers(0, high, args.input_len).tolist(), params)
             for _ in range(args.iters)]
