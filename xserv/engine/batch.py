@@ -36,17 +36,10 @@ class Batch:
     logits_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # host copy of logits_indices
     logits_per_seq: list[tuple[int, int]] = field(default_factory=list)  # (first row in logits, count) per sequence
 
-    @property
-    def is_decode(self) -> bool:
-        return self.max_q_len == 1
 
-    @property
-    def num_logits(self) -> int:
-        return len(self.logits_rows)
-
-
-def build_host_arrays(chunks: list[SeqChunk], block_size: int, max_blocks: int | None = None) -> dict:
-    """The batch metadata as NumPy int32 arrays plus host ints (shared by Batch building and CUDA-graph buffers)."""
+def build_host_arrays(chunks: list[SeqChunk], block_size: int) -> dict:
+    """The batch metadata as NumPy int32 arrays plus host ints. (Decode steps replayed from CUDA graphs build
+    theirs vectorised in ModelRunner._replay.)"""
     if not chunks:
         raise ValueError("a batch needs at least one sequence")
     q_lens = np.array([len(c.token_ids) for c in chunks], np.int64)
@@ -55,10 +48,6 @@ def build_host_arrays(chunks: list[SeqChunk], block_size: int, max_blocks: int |
     kv_lens = np.array([c.start_pos + len(c.token_ids) for c in chunks], np.int64)
     need_blocks = -(-kv_lens // block_size)
     width = max(int(need_blocks.max()), max((len(c.block_table) for c in chunks), default=0), 1)
-    if max_blocks is not None:
-        if int(need_blocks.max()) > max_blocks:
-            raise ValueError(f"a sequence needs {int(need_blocks.max())} blocks, the batch holds {max_blocks}")
-        width = max_blocks
     block_tables = np.zeros((len(chunks), width), np.int32)
     input_ids, positions, slots, rows, per_seq = [], [], [], [], []
     offset = 0

@@ -232,7 +232,7 @@ class DenseModel:
 
     # ---- forward ------------------------------------------------------------------------------------------
     def forward(self, batch, kv_cache, workspace: Workspace | None = None) -> Tensor:
-        """Logits float32 [batch.num_logits, vocab] for the rows batch.logits_indices names (every row if None)."""
+        """Logits float32 [rows, vocab] for the rows batch.logits_indices names (every row if None)."""
         t = batch.num_tokens
         n = t if batch.logits_indices is None else batch.logits_indices.shape[0]
         if workspace is None or not workspace.fits(t, n):
