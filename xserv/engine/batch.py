@@ -35,12 +35,6 @@ class Batch:
     max_kv_len: int
     logits_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # host copy of logits_indices
     logits_per_seq: list[tuple[int, int]] = field(default_factory=list)  # (first row in logits, count) per sequence
-    # A mixed step (max_q_len > 1) whose first `num_decode` sequences have one new token each: their attention runs
-    # in the decode kernel, the rest in the prefill kernel over these rows (a query tile per one-token sequence
-    # would cost the prefill kernel a whole tile of work per decode row).
-    num_decode: int = 0
-    prefill_cu_seqlens_q: Tensor | None = None  # int32 [B - num_decode + 1]: cu_seqlens_q of the rest, from 0
-    decode_max_kv_len: int = 0
 
 
 def build_host_arrays(chunks: list[SeqChunk], block_size: int) -> dict:
@@ -78,9 +72,6 @@ def build_host_arrays(chunks: list[SeqChunk], block_size: int) -> dict:
         offset += len(pos)
     cu = np.zeros(len(chunks) + 1, np.int32)
     cu[1:] = np.cumsum(q_lens)
-    num_decode = 0
-    if q_lens.max() > 1:
-        num_decode = int(np.argmax(q_lens > 1))  # leading one-token sequences (decodes come first)
     return dict(
         input_ids=np.concatenate(input_ids).astype(np.int32),
         positions=np.concatenate(positions).astype(np.int32),
@@ -94,9 +85,6 @@ def build_host_arrays(chunks: list[SeqChunk], block_size: int) -> dict:
         num_seqs=len(chunks),
         max_q_len=int(q_lens.max()),
         max_kv_len=int(kv_lens.max()),
-        num_decode=num_decode,
-        prefill_cu_seqlens_q=cu[num_decode:] - cu[num_decode] if num_decode else None,
-        decode_max_kv_len=int(kv_lens[:num_decode].max()) if num_decode else 0,
     )
 
 
@@ -122,7 +110,4 @@ def make_batch(chunks: list[SeqChunk], block_size: int, device: str) -> Batch:
         max_kv_len=h["max_kv_len"],
         logits_rows=rows,
         logits_per_seq=h["logits_per_seq"],
-        num_decode=h["num_decode"],
-        prefill_cu_seqlens_q=None if h["prefill_cu_seqlens_q"] is None else up(h["prefill_cu_seqlens_q"]),
-        decode_max_kv_len=h["decode_max_kv_len"],
     )

@@ -231,22 +231,6 @@ class DenseModel:
         return Workspace(self.config, max_tokens, max_logits, self.device, self.dtype)
 
     # ---- forward ------------------------------------------------------------------------------------------
-    def _attention(self, batch, qkv3: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor) -> None:
-        """Paged attention of every sequence in the batch: the decode kernel for one-token sequences (all of a
-        decode step, or the leading `batch.num_decode` of a mixed step), the prefill kernel for the rest."""
-        hq = self.config.num_attention_heads
-        if batch.max_q_len == 1:
-            attention_decode(qkv3, k_cache, v_cache, batch.kv_lens, batch.block_tables, self.scale,
-                             batch.max_kv_len, out=out, num_q_heads=hq)
-            return
-        nd = batch.num_decode
-        if nd:
-            attention_decode(qkv3[:nd], k_cache, v_cache, batch.kv_lens[:nd], batch.block_tables[:nd], self.scale,
-                             batch.decode_max_kv_len, out=out[:nd], num_q_heads=hq)
-        cu = batch.prefill_cu_seqlens_q if nd else batch.cu_seqlens_q
-        attention_prefill(qkv3[nd:], k_cache, v_cache, cu, batch.kv_lens[nd:], batch.block_tables[nd:], self.scale,
-                          batch.max_q_len, out=out[nd:], num_q_heads=hq)
-
     def forward(self, batch, kv_cache, workspace: Workspace | None = None) -> Tensor:
         """Logits float32 [rows, vocab] for the rows batch.logits_indices names (every row if None)."""
         t = batch.num_tokens
@@ -276,7 +260,12 @@ class DenseModel:
             else:
                 qk_rope(qkv3, batch.positions, self.cos_sin, hq, hkv)
             write_kv_packed(qkv3, hq, kv_cache.k[i], kv_cache.v[i], batch.slot_mapping)
-            self._attention(batch, qkv3, kv_cache.k[i], kv_cache.v[i], attn3)
+            if batch.max_q_len > 1:
+                attention_prefill(qkv3, kv_cache.k[i], kv_cache.v[i], batch.cu_seqlens_q, batch.kv_lens,
+                                  batch.block_tables, self.scale, batch.max_q_len, out=attn3, num_q_heads=hq)
+            else:
+                attention_decode(qkv3, kv_cache.k[i], kv_cache.v[i], batch.kv_lens, batch.block_tables,
+                                 self.scale, batch.max_kv_len, out=attn3, num_q_heads=hq)
             linear(attn, layer.o_proj, out=hidden)
             fused_add_rmsnorm(hidden, residual, layer.post_norm, self.eps, out=normed)
             linear(normed, layer.gate_up, out=gate_up)
