@@ -1,7 +1,8 @@
-"""Sampling parameters and the host-side sampler (NumPy, float32 logits of one sequence per call).
+"""Sampling parameters of a request, validated on construction.
 
-Order, as Hugging Face applies them: repetition penalty -> temperature (0 = greedy argmax) -> top-k -> top-p ->
-min-p -> one categorical draw from the request's own generator (reproducible per seed).
+Applied in this order (xserv/engine/sampler.py, through the sampling op): repetition / presence / frequency
+penalties -> temperature (0 = greedy argmax) -> top-k -> top-p -> min-p -> one draw keyed by the request's seed and
+the token's position (reproducible whatever else is batched with it).
 """
 from __future__ import annotations
 
@@ -9,11 +10,6 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
-
-# Top-p first looks for the nucleus among this many best tokens (a partial partition, not a full sort of the
-# vocabulary); only when their mass is below top_p does it sort everything.
-_NUCLEUS_PROBE = 1024
-
 
 MAX_LOGPROBS = 20  # top-N logprobs per token, at most
 MAX_N = 16  # samples per prompt, at most
@@ -105,104 +101,3 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
-
-
-def make_rng(seed: int | None = None) -> np.random.Generator:
-    """A request's own generator: the same seed gives the same draws."""
-    return np.random.default_rng(seed)
-
-
-class Sampler:
-    """Stateless: everything a draw depends on comes in through the arguments."""
-
-    def sample(self, logits: np.ndarray, params: SamplingParams, previous_token_ids=(),
-               rng: np.random.Generator | None = None) -> int:
-        logits = self._penalized(logits, params, previous_token_ids)
-        if params.temperature == 0.0:
-            return int(np.argmax(logits))  # first (lowest) index among ties
-        ids, weights = self._distribution(logits, params)
-        if rng is None:
-            rng = make_rng(params.seed)
-        cdf = np.cumsum(weights, dtype=np.float64)
-        i = min(int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right")), len(cdf) - 1)
-        return i if ids is None else int(ids[i])
-
-    def probabilities(self, logits: np.ndarray, params: SamplingParams, previous_token_ids=()) -> np.ndarray:
-        """The distribution `sample` draws from, float64 [V] (one-hot at the argmax when greedy)."""
-        logits = self._penalized(logits, params, previous_token_ids)
-        out = np.zeros(logits.shape[0], np.float64)
-        if params.temperature == 0.0:
-            out[int(np.argmax(logits))] = 1.0
-            return out
-        ids, weights = self._distribution(logits, params)
-        weights = weights.astype(np.float64)
-        out[slice(None) if ids is None else ids] = weights / weights.sum()
-        return out
-
-    # ---- steps --------------------------------------------------------------------------------------------
-    @staticmethod
-    def _penalized(logits, params: SamplingParams, previous_token_ids) -> np.ndarray:
-        logits = np.asarray(logits)
-        if logits.ndim != 1 or logits.shape[0] == 0:
-            raise ValueError(f"logits: expected shape [vocab], got {logits.shape}")
-        if logits.dtype != np.float32:
-            logits = logits.astype(np.float32)
-        top = logits.max()
-        if np.isnan(top) or top == np.inf or top == -np.inf:
-            raise ValueError(f"logits: the maximum is {top}; the model produced NaN/inf or masked every token")
-        if params.repetition_penalty != 1.0 and len(previous_token_ids):
-            ids = np.unique(np.asarray(previous_token_ids, dtype=np.int64))
-            ids = ids[(ids >= 0) & (ids < logits.shape[0])]
-            logits = logits.copy()
-            vals = logits[ids]
-            p = np.float32(params.repetition_penalty)
-            logits[ids] = np.where(vals > 0, vals / p, vals * p)
-        return logits
-
-    @staticmethod
-    def _distribution(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray | None, np.ndarray]:
-        """(candidate token ids or None for all, their unnormalised float32 weights) after temperature, top-k,
-        top-p, min-p.
-        float32 math (float64 exp over 152k entries costs 10x more); the weights are relative to the max token,
-        which every filter keeps."""
-        v = logits.shape[0]
-        scaled = logits if params.temperature == 1.0 else logits * np.float32(1.0 / params.temperature)
-        k = params.top_k
-        ids = None  # None = every token
-        if 0 < k < v:
-            kth = np.partition(scaled, v - k)[v - k]  # the k-th largest value; ties with it are kept (as HF does)
-            ids = np.flatnonzero(scaled >= kth)
-            scaled = scaled[ids]
-        weights = np.exp(scaled - scaled.max())
-        if params.top_p < 1.0:
-            tau = _nucleus_threshold(weights, params.top_p)
-            if tau > 0:
-                keep = np.flatnonzero(weights >= tau)
-                ids = keep if ids is None else ids[keep]
-                weights = weights[keep]
-        if params.min_p > 0.0:
-            # p_i >= min_p * p_max  <=>  weight_i >= min_p (weights are exp(logit - max logit))
-            keep = np.flatnonzero(weights >= np.float32(params.min_p))
-            ids = keep if ids is None else ids[keep]
-            weights = weights[keep]
-        return ids, weights
-
-
-def _nucleus_threshold(weights: np.ndarray, top_p: float) -> float:
-    """The weight of the last token of the nucleus: the smallest set of highest-probability tokens whose mass
-    reaches top_p. Tokens with weight >= it are kept (ties at the boundary all stay). Sorts values only (a SIMD
-    sort, much faster than argsort), and first only the best _NUCLEUS_PROBE of them."""
-    total = float(weights.sum(dtype=np.float64))
-    target = top_p * total
-    n = weights.shape[0]
-    if n > _NUCLEUS_PROBE:
-        best = -np.partition(-weights, _NUCLEUS_PROBE - 1)[:_NUCLEUS_PROBE]
-        if float(best.sum(dtype=np.float64)) >= target:
-            ordered = -np.sort(-best)
-        else:
-            ordered = -np.sort(-weights)
-    else:
-        ordered = -np.sort(-weights)
-    cum_before = np.cumsum(ordered, dtype=np.float64) - ordered
-    count = max(1, int(np.count_nonzero(cum_before < target)))
-    return float(ordered[count - 1])

@@ -27,9 +27,10 @@ import numpy as np
 
 from ..tensor import Tensor, float32, int32, uint8
 from ._checks import check_tensor, output, same_device
+from ..sampling import MAX_LOGPROBS
 from ._launch import aligned, check_alias, check_int32_range
 
-MAX_TOP_LOGPROBS = 20  # the most top-N log-probs per row
+MAX_TOP_LOGPROBS = MAX_LOGPROBS  # the most top-N log-probs per row (SamplingParams.logprobs' limit)
 F_TEMPERATURE, F_TOP_P, F_MIN_P, F_REPETITION, F_PRESENCE, F_FREQUENCY = range(6)
 NUM_F = 8  # fparams columns (the unused ones are zero)
 I_TOP_K, I_SEED_LO, I_SEED_HI, I_STEP, I_PENALTY_SLOT = range(5)
