@@ -327,7 +327,6 @@ class LLMEngine:
             raise ValueError("token_ids is empty")
         if len(token_ids) > self.max_model_len:
             raise ValueError(f"{len(token_ids)} tokens, longer than max_model_len {self.max_model_len}")
-        self.check_prompt(token_ids[:1])
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token id(s) {bad[:5]} outside the vocabulary (size {self.vocab_size})")
