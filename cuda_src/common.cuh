@@ -54,4 +54,21 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     return total;
 }
 
+// Programmatic dependent launch (Hopper). A kernel launched with the programmatic-stream-serialization attribute
+// (Kernel(..., pdl=True)) may start while the kernel before it in the stream is still running. It must call
+// pdl_wait() before its first read of anything an earlier kernel wrote (work that depends only on weights may come
+// first: that is the point), and may call pdl_launch_dependents() once its own dependents may start their prologue.
+// Both are no-ops when the kernel was launched without the attribute, and compile to nothing before sm_90.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 }  // namespace xserv
