@@ -236,3 +236,32 @@ def test_cuda_model_matches_numpy_and_reference(models, folders, arch, rng):
         got = gpu.forward(make_batch(chunks, BLOCK, "cuda"), gpu_cache).numpy().copy()
         print(f"{arch}: decode step, CUDA vs NumPy {rel_err_rows(got, want).max():.2e}")
         assert rel_err_rows(got, want).max() < 3e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cuda_fused_small_forwards_match_unfused(models, folders, arch, rng):
+    """Forwards of <= 16 tokens take the fused GEMV path (norm / SiLU / residual add folded into the projections);
+    the same steps through the unfused ops (cuBLASLt) give the same logits up to fp32 summation order, and the
+    same greedy token wherever the top two logits are not a near tie."""
+    from xserv.engine.kv_cache import KVCache as Cache
+
+    gpu = load(folders[arch], "cuda")
+    v = gpu.config.vocab_size
+    seqs = [rng.integers(0, v, n).tolist() for n in (12, 3)]
+    tables = [[5, 1, 7, 9], [2, 3]]
+    steps = [[SeqChunk(s[:-1], 0, t, "last") for s, t in zip(seqs, tables)],  # 13 tokens, logits of 2 rows
+             [SeqChunk(s[-1:], len(s) - 1, t, "last") for s, t in zip(seqs, tables)]]  # a decode step
+    logits = {}
+    for fused in (True, False):
+        gpu.fused_gemv = fused
+        cache = Cache(KVCacheSpec(*gpu.kv_layout, BLOCK), 16, "cuda", gpu.dtype)
+        assert gpu.fused_forward_ok(13, 2) == fused
+        logits[fused] = [gpu.forward(make_batch(chunks, BLOCK, "cuda"), cache).numpy().copy() for chunks in steps]
+    gpu.fused_gemv = True
+    for got, want in zip(logits[True], logits[False]):
+        assert np.all(np.isfinite(got))
+        assert rel_err_rows(got, want).max() < 1e-2
+        top2 = np.sort(want, axis=1)[:, -2:]
+        clear = top2[:, 1] - top2[:, 0] > 1e-2
+        np.testing.assert_array_equal(got.argmax(1)[clear], want.argmax(1)[clear])

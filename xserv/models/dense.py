@@ -19,7 +19,9 @@ import numpy as np
 
 from ..ops.activation import silu_and_mul
 from ..ops.attention import attention_decode, attention_prefill, write_kv_packed
+from ..ops.cast import cast
 from ..ops.embedding import embedding
+from ..ops.gemv import gemv_supported, linear_add, rmsnorm_linear, silu_mul_linear_add
 from ..ops.linear import linear
 from ..ops.rmsnorm import fused_add_rmsnorm
 from ..ops.rope import qk_norm_rope, qk_rope, rope_cos_sin_table
@@ -144,6 +146,7 @@ class DenseModel:
         self.eps = float(config.rms_norm_eps)
         self.scale = float(config.head_dim) ** -0.5
         self.max_positions = int(max_positions or config.context_length)
+        self.fused_gemv = True  # small forwards take the fused GEMV path (False: the unfused ops, for comparison)
         table = rope_cos_sin_table(config.head_dim, self.max_positions, config.rope_theta, config.rope_scaling)
         self.cos_sin = Tensor.from_numpy(np.ascontiguousarray(table, np.float32), device)
 
@@ -231,6 +234,17 @@ class DenseModel:
         return Workspace(self.config, max_tokens, max_logits, self.device, self.dtype)
 
     # ---- forward ------------------------------------------------------------------------------------------
+    def fused_forward_ok(self, num_tokens: int, num_logits: int) -> bool:
+        """Does a CUDA forward of this many tokens take the fused skinny-GEMM path (every projection a GEMV
+        kernel with its norm / activation / residual add folded in: xserv/ops/gemv.py)?"""
+        c = self.config
+        return self.device == "cuda" and self.fused_gemv and num_tokens <= self.FUSED_MAX_TOKENS and all(
+            gemv_supported(m, k) for m, k in ((num_tokens, c.hidden_size), (num_tokens, c.q_size),
+                                              (num_tokens, c.intermediate_size), (num_logits, c.hidden_size)))
+
+    # Up to this many tokens a forward runs the fused GEMV path (measured: docs/kernels/gemv.md).
+    FUSED_MAX_TOKENS: ClassVar[int] = 16
+
     def forward(self, batch, kv_cache, workspace: Workspace | None = None) -> Tensor:
         """Logits float32 [rows, vocab] for the rows batch.logits_indices names (every row if None)."""
         t = batch.num_tokens
@@ -238,6 +252,8 @@ class DenseModel:
         if workspace is None or not workspace.fits(t, n):
             workspace = self.make_workspace(t, n)
         ws = workspace
+        if self.fused_forward_ok(t, n):
+            return self._forward_fused(batch, kv_cache, ws, t, n)
         c = self.config
         hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         residual = ws.residual[:t]
@@ -255,17 +271,7 @@ class DenseModel:
         for i, layer in enumerate(self.layers):
             fused_add_rmsnorm(hidden, residual, layer.input_norm, self.eps, out=normed)
             linear(normed, layer.qkv, out=qkv)
-            if self.QK_NORM:
-                qk_norm_rope(qkv3, layer.q_norm, layer.k_norm, batch.positions, self.cos_sin, hq, hkv, self.eps)
-            else:
-                qk_rope(qkv3, batch.positions, self.cos_sin, hq, hkv)
-            write_kv_packed(qkv3, hq, kv_cache.k[i], kv_cache.v[i], batch.slot_mapping)
-            if batch.max_q_len > 1:
-                attention_prefill(qkv3, kv_cache.k[i], kv_cache.v[i], batch.cu_seqlens_q, batch.kv_lens,
-                                  batch.block_tables, self.scale, batch.max_q_len, out=attn3, num_q_heads=hq)
-            else:
-                attention_decode(qkv3, kv_cache.k[i], kv_cache.v[i], batch.kv_lens, batch.block_tables,
-                                 self.scale, batch.max_kv_len, out=attn3, num_q_heads=hq)
+            self._attention(i, layer, batch, kv_cache, qkv3, attn3)
             linear(attn, layer.o_proj, out=hidden)
             fused_add_rmsnorm(hidden, residual, layer.post_norm, self.eps, out=normed)
             linear(normed, layer.gate_up, out=gate_up)
@@ -278,3 +284,38 @@ class DenseModel:
         else:
             rows = normed
         return linear(rows, self.lm_head, out=ws.logits[:n])
+
+    def _attention(self, i: int, layer: DenseLayer, batch, kv_cache, qkv3: Tensor, attn3: Tensor) -> None:
+        """Layer i's attention block between the projections: q/k norm and RoPE, the KV-cache write, attention."""
+        hq, hkv = self.config.num_attention_heads, self.config.num_key_value_heads
+        if self.QK_NORM:
+            qk_norm_rope(qkv3, layer.q_norm, layer.k_norm, batch.positions, self.cos_sin, hq, hkv, self.eps)
+        else:
+            qk_rope(qkv3, batch.positions, self.cos_sin, hq, hkv)
+        write_kv_packed(qkv3, hq, kv_cache.k[i], kv_cache.v[i], batch.slot_mapping)
+        if batch.max_q_len > 1:
+            attention_prefill(qkv3, kv_cache.k[i], kv_cache.v[i], batch.cu_seqlens_q, batch.kv_lens,
+                              batch.block_tables, self.scale, batch.max_q_len, out=attn3, num_q_heads=hq)
+        else:
+            attention_decode(qkv3, kv_cache.k[i], kv_cache.v[i], batch.kv_lens, batch.block_tables,
+                             self.scale, batch.max_kv_len, out=attn3, num_q_heads=hq)
+
+    def _forward_fused(self, batch, kv_cache, ws: Workspace, t: int, n: int) -> Tensor:
+        """The forward of a few tokens as ~6 launches per layer: each projection is a GEMV kernel that applies
+        the RMSNorm before it (reading the fp32 residual stream), the SiLU-and-mul before the down projection, or
+        the residual add after the o / down projections. Same rounding points as `forward`'s unfused ops."""
+        c = self.config
+        hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        residual, hidden = ws.residual[:t], ws.hidden[:t]
+        qkv, attn, gate_up = ws.qkv[:t], ws.attn[:t], ws.gate_up[:t]
+        qkv3, attn3 = qkv.view(t, hq + 2 * hkv, d), attn.view(t, hq, d)
+        embedding(batch.input_ids, self.embed, out=hidden)
+        cast(hidden, float32, out=residual)  # the float32 stream starts from the embeddings, exactly
+        for i, layer in enumerate(self.layers):
+            rmsnorm_linear(residual, layer.input_norm, self.eps, layer.qkv, out=qkv)
+            self._attention(i, layer, batch, kv_cache, qkv3, attn3)
+            linear_add(attn, layer.o_proj, residual)
+            rmsnorm_linear(residual, layer.post_norm, self.eps, layer.gate_up, out=gate_up)
+            silu_mul_linear_add(gate_up, layer.down, residual)
+        return rmsnorm_linear(residual, self.final_norm, self.eps, self.lm_head, out=ws.logits[:n],
+                              rows=batch.logits_indices)

@@ -1,0 +1,169 @@
+"""The skinny-GEMM kernels (xserv/ops/gemv.py, cuda_src/gemv.cu): every prologue/epilogue against the composition
+of the unfused ops' NumPy references, on zero-mean data, poisoned outputs, row counts 1..16 (every compiled M and
+the masked rows between them), N not a multiple of a tile, K not a multiple of a warp's sweep, every split count
+and the persistent loop over tiles."""
+import numpy as np
+import pytest
+
+from xserv.ops.activation import silu_and_mul
+from xserv.ops.gemv import (add_rounded, gemv_supported, linear_add, linear_gemv, plan, rmsnorm_linear,
+                            rmsnorm_linear_reference, silu_mul_linear_add, silu_mul_linear_reference, MAX_M)
+from xserv.ops.linear import linear, linear_reference
+from xserv.ops.rmsnorm import fused_add_rmsnorm
+from xserv.tensor import Tensor, bfloat16, float32, int32
+from xserv.testing import poisoned, random_array, rel_error
+
+EPS = 1e-6
+
+
+def weights(rng, n, k):
+    return random_array(rng, (n, k), bfloat16, mean=0.0, std=0.05)
+
+
+def close(got, want, tol=2e-2):
+    """Relative L2 error and the worst element against the output's scale: a dropped row, chunk or tile moves
+    both far past this (the outputs are sums of hundreds of zero-mean products)."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert np.all(np.isfinite(got)), "non-finite output (an unwritten element?)"
+    scale = np.abs(want).max() + 1e-30
+    assert rel_error(got, want) < tol and np.abs(got - want).max() / scale < 4 * tol
+
+
+# ---- CPU: the fused ops are the unfused model path -----------------------------------------------------------
+def test_cpu_rmsnorm_linear_is_norm_then_linear(rng):
+    k, n, t = 64, 40, 5
+    residual = random_array(rng, (t, k), np.float32, mean=0.0)
+    norm_w = random_array(rng, (k,), bfloat16, mean=1.0, std=0.1)
+    w = weights(rng, n, k)
+    rows = np.array([4, 0, 2], np.int32)
+    # the unfused path: fused_add_rmsnorm over a zero x keeps the residual and normalises it
+    res_t = Tensor.from_numpy(residual[rows], "cpu")
+    normed = fused_add_rmsnorm(Tensor.zeros((3, k), bfloat16, "cpu"), res_t, Tensor.from_numpy(norm_w, "cpu"), EPS)
+    want = linear(normed, Tensor.from_numpy(w, "cpu"), out_dtype=float32).array
+    got = rmsnorm_linear(Tensor.from_numpy(residual, "cpu"), Tensor.from_numpy(norm_w, "cpu"), EPS,
+                         Tensor.from_numpy(w, "cpu"), rows=Tensor.from_numpy(rows, "cpu"), out_dtype=float32)
+    np.testing.assert_array_equal(got.array, want)
+
+
+def test_cpu_silu_mul_linear_add_is_activation_linear_add(rng):
+    i, n, t = 48, 24, 3
+    gate_up = random_array(rng, (t, 2 * i), bfloat16, mean=0.0, std=2.0)
+    residual = random_array(rng, (t, n), np.float32, mean=0.0)
+    w = weights(rng, n, i)
+    act = silu_and_mul(Tensor.from_numpy(gate_up, "cpu"))
+    hidden = linear(act, Tensor.from_numpy(w, "cpu"))  # bf16, as the unfused decoder writes it
+    want = residual + hidden.array.astype(np.float32)
+    res_t = Tensor.from_numpy(residual.copy(), "cpu")
+    silu_mul_linear_add(Tensor.from_numpy(gate_up, "cpu"), Tensor.from_numpy(w, "cpu"), res_t)
+    np.testing.assert_array_equal(res_t.array, want)
+
+
+def test_cpu_linear_add_and_plain(rng):
+    x = random_array(rng, (2, 32), bfloat16, mean=0.0)
+    w = weights(rng, 8, 32)
+    residual = random_array(rng, (2, 8), np.float32, mean=0.0)
+    res_t = Tensor.from_numpy(residual.copy(), "cpu")
+    linear_add(Tensor.from_numpy(x, "cpu"), Tensor.from_numpy(w, "cpu"), res_t)
+    y = (x.astype(np.float64) @ w.astype(np.float64).T)
+    np.testing.assert_allclose(res_t.array, residual + y.astype(np.float32).astype(bfloat16).astype(np.float32),
+                               rtol=1e-2, atol=1e-3)
+    out = linear_gemv(Tensor.from_numpy(x, "cpu"), Tensor.from_numpy(w, "cpu"))
+    np.testing.assert_allclose(out.array.astype(np.float32), y, rtol=2e-2, atol=2e-3)
+
+
+def test_errors_name_the_problem(rng):
+    x = Tensor.from_numpy(random_array(rng, (2, 32), bfloat16), "cpu")
+    w = Tensor.from_numpy(weights(rng, 8, 32), "cpu")
+    with pytest.raises(ValueError, match="weight"):
+        linear_gemv(x, Tensor.from_numpy(weights(rng, 8, 16), "cpu"))
+    with pytest.raises(ValueError, match="rows"):
+        linear_gemv(Tensor.from_numpy(random_array(rng, (MAX_M + 1, 32), bfloat16), "cpu"), w)
+    with pytest.raises(ValueError, match="residual"):
+        linear_add(x, w, Tensor.zeros((2, 9), float32, "cpu"))
+    with pytest.raises(ValueError, match="residual"):
+        rmsnorm_linear(x, Tensor.from_numpy(np.ones(32, bfloat16), "cpu"), EPS, w)
+    with pytest.raises(ValueError, match="rows"):
+        rmsnorm_linear(Tensor.zeros((3, 32), float32, "cpu"), Tensor.from_numpy(np.ones(32, bfloat16), "cpu"), EPS,
+                       w, rows=Tensor.from_numpy(np.array([0, 3], np.int32), "cpu"))
+    with pytest.raises(ValueError, match="gate_up"):
+        silu_mul_linear_add(Tensor.from_numpy(random_array(rng, (2, 33), bfloat16), "cpu"), w,
+                            Tensor.zeros((2, 8), float32, "cpu"))
+    assert gemv_supported(16, 3072) and not gemv_supported(16, 12288) and not gemv_supported(1, 100)
+
+
+def test_plan_splits_fill_the_sms():
+    # few output rows: 4 warps share each row group's K; many: one warp per row group; the grid never exceeds
+    # what is resident, and every tile is covered by the grid-stride loop
+    assert plan(1, 1024, 1024, 132, 16)[1] == 4
+    assert plan(1, 6144, 4096, 132, 16)[1] == 1
+    km, split, grid = plan(3, 151936, 1024, 132, 8)
+    assert km == 4 and split == 1 and grid == 132 * 8
+
+
+# ---- GPU: the kernels against the references ---------------------------------------------------------------------
+SHAPES = [(1, 1024, 1024), (2, 37, 1000), (3, 3001, 2048), (5, 5003, 64), (8, 1024, 3072), (11, 300, 512),
+          (16, 2112, 1024), (1, 40001, 64)]  # (m, N, K): every kernel M, masked rows, splits 4/2/1, grid-stride
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", SHAPES)
+@pytest.mark.parametrize("out_dtype", [bfloat16, float32])
+def test_cuda_linear_gemv(rng, m, n, k, out_dtype):
+    x = random_array(rng, (m, k), bfloat16, mean=0.0)
+    w = weights(rng, n, k)
+    out = poisoned((m, n), out_dtype)
+    linear_gemv(Tensor.from_numpy(x), Tensor.from_numpy(w), out=out)
+    close(out.numpy(), linear_reference(x, w).astype(out_dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_cuda_rmsnorm_linear(rng, m, n, k):
+    t = m + 3
+    residual = random_array(rng, (t, k), np.float32, mean=0.0, std=3.0)
+    norm_w = random_array(rng, (k,), bfloat16, mean=1.0, std=0.1)
+    w = weights(rng, n, k)
+    rows = rng.permutation(t)[:m].astype(np.int32)
+    for row_idx in (rows, None):
+        src = residual if row_idx is not None else residual[:m]
+        out = poisoned((m, n), float32)
+        rmsnorm_linear(Tensor.from_numpy(src), Tensor.from_numpy(norm_w), EPS, Tensor.from_numpy(w), out=out,
+                       rows=Tensor.from_numpy(row_idx) if row_idx is not None else None)
+        close(out.numpy(), rmsnorm_linear_reference(src, norm_w, EPS, w, row_idx))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_cuda_silu_mul_linear_add(rng, m, n, k):
+    gate_up = random_array(rng, (m, 2 * k), bfloat16, mean=0.0, std=2.0)
+    residual = random_array(rng, (m, n), np.float32, mean=0.0, std=0.1)
+    w = weights(rng, n, k)
+    res_t = Tensor.from_numpy(residual)
+    silu_mul_linear_add(Tensor.from_numpy(gate_up), Tensor.from_numpy(w), res_t)
+    want = add_rounded(residual, silu_mul_linear_reference(gate_up, w))
+    close(res_t.numpy() - residual, want - residual)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_cuda_linear_add(rng, m, n, k):
+    x = random_array(rng, (m, k), bfloat16, mean=0.0)
+    residual = random_array(rng, (m, n), np.float32, mean=0.0, std=0.1)
+    w = weights(rng, n, k)
+    res_t = Tensor.from_numpy(residual)
+    linear_add(Tensor.from_numpy(x), Tensor.from_numpy(w), res_t)
+    want = add_rounded(residual, linear_reference(x, w))
+    close(res_t.numpy() - residual, want - residual)
+
+
+@pytest.mark.gpu
+def test_cuda_matches_cublas_at_decode_shapes(rng):
+    """Against an independent implementation (cuBLASLt through `linear` with M > 8 rows forced), on Qwen3-8B's
+    qkv shape: the same bf16 output up to the fp32 summation order."""
+    x = random_array(rng, (16, 4096), bfloat16, mean=0.0)
+    w = Tensor.from_numpy(weights(rng, 6144, 4096))
+    xt = Tensor.from_numpy(x)
+    ref = linear(xt, w).numpy()  # 16 rows: cuBLASLt
+    for m in (1, 4, 16):
+        got = linear_gemv(Tensor.from_numpy(x[:m]), w).numpy()
+        close(got, ref[:m], tol=5e-3)

@@ -1,0 +1,192 @@
+"""Skinny GEMMs (M <= 16 rows) with the decoder layer's neighbours fused in (cuda_src/gemv.cu):
+
+    linear_gemv(x, W)                        out = x @ W^T
+    rmsnorm_linear(residual, norm_w, eps, W) out = rmsnorm(residual[rows]) @ W^T   (fp32 residual stream)
+    linear_add(x, W, residual)               residual += bf16(x @ W^T)
+    silu_mul_linear_add(gate_up, W, residual) residual += bf16(silu_and_mul(gate_up) @ W^T)
+
+Each is, bit for bit in its rounding points, the composition of the unfused ops (fused_add_rmsnorm_f32res's
+normalisation, silu_and_mul, linear, the residual add), so the CPU backend runs exactly that composition of the
+NumPy references. Only the order of the fp32 sums differs from cuBLASLt's.
+
+`gemv_supported(m, k)` says whether a shape fits (the m staged input rows must fit shared memory);
+`prefer_gemv(m, n, k)` is the measured choice between this kernel and cuBLASLt for a plain linear
+(docs/kernels/gemv.md).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..runtime import get_device, kernel
+from ..tensor import Tensor, bfloat16, float32, int32
+from ._checks import check_tensor, output, same_device
+from ._launch import aligned, cdiv, check_alias, check_eps
+from .activation import silu_and_mul_reference
+from .linear import linear_reference
+from .rmsnorm import rmsnorm_reference
+
+MAX_M = 16
+_KERNEL_M = (1, 2, 4, 8, 16)  # gemv_m<M> in gemv.cu; m rows run on the smallest M >= m
+_THREADS = 128  # kThreads
+_ROWS = 4  # kRows: output rows per row group; a tile is (4 / split) row groups
+# The staged x rows (bf16 [m, K]) live in shared memory; two CTAs of this size still fit an SM's 227 KB.
+SMEM_LIMIT = 112 * 1024
+_SM_SMEM = 227 * 1024
+_PROLOGUE = {"bf16": 0, "rmsnorm": 1, "silu_mul": 2}
+_EPILOGUE = {bfloat16: 0, float32: 1, "add": 2}
+
+
+def gemv_supported(m: int, k: int) -> bool:
+    """Can the GEMV kernels take m rows of an in_features-k input (before any alignment check)?"""
+    return 1 <= m <= MAX_M and k % 8 == 0 and m * k * 2 <= SMEM_LIMIT
+
+
+def prefer_gemv(m: int, n: int, k: int) -> bool:
+    """The measured choice for a plain linear: the GEMV kernel for m <= 8 rows (it matched or beat cuBLASLt on
+    every Qwen3 projection shape measured at m = 1..8 and lost at 16: docs/kernels/gemv.md)."""
+    return m <= 8 and gemv_supported(m, k)
+
+
+# ---- references (NumPy; the composition of the unfused ops' references) ------------------------------------------
+def rmsnorm_linear_reference(residual: np.ndarray, norm_weight: np.ndarray, eps: float, weight: np.ndarray,
+                             rows: np.ndarray | None = None) -> np.ndarray:
+    """float32 [m, N]: rmsnorm of fp32 residual rows (fused_add_rmsnorm_f32res's rounding), bf16, times W^T."""
+    r = residual if rows is None else residual[rows]
+    normed = rmsnorm_reference(r.astype(np.float32), norm_weight, eps).astype(bfloat16)
+    return linear_reference(normed, weight)
+
+
+def silu_mul_linear_reference(gate_up: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    return linear_reference(silu_and_mul_reference(gate_up).astype(bfloat16), weight)
+
+
+def add_rounded(residual: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """residual + bf16(y) in fp32: what `hidden = linear(...)` then the fused residual add give."""
+    return (residual.astype(np.float32) + y.astype(bfloat16).astype(np.float32)).astype(np.float32)
+
+
+# ---- ops ---------------------------------------------------------------------------------------------------------
+def _check_weight(weight: Tensor, k: int) -> int:
+    check_tensor("weight", weight, dtype=bfloat16, ndim=2)
+    if weight.shape[1] != k:
+        raise ValueError(f"weight: shape {list(weight.shape)} does not match the input's in_features {k}")
+    return weight.shape[0]
+
+
+def _check_m(m: int, k: int) -> None:
+    if not gemv_supported(max(m, 1), k):
+        raise ValueError(f"gemv: {m} rows of in_features {k} do not fit the GEMV kernels (rows <= {MAX_M}, "
+                         f"in_features % 8 == 0, rows * in_features * 2 <= {SMEM_LIMIT} bytes)")
+
+
+def linear_gemv(x: Tensor, weight: Tensor, out: Tensor | None = None, out_dtype=None) -> Tensor:
+    """x bf16 [m, K] @ weight[N, K]^T -> out [m, N] (bf16 or float32)."""
+    check_tensor("x", x, dtype=bfloat16, ndim=2)
+    m, k = x.shape
+    n = _check_weight(weight, k)
+    _check_m(m, k)
+    device = same_device(x=x, weight=weight, out=out)
+    out = output("out", out, (m, n), out.dtype if out is not None else (out_dtype or bfloat16), device)
+    if out.dtype not in (bfloat16, float32):
+        raise ValueError(f"out: dtype {out.dtype}, expected bfloat16 or float32")
+    check_alias("out", out, "x", x, allow_identical=False)
+    if device == "cpu":
+        out.array[...] = linear_reference(x.array, weight.array).astype(out.dtype)
+        return out
+    _launch("bf16", x, k, None, None, 0.0, weight, out, _EPILOGUE[out.dtype], m, n, k)
+    return out
+
+
+def rmsnorm_linear(residual: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, out: Tensor | None = None,
+                   rows: Tensor | None = None, out_dtype=None) -> Tensor:
+    """rmsnorm(residual[rows]) @ weight^T -> out [m, N] (bf16 or float32): residual fp32 [T, K] (the decoder's
+    stream), rows int32 [m] picking residual rows (default: all T), norm_weight bf16 [K]."""
+    check_tensor("residual", residual, dtype=float32, ndim=2)
+    k = residual.shape[1]
+    check_tensor("norm_weight", norm_weight, dtype=bfloat16, shape=(k,))
+    eps32 = check_eps(eps)
+    if rows is not None:
+        check_tensor("rows", rows, dtype=int32, ndim=1)
+    m = residual.shape[0] if rows is None else rows.shape[0]
+    n = _check_weight(weight, k)
+    _check_m(m, k)
+    device = same_device(residual=residual, norm_weight=norm_weight, weight=weight, rows=rows, out=out)
+    out = output("out", out, (m, n), out.dtype if out is not None else (out_dtype or bfloat16), device)
+    if out.dtype not in (bfloat16, float32):
+        raise ValueError(f"out: dtype {out.dtype}, expected bfloat16 or float32")
+    check_alias("out", out, "residual", residual, allow_identical=False)
+    if device == "cpu":
+        idx = None if rows is None else rows.array
+        if idx is not None and (idx.min(initial=0) < 0 or idx.max(initial=0) >= residual.shape[0]):
+            raise ValueError(f"rows: an index is outside [0, {residual.shape[0]})")
+        out.array[...] = rmsnorm_linear_reference(residual.array, norm_weight.array, eps32, weight.array,
+                                                  idx).astype(out.dtype)
+        return out
+    _launch("rmsnorm", residual, k, rows, norm_weight, eps32, weight, out, _EPILOGUE[out.dtype], m, n, k)
+    return out
+
+
+def linear_add(x: Tensor, weight: Tensor, residual: Tensor) -> Tensor:
+    """residual fp32 [m, N] += bf16(x bf16 [m, K] @ weight^T). Returns residual."""
+    check_tensor("x", x, dtype=bfloat16, ndim=2)
+    m, k = x.shape
+    n = _check_weight(weight, k)
+    _check_m(m, k)
+    check_tensor("residual", residual, dtype=float32, shape=(m, n))
+    device = same_device(x=x, weight=weight, residual=residual)
+    check_alias("residual", residual, "x", x, allow_identical=False)
+    if device == "cpu":
+        residual.array[...] = add_rounded(residual.array, linear_reference(x.array, weight.array))
+        return residual
+    _launch("bf16", x, k, None, None, 0.0, weight, residual, _EPILOGUE["add"], m, n, k)
+    return residual
+
+
+def silu_mul_linear_add(gate_up: Tensor, weight: Tensor, residual: Tensor) -> Tensor:
+    """residual fp32 [m, N] += bf16(silu_and_mul(gate_up bf16 [m, 2I]) @ weight[N, I]^T). Returns residual."""
+    check_tensor("gate_up", gate_up, dtype=bfloat16, ndim=2)
+    m, width = gate_up.shape
+    if width % 2:
+        raise ValueError(f"gate_up: last dimension {width} must be even (gate and up halves)")
+    k = width // 2
+    n = _check_weight(weight, k)
+    _check_m(m, k)
+    check_tensor("residual", residual, dtype=float32, shape=(m, n))
+    device = same_device(gate_up=gate_up, weight=weight, residual=residual)
+    check_alias("residual", residual, "gate_up", gate_up, allow_identical=False)
+    if device == "cpu":
+        residual.array[...] = add_rounded(residual.array, silu_mul_linear_reference(gate_up.array, weight.array))
+        return residual
+    _launch("silu_mul", gate_up, width, None, None, 0.0, weight, residual, _EPILOGUE["add"], m, n, k)
+    return residual
+
+
+# ---- launch -------------------------------------------------------------------------------------------------------
+def plan(m: int, n: int, k: int, multiprocessor_count: int, ctas_per_sm: int) -> tuple[int, int, int]:
+    """(kernel M, split, grid): split = warps sharing a row group's K (1, 2 or 4: the fewest that give every SM
+    two tiles), grid = the tiles, at most the CTAs resident at once (the kernel loops over the rest)."""
+    kernel_m = next(km for km in _KERNEL_M if km >= m)
+    split = 4
+    for s in (1, 2, 4):
+        if cdiv(n, _ROWS * (4 // s)) >= 2 * multiprocessor_count:
+            split = s
+            break
+    tiles = cdiv(n, _ROWS * (4 // split))
+    return kernel_m, split, min(tiles, multiprocessor_count * ctas_per_sm)
+
+
+def _launch(prologue: str, x: Tensor, x_stride: int, rows: Tensor | None, norm_weight: Tensor | None, eps32,
+            weight: Tensor, out: Tensor, epilogue: int, m: int, n: int, k: int) -> None:
+    if m == 0 or n == 0:
+        return
+    if not aligned(x, weight) or (x_stride * x.dtype.itemsize) % 16:
+        raise ValueError("gemv: x and weight must be 16-byte aligned with 16-byte aligned rows")
+    smem = m * k * 2
+    ctas_per_sm = max(1, min(16, _SM_SMEM // (smem + 4096)))
+    device = get_device()
+    kernel_m, split, grid = plan(m, n, k, device.multiprocessor_count, ctas_per_sm)
+    kernel("gemv", f"gemv_m{kernel_m}")(
+        grid, _THREADS, x, np.int64(x_stride), rows if rows is not None else 0,
+        norm_weight if norm_weight is not None else 0, np.float32(eps32), weight, out, np.int64(out.shape[1]),
+        np.int32(m), np.int32(n), np.int32(k), np.int32(split), np.int32(_PROLOGUE[prologue]), np.int32(epilogue),
+        smem=smem)
