@@ -219,3 +219,331 @@ def test_runtime_imports_nothing_above_it():
             "assert not [m for m in sys.modules if m == 'xserv.tensor' or m.startswith('xserv.ops')], 'runtime'; "
             "import xserv.tensor; assert not [m for m in sys.modules if m.startswith('xserv.ops')], 'tensor'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---- launch path: argument packing, launch forms, errors (CPU: a fake driver underneath) -----------------------
+class _FakeInfo:
+    index = 0
+    max_shared_memory_per_block_optin = 227 * 1024
+
+    def __init__(self, cc):
+        self.compute_capability = cc
+
+
+class _FakeDevice:
+    stream_handle = 0x5150
+
+    def __init__(self, cc=(9, 0)):
+        self.info = _FakeInfo(cc)
+
+
+class _FakeCore:
+    def __init__(self):
+        from cuda.bindings import driver
+
+        self.handle = driver.CUfunction(0x1234)
+
+
+def _read_params(params: int, sizes) -> list[bytes]:
+    """The bytes the driver would read: params is a void** array, one pointer per parameter."""
+    import ctypes
+
+    return [ctypes.string_at(ctypes.c_void_p.from_address(params + 8 * i).value, n) for i, n in enumerate(sizes)]
+
+
+@pytest.fixture
+def fake_launches(monkeypatch):
+    """Kernels over a fake driver: launches are recorded with the parameter bytes they pass."""
+    from cuda.bindings import driver
+
+    import xserv.runtime.kernels as K
+
+    calls = []
+    state = {"sizes": None, "result": driver.CUresult.CUDA_SUCCESS}
+
+    def launch(func, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        calls.append(dict(ex=False, func=int(func), grid=(gx, gy, gz), block=(bx, by, bz), smem=smem,
+                          stream=int(stream), params=_read_params(params, state["sizes"])))
+        return (state["result"],)
+
+    def launch_ex(config, func, params, extra):
+        calls.append(dict(ex=True, func=int(func), grid=(config.gridDimX, config.gridDimY, config.gridDimZ),
+                          block=(config.blockDimX, config.blockDimY, config.blockDimZ), smem=config.sharedMemBytes,
+                          stream=int(config.hStream), attrs=[(a.id, a.value.programmaticStreamSerializationAllowed)
+                                                             for a in config.attrs[:config.numAttrs]],
+                          params=_read_params(params, state["sizes"])))
+        return (state["result"],)
+
+    monkeypatch.setattr(K, "_cuLaunchKernel", launch)
+    monkeypatch.setattr(K, "_cuLaunchKernelEx", launch_ex)
+    monkeypatch.setattr(K, "_param_sizes", lambda func: state["sizes"])
+
+    def make(sizes, cc=(9, 0)):
+        state["sizes"] = sizes
+        return K.Kernel("fam", "kern", _FakeCore(), _FakeDevice(cc))
+
+    return make, calls, state
+
+
+def _fake_tensor(ptr, shape=(4, 6), dtype=np.float32, offset=0):
+    from types import SimpleNamespace
+
+    from xserv.tensor import Tensor
+
+    return Tensor(shape, dtype, buffer=SimpleNamespace(ptr=ptr), offset=offset)
+
+
+def test_launch_packs_pointers_and_scalars_into_their_slots(fake_launches, rng):
+    make, calls, _ = fake_launches
+    k = make([8, 8, 4, 4, 8, 4, 8])
+    for _ in range(3):  # fresh values each time: the reused buffer must hold the new ones, every byte of them
+        t_ptr, offset, addr = (int(v) * 256 for v in rng.integers(1, 2**40, 3))
+        i32, u32 = np.int32(rng.integers(-2**31, 2**31)), np.uint32(rng.integers(0, 2**32))
+        i64, f32, f64 = np.int64(rng.integers(-2**62, 2**62)), np.float32(rng.standard_normal()), np.float64(rng.standard_normal())
+        t = _fake_tensor(t_ptr, offset=offset)
+        k((3, 2), 128, t, addr, i32, f32, i64, u32, f64, smem=1024)
+        got = calls[-1]
+        assert not got["ex"] and got["grid"] == (3, 2, 1) and got["block"] == (128, 1, 1) and got["smem"] == 1024
+        assert got["func"] == 0x1234 and got["stream"] == _FakeDevice.stream_handle
+        p = got["params"]
+        assert int.from_bytes(p[0], "little") == t_ptr + offset and int.from_bytes(p[1], "little") == addr
+        assert np.frombuffer(p[2], np.int32)[0] == i32 and np.frombuffer(p[3], np.float32)[0] == f32
+        assert np.frombuffer(p[4], np.int64)[0] == i64 and np.frombuffer(p[5], np.uint32)[0] == u32
+        assert np.frombuffer(p[6], np.float64)[0] == f64
+    # the slots of one signature are reused; another signature gets its own layout
+    k(1, 1, _fake_tensor(512), _fake_tensor(1024), np.int32(7), np.float32(0.5), np.int64(-1), np.uint32(3), np.float64(2))
+    assert len(k._packers) == 2 and int.from_bytes(calls[-1]["params"][1], "little") == 1024
+
+
+@pytest.mark.parametrize("grid,block,dims", [(5, 64, ((5, 1, 1), (64, 1, 1))), ((5,), (64,), ((5, 1, 1), (64, 1, 1))),
+                                             ((5, 6), (32, 2), ((5, 6, 1), (32, 2, 1))),
+                                             ((5, 6, 7), (8, 4, 2), ((5, 6, 7), (8, 4, 2))),
+                                             (np.int64(9), [16], ((9, 1, 1), (16, 1, 1)))])
+def test_launch_grid_and_block_forms(fake_launches, grid, block, dims):
+    make, calls, _ = fake_launches
+    make([8])(grid, block, 0x1000)
+    assert (calls[-1]["grid"], calls[-1]["block"]) == dims
+    with pytest.raises(ValueError, match="grid: expected an int or a tuple"):
+        make([8])((1, 2, 3, 4), 32, 0x1000)
+
+
+def test_launch_argument_errors_name_the_argument(fake_launches):
+    make, calls, _ = fake_launches
+    k = make([8, 4, 8])
+    t = _fake_tensor(4096)
+    with pytest.raises(ValueError, match="fam/kern: 2 arguments given, the kernel takes 3"):
+        k(1, 32, t, np.float32(1))
+    with pytest.raises(ValueError, match="argument 2 is a int32 \\(4 bytes\\), the kernel's parameter 2 takes 8"):
+        k(1, 32, t, np.float32(1), np.int32(5))
+    with pytest.raises(ValueError, match="argument 1 is a device address \\(8 bytes\\).* takes 4"):
+        k(1, 32, t, 5, np.int64(5))
+    with pytest.raises(ValueError, match="argument 1: a Python float would be passed as a double"):
+        k(1, 32, t, 1.5, np.int64(5))
+    with pytest.raises(ValueError, match="argument 2: a bool has no fixed width"):
+        k(1, 32, t, np.float32(1), True)
+    with pytest.raises(ValueError, match="argument 0: cannot pass a str"):
+        k(1, 32, "x", np.float32(1), np.int64(5))
+    k(1, 32, t, np.float32(1), np.int64(5))  # this signature now has a packer: errors must still be named
+    from xserv.tensor import Tensor
+
+    with pytest.raises(ValueError, match="argument 0 \\(Tensor\\): a CPU tensor has no device pointer"):
+        k(1, 32, Tensor.empty((3,), np.float32, "cpu"), np.float32(1), np.int64(5))
+    k2 = make([8, 8])
+    k2(1, 32, 0x1000, 0x2000)
+    with pytest.raises(ValueError, match="argument 1 \\(int\\)"):
+        k2(1, 32, 0x1000, -5)  # a negative address
+    assert len(calls) == 2  # no failed call reached the driver
+
+
+def test_launch_without_param_info_still_packs(fake_launches):
+    """Where the driver cannot list the parameters (before CUDA 12.4) the layout comes from the arguments alone."""
+    make, calls, state = fake_launches
+    k = make(None)
+    state["sizes"] = [8, 4]  # only for reading back the bytes
+    k(2, 32, 0xABC0, np.int32(-3))
+    assert int.from_bytes(calls[-1]["params"][0], "little") == 0xABC0
+    assert np.frombuffer(calls[-1]["params"][1], np.int32)[0] == -3
+
+
+def test_launch_failure_is_a_cuda_error_naming_the_kernel(fake_launches, monkeypatch):
+    from cuda.bindings import driver
+
+    import xserv.runtime.errors as errors
+    from xserv.runtime import CudaError
+
+    make, _, state = fake_launches
+    monkeypatch.setattr(errors, "driver", type("D", (), {"CUresult": driver.CUresult,
+                        "cuGetErrorName": staticmethod(lambda e: (0, b"CUDA_ERROR_INVALID_VALUE")),
+                        "cuGetErrorString": staticmethod(lambda e: (0, b"invalid argument"))}))
+    state["result"] = driver.CUresult.CUDA_ERROR_INVALID_VALUE
+    with pytest.raises(CudaError, match="launch of fam/kern grid=7 block=\\(2048,\\) smem=0 failed: CUDA_ERROR_INVALID_VALUE"):
+        make([8])(7, (2048,), 0x1000)
+
+
+@pytest.mark.parametrize("cc", [(9, 0), (8, 0)])
+def test_pdl_launch_sets_programmatic_stream_serialization(fake_launches, cc):
+    from cuda.bindings import driver
+
+    make, calls, _ = fake_launches
+    k = make([8, 8], cc)
+    for pdl in (True, False, True):
+        k((4, 2), 256, 0x100, 0x200, smem=64, pdl=pdl)
+        got = calls[-1]
+        assert got["grid"] == (4, 2, 1) and got["block"] == (256, 1, 1) and got["smem"] == 64
+        assert [int.from_bytes(p, "little") for p in got["params"]] == [0x100, 0x200]
+        if pdl and cc >= (9, 0):
+            pss = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            assert got["ex"] and got["attrs"] == [(pss, 1)] and got["stream"] == _FakeDevice.stream_handle
+        else:  # no PDL before Hopper: a plain stream-ordered launch
+            assert not got["ex"]
+
+
+def test_tensor_attributes_and_views_are_plain_values():
+    from xserv.tensor import Tensor, bfloat16
+
+    t = _fake_tensor(0x10000, (6, 4, 8), bfloat16, offset=32)
+    assert t.ptr == 0x10020 and t.numel == 192 and t.nbytes == 384 and t.ndim == 3
+    v = t.view(24, -1)
+    assert v.shape == (24, 8) and v.ptr == t.ptr and v.dtype is bfloat16 and v.nbytes == 384
+    assert t.view((np.int64(3), -1)).shape == (3, 64)  # NumPy integers take the checked path
+    assert t[2:5].ptr == t.ptr + 2 * 64 and t[2:5].shape == (3, 4, 8) and t[-1].ptr == t.ptr + 5 * 64
+    assert t[4:2].shape == (0, 4, 8) and t[1].shape == (4, 8) and t[1][3].ptr == t.ptr + 64 + 3 * 16
+    with pytest.raises(ValueError, match="view: shape \\(5, 5\\) has 25 elements, tensor has 192"):
+        t.view(5, 5)
+    with pytest.raises(ValueError, match="at most one dimension may be -1"):
+        t.view(-1, -1)
+    with pytest.raises(ValueError, match="cannot infer -1"):
+        t.view(-1, 5)
+    with pytest.raises(ValueError, match="negative dimension"):
+        t.view(-2, -96)
+    c = Tensor.empty((3, 5), np.float32, "cpu")
+    assert c.numel == 15 and c.nbytes == 60 and c.view(5, 3).array.base is not None
+    with pytest.raises(ValueError, match="no device pointer"):
+        c.ptr
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        c.nope
+
+
+def test_op_checks_name_the_argument():
+    from xserv.ops._checks import check_tensor, same_device
+    from xserv.ops._launch import check_eps, identical, overlaps
+    from xserv.tensor import Tensor, bfloat16, float32
+
+    x = _fake_tensor(0x10000, (4, 6), bfloat16)
+    assert check_tensor("x", x, dtype=bfloat16, shape=(4, 6)) is x
+    assert check_tensor("x", x, dtype=(float32, bfloat16), shape=(None, 6), ndim=2) is x
+    with pytest.raises(ValueError, match="x: shape \\[4, 6\\], expected \\[\\*, 7\\]"):
+        check_tensor("x", x, shape=(None, 7))
+    with pytest.raises(ValueError, match="x: dtype bfloat16, expected float32"):
+        check_tensor("x", x, dtype=float32)
+    with pytest.raises(ValueError, match="x: expected 3 dimensions"):
+        check_tensor("x", x, ndim=3)
+    with pytest.raises(ValueError, match="x: expected a Tensor, got ndarray"):
+        check_tensor("x", np.zeros(3))
+    with pytest.raises(ValueError, match="x on cuda, y on cpu"):
+        same_device(x=x, y=Tensor.empty((2,), float32, "cpu"), z=None)
+    assert same_device(x=x, z=None) == "cuda"
+    assert overlaps(x, x[3:]) and not overlaps(x[:2], x[2:]) and identical(x, x.view(24)) and not identical(x, x[1:])
+    assert check_eps(1e-6) == np.float32(1e-6) and check_eps(0) == 0
+    for bad in (-1.0, float("nan"), float("inf"), True, "1e-6"):
+        with pytest.raises(ValueError, match="eps"):
+            check_eps(bad)
+
+
+# ---- launch path on the GPU ------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_kernel_checks_its_parameters_on_the_device(rng):
+    from xserv.runtime import CudaError, kernel
+    from xserv.tensor import Tensor, float32
+
+    fill = kernel("fill", "fill_f32")
+    assert fill.param_sizes == [8, 4, 8]
+    n = int(rng.integers(300, 3000))
+    value = np.float32(rng.standard_normal())
+    out = Tensor.full((n,), np.nan, float32)
+    for grid, block in ((-(-n // 128), 128), ((-(-n // 64),), (64, 1)), ((-(-n // 32), 1, 1), (32, 1, 1))):
+        out.copy_(np.full(n, np.nan, np.float32))
+        fill(grid, block, out, value, np.int64(n))
+        np.testing.assert_array_equal(out.numpy(), np.full(n, value, np.float32))
+    with pytest.raises(ValueError, match="argument 2 is a int32"):
+        fill(1, 32, out, value, np.int32(n))
+    with pytest.raises(ValueError, match="2 arguments given, the kernel takes 3"):
+        fill(1, 32, out, value)
+    with pytest.raises(ValueError, match="argument 1: a Python float"):
+        fill(1, 32, out, 1.0, np.int64(n))
+    with pytest.raises(CudaError, match="launch of fill/fill_f32 .* failed: CUDA_ERROR_INVALID_VALUE"):
+        fill(1, 4096, out, value, np.int64(n))  # more threads per block than any GPU has
+    fill(1, 32, out, value, np.int64(1))  # the stream still works after a refused launch
+    out.numpy()
+
+
+_PDL_DELAY_NS = 2_000_000  # the producer's spin: long enough that a dependent released early surely runs inside it
+
+
+def _pdl_pair(rng, n):
+    from xserv.runtime import kernel
+    from xserv.tensor import Tensor, float32
+
+    src_np = (rng.standard_normal(n) + 0.5).astype(np.float32)
+    src = Tensor.from_numpy(src_np)
+    buf, out = Tensor.full((n,), np.nan, float32), Tensor.full((n,), np.nan, float32)
+    k = {name: kernel("dev/pdl_test", name) for name in ("pdl_producer", "pdl_consumer", "pdl_consumer_nowait")}
+    return src_np, src, buf, out, k
+
+
+def _run_pair(k, consumer, src, buf, out, n, pdl):
+    k["pdl_producer"](1, 256, src, buf, np.int64(n), np.int64(_PDL_DELAY_NS))
+    k[consumer](-(-n // 256), 256, buf, out, np.int64(n), pdl=pdl)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 1000, 4097])
+def test_pdl_launch_eager(rng, n):
+    from xserv.runtime import get_device
+
+    src_np, src, buf, out, k = _pdl_pair(rng, n)
+    expect = 2 * (src_np + np.float32(1))
+    _run_pair(k, "pdl_consumer", src, buf, out, n, pdl=True)  # waits inside: correct although it starts early
+    np.testing.assert_array_equal(out.numpy(), expect)
+    buf.copy_(np.full(n, np.nan, np.float32))
+    out.copy_(np.full(n, np.nan, np.float32))
+    _run_pair(k, "pdl_consumer_nowait", src, buf, out, n, pdl=False)  # stream order: correct without a wait
+    np.testing.assert_array_equal(out.numpy(), expect)
+    if get_device().info.compute_capability[0] >= 9:
+        # without the wait and with PDL, the consumer overlaps the producer's spin and reads the stale (NaN) buffer:
+        # the attribute took effect
+        buf.copy_(np.full(n, np.nan, np.float32))
+        _run_pair(k, "pdl_consumer_nowait", src, buf, out, n, pdl=True)
+        assert np.isnan(out.numpy()).any()
+
+
+@pytest.mark.gpu
+def test_pdl_launch_in_a_captured_graph(rng):
+    from xserv.runtime import get_device
+    from xserv.runtime.graphs import CUDAGraph
+
+    n = 3001
+    src_np, src, buf, out, k = _pdl_pair(rng, n)
+    _, _, buf2, out2, _ = _pdl_pair(rng, n)
+    graph = CUDAGraph()
+    with graph.capture():
+        _run_pair(k, "pdl_consumer", src, buf, out, n, pdl=True)
+        # a chain: the next producer is itself a PDL launch (it waits before reading src)
+        k["pdl_producer"](2, 128, out, buf2, np.int64(n), np.int64(0), pdl=True)
+        k["pdl_consumer"](-(-n // 128), 128, buf2, out2, np.int64(n), pdl=True)
+    for _ in range(2):
+        src_np = (rng.standard_normal(n) - 0.3).astype(np.float32)
+        src.copy_(src_np)
+        for t in (buf, out, buf2, out2):
+            t.copy_(np.full(n, np.nan, np.float32))
+        graph.replay()
+        first = 2 * (src_np + np.float32(1))
+        np.testing.assert_array_equal(out.numpy(), first)
+        np.testing.assert_array_equal(out2.numpy(), 2 * (first + np.float32(1)))
+    if get_device().info.compute_capability[0] >= 9:  # the captured edge is programmatic: the overlap survives capture
+        stale = CUDAGraph()
+        with stale.capture():
+            _run_pair(k, "pdl_consumer_nowait", src, buf, out, n, pdl=True)
+        buf.copy_(np.full(n, np.nan, np.float32))
+        stale.replay()
+        assert np.isnan(out.numpy()).any()

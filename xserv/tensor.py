@@ -22,7 +22,23 @@ DTYPES = {"bfloat16": bfloat16, "float16": float16, "float32": float32, "int32":
 DEVICES = ("cpu", "cuda")
 
 
+_DTYPE_OF: dict = {}  # what as_dtype accepted before (a dtype, a scalar type, a name) -> the dtype: no re-validation
+
+
 def as_dtype(dtype) -> np.dtype:
+    try:
+        return _DTYPE_OF[dtype]
+    except (KeyError, TypeError):  # TypeError: an unhashable argument
+        pass
+    dt = _as_dtype(dtype)
+    try:
+        _DTYPE_OF[dtype] = dt
+    except TypeError:
+        pass
+    return dt
+
+
+def _as_dtype(dtype) -> np.dtype:
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise ValueError(f"unsupported dtype {dtype!r}; expected one of {sorted(DTYPES)}")
@@ -34,6 +50,12 @@ def as_dtype(dtype) -> np.dtype:
 
 
 def _shape(shape) -> tuple[int, ...]:
+    if type(shape) is tuple:  # the common case, checked without building a new tuple
+        for s in shape:
+            if type(s) is not int or s < 0:
+                break
+        else:
+            return shape
     if isinstance(shape, (int, np.integer)):
         shape = (shape,)
     shape = tuple(int(s) for s in shape)
@@ -49,24 +71,54 @@ def _check_device(device: str) -> str:
 
 
 class Tensor:
-    __slots__ = ("shape", "dtype", "device", "_buffer", "_offset", "_array")
+    """`shape`, `dtype`, `device`, `numel`, `nbytes` and (CUDA tensors) `ptr` are plain attributes, set once: launchers
+    read them on every call. A tensor never changes shape; a view is a new Tensor over the same storage."""
+
+    __slots__ = ("shape", "dtype", "device", "numel", "nbytes", "ptr", "_buffer", "_offset", "_array")
 
     def __init__(self, shape, dtype, *, array: np.ndarray | None = None, buffer=None, offset: int = 0):
-        self.shape = _shape(shape)
-        self.dtype = as_dtype(dtype)
+        self._init(_shape(shape), as_dtype(dtype), array, buffer, offset)
+
+    def _init(self, shape: tuple, dtype: np.dtype, array, buffer, offset: int) -> None:
+        numel = 1
+        for s in shape:
+            numel *= s
+        self.shape = shape
+        self.dtype = dtype
+        self.numel = numel
+        self.nbytes = numel * dtype.itemsize
         self._array = array
         self._buffer = buffer
         self._offset = offset  # bytes into buffer
-        self.device = "cpu" if array is not None else "cuda"
+        if array is not None:
+            self.device = "cpu"  # `ptr` stays unset: reading it goes to __getattr__, which says why
+        else:
+            self.device = "cuda"
+            self.ptr = buffer.ptr + offset  # device address of the first element
+
+    @classmethod
+    def _make(cls, shape: tuple, dtype: np.dtype, array=None, buffer=None, offset: int = 0) -> "Tensor":
+        """A Tensor from an already validated shape (tuple of ints >= 0) and dtype (one of DTYPES): views, outputs."""
+        t = object.__new__(cls)
+        t._init(shape, dtype, array, buffer, offset)
+        return t
+
+    def __getattr__(self, name):  # only reached for an unset slot
+        if name == "ptr":
+            raise ValueError("a CPU tensor has no device pointer")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # ---- construction -------------------------------------------------------------------------------------
     @classmethod
     def empty(cls, shape, dtype, device: str = "cuda") -> "Tensor":
         shape, dtype = _shape(shape), as_dtype(dtype)
+        if device == "cuda":
+            nbytes = dtype.itemsize
+            for s in shape:
+                nbytes *= s
+            return cls._make(shape, dtype, buffer=get_runtime().allocator.allocate(nbytes))
         if _check_device(device) == "cpu":
-            return cls(shape, dtype, array=np.empty(shape, dtype))
-        nbytes = math.prod(shape) * dtype.itemsize
-        return cls(shape, dtype, buffer=get_runtime().allocator.allocate(nbytes))
+            return cls._make(shape, dtype, array=np.empty(shape, dtype))
 
     @classmethod
     def zeros(cls, shape, dtype, device: str = "cuda") -> "Tensor":
@@ -101,16 +153,8 @@ class Tensor:
         return len(self.shape)
 
     @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
     def itemsize(self) -> int:
         return self.dtype.itemsize
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.itemsize
 
     @property
     def strides(self) -> tuple[int, ...]:
@@ -126,13 +170,6 @@ class Tensor:
         return self.device == "cuda"
 
     @property
-    def ptr(self) -> int:
-        """Device address of the first element (CUDA tensors only)."""
-        if self._buffer is None:
-            raise ValueError("a CPU tensor has no device pointer")
-        return self._buffer.ptr + self._offset
-
-    @property
     def array(self) -> np.ndarray:
         """The NumPy array behind a CPU tensor (shares memory)."""
         if self._array is None:
@@ -141,8 +178,28 @@ class Tensor:
 
     # ---- views --------------------------------------------------------------------------------------------
     def view(self, *shape) -> "Tensor":
-        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+        if len(shape) == 1 and type(shape[0]) in (tuple, list):
             shape = tuple(shape[0])
+        numel, known, infer = self.numel, 1, -1
+        for i, s in enumerate(shape):  # the common case (ints, at most one -1) without building lists
+            if type(s) is not int or s < -1 or (s == -1 and infer >= 0):
+                return self._view_checked(shape)
+            if s == -1:
+                infer = i
+            else:
+                known *= s
+        if infer >= 0:
+            if known == 0 or numel % known:
+                raise ValueError(f"view: cannot infer -1 in {tuple(shape)} for {numel} elements")
+            shape = shape[:infer] + (numel // known,) + shape[infer + 1:]
+        elif known != numel:
+            raise ValueError(f"view: shape {tuple(shape)} has {known} elements, tensor has {numel}")
+        if self._array is not None:
+            return Tensor._make(shape, self.dtype, array=self._array.reshape(shape))
+        return Tensor._make(shape, self.dtype, buffer=self._buffer, offset=self._offset)
+
+    def _view_checked(self, shape) -> "Tensor":
+        """view() for shapes given as NumPy integers or with errors in them: the full checks and messages."""
         shape = list(shape)
         if shape.count(-1) > 1:
             raise ValueError("view: at most one dimension may be -1")
@@ -154,37 +211,34 @@ class Tensor:
         shape = _shape(shape)
         if math.prod(shape) != self.numel:
             raise ValueError(f"view: shape {shape} has {math.prod(shape)} elements, tensor has {self.numel}")
-        if self._array is not None:
-            return Tensor(shape, self.dtype, array=self._array.reshape(shape))
-        return Tensor(shape, self.dtype, buffer=self._buffer, offset=self._offset)
+        return self.view(shape)
 
     reshape = view
 
     def __getitem__(self, index) -> "Tensor":
         """Index or slice along the first dimension, without a copy (step 1 only)."""
-        if self.ndim == 0:
+        shape = self.shape
+        if not shape:
             raise ValueError("cannot index a 0-d tensor")
-        n = self.shape[0]
-        if isinstance(index, (int, np.integer)):
-            i = int(index) + (n if index < 0 else 0)
-            if not 0 <= i < n:
-                raise IndexError(f"index {index} out of range for dimension of size {n}")
-            start, stop, squeeze = i, i + 1, True
-        elif isinstance(index, slice):
+        n = shape[0]
+        if type(index) is slice:
             start, stop, step = index.indices(n)
             if step != 1:
                 raise ValueError("only step-1 slices are supported (views stay contiguous)")
-            stop, squeeze = max(start, stop), False
+            if stop < start:
+                stop = start
+            new_shape = (stop - start,) + shape[1:]
+        elif isinstance(index, (int, np.integer)):
+            i = int(index) + (n if index < 0 else 0)
+            if not 0 <= i < n:
+                raise IndexError(f"index {index} out of range for dimension of size {n}")
+            start, stop, new_shape = i, i + 1, shape[1:]
         else:
             raise TypeError(f"tensors are indexed along the first dimension by int or slice, not {type(index).__name__}")
-        shape = ((stop - start),) + self.shape[1:]
-        if squeeze:
-            shape = shape[1:]
         if self._array is not None:
-            arr = self._array[start:stop]
-            return Tensor(shape, self.dtype, array=arr.reshape(shape))
-        row = math.prod(self.shape[1:]) * self.itemsize
-        return Tensor(shape, self.dtype, buffer=self._buffer, offset=self._offset + start * row)
+            return Tensor._make(new_shape, self.dtype, array=self._array[start:stop].reshape(new_shape))
+        row = (self.nbytes // n) if n else 0
+        return Tensor._make(new_shape, self.dtype, buffer=self._buffer, offset=self._offset + start * row)
 
     # ---- data movement ------------------------------------------------------------------------------------
     def numpy(self) -> np.ndarray:

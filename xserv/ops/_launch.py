@@ -18,28 +18,29 @@ def round_up(a: int, b: int) -> int:
 
 def aligned(*tensors: Tensor | None, nbytes: int = 16) -> bool:
     """True when every given CUDA tensor's device address is a multiple of `nbytes`."""
-    return all(t.ptr % nbytes == 0 for t in tensors if t is not None)
+    for t in tensors:
+        if t is not None and t.ptr % nbytes:
+            return False
+    return True
 
 
-def _span(t: Tensor) -> tuple[int, int]:
-    if t.device == "cpu":
-        start = t.array.__array_interface__["data"][0]
-    else:
-        start = t.ptr
-    return start, start + t.nbytes
+def _start(t: Tensor) -> int:
+    return t.ptr if t.device == "cuda" else t.array.__array_interface__["data"][0]
 
 
 def overlaps(a: Tensor, b: Tensor) -> bool:
     """Do the memory ranges of two tensors (same device) intersect?"""
+    if a is b:
+        return a.nbytes != 0
     if a.device != b.device or a.nbytes == 0 or b.nbytes == 0:
         return False
-    (a0, a1), (b0, b1) = _span(a), _span(b)
-    return a0 < b1 and b0 < a1
+    a0, b0 = _start(a), _start(b)
+    return a0 < b0 + b.nbytes and b0 < a0 + a.nbytes
 
 
 def identical(a: Tensor, b: Tensor) -> bool:
     """Same device, same first byte, same size: one is the other (possibly as a different view)."""
-    return a.device == b.device and _span(a) == _span(b)
+    return a is b or (a.device == b.device and a.nbytes == b.nbytes and _start(a) == _start(b))
 
 
 def check_alias(name: str, out: Tensor, other_name: str, other: Tensor, allow_identical: bool) -> None:
@@ -50,6 +51,8 @@ def check_alias(name: str, out: Tensor, other_name: str, other: Tensor, allow_id
 
 
 def check_eps(eps) -> np.float32:
+    if type(eps) is float and 0.0 <= eps < math.inf:  # the usual call, checked in one comparison chain
+        return np.float32(eps)
     if isinstance(eps, bool) or not isinstance(eps, (int, float, np.floating, np.integer)) or not math.isfinite(eps) or eps < 0:
         raise ValueError(f"eps: expected a finite number >= 0, got {eps!r}")
     return np.float32(eps)

@@ -43,8 +43,11 @@ def get_device() -> Device:
 
 
 def kernel(family: str, name: str):
-    """The launchable kernel `name` from cuda_src/<family>.cu (compiled and loaded on first use)."""
-    return get_runtime().kernels.get(family, name)
+    """The launchable kernel `name` from cuda_src/<family>.cu (compiled and loaded on first use). Every eager op
+    launch asks: a loaded kernel is one dictionary lookup away."""
+    runtime = _runtime if _runtime is not None else get_runtime()
+    k = runtime.kernels._kernels.get((family, name))
+    return k if k is not None else runtime.kernels.get(family, name)
 
 
 def synchronize() -> None:

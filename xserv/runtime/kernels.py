@@ -1,46 +1,201 @@
 """Kernels: (family, name) -> a launchable callable. The family's cubin is compiled (or read from the disk
-cache) and loaded on first use; nothing else is registered anywhere."""
+cache) and loaded on first use; nothing else is registered anywhere.
+
+A launch goes straight to the driver (`cuLaunchKernel`, or `cuLaunchKernelEx` for programmatic dependent launch)
+with the kernel's parameters pre-packed: for each call signature (the tuple of argument types) a kernel keeps a
+buffer with one 8-byte slot per parameter, the array of the slots' addresses that the driver reads
+(`kernelParams`), and a `struct` layout that writes every value into its slot in one call. The first call of a
+signature checks it against the kernel's own parameter list (count and sizes, from the cubin); later calls of that
+signature pay a dictionary lookup, one pack and the driver call. Launches come from one thread at a time (xserv's
+engine thread): the buffers are reused by every call of their signature.
+"""
 from __future__ import annotations
 
+import ctypes
+import struct
+
+import numpy as np
 from cuda.bindings import driver
 
 from .compiler import compile_family, family_source
 from .errors import CudaError, check_driver
 
 _SMEM_DEFAULT_LIMIT = 48 * 1024
+_SLOT = 8  # bytes per parameter slot: every parameter xserv passes is a pointer or a scalar of at most 8 bytes
+_SUCCESS = driver.CUresult.CUDA_SUCCESS
+_cuLaunchKernel = driver.cuLaunchKernel
+_cuLaunchKernelEx = driver.cuLaunchKernelEx
+
+# NumPy scalar type -> struct code (little-endian, standard sizes). A Tensor (or anything with a `ptr`) and a Python
+# int are 64-bit device addresses.
+_SCALAR_CODES = {
+    np.int8: "b", np.uint8: "B", np.int16: "h", np.uint16: "H", np.int32: "i", np.uint32: "I",
+    np.int64: "q", np.uint64: "Q", np.float16: "e", np.float32: "f", np.float64: "d", np.bool_: "?",
+}
+
+
+def _kind(arg) -> tuple[str, int, str]:
+    """(how the value is read: 'ptr' attribute / the value itself, its size in bytes, its struct code) for one
+    argument, or ValueError saying what to pass instead."""
+    t = type(arg)
+    code = _SCALAR_CODES.get(t)
+    if code is not None:
+        return "value", struct.calcsize("<" + code), code
+    if t is int:
+        return "value", 8, "Q"
+    if t is bool or isinstance(arg, bool):
+        raise ValueError("a bool has no fixed width: pass np.int32 (or np.bool_ for a C++ bool)")
+    if isinstance(arg, float):
+        raise ValueError("a Python float would be passed as a double: pass np.float32 (or np.float64)")
+    if hasattr(type(arg), "ptr"):  # Tensor (its `ptr` is a slot), DeviceBuffer
+        return "ptr", 8, "Q"
+    raise ValueError(f"cannot pass a {t.__name__}: pass a Tensor, a device address (int) or a NumPy scalar")
+
+
+class _Packer:
+    """The parameters of one call signature of one kernel: `pack(*args)` writes them into `buffer`; `params` is
+    the address of the void* array the driver reads."""
+
+    __slots__ = ("pack", "params", "_buffer", "_pointers")
+
+    def __init__(self, kinds: list[tuple[str, int, str]]):
+        n = max(1, len(kinds))
+        self._buffer = ctypes.create_string_buffer(_SLOT * n)
+        base = ctypes.addressof(self._buffer)
+        self._pointers = (ctypes.c_void_p * n)(*[base + _SLOT * i for i in range(n)])
+        self.params = ctypes.addressof(self._pointers)
+        layout = struct.Struct("<" + "".join(code + "x" * (_SLOT - size) for _, size, code in kinds))
+        names = [f"a{i}" for i in range(len(kinds))]
+        values = [f"{a}.ptr" if how == "ptr" else a for a, (how, _, _) in zip(names, kinds)]
+        # One generated function per signature: the values go into the slots in one pack_into call, without a
+        # per-argument Python loop.
+        source = f"def pack({', '.join(names)}):\n    _pack_into(_buffer, 0, {', '.join(values)})\n"
+        scope = {"_pack_into": layout.pack_into, "_buffer": self._buffer}
+        exec(source, scope)  # noqa: S102 - the source is built above from argument positions only
+        self.pack = scope["pack"]
 
 
 class Kernel:
-    """A loaded kernel. Call it as `kernel(grid, block, *args, smem=0)`.
+    """A loaded kernel. Call it as `kernel(grid, block, *args, smem=0, pdl=False)`; grid and block are an int or a
+    tuple of 1-3 ints.
 
-    Arguments are passed as the kernel declares them: a Tensor or a Python int is a device pointer (the int is
-    taken as an address); scalars must be fixed-width NumPy scalars (np.int32, np.float32, ...), since an
-    untyped Python float would be passed as a double.
+    Arguments are passed as the kernel declares them: a Tensor (anything with a `ptr`) or a Python int is a device
+    pointer (the int is taken as an address); scalars must be fixed-width NumPy scalars (np.int32, np.float32, ...),
+    since an untyped Python float would be a double. A call whose arguments do not match the kernel's parameters
+    (count, sizes) raises ValueError naming the argument; a failed launch raises CudaError naming the kernel.
+
+    pdl=True launches with programmatic stream serialization (Hopper and later; a plain launch before sm_90): the
+    kernel may start while the previous kernel in the stream is still running, so it must call xserv::pdl_wait()
+    (cuda_src/common.cuh) before reading anything an earlier kernel wrote. Works under CUDA-graph capture.
     """
 
-    __slots__ = ("family", "name", "_kernel", "_stream", "_configs", "_smem_limit", "_launch", "_device")
+    __slots__ = ("family", "name", "_kernel", "_device", "_func", "_hstream", "_smem_limit", "_packers",
+                 "_param_sizes", "_pdl_supported", "_pdl_configs")
 
     def __init__(self, family: str, name: str, core_kernel, device):
-        from cuda.core import launch
-
         self.family, self.name = family, name
         self._kernel = core_kernel
         self._device = device
-        self._stream = device.stream
-        self._configs: dict = {}
+        handle = core_kernel.handle
+        if isinstance(handle, driver.CUkernel):  # cuda.core >= 0.2 loads libraries: take this context's function
+            self._func = check_driver(driver.cuKernelGetFunction(handle), "cuKernelGetFunction")
+        else:
+            self._func = handle
+        self._hstream = driver.CUstream(device.stream_handle)
         self._smem_limit = _SMEM_DEFAULT_LIMIT
-        self._launch = launch
+        self._packers: dict[tuple, _Packer] = {}
+        self._param_sizes: list[int] | None | bool = False  # False: not read yet; None: the driver cannot say
+        self._pdl_supported = device.info.compute_capability[0] >= 9
+        self._pdl_configs: dict[tuple, object] = {}
 
-    def _config(self, grid, block, smem):
-        key = (grid, block, smem)
-        config = self._configs.get(key)
+    def __call__(self, grid, block, *args, smem: int = 0, pdl: bool = False):
+        packer = self._packers.get(tuple(map(type, args)))
+        if packer is None:
+            packer = self._new_packer(args)
+        try:
+            packer.pack(*args)
+        except Exception as exc:
+            raise self._bad_argument(args, exc) from exc
+        if type(grid) is int:
+            gx = grid
+            gy = gz = 1
+        else:
+            gx, gy, gz = _dims("grid", grid)
+        if type(block) is int:
+            bx = block
+            by = bz = 1
+        else:
+            bx, by, bz = _dims("block", block)
+        if smem > self._smem_limit:
+            self._raise_smem_limit(smem)
+        try:
+            if pdl and self._pdl_supported:
+                config = self._pdl_config(gx, gy, gz, bx, by, bz, smem)
+                (err,) = _cuLaunchKernelEx(config, self._func, packer.params, 0)
+            else:
+                (err,) = _cuLaunchKernel(self._func, gx, gy, gz, bx, by, bz, smem, self._hstream, packer.params, 0)
+        except Exception as exc:  # e.g. a grid dimension the binding cannot convert
+            raise CudaError(f"launch of {self._where(grid, block, smem)} failed: {exc}") from exc
+        if err != _SUCCESS:
+            check_driver((err,), f"launch of {self._where(grid, block, smem)}")
+
+    # ---- first call of a signature, errors --------------------------------------------------------------------
+    def _new_packer(self, args) -> _Packer:
+        kinds = []
+        for i, arg in enumerate(args):
+            try:
+                kinds.append(_kind(arg))
+            except ValueError as exc:
+                raise ValueError(f"{self.family}/{self.name}: argument {i}: {exc}") from None
+        sizes = self.param_sizes
+        if sizes is not None:
+            if len(args) != len(sizes):
+                raise ValueError(f"{self.family}/{self.name}: {len(args)} arguments given, the kernel takes {len(sizes)}")
+            for i, ((how, size, code), want) in enumerate(zip(kinds, sizes)):
+                if size != want:
+                    address = how == "ptr" or type(args[i]) is int
+                    what = "a device address (8 bytes)" if address else f"a {type(args[i]).__name__} ({size} bytes)"
+                    raise ValueError(f"{self.family}/{self.name}: argument {i} is {what}, the kernel's parameter {i} "
+                                     f"takes {want} bytes")
+        packer = self._packers[tuple(map(type, args))] = _Packer(kinds)
+        return packer
+
+    def _bad_argument(self, args, exc: Exception) -> ValueError:
+        """The argument a failed pack stopped at, named (a CPU tensor, a negative address, an out-of-range value)."""
+        for i, arg in enumerate(args):
+            how, size, code = _kind(arg)
+            try:
+                struct.pack("<" + code, arg.ptr if how == "ptr" else arg)
+            except Exception as inner:
+                return ValueError(f"{self.family}/{self.name}: argument {i} ({type(arg).__name__}): {inner}")
+        return ValueError(f"{self.family}/{self.name}: cannot pack the arguments: {exc}")
+
+    def _where(self, grid, block, smem) -> str:
+        return f"{self.family}/{self.name} grid={grid} block={block} smem={smem}"
+
+    @property
+    def param_sizes(self) -> list[int] | None:
+        """The size in bytes of each of the kernel's parameters, from the cubin (None where the driver cannot say:
+        cuFuncGetParamInfo needs CUDA 12.4)."""
+        if self._param_sizes is False:
+            self._param_sizes = _param_sizes(self._func)
+        return self._param_sizes
+
+    def _pdl_config(self, gx, gy, gz, bx, by, bz, smem):
+        key = (gx, gy, gz, bx, by, bz, smem)
+        config = self._pdl_configs.get(key)
         if config is None:
-            from cuda.core import LaunchConfig
-
-            if smem > self._smem_limit:
-                self._raise_smem_limit(smem)
-            config = LaunchConfig(grid=grid, block=block, shmem_size=smem)
-            self._configs[key] = config
+            attr = driver.CUlaunchAttribute()
+            attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attr.value.programmaticStreamSerializationAllowed = 1
+            config = driver.CUlaunchConfig()
+            config.gridDimX, config.gridDimY, config.gridDimZ = gx, gy, gz
+            config.blockDimX, config.blockDimY, config.blockDimZ = bx, by, bz
+            config.sharedMemBytes = smem
+            config.hStream = self._hstream
+            config.attrs = [attr]
+            config.numAttrs = 1
+            self._pdl_configs[key] = config
         return config
 
     def _raise_smem_limit(self, smem: int) -> None:
@@ -51,16 +206,8 @@ class Kernel:
         handle = self._kernel.handle
         if isinstance(handle, driver.CUkernel):
             check_driver(driver.cuKernelSetAttribute(attr, smem, handle, self._device.info.index), "cuKernelSetAttribute")
-        else:
-            check_driver(driver.cuFuncSetAttribute(handle, attr, smem), "cuFuncSetAttribute")
+        check_driver(driver.cuFuncSetAttribute(self._func, attr, smem), "cuFuncSetAttribute")
         self._smem_limit = smem
-
-    def __call__(self, grid, block, *args, smem: int = 0):
-        config = self._config(grid, block, smem)
-        try:
-            self._launch(self._stream, config, self._kernel, *[getattr(a, "ptr", a) for a in args])
-        except Exception as exc:  # re-raised through our one error path for the driver
-            raise CudaError(f"launch of {self.family}/{self.name} grid={grid} block={block} smem={smem} failed: {exc}") from exc
 
     @property
     def registers(self) -> int:
@@ -69,6 +216,37 @@ class Kernel:
 
     def __repr__(self):
         return f"Kernel({self.family}/{self.name})"
+
+
+def _dims(what: str, dims) -> tuple[int, int, int]:
+    """A grid or block given as a tuple of 1-3 ints -> (x, y, z)."""
+    n = len(dims) if type(dims) in (tuple, list) else 0
+    if n == 3:
+        return dims[0], dims[1], dims[2]
+    if n == 1:
+        return dims[0], 1, 1
+    if n == 2:
+        return dims[0], dims[1], 1
+    if isinstance(dims, (int, np.integer)) and not isinstance(dims, bool):
+        return int(dims), 1, 1
+    raise ValueError(f"{what}: expected an int or a tuple of 1 to 3 ints, got {dims!r}")
+
+
+def _param_sizes(func) -> list[int] | None:
+    get_info = getattr(driver, "cuFuncGetParamInfo", None)
+    if get_info is None:
+        return None
+    sizes = []
+    while True:
+        try:
+            err, _offset, size = get_info(func, len(sizes))
+        except Exception:
+            return None
+        if err != _SUCCESS:
+            # past the last parameter the driver answers CUDA_ERROR_INVALID_VALUE; anything else on the first
+            # index means it cannot tell (an old driver)
+            return sizes if err == driver.CUresult.CUDA_ERROR_INVALID_VALUE else None
+        sizes.append(int(size))
 
 
 class KernelCache:
