@@ -262,3 +262,193 @@ def test_streamed_text_equals_the_whole_text(llm):
     whole = llm.generate([PROMPTS[3]], params)[0]
     streamed = "".join(llm.engine.stream(PROMPTS[3], params))
     assert streamed == whole.text and whole.text
+
+
+# ---- prefill graphs: a step that is one short prompt chunk replays a captured forward ---------------------------
+def test_prefill_token_buckets():
+    from xserv.engine.model_runner import prefill_token_buckets
+
+    assert prefill_token_buckets(256) == [16, 32, 64, 128, 256]
+    assert prefill_token_buckets(100) == [16, 32, 64, 100]
+    assert prefill_token_buckets(8) == [8] and prefill_token_buckets(16) == [16] and prefill_token_buckets(0) == []
+
+
+def _spy_steps(runner):
+    """Wrap runner.run: record (tokens of the step, replayed a prefill graph, logits copy) per step."""
+    steps = []
+    run = runner.run
+
+    def spy(scheduled, **kw):
+        out = run(scheduled, **kw)
+        steps.append(([n for _, n in scheduled], runner.last_run_prefill_graph, out.numpy().copy()))
+        return out
+
+    runner.run = spy
+    return steps
+
+
+def _bucket_recorder(used):
+    """A graph_factory for the CPU: replay runs the captured step eagerly and records the bucket's token count,
+    after poisoning the activation rows and logits a replay must overwrite."""
+    from types import SimpleNamespace
+
+    def factory(step):
+        batch = step.__defaults__[0]
+
+        def replay():
+            used.append(batch.num_tokens if batch.max_q_len > 1 else ("decode", batch.num_tokens))
+            step()
+
+        return SimpleNamespace(replay=replay)
+
+    return factory
+
+
+@pytest.mark.parametrize("length", [1, 15, 16, 17, 100, 128, 129])
+def test_prefill_graph_replay_logic_on_cpu(perturbed_model_dir, llm, length):  # noqa: F811
+    """A prompt of `length` tokens prefilled through the prefill-graph path (static buffer, padding to the bucket,
+    slot -1 for the padding rows, logits from the real last row) on the NumPy backend: same logits as the eager
+    prefill and the same greedy tokens after it; a prompt longer than the largest bucket stays eager."""
+    from xserv import LLM
+
+    prompt = [int(t) for t in np.random.default_rng(length).integers(0, 5000, length)]
+    params = SamplingParams(max_tokens=5, ignore_eos=True, **GREEDY)
+    eager_steps = _spy_steps(llm.runner)
+    try:
+        want = llm.generate([prompt], params)[0].token_ids
+    finally:
+        del llm.runner.run  # the instance attribute set by _spy_steps
+    graphed = LLM(str(perturbed_model_dir), device="cpu", max_model_len=256, max_num_seqs=2, progress=False)
+    used = []
+    assert graphed.runner.capture_decode_graphs(graph_factory=_bucket_recorder(used)) == [1, 2]
+    assert graphed.runner.capture_prefill_graphs(128, graph_factory=_bucket_recorder(used)) == [16, 32, 64, 128]
+    ws = graphed.runner.workspace
+    for buf in (ws.logits, ws.gathered, ws.hidden, ws.attn):  # poison: stale rows must not reach the result
+        buf.array[...] = np.nan
+    steps = _spy_steps(graphed.runner)
+    used.clear()
+    got = graphed.generate([prompt], params)[0].token_ids
+    assert got == want
+    if length == 1:
+        assert used[0] == ("decode", 1)  # a one-token prompt is a decode-shaped step
+    elif length <= 128:
+        assert used[0] == min(b for b in (16, 32, 64, 128) if b >= length) and steps[0][1]
+        np.testing.assert_allclose(steps[0][2], eager_steps[0][2], rtol=1e-5, atol=1e-5)
+        assert steps[0][2].shape == (1, graphed.config.vocab_size) and np.all(np.isfinite(steps[0][2]))
+    else:
+        assert not steps[0][1] and all(u[0] == "decode" for u in used)
+    assert all(u == ("decode", 1) for u in used[1:])  # decoding continued from the decode graphs
+
+
+def test_prefill_graph_with_cached_prefix_and_kv_untouched_by_padding(perturbed_model_dir, llm):  # noqa: F811
+    """A prompt whose first blocks come from the prefix cache prefills its tail through a prefill graph (the KV
+    length, given on the device, is longer than the chunk); the padding rows write no K/V anywhere; same tokens as
+    the eager path, and decoding continues from there."""
+    from xserv import LLM
+
+    params = SamplingParams(max_tokens=6, ignore_eos=True, **GREEDY)
+    tail = LONG + list(range(20, 35))  # 85 tokens: 64 from the cache, a 21-token chunk padded to 32
+    want = [o.token_ids for o in llm.generate([LONG, tail], params)]
+    graphed = LLM(str(perturbed_model_dir), device="cpu", max_model_len=256, max_num_seqs=2, progress=False)
+    used = []
+    graphed.runner.capture_decode_graphs(graph_factory=_bucket_recorder(used))
+    assert graphed.runner.capture_prefill_graphs(64, graph_factory=_bucket_recorder(used)) == [16, 32, 64]
+    steps = _spy_steps(graphed.runner)
+    used.clear()
+    assert graphed.generate([LONG], params)[0].token_ids == want[0]
+    assert steps[0][0] == [70] and not steps[0][1]  # longer than the largest bucket: eager
+    assert used == [("decode", 1)] * 5
+    used.clear()
+
+    eng, kv = graphed.engine, graphed.kv_cache
+    before = [(k.array.copy(), v.array.copy()) for k, v in zip(kv.k, kv.v)]
+    seq = eng.add_request(tail, params)
+    eng.step()  # launches (on the CPU: runs) the prefill step
+    assert seq.num_cached_tokens == 64 and steps[-1][0] == [21] and steps[-1][1] and used == [32]
+    prefill_logits = steps[-1][2]
+    pos = np.arange(64, 85)
+    written = np.asarray(seq.block_table)[pos // kv.block_size] * kv.block_size + pos % kv.block_size
+    for (k0, v0), k, v in zip(before, kv.k, kv.v):
+        for old, new in ((k0, k.array), (v0, v.array)):
+            old, new = old.reshape(-1, old.shape[2] * old.shape[3]), new.reshape(-1, new.shape[2] * new.shape[3])
+            changed = np.flatnonzero(np.any(old.view(np.uint16) != new.view(np.uint16), axis=1))
+            assert set(changed.tolist()) <= set(written.tolist()) and len(changed) > 0
+    while not seq.is_finished:
+        eng.step()
+    assert seq.output().token_ids == want[1]
+    np.testing.assert_allclose(prefill_logits, graphed.logits(tail)[-1:], rtol=1e-5, atol=1e-5)
+
+
+def check_prefill_graphs_cuda(folder, lengths=(1, 15, 16, 17, 100, 128, 129), max_tokens=128) -> dict:
+    """On the GPU: a prompt chunk of each length, with no prefix and after a cached 32-token prefix, run through
+    runner.run (a prefill graph up to `max_tokens`, padded to its bucket; activations and logits poisoned with NaN
+    first) against the eager forward of the same chunk: logits within 1e-2, K/V written only at the chunk's own
+    slots. Then whole requests through the engine: greedy tokens equal the argmax of the eager logits of the same
+    tokens wherever the top two are clearly apart, and a prompt whose head is in the prefix cache prefills its tail
+    through a graph. Returns the worst logits error per (length, prefix). Also run on 0.6B-shaped checkpoints."""
+    from qwen3_reference import rel_err_rows
+    from xserv import LLM
+    from xserv.engine.batch import SeqChunk
+    from xserv.engine.model_runner import prefill_token_buckets
+    from xserv.engine.sequence import Sequence
+
+    llm = LLM(str(folder), device="cuda", max_model_len=512, kv_cache_tokens=4096, max_num_seqs=4,
+              prefill_graph_tokens=max_tokens, progress=False)
+    runner, kv, blocks = llm.runner, llm.kv_cache, llm.engine.blocks
+    assert sorted(runner.prefill_graphs) == prefill_token_buckets(max_tokens) and runner.graphs
+    ws, vocab = runner.workspace, llm.config.vocab_size
+    rng = np.random.default_rng(0)
+    params = SamplingParams(max_tokens=8, ignore_eos=True, **GREEDY)
+    errors = {}
+
+    def poison():
+        for buf in (ws.hidden, ws.attn, ws.qkv, ws.gathered, ws.logits):
+            rows = buf[:min(buf.shape[0], max_tokens)]
+            rows.copy_(np.full(rows.shape, np.nan, rows.dtype))
+
+    layers = (0, len(kv.k) - 1)
+    for length in lengths:
+        for prefix in (0, 32):
+            prompt = rng.integers(0, vocab, prefix + length).tolist()
+            seq = Sequence(10_000 + length, prompt, params, seed=0, stop_ids=frozenset())
+            seq.block_table, seq.slot = blocks.allocate(blocks.blocks_for(len(prompt))), 0
+            if prefix:
+                runner.forward([SeqChunk(prompt[:prefix], 0, seq.block_table, "none")])
+                seq.num_computed = prefix
+            before = [(kv.k[i].numpy(), kv.v[i].numpy()) for i in layers]
+            poison()
+            graphed = runner.run([(seq, length)]).numpy().copy()
+            assert runner.last_run_prefill_graph == (1 < length <= max_tokens)
+            pos = np.arange(prefix, prefix + length)
+            own = set((np.asarray(seq.block_table)[pos // kv.block_size] * kv.block_size
+                       + pos % kv.block_size).tolist())
+            for (k0, v0), i in zip(before, layers):
+                for old, new in ((k0, kv.k[i].numpy()), (v0, kv.v[i].numpy())):
+                    old, new = old.reshape(old.shape[0] * old.shape[1], -1), new.reshape(new.shape[0] * new.shape[1], -1)
+                    changed = set(np.flatnonzero(np.any(old.view(np.uint16) != new.view(np.uint16), axis=1)).tolist())
+                    assert changed <= own and changed, (length, prefix)
+            eager = runner.forward([SeqChunk(prompt[prefix:], prefix, seq.block_table, "last")]).numpy()
+            blocks.free(seq.block_table)
+            assert graphed.shape == (1, vocab) and np.all(np.isfinite(graphed))
+            errors[(length, prefix)] = float(rel_err_rows(graphed, eager).max())
+            assert errors[(length, prefix)] <= 1e-2, (length, prefix, errors[(length, prefix)])
+
+    steps = _spy_steps(runner)
+    head = rng.integers(0, vocab, 48).tolist()
+    prompts = [rng.integers(0, vocab, n).tolist() for n in lengths] + [head, head + rng.integers(0, vocab, 20).tolist()]
+    for prompt in prompts:
+        first = len(steps)
+        out = llm.generate([prompt], params)[0]
+        n = len(prompt) - out.num_cached_tokens
+        assert steps[first][0] == [n] and steps[first][1] == (1 < n <= max_tokens)
+        ref = llm.logits(prompt + out.token_ids[:-1])[len(prompt) - 1:]
+        top2 = np.sort(ref, -1)[:, -2:]
+        clear = (top2[:, 1] - top2[:, 0]) > 1e-2 * np.abs(top2[:, 1]).max()
+        assert clear.sum() >= 4 and all(t == r for t, r, c in zip(out.token_ids, np.argmax(ref, -1), clear) if c)
+    assert out.num_cached_tokens == 48
+    return errors
+
+
+@pytest.mark.gpu
+def test_cuda_prefill_graphs_match_eager(tiny_model_dir):  # noqa: F811
+    check_prefill_graphs_cuda(tiny_model_dir)

@@ -19,8 +19,9 @@ class EngineConfig:
     1 GiB on CPU. max_num_seqs: sequences decoded together. max_num_batched_tokens: tokens in one forward (prefill
     chunks + decodes); None = 16384 on CUDA, 2048 on CPU. enable_prefix_caching: share full KV blocks between
     requests with the same prefix. overlap_steps: launch a decode step before the previous one's tokens are back on
-    the host (the GPU never waits for the host between decode steps). seed: the sampling seed of requests that
-    give none."""
+    the host (the GPU never waits for the host between decode steps). prefill_graph_tokens: with cuda_graphs, a
+    step that is one sequence's prompt chunk of at most this many tokens and nothing else replays a captured prefill
+    graph (0: prefill always runs eagerly). seed: the sampling seed of requests that give none."""
 
     max_model_len: int | None = None
     kv_cache_tokens: int | None = None
@@ -29,6 +30,7 @@ class EngineConfig:
     block_size: int = 16
     gpu_memory_fraction: float = 0.85
     cuda_graphs: bool = True
+    prefill_graph_tokens: int = 256
     enable_prefix_caching: bool = True
     overlap_steps: bool = True
     seed: int = 0
@@ -40,6 +42,9 @@ class EngineConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        p = self.prefill_graph_tokens
+        if isinstance(p, bool) or not isinstance(p, int) or p < 0:
+            raise ValueError(f"prefill_graph_tokens must be an integer >= 0, got {p!r}")
         f = self.gpu_memory_fraction
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
             raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {f!r}")
@@ -70,11 +75,16 @@ class EngineConfig:
         g.add_argument("--gpu-memory-fraction", type=float, default=d.gpu_memory_fraction, metavar="F",
                        help=f"share of free GPU memory for the KV cache (default {d.gpu_memory_fraction})")
         g.add_argument("--no-prefix-caching", action="store_true", help="do not share KV blocks between requests")
-        g.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly (no CUDA graphs)")
+        g.add_argument("--no-cuda-graphs", action="store_true",
+                       help="run every step eagerly (no CUDA graphs for decode or short prefills)")
+        g.add_argument("--prefill-graph-tokens", type=int, default=d.prefill_graph_tokens, metavar="N",
+                       help="prompt chunks of up to N tokens alone in a step replay a CUDA graph "
+                            f"(default {d.prefill_graph_tokens}; 0: prefill always eager)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
         return cls(max_model_len=args.max_model_len, kv_cache_tokens=args.kv_cache_tokens,
                    max_num_seqs=args.max_num_seqs or cls.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                    gpu_memory_fraction=args.gpu_memory_fraction, cuda_graphs=not args.no_cuda_graphs,
+                   prefill_graph_tokens=getattr(args, "prefill_graph_tokens", cls.prefill_graph_tokens),
                    enable_prefix_caching=not args.no_prefix_caching)

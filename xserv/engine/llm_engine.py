@@ -65,7 +65,8 @@ class LLMEngine:
     @classmethod
     def from_model(cls, model, tokenizer, config: EngineConfig, *, context_len: int, eos_token_ids) -> "LLMEngine":
         """Everything around a loaded model, in the order memory needs: activation workspace and sampler state,
-        then the KV cache from what memory is left, the runner, the engine, and last the decode CUDA graphs."""
+        then the KV cache from what memory is left, the runner, the engine, and last the CUDA graphs (decode, then
+        short prefills)."""
         device, mc = model.device, model.config
         max_len = min(config.max_model_len or context_len, context_len)
         workspace = model.make_workspace(config.batched_tokens(device), config.max_num_seqs)
@@ -83,6 +84,7 @@ class LLMEngine:
                      sampler=sampler)
         if device == "cuda" and config.cuda_graphs:
             runner.capture_decode_graphs()
+            runner.capture_prefill_graphs(config.prefill_graph_tokens)
         return engine
 
     @property

@@ -1,5 +1,6 @@
 """Runs the model on the scheduled sequences and returns logits: batch metadata, the activation workspace, and on
-CUDA decode steps replayed from CUDA graphs captured per (batch-size, context-length) bucket.
+CUDA steps replayed from CUDA graphs: decode steps from graphs captured per (batch-size, context-length) bucket, and
+a step that is one short prefill chunk and nothing else from graphs captured per token-count bucket.
 
 A decode step's metadata is built with NumPy from per-sequence arrays (no per-token Python work): block tables
 live in a host mirror indexed by the sequence's slot, updated only when a sequence gains a block."""
@@ -12,6 +13,7 @@ import numpy as np
 from ..ops.gather import gather
 from ..tensor import Tensor, int32
 from .batch import Batch, SeqChunk, make_batch
+from .config import EngineConfig
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 # Decode graphs are also bucketed by context length: the split-KV attention sizes its grid from the host-side
@@ -19,6 +21,25 @@ GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256
 # and a combine over all of them on every step of a short chat.
 GRAPH_KV_BUCKET_START, GRAPH_KV_BUCKET_GROWTH = 2048, 4
 _GRAPH_INPUTS = ("input_ids", "positions", "kv_lens", "slot_mapping")
+# Prefill graphs: one sequence's chunk of up to EngineConfig.prefill_graph_tokens tokens, padded to the next bucket
+# of a doubling ladder from PREFILL_GRAPH_START. Eager, such a step pays ~25 us of host time per launch x ~400
+# launches whatever its length; in a graph it costs its GPU time, at most 2x its own for the padding. Why the
+# default largest bucket and the ladder: docs/engine.md ("Prefill graphs").
+PREFILL_GRAPH_START = 16
+# The prefill graphs' metadata lives in one int32 device buffer, uploaded with one copy per step:
+# [cu_seqlens_q (2), kv_lens (1), logits row (1), input_ids (T), positions (T), slot_mapping (T), block table]
+_PF_CU, _PF_KV, _PF_LOGIT, _PF_IDS = 0, 2, 3, 4
+
+
+def prefill_token_buckets(max_tokens: int) -> list[int]:
+    """Token-count buckets of the prefill graphs: 16, 32, 64, ... below max_tokens, then max_tokens ([] for 0)."""
+    if max_tokens < 1:
+        return []
+    buckets, n = [], PREFILL_GRAPH_START
+    while n < max_tokens:
+        buckets.append(n)
+        n *= 2
+    return buckets + [max_tokens]
 
 
 def kv_len_buckets(max_model_len: int) -> list[int]:
@@ -41,8 +62,10 @@ class ModelRunner:
         self.logits_chunk = logits_chunk
         self.workspace = workspace or model.make_workspace(max(max_num_batched_tokens, max_num_seqs), max_num_seqs)
         self.graphs: dict[tuple[int, int], object] = {}  # (batch-size bucket, max_kv_len bucket) -> graph
+        self.prefill_graphs: dict[int, object] = {}  # token-count bucket -> graph (one sequence, no decode rows)
         self._graph_keepalive: list = []
-        self.last_run_replayed = False
+        self.last_run_replayed = False  # the last step replayed a decode graph (LLMEngine launches ahead after one)
+        self.last_run_prefill_graph = False  # the last step replayed a prefill graph
         # host mirror of every running sequence's block table, by slot (see Scheduler); rows rewritten on change
         self._max_blocks = math.ceil(max_model_len / self.block_size)
         self._tables = np.zeros((max_num_seqs, self._max_blocks), np.int32)
@@ -58,12 +81,16 @@ class ModelRunner:
         its sequence's host state, and row i's input token is token_src[token_index[i]], gathered on the device.
         Such steps must be graph-eligible (`can_replay`)."""
         seqs = [s for s, _ in scheduled]
+        self.last_run_prefill_graph = False
         if self.can_replay(scheduled, ahead):
             self.last_run_replayed = True
             return self._replay(seqs, ahead, token_index, token_src)
         if ahead:
             raise RuntimeError("internal: a step launched ahead must replay a decode graph")
         self.last_run_replayed = False
+        if self.can_replay_prefill(scheduled):
+            self.last_run_prefill_graph = True
+            return self._replay_prefill(*scheduled[0])
         chunks = []
         for seq, n in scheduled:
             start = seq.num_computed
@@ -75,6 +102,10 @@ class ModelRunner:
         """A pure decode step that a captured graph covers (batch size and context length)."""
         return bool(self.graphs) and len(scheduled) <= self._max_graph_bs and all(n == 1 for _, n in scheduled) \
             and max(s.num_computed for s, _ in scheduled) + ahead < self.max_model_len
+
+    def can_replay_prefill(self, scheduled) -> bool:
+        """One sequence's chunk and nothing else (no decode rows), no longer than the largest prefill graph."""
+        return bool(self.prefill_graphs) and len(scheduled) == 1 and 1 <= scheduled[0][1] <= self._max_prefill_tokens
 
     def forward(self, chunks: list[SeqChunk]) -> Tensor:
         batch = make_batch(chunks, self.block_size, self.device)
@@ -196,3 +227,77 @@ class ModelRunner:
         self._bucket_tables[max_kv_len][:bs].copy_(tables)
         self.graphs[(bs, max_kv_len)].replay()
         return self.workspace.logits[:n]
+
+    # ---- CUDA graphs for short prefills -------------------------------------------------------------------------
+    def capture_prefill_graphs(self, max_tokens: int = EngineConfig.prefill_graph_tokens,
+                               graph_factory=None) -> list[int]:
+        """Capture one forward of a single sequence's chunk per token-count bucket (prefill_token_buckets) up to
+        `max_tokens` (capped by the workspace and max_model_len). Everything that varies is device data: tokens,
+        positions, slots, the chunk length (cu_seqlens_q [0, n]), the KV length (a prefix may already be cached) and
+        the block table; rows n..bucket are padding (token 0 at position 0, slot -1: the KV write skips them, the
+        attention's tiles past q_len = n exit, and every other op is row-wise), and the logits come from row n - 1
+        through the logits-row gather. `graph_factory` as in capture_decode_graphs."""
+        if graph_factory is None:
+            if self.device != "cuda":
+                return []
+            graph_factory = self._capture_cuda_graph
+        sizes = prefill_token_buckets(min(max_tokens, self.workspace.max_tokens, self.max_model_len))
+        if not sizes:
+            return []
+        tmax = sizes[-1]
+        self._pf_pos, self._pf_slot, self._pf_table = _PF_IDS + tmax, _PF_IDS + 2 * tmax, _PF_IDS + 3 * tmax
+        width = self._max_blocks
+        meta = Tensor.zeros((self._pf_table + width,), int32, self.device)
+        self._pf_meta, self._pf_host = meta, np.zeros(meta.shape, np.int32)
+        for tokens in sorted(sizes, reverse=True):
+            batch = Batch(
+                input_ids=meta[_PF_IDS:_PF_IDS + tokens], positions=meta[self._pf_pos:self._pf_pos + tokens],
+                cu_seqlens_q=meta[_PF_CU:_PF_CU + 2], kv_lens=meta[_PF_KV:_PF_KV + 1],
+                block_tables=meta[self._pf_table:].view(1, width),
+                slot_mapping=meta[self._pf_slot:self._pf_slot + tokens], logits_indices=meta[_PF_LOGIT:_PF_LOGIT + 1],
+                num_tokens=tokens, num_seqs=1, max_q_len=tokens, max_kv_len=self.max_model_len)
+
+            def step(batch=batch):
+                self.model.forward(batch, self.kv_cache, self.workspace)
+
+            # warm-up inputs: a one-token chunk whose K/V goes nowhere (slot -1) and which reads block 0
+            self._stage_prefill(tokens, [0], 0, [0], slots=np.full(1, -1, np.int32))
+            step()  # warm-up outside capture: compiles kernels, lets cuBLAS pick its algorithms
+            if self.device == "cuda":
+                from ..runtime import synchronize
+
+                synchronize()
+            self.prefill_graphs[tokens] = graph_factory(step)
+        self._max_prefill_tokens = tmax
+        self._prefill_bucket_of = np.array([min(b for b in sizes if b >= n) for n in range(tmax + 1)])
+        return sorted(self.prefill_graphs)
+
+    def _stage_prefill(self, tokens: int, token_ids, start: int, block_table, slots=None) -> None:
+        """Upload the metadata of a chunk of len(token_ids) tokens at positions start.. into the bucket-`tokens`
+        layout of the prefill graphs' buffer (one copy)."""
+        n = len(token_ids)
+        kv_len = start + n
+        bsz = self.block_size
+        num_blocks = -(-kv_len // bsz)
+        h = self._pf_host
+        h[_PF_CU], h[_PF_CU + 1], h[_PF_KV], h[_PF_LOGIT] = 0, n, kv_len, n - 1
+        ids, pos, slot, table = _PF_IDS, self._pf_pos, self._pf_slot, self._pf_table
+        h[ids:ids + n] = token_ids
+        h[ids + n:ids + tokens] = 0
+        positions = np.arange(start, kv_len, dtype=np.int64)
+        h[pos:pos + n] = positions
+        h[pos + n:pos + tokens] = 0
+        h[table:table + num_blocks] = block_table[:num_blocks]
+        if slots is None:
+            slots = h[table + positions // bsz] * bsz + positions % bsz
+        h[slot:slot + n] = slots
+        h[slot + n:slot + tokens] = -1
+        end = table + num_blocks
+        self._pf_meta[:end].copy_(h[:end])
+
+    def _replay_prefill(self, seq, n: int) -> Tensor:
+        tokens = int(self._prefill_bucket_of[n])
+        start = seq.num_computed
+        self._stage_prefill(tokens, seq.token_ids[start:start + n], start, seq.block_table)
+        self.prefill_graphs[tokens].replay()
+        return self.workspace.logits[:1 if start + n == seq.num_tokens else 0]
