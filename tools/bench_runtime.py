@@ -1,11 +1,12 @@
 """Runtime benchmark: device ceilings, our cuBLASLt GEMM against torch.matmul on the same shapes, Python-side
 launch cost, and cold/warm kernel loading. Prints the device name; absolute numbers hold only for it.
 
-    python -m tools.bench_runtime [--skip-torch]
+    python -m tools.bench_runtime [--skip-torch] [--only launch,loading,gemm]
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import subprocess
 import sys
 import time
@@ -62,33 +63,110 @@ def bench_gemm(vs_torch: bool) -> None:
             print(row)
 
 
-def bench_launch() -> None:
-    from xserv.runtime import get_device, kernel, synchronize
-    from xserv.tensor import Tensor, float32
+def _per_call_us(fn, sync, calls: int = 200, repeats: int = 40) -> float:
+    """Host time to issue one call: `calls` back-to-back calls timed until the last returns (not synchronised, so
+    a GPU slower than the host does not show; 200 launches stay well inside the driver's queue), the stream drained
+    between batches, median of `repeats` batches."""
+    for _ in range(200):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t0) / calls * 1e6)
+    sync()
+    return statistics.median(times)
 
+
+def _rate(us: float) -> str:
+    return f"{us:6.2f} us ({1e3 / us:5.0f}k/s)"
+
+
+def _driver_floor(fill, out, sync) -> float:
+    """A bare cuLaunchKernel of the same kernel with its parameters packed once: the floor under any Python launcher."""
+    import ctypes
+
+    from cuda.bindings import driver
+
+    handle = fill._kernel.handle
+    func = driver.cuKernelGetFunction(handle)[1] if isinstance(handle, driver.CUkernel) else handle
+    from xserv.runtime import get_device
+
+    stream = driver.CUstream(get_device().stream_handle)
+    values = (ctypes.c_uint64(out.ptr), ctypes.c_float(1.0), ctypes.c_int64(256))
+    params = (ctypes.c_void_p * 3)(*[ctypes.addressof(v) for v in values])
+    addr = ctypes.addressof(params)
+    return _per_call_us(lambda: driver.cuLaunchKernel(func, 1, 1, 1, 256, 1, 1, 0, stream, addr, 0), sync)
+
+
+def bench_launch(vs_torch: bool) -> None:
+    """Eager launch cost: the raw Kernel call (no op checks) against the driver floor and cuda.core's launch, then
+    whole ops (checks, output allocation, launch) against PyTorch eager on the same shapes."""
+    from xserv.ops.elementwise import add
+    from xserv.ops.rmsnorm import rmsnorm
+    from xserv.runtime import get_device, kernel, synchronize
+    from xserv.runtime.timing import benchmark_graph
+    from xserv.tensor import Tensor, bfloat16, float32
+
+    torch = None
+    if vs_torch:
+        try:
+            import torch
+        except ImportError:
+            print("(PyTorch not importable: no peer)")
+    dev = get_device()
     out = Tensor.empty((256,), float32)
     fill = kernel("fill", "fill_f32")
-    args = (np.float32(1.0), np.int64(256))
-    for _ in range(100):
-        fill((1,), (256,), out, *args)
-    synchronize()
-    n = 20000
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fill((1,), (256,), out, *args)
-    host = (time.perf_counter() - t0) / n * 1e6
-    synchronize()
-    # The floor: a bare cuda.core launch with a prebuilt config, as measured by cuda-python's own users.
+    value, n = np.float32(1.0), np.int64(256)
+    print(f"\neager launch cost on {dev.name}: host time to issue one call (batches of 200 back-to-back calls, median of 40)")
+    print(f"  Kernel call, fill_f32 1x256 (no op checks): {_rate(_per_call_us(lambda: fill(1, 256, out, value, n), synchronize))}")
+    try:
+        fill(1, 256, out, value, n, pdl=True)
+        print(f"  Kernel call with pdl=True:                  {_rate(_per_call_us(lambda: fill(1, 256, out, value, n, pdl=True), synchronize))}")
+    except TypeError:  # a launcher without the pdl option
+        pass
+    print(f"  bare cuLaunchKernel, params packed once:    {_rate(_driver_floor(fill, out, synchronize))}")
     from cuda.core import LaunchConfig, launch
 
     config = LaunchConfig(grid=(1,), block=(256,), shmem_size=0)
-    stream, core = get_device().stream, fill._kernel
-    t0 = time.perf_counter()
-    for _ in range(n):
-        launch(stream, config, core, out.ptr, *args)
-    bare = (time.perf_counter() - t0) / n * 1e6
-    synchronize()
-    print(f"\nlaunch, Python-side cost per call: xserv Kernel {host:.2f} us, bare cuda.core launch {bare:.2f} us")
+    stream, core = dev.stream, fill._kernel
+    print(f"  bare cuda.core launch, prebuilt config:     {_rate(_per_call_us(lambda: launch(stream, config, core, out.ptr, value, n), synchronize))}")
+    if torch:
+        tt = torch.empty(256, device="cuda")
+        print(f"  torch: t.fill_(1.0) on 256 floats:          {_rate(_per_call_us(lambda: tt.fill_(1.0), torch.cuda.synchronize))}")
+
+    rng = np.random.default_rng(0)
+    cases = [("add", (1, 4096)), ("rmsnorm", (1, 1024)), ("rmsnorm", (256, 4096))]
+    print(f"\n{'eager op':10s} {'shape':>9s} {'GPU us':>7s} {'xserv, out given':>23s} {'xserv, allocating':>23s}" +
+          (f" {'torch, allocating':>23s} {'torch/xserv':>11s}" if torch else ""))
+    for op, shape in cases:
+        a_np = (rng.standard_normal(shape, np.float32) + 0.3).astype(bfloat16)
+        b_np = (rng.standard_normal(shape[-1:] if op == "rmsnorm" else shape, np.float32) + 1).astype(bfloat16)
+        a, b, o = Tensor.from_numpy(a_np), Tensor.from_numpy(b_np), Tensor.empty(shape, bfloat16)
+        if op == "add":
+            given, alloc = (lambda: add(a, b, o)), (lambda: add(a, b))
+        else:
+            given, alloc = (lambda: rmsnorm(a, b, 1e-6, o)), (lambda: rmsnorm(a, b, 1e-6))
+        us_given, us_alloc = _per_call_us(given, synchronize), _per_call_us(alloc, synchronize)
+        gpu_us = benchmark_graph([given]) * 1e3  # the kernel's own time, without the host: is the GPU the bound?
+        row = f"{op:10s} {'x'.join(map(str, shape)):>9s} {gpu_us:7.2f} {_rate(us_given):>23s} {_rate(us_alloc):>23s}"
+        if torch:
+            ta = torch.from_numpy(a_np.view(np.int16)).view(torch.bfloat16).cuda()
+            tb = torch.from_numpy(b_np.view(np.int16)).view(torch.bfloat16).cuda()
+            if op == "add":
+                tfn = lambda: ta + tb  # noqa: E731
+            elif hasattr(torch.nn.functional, "rms_norm"):
+                tfn = lambda: torch.nn.functional.rms_norm(ta, (shape[-1],), tb, 1e-6)  # noqa: E731
+            else:
+                tfn = None
+            if tfn is not None:
+                us_torch = _per_call_us(tfn, torch.cuda.synchronize)
+                row += f" {_rate(us_torch):>23s} {us_torch / us_alloc:10.2f}x"
+        print(row)
+    print("(GPU us: the op's kernel time from a CUDA-graph replay; torch/xserv > 1: xserv issues the op faster, "
+          "both allocating their output)")
 
 
 def bench_loading() -> None:
@@ -121,15 +199,24 @@ def bench_loading() -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--skip-torch", action="store_true")
+    p.add_argument("--only", default="launch,loading,gemm",
+                   help="comma-separated sections: launch (eager launch cost), loading (kernel compile/load), gemm")
     args = p.parse_args()
+    sections = set(args.only.split(","))
+    if sections - {"launch", "loading", "gemm"}:
+        p.error(f"--only: unknown section(s) {sorted(sections - {'launch', 'loading', 'gemm'})}")
     from xserv.runtime import get_device, get_runtime
 
     dev = get_device()
     print(f"device: {dev.name} ({dev.arch}, {dev.multiprocessor_count} SMs), cuBLASLt {get_runtime().cublas.version()}")
-    print(f"ceilings: copy {copy_bandwidth_gbs():.0f} GB/s (read+write), cuBLAS bf16 GEMM 8192^3 {gemm_tflops():.0f} TFLOP/s")
-    bench_launch()
-    bench_loading()
-    bench_gemm(not args.skip_torch)
+    if sections & {"loading", "gemm"}:  # the GEMM table's ceilings; the launch costs have none
+        print(f"ceilings: copy {copy_bandwidth_gbs():.0f} GB/s (read+write), cuBLAS bf16 GEMM 8192^3 {gemm_tflops():.0f} TFLOP/s")
+    if "launch" in sections:
+        bench_launch(not args.skip_torch)
+    if "loading" in sections:
+        bench_loading()
+    if "gemm" in sections:
+        bench_gemm(not args.skip_torch)
 
 
 if __name__ == "__main__":

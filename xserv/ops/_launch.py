@@ -34,7 +34,7 @@ def overlaps(a: Tensor, b: Tensor) -> bool:
         return a.nbytes != 0
     if a.device != b.device or a.nbytes == 0 or b.nbytes == 0:
         return False
-    a0, b0 = _start(a), _start(b)
+    a0, b0 = (a.ptr, b.ptr) if a.device == "cuda" else (_start(a), _start(b))
     return a0 < b0 + b.nbytes and b0 < a0 + a.nbytes
 
 

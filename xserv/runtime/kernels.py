@@ -53,26 +53,36 @@ def _kind(arg) -> tuple[str, int, str]:
 
 
 class _Packer:
-    """The parameters of one call signature of one kernel: `pack(*args)` writes them into `buffer`; `params` is
-    the address of the void* array the driver reads."""
+    """The parameters of one call signature of one kernel, in a buffer of 8-byte slots; `params` is the address of
+    the void* array of the slots that the driver reads. Two functions are generated for the signature (the values
+    go into their slots in one pack_into call, without a per-argument Python loop):
+    `pack(*args)` and `launch(gx, gy, gz, bx, by, bz, smem, *args)` = pack + cuLaunchKernel on the kernel's stream."""
 
-    __slots__ = ("pack", "params", "_buffer", "_pointers")
+    __slots__ = ("pack", "launch", "params", "_buffer", "_pointers")
 
-    def __init__(self, kinds: list[tuple[str, int, str]]):
+    def __init__(self, kinds: list[tuple[str, int, str]], func, stream):
         n = max(1, len(kinds))
         self._buffer = ctypes.create_string_buffer(_SLOT * n)
         base = ctypes.addressof(self._buffer)
         self._pointers = (ctypes.c_void_p * n)(*[base + _SLOT * i for i in range(n)])
         self.params = ctypes.addressof(self._pointers)
         layout = struct.Struct("<" + "".join(code + "x" * (_SLOT - size) for _, size, code in kinds))
-        names = [f"a{i}" for i in range(len(kinds))]
-        values = [f"{a}.ptr" if how == "ptr" else a for a, (how, _, _) in zip(names, kinds)]
-        # One generated function per signature: the values go into the slots in one pack_into call, without a
-        # per-argument Python loop.
-        source = f"def pack({', '.join(names)}):\n    _pack_into(_buffer, 0, {', '.join(values)})\n"
-        scope = {"_pack_into": layout.pack_into, "_buffer": self._buffer}
-        exec(source, scope)  # noqa: S102 - the source is built above from argument positions only
-        self.pack = scope["pack"]
+        names = ", ".join(f"a{i}" for i in range(len(kinds)))
+        values = ", ".join(f"a{i}.ptr" if how == "ptr" else f"a{i}" for i, (how, _, _) in enumerate(kinds))
+        sep = ", " if kinds else ""
+        source = (
+            "def make(_pack_into, _buffer, _params, _func, _stream):\n"
+            f"    def pack({names}):\n"
+            f"        _pack_into(_buffer, 0{sep}{values})\n"
+            f"    def launch(gx, gy, gz, bx, by, bz, smem{sep}{names}):\n"
+            f"        _pack_into(_buffer, 0{sep}{values})\n"
+            "        return _cuLaunchKernel(_func, gx, gy, gz, bx, by, bz, smem, _stream, _params, 0)\n"
+            "    return pack, launch\n"
+        )
+        scope: dict = {}
+        # The module's globals: `_cuLaunchKernel` is looked up at call time (tests replace it with a fake driver).
+        exec(source, globals(), scope)  # noqa: S102 - the source is built above from argument positions only
+        self.pack, self.launch = scope["make"](layout.pack_into, self._buffer, self.params, func, stream)
 
 
 class Kernel:
@@ -111,11 +121,7 @@ class Kernel:
     def __call__(self, grid, block, *args, smem: int = 0, pdl: bool = False):
         packer = self._packers.get(tuple(map(type, args)))
         if packer is None:
-            packer = self._new_packer(args)
-        try:
-            packer.pack(*args)
-        except Exception as exc:
-            raise self._bad_argument(args, exc) from exc
+            packer = self._new_packer(args)  # checked against the kernel's parameters once per signature
         if type(grid) is int:
             gx = grid
             gy = gz = 1
@@ -130,11 +136,16 @@ class Kernel:
             self._raise_smem_limit(smem)
         try:
             if pdl and self._pdl_supported:
-                config = self._pdl_config(gx, gy, gz, bx, by, bz, smem)
-                (err,) = _cuLaunchKernelEx(config, self._func, packer.params, 0)
+                packer.pack(*args)
+                (err,) = _cuLaunchKernelEx(self._pdl_config(gx, gy, gz, bx, by, bz, smem), self._func, packer.params, 0)
             else:
-                (err,) = _cuLaunchKernel(self._func, gx, gy, gz, bx, by, bz, smem, self._hstream, packer.params, 0)
-        except Exception as exc:  # e.g. a grid dimension the binding cannot convert
+                (err,) = packer.launch(gx, gy, gz, bx, by, bz, smem, *args)
+        except Exception as exc:
+            # an argument that cannot be packed (a CPU tensor, a negative address, a value out of its type's
+            # range) is named in a ValueError; anything else (a grid the binding cannot convert) failed the launch
+            bad = self._bad_argument(args)
+            if bad is not None:
+                raise bad from exc
             raise CudaError(f"launch of {self._where(grid, block, smem)} failed: {exc}") from exc
         if err != _SUCCESS:
             check_driver((err,), f"launch of {self._where(grid, block, smem)}")
@@ -157,18 +168,19 @@ class Kernel:
                     what = "a device address (8 bytes)" if address else f"a {type(args[i]).__name__} ({size} bytes)"
                     raise ValueError(f"{self.family}/{self.name}: argument {i} is {what}, the kernel's parameter {i} "
                                      f"takes {want} bytes")
-        packer = self._packers[tuple(map(type, args))] = _Packer(kinds)
+        packer = self._packers[tuple(map(type, args))] = _Packer(kinds, self._func, self._hstream)
         return packer
 
-    def _bad_argument(self, args, exc: Exception) -> ValueError:
-        """The argument a failed pack stopped at, named (a CPU tensor, a negative address, an out-of-range value)."""
+    def _bad_argument(self, args) -> ValueError | None:
+        """The first argument that cannot be packed, named (a CPU tensor, a negative address, a value out of
+        range); None when every argument packs."""
         for i, arg in enumerate(args):
             how, size, code = _kind(arg)
             try:
                 struct.pack("<" + code, arg.ptr if how == "ptr" else arg)
-            except Exception as inner:
-                return ValueError(f"{self.family}/{self.name}: argument {i} ({type(arg).__name__}): {inner}")
-        return ValueError(f"{self.family}/{self.name}: cannot pack the arguments: {exc}")
+            except Exception as exc:
+                return ValueError(f"{self.family}/{self.name}: argument {i} ({type(arg).__name__}): {exc}")
+        return None
 
     def _where(self, grid, block, smem) -> str:
         return f"{self.family}/{self.name} grid={grid} block={block} smem={smem}"
