@@ -196,7 +196,10 @@ class Tensor:
             raise ValueError(f"view: shape {tuple(shape)} has {known} elements, tensor has {numel}")
         if self._array is not None:
             return Tensor._make(shape, self.dtype, array=self._array.reshape(shape))
-        return Tensor._make(shape, self.dtype, buffer=self._buffer, offset=self._offset)
+        t = object.__new__(Tensor)  # same storage, dtype and size: copied, not recomputed
+        t.shape, t.dtype, t.device, t.numel, t.nbytes = shape, self.dtype, "cuda", numel, self.nbytes
+        t.ptr, t._buffer, t._offset, t._array = self.ptr, self._buffer, self._offset, None
+        return t
 
     def _view_checked(self, shape) -> "Tensor":
         """view() for shapes given as NumPy integers or with errors in them: the full checks and messages."""

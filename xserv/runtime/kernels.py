@@ -147,7 +147,7 @@ class Kernel:
             if bad is not None:
                 raise bad from exc
             raise CudaError(f"launch of {self._where(grid, block, smem)} failed: {exc}") from exc
-        if err != _SUCCESS:
+        if err is not _SUCCESS:  # enum members are singletons; check_driver compares by value before raising
             check_driver((err,), f"launch of {self._where(grid, block, smem)}")
 
     # ---- first call of a signature, errors --------------------------------------------------------------------
