@@ -11,14 +11,16 @@ using namespace xserv::decode;
 // split combine folded into the kernel.
 //
 // attention_decode_v4_d{D}_g{G}_s{STAGES}: grid (num_splits, Hkv, num_seqs), block 128 (4 warps), dynamic
-// shared memory STAGES * 16 KB (the ring) + kV4TabCap * 4 (page table) + 16 bytes. STAGES = 2 ships
-// (measured best on an H200: docs/kernels/attention.md, "v4 decode"); 3 and 4 stages are in cuda_src/dev/.
+// shared memory STAGES * 16 KB (the ring) + kV4TabCap * 4 (page table) + 16 bytes. STAGES = 2 ships (measured best
+// on an H200: docs/kernels/attention.md, "v4 decode"; and on an H100 for the few-sequence plans of about 2 CTAs per
+// SM, where a third stage was 1-3% slower: "few sequences"); 3 and 4 stages are in cuda_src/dev/.
 //   Key layout as v2: D/8 lanes share a key (one 16-byte chunk of its K and V row each), 32/(D/8) keys side by side,
 //   kV4Unroll such steps per stage, warps interleaved over the split's keys. Each lane cp.asyncs exactly the chunks
 //   it later reads ([warp][stage][chunk][lane], conflict-free), so the STAGES-deep ring needs no barrier: while one
 //   stage is computed, STAGES - 1 are in flight, and the registers hold no loads.
 //   At CTA start the split's block-table entries (pre-multiplied by block_size) are copied into shared memory, so a
 //   refill is a shared load, a multiply-add and two cp.async per key: no global round trip before the K/V loads.
+//   The prologue's loads (kv_len, q, the table entries of a full chunk) go out together: one round trip.
 //   The launcher guarantees they fit (ceil(chunk_len / block_size) + 1 <= kV4TabCap), else it runs v2.
 //   t / block_size is a multiply-high by a host-computed magic number (bs_magic, bs_shift), not a division.
 //   Softmax: ex2.approx; the running max is raised only when a score exceeds it by more than 8 (log2 domain), and
@@ -27,13 +29,15 @@ using namespace xserv::decode;
 //   (each step halves the values a lane holds: 15 shuffles for 16 values instead of 64) and gathered back with
 //   one indexed shuffle per score.
 //   num_splits == 1: bf16 out directly; otherwise fp32 partials, and the last CTA of each (sequence, kv head) to
-//   finish (counters, reset by that CTA: graph-replay safe) merges them. kv_len == 0: split 0 writes zeros.
+//   finish (counters, reset by that CTA: graph-replay safe) merges them (combine_splits_v4, <= kV4MaxSplits).
+//   kv_len == 0: split 0 writes zeros.
 // =================================================================================================================
 namespace {
 
 constexpr int kV4Warps = 4;
 constexpr int kV4Unroll = 4;
 constexpr int kV4TabCap = 512;
+constexpr int kV4MaxSplits = 256;  // the combine's scratch holds G * num_splits weights (the launcher's limit)
 constexpr float kV4Thresh = 8.f;
 
 // n / d for 0 <= n < 2^31 with (magic, shift) from the host (_fast_div in xserv/ops/attention.py).
@@ -49,6 +53,94 @@ __device__ __forceinline__ void bf16x8_to_float_fast(const uint4& v, float (&f)[
         f[2 * i] = __uint_as_float(w[i] << 16);
         f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
     }
+}
+
+// The split combine of v4, folded into the split kernel (the threadfence-reduction pattern of
+// combine_splits_if_last in attention_decode.cuh, with more loads in flight): after write_split_result, the last CTA
+// of a (sequence, kv head) to finish merges the `active` splits' partials of its G heads into `out` and resets the
+// counter (graph replays reuse it). It is the kernel's serial tail when a few sequences are split many ways (64
+// partials of 4 heads x 128 dims = 64 KB of L2 reads by one CTA at 1 x 32k), so the lse values are read once, every
+// thread keeps 8 partial rows in flight (16 measured no faster at 32 splits and 1.3 us slower at 8, whose loads then
+// all fall into the loop's remainder), and where G * D / 4 < 128 threads the splits are spread over PARTS thread
+// groups whose sums are added in a fixed order (deterministic). sm: shared scratch of G * active + 128 * 4 floats;
+// sm_last: a shared int.
+template <int D, int G>
+__device__ __forceinline__ void combine_splits_v4(int* counter, int active, long long row0, int num_splits,
+                                                  const float* __restrict__ part_o,
+                                                  const float* __restrict__ part_lse,
+                                                  __nv_bfloat16* __restrict__ out, float* sm, int& sm_last) {
+    constexpr int NIDX = G * D / 4;                      // float4 columns of the G output rows
+    constexpr int PARTS = NIDX >= kV4Warps * 32 ? 1 : (kV4Warps * 32) / NIDX;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __threadfence();  // this thread's partial writes are visible device-wide before the CTA counts itself done
+    __syncthreads();
+    if (threadIdx.x == 0) sm_last = atomicAdd(counter, 1) == active - 1;
+    __syncthreads();
+    if (!sm_last) return;
+    __threadfence();  // the other CTAs' partials (counted before our atomic) are visible from here on
+    float* sm_w = sm;                    // [G][active] split weights
+    float4* sm_red = reinterpret_cast<float4*>(sm + ((G * active + 3) & ~3));  // [PARTS][NIDX] partial sums
+    // split weights 2^(lse_i - M) / sum per head, one warp per head; the lse values are read from L2 once (into
+    // sm_w, which each lane then rewrites in place: only its own entries)
+    for (int g = warp; g < G; g += kV4Warps) {
+        const float* lse = part_lse + (row0 + g) * num_splits;
+        float* w = sm_w + g * active;
+        float mm = neg_inf();
+        for (int i = lane; i < active; i += 32) {
+            w[i] = __ldcg(lse + i);
+            mm = fmaxf(mm, w[i]);
+        }
+        mm = warp_max(mm);  // finite: split 0 holds keys
+        float den = 0.f;
+        for (int i = lane; i < active; i += 32) {
+            w[i] = exp2f(w[i] - mm);
+            den += w[i];
+        }
+        den = warp_sum(den);
+        for (int i = lane; i < active; i += 32) w[i] /= den;
+    }
+    __syncthreads();  // all heads' weights are in shared memory
+    for (int t = threadIdx.x; t < NIDX * PARTS; t += kV4Warps * 32) {
+        const int idx = t % NIDX, part = t / NIDX;
+        const int g = idx / (D / 4), d4 = idx % (D / 4);
+        const float4* src = reinterpret_cast<const float4*>(part_o + (row0 + g) * num_splits * D) + d4;
+        const float* w = sm_w + g * active;
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 8
+        for (int i = part; i < active; i += PARTS) {
+            const float4 x = __ldcg(src + i * (D / 4));
+            acc.x += w[i] * x.x;
+            acc.y += w[i] * x.y;
+            acc.z += w[i] * x.z;
+            acc.w += w[i] * x.w;
+        }
+        if constexpr (PARTS == 1) {
+            __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(out + (row0 + g) * D + 4 * d4);
+            dst[0] = __floats2bfloat162_rn(acc.x, acc.y);
+            dst[1] = __floats2bfloat162_rn(acc.z, acc.w);
+        } else {
+            sm_red[part * NIDX + idx] = acc;
+        }
+    }
+    if constexpr (PARTS > 1) {
+        __syncthreads();  // every group's sums are in shared memory
+        for (int idx = threadIdx.x; idx < NIDX; idx += kV4Warps * 32) {
+            float4 acc = sm_red[idx];
+#pragma unroll
+            for (int p = 1; p < PARTS; ++p) {
+                const float4 x = sm_red[p * NIDX + idx];
+                acc.x += x.x;
+                acc.y += x.y;
+                acc.z += x.z;
+                acc.w += x.w;
+            }
+            const int g = idx / (D / 4), d4 = idx % (D / 4);
+            __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(out + (row0 + g) * D + 4 * d4);
+            dst[0] = __floats2bfloat162_rn(acc.x, acc.y);
+            dst[1] = __floats2bfloat162_rn(acc.z, acc.w);
+        }
+    }
+    if (threadIdx.x == 0) *counter = 0;
 }
 
 template <int D, int G, int STAGES>
@@ -74,9 +166,21 @@ __device__ void decode_split_v4(const __nv_bfloat16* __restrict__ q, long long q
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int c = lane % LPK, sub = lane / LPK;
     const int s = blockIdx.z, kv_head = blockIdx.y, split = blockIdx.x;
-    const int kv_len = kv_lens[s];
     const int start = split * chunk_len;
     const int h0 = kv_head * G;
+    // Prologue in one memory round trip: kv_len, the query rows and the split's page-table entries are loaded
+    // together (the entries for a full chunk, within the table row, before kv_len is known: entries past the
+    // sequence's end land in `tab` but are never used). The launcher guarantees they fit in kV4TabCap.
+    const int kv_len = kv_lens[s];
+    uint4 q_raw[G];
+#pragma unroll
+    for (int g = 0; g < G; ++g)
+        q_raw[g] = *reinterpret_cast<const uint4*>(q + s * q_row_stride + (long long)(h0 + g) * D + c * 8);
+    const int* table = block_tables + (long long)s * max_blocks_per_seq;
+    const int p0 = fast_div(start, bs_magic, bs_shift);  // pages as first slots (page * block_size)
+    const int n_cap = min(fast_div(start + chunk_len - 1, bs_magic, bs_shift) - p0 + 1, max_blocks_per_seq - p0);
+    for (int i = threadIdx.x; i < n_cap; i += kV4Warps * 32)
+        tab[i] = (int)((unsigned)__ldg(table + p0 + i) * (unsigned)block_size);  // -1 entries: never read
     if (start >= kv_len) {
         if (kv_len == 0 && split == 0)  // a padding row of a captured batch: a defined zero row
             for (int idx = threadIdx.x; idx < G * D; idx += kV4Warps * 32)
@@ -84,17 +188,11 @@ __device__ void decode_split_v4(const __nv_bfloat16* __restrict__ q, long long q
         return;
     }
     const int end = min(start + chunk_len, kv_len);
-    const int* table = block_tables + (long long)s * max_blocks_per_seq;
-    // The split's pages, as first slots (page * block_size). The launcher guarantees they fit in kV4TabCap.
-    const int p0 = fast_div(start, bs_magic, bs_shift);
-    const int n_tab = fast_div(end - 1, bs_magic, bs_shift) - p0 + 1;
-    for (int i = threadIdx.x; i < n_tab; i += kV4Warps * 32) tab[i] = __ldg(table + p0 + i) * block_size;
 
     float qf[G][8];
 #pragma unroll
     for (int g = 0; g < G; ++g) {
-        uint4 raw = *reinterpret_cast<const uint4*>(q + s * q_row_stride + (long long)(h0 + g) * D + c * 8);
-        bf16x8_to_float(raw, qf[g]);
+        bf16x8_to_float(q_raw[g], qf[g]);
 #pragma unroll
         for (int e = 0; e < 8; ++e) qf[g][e] *= scale_log2;
     }
@@ -278,9 +376,10 @@ __device__ void decode_split_v4(const __nv_bfloat16* __restrict__ q, long long q
     write_split_result<D, G, kV4Warps>(sm_m, sm_l, sm_acc, row0, split, num_splits, out, part_o, part_lse);
     if (num_splits == 1) return;
     // the merge area is no longer read: it holds the split weights now
-    combine_splits_if_last<D, G, kV4Warps>(counters + (long long)s * num_kv_heads + kv_head,
-                                           min(num_splits, (kv_len + chunk_len - 1) / chunk_len), row0, num_splits,
-                                           part_o, part_lse, out, reinterpret_cast<float*>(smem_raw), sm_last);
+    static_assert(((G * kV4MaxSplits + 3) & ~3) * 4 + kV4Warps * 32 * 16 <= RING, "combine scratch fits in the ring");
+    combine_splits_v4<D, G>(counters + (long long)s * num_kv_heads + kv_head,
+                            min(num_splits, (kv_len + chunk_len - 1) / chunk_len), row0, num_splits, part_o, part_lse,
+                            out, reinterpret_cast<float*>(smem_raw), sm_last);
 }
 
 }  // namespace
@@ -312,3 +411,4 @@ XSERV_DECODE_V4_KERNEL(128, 5, 2)
 XSERV_DECODE_V4_KERNEL(128, 6, 2)
 XSERV_DECODE_V4_KERNEL(128, 7, 2)
 XSERV_DECODE_V4_KERNEL(128, 8, 2)
+

@@ -187,3 +187,219 @@ XSERV_QK_ROPE(qk_rope_d64_bf16, 64, false)
 XSERV_QK_ROPE(qk_rope_d128_bf16, 128, true)
 XSERV_QK_ROPE(qk_rope_d128_bf16_scalar, 128, false)
 #undef XSERV_QK_ROPE
+
+// ---------------------------------------------------------------------------------------------------------------
+// qk_norm_rope_write_kv / qk_rope_write_kv: qk_norm_rope (or qk_rope) and the paged KV-cache write of the packed
+// qkv (write_kv_bf16 in kv_cache.cu) in one launch, with results bit-identical to the two kernels run one after the
+// other. The rotated k row is stored to qkv and, for slot >= 0, the same bf16 bits to k_cache; v rows are copied to
+// v_cache bit for bit (slot >= 0); qkv's v heads are not written.
+//
+// Layout: 16-byte accesses (v1, a warp per row with the 4-byte accesses of qk_norm_rope and the weights picked by
+// reference, i.e. from local memory, ran at 64% of copy bandwidth at 8192 tokens, slower than the two ops; this
+// layout with the weights in registers runs at 88%): a (token, head) row of D values is held by LPR = D/16 lanes,
+// lane t holding lo = elements [8t, 8t+8) and hi = [D/2 + 8t, D/2 + 8t + 8), so rotate-half pairs stay in one lane;
+// a warp holds 32/LPR rows at a time, STEPS such groups per warp with all loads issued before any math.
+// Bit-identity with qk_norm_rope's warp-per-row layout (HeadRow, norm.cuh): each value gets the same arithmetic
+// (rms_apply, round_bf16, the same RoPE expressions, the same bf16 rounding at the store), and the row's sum of
+// squares is added up in the same tree: HeadRow lane l's partial (its EH values of each half, in its order) is formed
+// here for each of the VPL = 32/LPR HeadRow lanes a lane covers (l = t * VPL + j), and warp_sum's butterfly
+// (xor 16, 8, 4, 2, 1) is replayed on them: a distance >= VPL is a shuffle by distance / VPL between the row's lanes,
+// a smaller one adds the lane's own partials j and j ^ distance. Float addition is commutative, so every HeadRow
+// lane of warp_sum ends with the same bits, and so does every partial here.
+//
+// Programmatic dependent launch: the q/k weights are loaded before pdl_wait() (no earlier kernel writes them);
+// qkv, positions, slot_mapping and the caches are touched only after it (the table row depends on the position).
+// ---------------------------------------------------------------------------------------------------------------
+namespace {
+
+__device__ __forceinline__ void bf16x8_bits_to_float(const uint4& v, float (&f)[8]) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 x = __bfloat1622float2(h[i]);
+        f[2 * i] = x.x;
+        f[2 * i + 1] = x.y;
+    }
+}
+
+__device__ __forceinline__ uint4 float8_to_bf16_bits(const float (&f)[8]) {
+    uint4 v;
+    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);  // head_store's rounding
+    return v;
+}
+
+// The head RMSNorm of one row held by LPR lanes (see the header): inv_rms from warp_sum's tree, then
+// round_bf16(rms_apply(x, inv, w)) per value. Every lane of the warp must call it (full-mask shuffles).
+// The weights stay packed bf16 pairs in registers (16 registers for q's and k's, not 32) and are picked value by
+// value (a select: a reference to one of two arrays would put both in local memory).
+struct NormWeights {
+    __nv_bfloat162 q_lo[4], q_hi[4], k_lo[4], k_hi[4];  // elements [8t, 8t+8) and [D/2 + 8t, D/2 + 8t + 8)
+};
+
+__device__ __forceinline__ float weight_at(const __nv_bfloat162 (&w)[4], int i) {
+    return __bfloat162float(i % 2 ? w[i / 2].y : w[i / 2].x);
+}
+
+template <int D>
+__device__ __forceinline__ void row_rmsnorm16(float (&lo)[8], float (&hi)[8], bool is_q, const NormWeights& w,
+                                              float eps) {
+    constexpr int EH = D / 64;     // values per half of a HeadRow lane
+    constexpr int VPL = 8 / EH;    // HeadRow lanes per lane here (= 32 / LPR)
+    float part[VPL];
+#pragma unroll
+    for (int j = 0; j < VPL; ++j) {
+        float ss = 0.f;  // head_rmsnorm_regs' partial of HeadRow lane t * VPL + j, in its order
+#pragma unroll
+        for (int e = 0; e < EH; ++e) {
+            const int i = j * EH + e;
+            ss += lo[i] * lo[i] + hi[i] * hi[i];
+        }
+        part[j] = ss;
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {  // warp_sum's butterfly over the 32 HeadRow lanes
+        if (offset >= VPL) {
+#pragma unroll
+            for (int j = 0; j < VPL; ++j) part[j] += __shfl_xor_sync(0xffffffffu, part[j], offset / VPL);
+        } else {
+            float next[VPL];
+#pragma unroll
+            for (int j = 0; j < VPL; ++j) next[j] = part[j] + part[j ^ offset];
+#pragma unroll
+            for (int j = 0; j < VPL; ++j) part[j] = next[j];
+        }
+    }
+    const float inv = xserv::rms_inv(part[0], D, eps);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const float wl = is_q ? weight_at(w.q_lo, i) : weight_at(w.k_lo, i);
+        const float wh = is_q ? weight_at(w.q_hi, i) : weight_at(w.k_hi, i);
+        lo[i] = xserv::round_bf16(xserv::rms_apply(lo[i], inv, wl));
+        hi[i] = xserv::round_bf16(xserv::rms_apply(hi[i], inv, wh));
+    }
+}
+
+template <int D, bool NORM, int STEPS>
+__device__ __forceinline__ void qk_rope_write_kv_rows(__nv_bfloat16* qkv, const __nv_bfloat16* __restrict__ q_weight,
+                                                      const __nv_bfloat16* __restrict__ k_weight,
+                                                      const int* __restrict__ positions,
+                                                      const float* __restrict__ cos_sin,
+                                                      __nv_bfloat16* __restrict__ k_cache,
+                                                      __nv_bfloat16* __restrict__ v_cache,
+                                                      const int* __restrict__ slot_mapping, int num_tokens,
+                                                      int num_q_heads, int num_kv_heads, int max_pos, float eps) {
+    constexpr int LPR = D / 16;    // lanes per row
+    constexpr int RPW = 32 / LPR;  // rows a warp holds at a time
+    const int lane = threadIdx.x & 31, t = lane % LPR, grp = lane / LPR;
+    const int all_heads = num_q_heads + 2 * num_kv_heads;
+    const int qk_heads = num_q_heads + num_kv_heads;
+    const long long rows = (long long)num_tokens * all_heads;
+    const long long warp_first = ((long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * STEPS * RPW;
+    if (warp_first >= rows) return;  // warp-uniform
+    NormWeights w;
+    if constexpr (NORM) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {  // scalar loads: the weights need no alignment
+            w.q_lo[e] = __halves2bfloat162(q_weight[8 * t + 2 * e], q_weight[8 * t + 2 * e + 1]);
+            w.q_hi[e] = __halves2bfloat162(q_weight[D / 2 + 8 * t + 2 * e], q_weight[D / 2 + 8 * t + 2 * e + 1]);
+            w.k_lo[e] = __halves2bfloat162(k_weight[8 * t + 2 * e], k_weight[8 * t + 2 * e + 1]);
+            w.k_hi[e] = __halves2bfloat162(k_weight[D / 2 + 8 * t + 2 * e], k_weight[D / 2 + 8 * t + 2 * e + 1]);
+        }
+    }
+    xserv::pdl_wait();  // qkv, positions and slot_mapping come from earlier kernels
+    uint4 raw_lo[STEPS], raw_hi[STEPS];
+    int head[STEPS], pos[STEPS], slot[STEPS];
+#pragma unroll
+    for (int k = 0; k < STEPS; ++k) {
+        const long long row = warp_first + k * RPW + grp;
+        raw_lo[k] = raw_hi[k] = make_uint4(0u, 0u, 0u, 0u);
+        head[k] = -1;  // no row
+        pos[k] = 0;
+        slot[k] = -1;
+        if (row < rows) {
+            const long long token = row / all_heads;
+            head[k] = (int)(row - token * all_heads);
+            raw_lo[k] = *reinterpret_cast<const uint4*>(qkv + row * D + 8 * t);
+            raw_hi[k] = *reinterpret_cast<const uint4*>(qkv + row * D + D / 2 + 8 * t);
+            if (head[k] < qk_heads) pos[k] = positions[token];
+            if (head[k] >= num_q_heads) slot[k] = slot_mapping[token];
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < STEPS; ++k) {
+        const long long row = warp_first + k * RPW + grp;
+        const bool is_q = head[k] < num_q_heads, is_qk = head[k] >= 0 && head[k] < qk_heads;
+        float lo[8], hi[8];
+        bf16x8_bits_to_float(raw_lo[k], lo);
+        bf16x8_bits_to_float(raw_hi[k], hi);
+        // every lane takes part in the norm's shuffles; v rows and missing rows discard the result
+        if constexpr (NORM) row_rmsnorm16<D>(lo, hi, is_q, w, eps);
+        if (is_qk) {
+            if (pos[k] >= 0 && pos[k] < max_pos) {
+                const float4* cs = reinterpret_cast<const float4*>(cos_sin + (long long)pos[k] * D);
+                const float4 c0 = __ldg(cs + 2 * t), c1 = __ldg(cs + 2 * t + 1);
+                const float4 s0 = __ldg(cs + D / 8 + 2 * t), s1 = __ldg(cs + D / 8 + 2 * t + 1);
+                const float cv[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+                const float sv[8] = {s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w};
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {  // rope_regs' expressions
+                    const float c = cv[e], s = sv[e];
+                    const float l = lo[e], h = hi[e];
+                    lo[e] = l * c - h * s;
+                    hi[e] = h * c + l * s;
+                }
+            } else {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) lo[e] = hi[e] = xserv::quiet_nan();
+            }
+            const uint4 out_lo = float8_to_bf16_bits(lo), out_hi = float8_to_bf16_bits(hi);
+            *reinterpret_cast<uint4*>(qkv + row * D + 8 * t) = out_lo;
+            *reinterpret_cast<uint4*>(qkv + row * D + D / 2 + 8 * t) = out_hi;
+            if (slot[k] >= 0) {
+                __nv_bfloat16* dst = k_cache + ((long long)slot[k] * num_kv_heads + (head[k] - num_q_heads)) * D;
+                *reinterpret_cast<uint4*>(dst + 8 * t) = out_lo;
+                *reinterpret_cast<uint4*>(dst + D / 2 + 8 * t) = out_hi;
+            }
+        } else if (head[k] >= qk_heads && slot[k] >= 0) {
+            __nv_bfloat16* dst = v_cache + ((long long)slot[k] * num_kv_heads + (head[k] - qk_heads)) * D;
+            *reinterpret_cast<uint4*>(dst + 8 * t) = raw_lo[k];
+            *reinterpret_cast<uint4*>(dst + D / 2 + 8 * t) = raw_hi[k];
+        }
+    }
+}
+
+}  // namespace
+
+// qkv: [num_tokens, num_q_heads + 2 * num_kv_heads, D] bf16, 16-byte aligned, q and k heads rewritten in place;
+// q_weight, k_weight: [D] bf16 (qk_norm_rope_write_kv only); positions: [num_tokens] int32; cos_sin: [max_pos, D]
+// fp32, 16-byte aligned; k_cache, v_cache: [num_blocks * block_size, num_kv_heads, D] bf16, 16-byte aligned;
+// slot_mapping: [num_tokens] int32 (slot < 0: the token's K/V are not written).
+// _s{STEPS}: STEPS groups of 32 / (D / 16) rows per warp; grid = ceil(rows / (STEPS * 32 / (D / 16) * blockDim.x / 32))
+// for rows = num_tokens * (num_q_heads + 2 * num_kv_heads).
+#define XSERV_QK_NORM_ROPE_WRITE_KV(D, STEPS)                                                                        \
+    extern "C" __global__ void qk_norm_rope_write_kv_d##D##_s##STEPS(                                               \
+        __nv_bfloat16* qkv, const __nv_bfloat16* q_weight, const __nv_bfloat16* k_weight, const int* positions,      \
+        const float* cos_sin, __nv_bfloat16* k_cache, __nv_bfloat16* v_cache, const int* slot_mapping,               \
+        int num_tokens, int num_q_heads, int num_kv_heads, int max_pos, float eps) {                                 \
+        qk_rope_write_kv_rows<D, true, STEPS>(qkv, q_weight, k_weight, positions, cos_sin, k_cache, v_cache,         \
+                                              slot_mapping, num_tokens, num_q_heads, num_kv_heads, max_pos, eps);    \
+    }
+// Same without the head norms (Llama): qk_rope then the KV-cache write.
+#define XSERV_QK_ROPE_WRITE_KV(D, STEPS)                                                                             \
+    extern "C" __global__ void qk_rope_write_kv_d##D##_s##STEPS(                                                    \
+        __nv_bfloat16* qkv, const int* positions, const float* cos_sin, __nv_bfloat16* k_cache,                      \
+        __nv_bfloat16* v_cache, const int* slot_mapping, int num_tokens, int num_q_heads, int num_kv_heads,          \
+        int max_pos) {                                                                                               \
+        qk_rope_write_kv_rows<D, false, STEPS>(qkv, nullptr, nullptr, positions, cos_sin, k_cache, v_cache,          \
+                                               slot_mapping, num_tokens, num_q_heads, num_kv_heads, max_pos, 0.0f);  \
+    }
+// STEPS = 1 ships: on an H100 (graph replays) 1 x 16/8 heads 2.57 us, 64 x 32/8 2.86 us, 8192 x 32/8 89.8 us;
+// STEPS = 2: 2.73, 3.38, 100.5 us; STEPS = 4: 3.75, 4.78, 90.8 us (docs/kernels/pointwise-and-norms.md).
+XSERV_QK_NORM_ROPE_WRITE_KV(64, 1)
+XSERV_QK_NORM_ROPE_WRITE_KV(128, 1)
+XSERV_QK_ROPE_WRITE_KV(64, 1)
+XSERV_QK_ROPE_WRITE_KV(128, 1)
+#undef XSERV_QK_NORM_ROPE_WRITE_KV
+#undef XSERV_QK_ROPE_WRITE_KV

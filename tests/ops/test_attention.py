@@ -219,6 +219,34 @@ def test_plan_decode_v4_page_table_and_fallbacks():
     assert D.plan_decode("v3", 4, 8, 4096, 20, 128, 4, 132)[0].variant == "v2"  # v3 needs block_size % 16 == 0
 
 
+def test_v4_plan_few_sequences():
+    """What the v4 plan guarantees: every split non-empty, chunk a multiple of 64 within v4's shared page table and
+    the combine's split limit; a grid that covers every SM (more CTAs than SMs) wherever the context allows it, with
+    the keys balanced over the SMs (on 132 SMs, the busiest within 15% + 256 keys of the average for long contexts)."""
+    for sms in (132, 114, 78):
+        for b in (1, 2, 3, 4, 8):
+            for hkv in (1, 2, 4, 8):
+                for n in (1, 63, 64, 65, 512, 1000, 4096, 20000, 32768, 100000, 131072):
+                    for block in (16, 256, 8):
+                        k, splits, chunk = D.plan_decode("v4", b, hkv, n, block, 128, 4, sms)
+                        ctas = b * hkv * splits
+                        assert k.variant == "v4" and chunk % 64 == 0, (b, hkv, n, block)
+                        assert (splits - 1) * chunk < n <= splits * chunk  # every split holds keys
+                        assert splits <= D.V4_MAX_SPLITS and -(-chunk // block) + 1 <= D.V4_TABLE_CAP
+                        most = b * hkv * min(D.V4_MAX_SPLITS, -(-n // 64))  # CTAs with 64-key splits
+                        if most > sms:
+                            assert ctas > sms, (sms, b, hkv, n, splits)  # every SM gets a CTA
+                        else:
+                            assert ctas == most  # fewer CTAs than SMs: as many as the context allows
+                        if n >= 20000 and sms == 132:  # (other SM counts can be unlucky for 8 x 8 pairs)
+                            per_sm = -(-ctas // sms) * chunk  # keys on the busiest SM
+                            assert per_sm <= 1.15 * b * hkv * n / sms + 256, (sms, b, hkv, n, splits)
+    # the measured points (H100, docs/kernels/attention.md "few sequences")
+    assert D.plan_decode("v4", 1, 8, 32768, 16, 128, 4, 132)[1:] == (32, 1024)
+    assert D.plan_decode("v4", 1, 8, 512, 16, 128, 4, 132)[1:] == (8, 64)
+    assert D.plan_decode("v4", 64, 8, 4096, 16, 128, 4, 132) == (D.DECODE_KERNELS["v4"], 1, 4096)
+
+
 def test_fast_div():
     n = np.concatenate([np.arange(0, 1 << 16), np.arange((1 << 31) - 4096, 1 << 31)]).astype(np.uint64)
     for d in list(range(1, 257)) + [1000, 4096]:
@@ -279,6 +307,7 @@ def test_host_mirrors_match_device_constants():
     """The launchers' copies of device constants, read back from the kernel sources."""
     v4 = _source("attention_decode")
     assert int(re.search(r"constexpr int kV4TabCap = (\d+);", v4).group(1)) == D.V4_TABLE_CAP
+    assert int(re.search(r"constexpr int kV4MaxSplits = (\d+);", v4).group(1)) == D.V4_MAX_SPLITS
     warps = int(re.search(r"constexpr int kV4Warps = (\d+);", v4).group(1))
     unroll = int(re.search(r"constexpr int kV4Unroll = (\d+);", v4).group(1))
     assert warps * (2 * unroll) * 32 * 16 == D.V4_RING_STAGE_BYTES and warps * 32 == D._THREADS
@@ -453,8 +482,9 @@ def _graph_replays(rng, variant):
 
 
 @pytest.mark.gpu
-def test_decode_gpu_graph_replays(rng):
-    _graph_replays(rng, "v4")
+@pytest.mark.parametrize("variant", ["v4"])
+def test_decode_gpu_graph_replays(rng, variant):
+    _graph_replays(rng, variant)
 
 
 @pytest.mark.gpu

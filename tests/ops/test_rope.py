@@ -1,9 +1,12 @@
 import math
+import re
 
 import numpy as np
 import pytest
 
-from xserv.ops.rope import (qk_norm_rope, qk_norm_rope_reference, qk_rope, qk_rope_reference, rope, rope_cos_sin_table,
+from xserv.ops.attention import write_kv_packed, write_kv_reference
+from xserv.ops.rope import (qk_norm_rope, qk_norm_rope_reference, qk_norm_rope_write_kv,
+                            qk_norm_rope_write_kv_reference, qk_rope, qk_rope_reference, rope, rope_cos_sin_table,
                             rope_reference)
 from xserv.tensor import Tensor, bfloat16, float32
 from qwen3_reference import llama3_inv_freq64
@@ -182,6 +185,99 @@ def test_errors_name_the_argument(rng):
         qk_rope(cpu(random_array(rng, (3, 4, 64), bfloat16)), pos, table, 2, 1)
 
 
+# ---- qk_norm_rope_write_kv: qk_norm_rope / qk_rope + write_kv_packed in one op ----------------------------------------
+def fused_case(rng, t, hq, hkv, d, block_size=16, max_pos=4096, norm=True):
+    """Packed qkv, weights (None for Llama), positions, a slot mapping with -1 padding entries into a cache of spare
+    blocks, and NaN-poisoned caches (the slots nobody writes must stay NaN)."""
+    num_blocks = -(-t // block_size) + 2
+    slots = rng.permutation(num_blocks * block_size)[:t].astype(np.int32)
+    slots[::5] = -1
+    return dict(qkv=random_array(rng, (t, hq + 2 * hkv, d), bfloat16, mean=0.0),
+                qw=random_array(rng, (d,), bfloat16, mean=1.0, std=0.3) if norm else None,
+                kw=random_array(rng, (d,), bfloat16, mean=1.0, std=0.3) if norm else None,
+                pos=rng.integers(0, max_pos, t).astype(np.int32), table=rope_cos_sin_table(d, max_pos, 1e6),
+                slots=slots, cache=np.full((num_blocks, block_size, hkv, d), np.nan, bfloat16), hq=hq, hkv=hkv)
+
+
+def fused_expected(c):
+    """The composition of the NumPy references: (qkv, k_cache, v_cache)."""
+    kc, vc = c["cache"].copy(), c["cache"].copy()
+    if c["qw"] is None:
+        qkv = qk_rope_reference(c["qkv"], c["pos"], c["table"], c["hq"], c["hkv"])
+    else:
+        qkv = qk_norm_rope_reference(c["qkv"], c["qw"], c["kw"], c["pos"], c["table"], c["hq"], c["hkv"], EPS)
+    hq, hkv = c["hq"], c["hkv"]
+    write_kv_reference(qkv[:, hq:hq + hkv], qkv[:, hq + hkv:], kc, vc, c["slots"])
+    return qkv, kc, vc
+
+
+FUSED_STEPS = [1]  # the kernel variants (row groups per warp) the GPU tests check (2 and 4 were measured too)
+
+
+def run_fused(c, to, pdl=False):
+    qkv, kc, vc = to(c["qkv"].copy()), to(c["cache"].copy()), to(c["cache"].copy())
+    w = (None, None) if c["qw"] is None else (to(c["qw"]), to(c["kw"]))
+    assert qk_norm_rope_write_kv(qkv, *w, to(c["pos"]), to(c["table"]), c["hq"], c["hkv"], EPS, kc, vc,
+                                 to(c["slots"]), pdl=pdl) is qkv
+    return qkv.numpy(), kc.numpy(), vc.numpy()
+
+
+def bits(a):
+    return np.asarray(a).view(np.uint16)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_qk_norm_rope_write_kv_cpu(rng, norm):
+    c = fused_case(rng, 9, 4, 2, 64, block_size=4, norm=norm)
+    got, want = run_fused(c, cpu), fused_expected(c)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(bits(g), bits(w))
+    qkv, kc, vc = got
+    hq, hkv = c["hq"], c["hkv"]
+    kept = c["slots"] >= 0
+    assert kept.sum() < len(kept)  # padding entries are exercised
+    # the cache holds the rotated k and the untouched v of kept tokens, NaN everywhere else
+    np.testing.assert_array_equal(bits(kc.reshape(-1, hkv, 64)[c["slots"][kept]]), bits(qkv[kept, hq:hq + hkv]))
+    np.testing.assert_array_equal(bits(vc.reshape(-1, hkv, 64)[c["slots"][kept]]), bits(c["qkv"][kept, hq + hkv:]))
+    unused = np.setdiff1d(np.arange(kc.shape[0] * kc.shape[1]), c["slots"][kept])
+    assert np.all(np.isnan(kc.reshape(-1, hkv, 64)[unused].astype(np.float32)))
+    # rotated (and normed) q/k against the float64 formulas
+    inv = inv_freq64(64, 1e6)
+    q64 = c["qkv"][:, :hq] if not norm else rms64(c["qkv"][:, :hq], c["qw"])
+    assert rel_error(qkv[:, :hq], rope64(q64, c["pos"], inv)) < 1e-2
+
+
+def test_qk_norm_rope_write_kv_kernels_exist():
+    """The launcher's kernel names are instantiated in rope.cu (every steps variant the tests run)."""
+    from xserv.ops import rope as R
+    from xserv.runtime.compiler import kernel_source_dir
+
+    src = (kernel_source_dir() / "rope.cu").read_text()
+    made = {f"{kind}_write_kv_d{d}_s{n}" for kind, d, n in
+            re.findall(r"^XSERV_(QK_NORM_ROPE|QK_ROPE)_WRITE_KV\((\d+), (\d)\)", src, re.M)}
+    made = {m.replace("QK_NORM_ROPE", "qk_norm_rope").replace("QK_ROPE", "qk_rope") for m in made}
+    for steps in {R._FUSED_STEPS, *FUSED_STEPS}:
+        for d in (64, 128):
+            assert {f"qk_norm_rope_write_kv_d{d}_s{steps}", f"qk_rope_write_kv_d{d}_s{steps}"} <= made
+
+
+def test_qk_norm_rope_write_kv_errors(rng):
+    c = fused_case(rng, 4, 2, 1, 64)
+    qkv, pos, table, slots = cpu(c["qkv"]), cpu(c["pos"]), cpu(c["table"]), cpu(c["slots"])
+    kc, vc, w = cpu(c["cache"]), cpu(c["cache"].copy()), cpu(c["qw"])
+    with pytest.raises(ValueError, match="q_weight, k_weight"):
+        qk_norm_rope_write_kv(qkv, w, None, pos, table, 2, 1, EPS, kc, vc, slots)
+    with pytest.raises(ValueError, match="k_cache"):
+        big = cpu(np.zeros((2, 16, 2, 64), bfloat16))
+        qk_norm_rope_write_kv(qkv, w, w, pos, table, 2, 1, EPS, big, cpu(np.zeros((2, 16, 2, 64), bfloat16)), slots)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        qk_norm_rope_write_kv(qkv, w, w, pos, table, 2, 1, EPS, kc, vc, cpu(c["slots"][:3]))
+    with pytest.raises(ValueError, match="v_cache"):
+        qk_norm_rope_write_kv(qkv, w, w, pos, table, 2, 1, EPS, kc, kc, slots)
+    with pytest.raises(ValueError, match="positions"):
+        qk_norm_rope_write_kv(qkv, w, w, cpu(c["pos"][:3]), table, 2, 1, EPS, kc, vc, slots)
+
+
 # ---- CUDA ----------------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 7, 1023])
@@ -283,3 +379,51 @@ def test_cuda_qk_rope_unaligned_and_bad_position(rng):
     ref = qk_rope_reference(qkv[ok], pos[ok], table, hq, hkv)
     assert rel_error(got[ok], ref) < 3e-3
     assert np.all(np.isnan(got[[2, 4], :hq + hkv])) and np.all(np.isfinite(got[:, hq + hkv:]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("steps", FUSED_STEPS)
+@pytest.mark.parametrize("t", [1, 7, 1023])
+@pytest.mark.parametrize("hq, hkv", [(32, 8), (16, 8), (14, 2), (1, 1)])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("norm", [True, False])
+def test_cuda_qk_norm_rope_write_kv(rng, monkeypatch, steps, t, hq, hkv, d, norm):
+    from xserv.ops import rope as R
+
+    monkeypatch.setattr(R, "_FUSED_STEPS", steps)
+    c = fused_case(rng, t, hq, hkv, d, norm=norm)
+    got = run_fused(c, dev)
+    # bit-identical to the two CUDA ops run one after the other on the same (poisoned) buffers
+    qkv, kc, vc = dev(c["qkv"].copy()), dev(c["cache"].copy()), dev(c["cache"].copy())
+    if norm:
+        qk_norm_rope(qkv, dev(c["qw"]), dev(c["kw"]), dev(c["pos"]), dev(c["table"]), hq, hkv, EPS)
+    else:
+        qk_rope(qkv, dev(c["pos"]), dev(c["table"]), hq, hkv)
+    write_kv_packed(qkv, hq, kc, vc, dev(c["slots"]))
+    for g, w in zip(got, (qkv.numpy(), kc.numpy(), vc.numpy())):
+        np.testing.assert_array_equal(bits(g), bits(w))
+    # and close to the composition of the NumPy references, with every unwritten slot still NaN
+    want = fused_expected(c)
+    assert rel_error(got[0], want[0]) < 3e-3
+    for g, w in zip(got[1:], want[1:]):
+        written = ~np.isnan(w.astype(np.float32))
+        np.testing.assert_array_equal(np.isnan(g.astype(np.float32)), ~written)
+        assert rel_error(g[written], w[written]) < 3e-3
+    np.testing.assert_array_equal(bits(got[2][~np.isnan(want[2].astype(np.float32))]),
+                                  bits(want[2][~np.isnan(want[2].astype(np.float32))]))  # v: copied bit for bit
+
+
+@pytest.mark.gpu
+def test_cuda_qk_norm_rope_write_kv_pdl_and_bad_positions(rng):
+    c = fused_case(rng, 6, 4, 2, 128, max_pos=64)
+    c["pos"][[1, 4]] = [64, -1]  # outside the table: NaN in those q/k rows, and in the cache (as the two ops do)
+    c["slots"][:] = np.arange(6, dtype=np.int32)
+    plain, with_pdl = run_fused(c, dev), run_fused(c, dev, pdl=True)
+    for a, b in zip(plain, with_pdl):
+        np.testing.assert_array_equal(bits(a), bits(b))
+    qkv, kc = plain[0].astype(np.float32), plain[1].astype(np.float32).reshape(-1, 2, 128)
+    assert np.all(np.isnan(qkv[[1, 4], :6])) and np.all(np.isfinite(qkv[[0, 2, 3, 5]])) and np.all(np.isfinite(qkv[:, 6:]))
+    assert np.all(np.isnan(kc[[1, 4]])) and np.all(np.isfinite(kc[[0, 2, 3, 5]]))
+    ok = [0, 2, 3, 5]
+    ref = qk_norm_rope_reference(c["qkv"][ok], c["qw"], c["kw"], c["pos"][ok], c["table"], 4, 2, EPS)
+    assert rel_error(plain[0][ok], ref) < 3e-3

@@ -232,7 +232,8 @@ SPECS = [
         kernels=("attention_decode_v4_d128_g4_s2",),
         make_inputs=_decode_inputs, run=_decode_run, reference=_decode_reference, tolerance=1e-2,
         check_shapes=[(1, 4, 4, 1, 64), (5, 32, 8, 1000, 128), (3, 16, 2, 4097, 64, 256), (1, 40, 8, 32768, 128)],
-        bench_shapes=[(64, 32, 8, 4096, 128), (1, 32, 8, 32768, 128), (64, 32, 8, 4096, 128, 256)],
+        bench_shapes=[(64, 32, 8, 4096, 128), (1, 32, 8, 32768, 128), (1, 32, 8, 131072, 128),
+                      (64, 32, 8, 4096, 128, 256)],
         bytes_moved=_decode_bytes, torch_peer=_decode_torch, shape_help="BxHQxHKVxLKVxD[xBLOCK]"),
     OpSpec(
         name="write_kv", family="kv_cache", kernels=("write_kv_bf16",),

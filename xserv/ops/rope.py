@@ -15,12 +15,15 @@ import numpy as np
 
 from ..runtime import kernel
 from ..tensor import Tensor, bfloat16, float32, int32
-from ._checks import check_tensor, output, same_device
+from ._checks import check_aligned, check_tensor, output, same_device
 from ._launch import aligned, cdiv, check_alias, check_eps, check_int32_range
+from .attention._args import check_cache
+from .attention.reference import write_kv_reference
 from .rmsnorm import HEAD_DIMS, head_rmsnorm_reference
 
 _BLOCK = 256  # 8 warps
 _ROWS_PER_WARP = 2  # kRowsPerWarp in rope.cu (warp-per-row kernels)
+_FUSED_STEPS = 1  # qk_norm_rope_write_kv: row groups of 32 / (D / 16) rows per warp (its kernels' _s suffix)
 
 
 # ---- the table ---------------------------------------------------------------------------------------------------
@@ -158,6 +161,21 @@ def qk_norm_rope_reference(qkv: np.ndarray, q_weight: np.ndarray, k_weight: np.n
     return out
 
 
+def qk_norm_rope_write_kv_reference(qkv: np.ndarray, q_weight: np.ndarray | None, k_weight: np.ndarray | None,
+                                    positions: np.ndarray, cos_sin: np.ndarray, num_q_heads: int, num_kv_heads: int,
+                                    eps: float, k_cache: np.ndarray, v_cache: np.ndarray,
+                                    slot_mapping: np.ndarray) -> np.ndarray:
+    """The composition qk_norm_rope (or qk_rope when both weights are None), then write_kv_packed: returns the new
+    packed qkv and writes k_cache / v_cache in place."""
+    if q_weight is None:
+        out = qk_rope_reference(qkv, positions, cos_sin, num_q_heads, num_kv_heads)
+    else:
+        out = qk_norm_rope_reference(qkv, q_weight, k_weight, positions, cos_sin, num_q_heads, num_kv_heads, eps)
+    write_kv_reference(out[:, num_q_heads:num_q_heads + num_kv_heads], out[:, num_q_heads + num_kv_heads:],
+                       k_cache, v_cache, slot_mapping)
+    return out
+
+
 # ---- ops ---------------------------------------------------------------------------------------------------------
 def _check_head_dim(name: str, head_dim: int) -> None:
     if head_dim not in HEAD_DIMS:
@@ -264,4 +282,58 @@ def qk_norm_rope(qkv: Tensor, q_weight: Tensor, k_weight: Tensor, positions: Ten
     _launch_packed("qk_norm_rope", qkv, num_q_heads, num_kv_heads, q_weight, k_weight, positions, cos_sin,
                    np.int32(qkv.shape[0]), np.int32(num_q_heads), np.int32(num_kv_heads),
                    np.int32(cos_sin.shape[0]), eps32)
+    return qkv
+
+
+def qk_norm_rope_write_kv(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor | None, positions: Tensor,
+                          cos_sin: Tensor, num_q_heads: int, num_kv_heads: int, eps: float, k_cache: Tensor,
+                          v_cache: Tensor, slot_mapping: Tensor, pdl: bool = False) -> Tensor:
+    """qk_norm_rope (q_weight, k_weight given: Qwen3) or qk_rope (both None: Llama) in place on the packed qkv
+    bf16 [T, Hq + 2 Hkv, D], then write_kv_packed of its (rotated) k heads and its v heads into the paged cache
+    (k_cache, v_cache bf16 [num_blocks, block_size, Hkv, D]; slot_mapping int32 [T], slot < 0 skips the token), in one
+    launch; the results are bit-identical to the two ops run one after the other. qkv's v heads are not written.
+    qkv, cos_sin and the caches must be 16-byte aligned (the kernel's accesses are 16 bytes wide).
+    pdl=True launches it with programmatic dependent launch (the kernel waits before reading qkv). Returns qkv."""
+    head_dim = _check_packed_qkv(qkv, positions, cos_sin, num_q_heads, num_kv_heads)
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("q_weight, k_weight: give both (Qwen3's head norms) or neither (Llama)")
+    norm = q_weight is not None
+    if norm:
+        check_tensor("q_weight", q_weight, dtype=bfloat16, shape=(head_dim,))
+        check_tensor("k_weight", k_weight, dtype=bfloat16, shape=(head_dim,))
+    eps32 = check_eps(eps)
+    _, _, cache_kv_heads, cache_head_dim = check_cache(k_cache, v_cache)
+    if (cache_kv_heads, cache_head_dim) != (num_kv_heads, head_dim):
+        raise ValueError(f"k_cache: {cache_kv_heads} kv heads of {cache_head_dim}, expected {num_kv_heads} of "
+                         f"{head_dim} (qkv)")
+    num_tokens = qkv.shape[0]
+    check_tensor("slot_mapping", slot_mapping, dtype=int32, shape=(num_tokens,))
+    device = same_device(qkv=qkv, q_weight=q_weight, k_weight=k_weight, positions=positions, cos_sin=cos_sin,
+                         k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
+    named = [("positions", positions), ("cos_sin", cos_sin), ("k_cache", k_cache), ("v_cache", v_cache),
+             ("slot_mapping", slot_mapping)] + ([("q_weight", q_weight), ("k_weight", k_weight)] if norm else [])
+    for name, t in named:
+        check_alias(name, t, "qkv", qkv, allow_identical=False)
+    check_alias("v_cache", v_cache, "k_cache", k_cache, allow_identical=False)
+    if num_tokens == 0:
+        return qkv
+    if device == "cpu":
+        qkv.array[...] = qk_norm_rope_write_kv_reference(
+            qkv.array, q_weight.array if norm else None, k_weight.array if norm else None, positions.array,
+            cos_sin.array, int(num_q_heads), int(num_kv_heads), eps32, k_cache.array, v_cache.array,
+            slot_mapping.array)
+        return qkv
+    check_aligned("qkv", qkv)
+    check_aligned("cos_sin", cos_sin)
+    rows = num_tokens * (num_q_heads + 2 * num_kv_heads)
+    check_int32_range("qkv", num_tokens)
+    grid = cdiv(rows, _FUSED_STEPS * (32 // (head_dim // 16)) * _BLOCK // 32)
+    tail = (k_cache, v_cache, slot_mapping, np.int32(num_tokens), np.int32(num_q_heads), np.int32(num_kv_heads),
+            np.int32(cos_sin.shape[0]))
+    if norm:
+        kernel("rope", f"qk_norm_rope_write_kv_d{head_dim}_s{_FUSED_STEPS}")(
+            grid, _BLOCK, qkv, q_weight, k_weight, positions, cos_sin, *tail, eps32, pdl=pdl)
+    else:
+        kernel("rope", f"qk_rope_write_kv_d{head_dim}_s{_FUSED_STEPS}")(grid, _BLOCK, qkv, positions, cos_sin, *tail,
+                                                                       pdl=pdl)
     return qkv

@@ -2,13 +2,15 @@
 kernels.
 
 Which kernel runs: v4 (cuda_src/attention_decode.cu: v2's CUDA-core math behind a per-lane cp.async ring and a
-shared page table, split combine folded in), or v2 (attention_decode_v2.cu, plain loads and a separate combine
-kernel) where a split's pages would overflow v4's shared page table (a block size below 8 with a very long
-context). v3 (tensor cores) and the v4 experiments are development kernels in cuda_src/dev/, run when a test, the
+shared page table, split combine folded in), or
+v2 (attention_decode_v2.cu, plain loads and a separate combine kernel) where a split's pages would overflow v4's
+shared page table (a block size below 8 with a very long context). The v4 plan (`v4_plan`) balances the keys per
+SM rather than filling resident slots: few sequences get about two CTAs per SM. v3 (tensor cores) and the v4 experiments are development kernels in cuda_src/dev/, run when a test, the
 harness or tools/bench_attention.py names them. Measurements: docs/kernels/attention.md.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -23,6 +25,8 @@ from .reference import attention_decode_reference
 # Mirrors of device constants (tests/ops/test_attention.py reads them back from the sources):
 V4_TABLE_CAP = 512  # kV4TabCap (attention_decode.cu): page-table entries a v4 CTA keeps in shared memory
 V4_RING_STAGE_BYTES = 16384  # 4 warps x 8 chunks x 32 lanes x 16 bytes: one stage of v4's ring
+V4_MAX_SPLITS = 256  # kV4MaxSplits: the folded combine's shared scratch holds G * num_splits weights
+V4_CTA_COST_KEYS = 64  # a v4 CTA's fixed cost (prologue, merge, partials, combine) in keys streamed (H100 sweep)
 V2_CTAS_PER_SM = 4  # v2's split-KV grid aims at this many CTAs per SM
 _SM_SMEM = 227 * 1024  # shared memory per SM available to CTAs on sm_90 (sizes resident-CTA counts)
 _THREADS = 128
@@ -132,10 +136,43 @@ def decode_plan(num_seqs: int, num_kv_heads: int, max_kv_len: int, multiprocesso
     return min(k for k, f in fills.items() if f >= best - 0.03)
 
 
+def v4_plan(num_seqs: int, num_kv_heads: int, max_kv_len: int, multiprocessor_count: int, resident: int,
+            max_chunk: int) -> tuple[int, int]:
+    """(num_splits, chunk_len) of the v4 split-KV grid: chunk_len a multiple of 64, at most V4_MAX_SPLITS splits,
+    every split non-empty ((splits - 1) * chunk_len < max_kv_len), no split longer than max_chunk (v4's page table)
+    where any split count allows it. The cost of a plan is that of its busiest SM: ceil(CTAs / SMs) CTAs, each
+    streaming chunk_len keys plus a fixed cost of V4_CTA_COST_KEYS, 25% more where they exceed the `resident` CTAs
+    per SM (a second wave). Plans of more CTAs than SMs are preferred where there are any (one 4-warp CTA on an SM
+    keeps too few bytes in flight); the cheapest wins, ties to fewer splits. Measured on an H100 (tools/
+    sweep_decode_plan.py): for few sequences the best grid is about two CTAs per SM (1 x 32k: 32 splits of 1024,
+    not 64 of 512), and short contexts gain from chunks down to 64 keys (1 x 512: 8 splits, 13.1 -> 7.7 us)."""
+    length = max(int(max_kv_len), 1)
+    pairs = max(num_seqs * num_kv_heads, 1)
+    sms = max(multiprocessor_count, 1)
+    plans = {}
+    for want in range(1, min(V4_MAX_SPLITS, -(-length // 64)) + 1):
+        chunk = -(-(-(-length // want)) // 64) * 64
+        splits = -(-length // chunk)
+        if (splits, chunk) in plans:
+            continue
+        per_sm = -(-pairs * splits // sms)
+        cost = per_sm * (chunk + V4_CTA_COST_KEYS) * (1.25 if per_sm > resident else 1.0)
+        plans[splits, chunk] = (chunk > max_chunk, pairs * splits <= sms, cost, splits)
+    fits = [k for k, v in plans.items() if not v[0]]
+    if not fits:  # no split count keeps the pages within the table (the caller runs v2): the shortest splits
+        return min(plans, key=lambda k: k[1])
+    if any(not plans[k][1] for k in fits):
+        fits = [k for k in fits if not plans[k][1]]
+    return min(fits, key=lambda k: plans[k][2:])
+
+
+@functools.lru_cache(maxsize=4096)
 def plan_decode(variant: str, num_seqs: int, num_kv_heads: int, max_kv_len: int, block_size: int, head_dim: int,
                 group: int, multiprocessor_count: int) -> tuple[DecodeKernel, int, int]:
-    """(kernel, num_splits, chunk_len) for `variant` on this shape, with the fallbacks applied: v4 whose split would
-    overflow its shared page table runs v2; v3 needs block_size % 16 == 0, else v2."""
+    """(kernel, num_splits, chunk_len) for `variant` on this shape, with the fallbacks applied: v4 (and the v4
+    experiments) plan with v4_plan and run v2 where a split would overflow the shared page table; v3 needs
+    block_size % 16 == 0, else v2. Cached: an eager call pays the
+    search once per shape (it took 100-200 us of host time at 1 x 32k-128k, more than the kernel)."""
     k = DECODE_KERNELS.get(variant)
     if k is None:
         raise ValueError(f"variant: unknown decode kernel {variant!r}; known: {', '.join(DECODE_KERNELS)}")
@@ -144,8 +181,8 @@ def plan_decode(variant: str, num_seqs: int, num_kv_heads: int, max_kv_len: int,
                          f"not ({head_dim}, {group})")
     sms = multiprocessor_count
     if k.generation == 4:
-        splits, chunk = decode_plan(num_seqs, num_kv_heads, max_kv_len, sms, k.resident(head_dim, group), True,
-                                    max_chunk=(V4_TABLE_CAP - 1) * block_size // 64 * 64)
+        splits, chunk = v4_plan(num_seqs, num_kv_heads, max_kv_len, sms, k.resident(head_dim, group),
+                                (V4_TABLE_CAP - 1) * block_size // 64 * 64)
         if -(-chunk // block_size) + 1 <= V4_TABLE_CAP:  # the split's pages fit the shared page table
             return k, splits, chunk
         k = DECODE_KERNELS["v2"]
@@ -204,6 +241,8 @@ def attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_lens: Tenso
     group = num_q_heads // num_kv_heads
     k, splits, chunk = plan_decode(variant, num_seqs, num_kv_heads, max_kv_len, block_size, head_dim, group,
                                    get_device().multiprocessor_count)
+    if k.generation >= 3 and splits > V4_MAX_SPLITS:
+        raise ValueError(f"plan: {splits} splits > {V4_MAX_SPLITS}, the folded combine's limit")
     part_o = part_lse = out  # unused by the kernels when splits == 1
     if splits > 1:
         rows = num_seqs * num_q_heads * splits
