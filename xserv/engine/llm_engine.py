@@ -9,8 +9,9 @@ One `step()`:
    for sequences that stream or have stop strings (others decode their text once, when they finish), stop
    strings, stream buffers.
 A sequence that a stop string ends in (3) already has a row in the step in flight; that token is dropped.
-When the step in flight is a pure decode step, the next decode step is launched *before* (1), its input tokens
-gathered on the device (see `_decode_ahead`), so the GPU never waits for the host between decode steps.
+When the step in flight is a pure decode step (or a prefill graph's chunk that ends its prompt), the next decode
+step is launched *before* (1), its input tokens gathered on the device (see `_decode_ahead`), so the GPU never
+waits for the host between decode steps.
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ class _Launched:
     sampled: list  # the sequences that get a token, in the order of the sampler's rows
     result: object  # SampleResult, or None when no row samples
     replayed: bool  # a decode step run from a CUDA graph
+    prefill_graph: bool = False  # one sequence's prompt chunk run from a prefill CUDA graph
 
 
 class LLMEngine:
@@ -176,15 +178,15 @@ class LLMEngine:
         return results
 
     def _decode_ahead(self):
-        """When the step in flight is a pure decode step replayed from a graph and nothing waits to be admitted,
-        the next step is that step's sequences again, one token further: launch it now, before the step in
-        flight has been booked, with each row's input token gathered on the device from the step in flight's
-        output (`index`). Sequences that the token in flight ends by length are left out; one that a stop token
+        """When the step in flight is a pure decode step replayed from a graph (or a prefill graph's chunk, the
+        step's only row) and nothing waits to be admitted, the next step is that step's sampled sequences decoding
+        their next token: launch it now, before the step in flight has been booked, with each row's input token
+        gathered on the device from the step in flight's output (`index`). Sequences that the token in flight ends by length are left out; one that a stop token
         or string ends keeps its row, whose token is dropped when booked. Returns (rows, index) or None."""
         if not self.config.overlap_steps or len(self._inflight) != 1 or self.scheduler.waiting:
             return None
         last = self._inflight[0]
-        if not last.replayed:
+        if not (last.replayed or last.prefill_graph):
             return None
         rows, index = [], []
         for i, seq in enumerate(last.sampled):
@@ -218,7 +220,8 @@ class LLMEngine:
             events[1].record(get_device().stream_handle)
             self.step_profile.append((events, len(scheduled), sum(n for _, n in scheduled),
                                       self.runner.last_run_replayed, bool(ahead)))
-        self._inflight.append(_Launched(scheduled, sampled, result, self.runner.last_run_replayed))
+        self._inflight.append(_Launched(scheduled, sampled, result, self.runner.last_run_replayed,
+                                        self.runner.last_run_prefill_graph))
 
     def _step_events(self):
         """With `step_profile` set to a list (benchmarks), each launched step records a pair of timing events."""

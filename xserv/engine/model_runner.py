@@ -99,9 +99,17 @@ class ModelRunner:
         return self.forward(chunks)
 
     def can_replay(self, scheduled, ahead: int = 0) -> bool:
-        """A pure decode step that a captured graph covers (batch size and context length)."""
-        return bool(self.graphs) and len(scheduled) <= self._max_graph_bs and all(n == 1 for _, n in scheduled) \
-            and max(s.num_computed for s, _ in scheduled) + ahead < self.max_model_len
+        """A pure decode step that a captured graph covers (batch size and context length): every row computes its
+        sequence's last token (position len(token_ids) - 1, or the next one when launched ahead: then the host
+        state lags the step in flight, a decode step or a prefill chunk that ends the prompt)."""
+        if not self.graphs or len(scheduled) > self._max_graph_bs:
+            return False
+        if ahead:
+            if any(n != 1 for _, n in scheduled):
+                return False
+        elif any(n != 1 or s.num_computed + 1 != len(s.token_ids) for s, n in scheduled):
+            return False  # (a one-token chunk in the middle of a prompt runs eagerly)
+        return max(len(s.token_ids) for s, _ in scheduled) - 1 + ahead < self.max_model_len
 
     def can_replay_prefill(self, scheduled) -> bool:
         """One sequence's chunk and nothing else (no decode rows), no longer than the largest prefill graph."""
@@ -204,7 +212,7 @@ class ModelRunner:
         n = len(seqs)
         bs = int(self._bucket_of[n])
         slots = self._sync_tables(seqs)
-        positions = np.fromiter((s.num_computed for s in seqs), np.int64, n) + ahead
+        positions = np.fromiter((len(s.token_ids) for s in seqs), np.int64, n) + (ahead - 1)
         max_kv_len = next(b for b in self._kv_buckets if b >= int(positions.max()) + 1)
         width = self._bucket_tables[max_kv_len].shape[1]
         st = self._staging
