@@ -171,6 +171,10 @@ __device__ void decode_split_v4(const __nv_bfloat16* __restrict__ q, long long q
     // Prologue in one memory round trip: kv_len, the query rows and the split's page-table entries are loaded
     // together (the entries for a full chunk, within the table row, before kv_len is known: entries past the
     // sequence's end land in `tab` but are never used). The launcher guarantees they fit in kV4TabCap.
+    // Programmatic dependent launch: q and the cache come from the kernels before; the next kernel (the o
+    // projection) may start now and load its weights while this one runs (it waits for this grid to finish).
+    xserv::pdl_launch_dependents();
+    xserv::pdl_wait();
     const int kv_len = kv_lens[s];
     uint4 q_raw[G];
 #pragma unroll

@@ -12,28 +12,28 @@
 //                                    followed by fused_add_rmsnorm_f32res's add does)
 //
 // Why not cuBLASLt: at M <= 16 a projection is a read of W (bandwidth-bound), and cuBLASLt's kernels for these
-// shapes leave a quarter of the bandwidth unused and need separate kernels for the norm, the activation and the
+// shapes leave part of the bandwidth unused and need separate kernels for the norm, the activation and the
 // residual add, each a launch and a round trip through memory.
 //
-// Shape of the work. A CTA is 4 warps. The prologue stages the m transformed x rows in shared memory once per CTA
-// (bf16, m * K * 2 bytes), so every CTA is persistent over a grid-stride loop of tiles. A tile is
-// (4 / split) row groups of R = 4 output rows; the `split` warps of a row group divide K between them
-// (interleaved 16-byte chunks, coalesced) and add their partial sums through shared memory in a fixed order, so
-// results do not depend on timing. Each lane keeps U chunks of each of its R rows in flight (R * U 16-byte loads)
-// before it touches x, which is what keeps enough bytes in flight per SM to reach the bandwidth.
+// Two kernels share the prologues and epilogues (docs/kernels/gemv.md has the versions and their measurements):
+//   gemv_row        one x row, CUDA cores. A CTA of 4 warps; a row group is 4 weight rows, each lane holding
+//                   U = 4 16-byte chunks of each in flight (16 loads), the lanes of a warp reading 512 contiguous
+//                   bytes of a row per load: the best bandwidth measured at M = 1.
+//   gemv_mma_m8/16  2..16 x rows, tensor cores (mma.sync m16n8k16; see "the tensor-core GEMV" below), so 2 and 16
+//                   rows cost about the same: a CTA of 8 warps; a row group is 16 weight rows.
+// In both, the prologue stages the transformed x rows in shared memory once per CTA and the CTA then loops over
+// tiles (a persistent grid of at most 2 CTAs per SM). A tile is (warps / split) row groups; the `split` warps of
+// a row group divide K between them and add their partial sums through shared memory in a fixed order, so
+// results do not depend on timing.
 //
-// Programmatic dependent launch: the weights do not depend on the previous kernel, so before pdl_wait() each
-// warp asks the L2 to prefetch its first tile's rows (cp.async.bulk.prefetch); the x staging comes after the wait.
+// Programmatic dependent launch: the weights do not depend on the previous kernel, so each lane loads its first
+// weights into registers before pdl_wait(); the x staging comes after the wait, pdl_launch_dependents() after it.
 //
 // Requirements (the launcher checks): K % 8 == 0, W and x rows 16-byte aligned (x_stride a multiple of 8 bf16 /
-// 4 fp32 values), dynamic shared memory m * K * 2 bytes + the reduction buffer.
+// 4 fp32 values), dynamic shared memory for the reduction buffers and the staged x.
 #include "norm.cuh"
 
 namespace {
-
-constexpr int kWarps = 4;
-constexpr int kThreads = kWarps * 32;
-constexpr int kRows = 4;  // R: output rows per row group
 
 enum Prologue : int { kBf16 = 0, kRmsNorm = 1, kSiluMul = 2 };
 enum Epilogue : int { kStoreBf16 = 0, kStoreF32 = 1, kAddResidual = 2 };
@@ -47,26 +47,10 @@ __device__ __forceinline__ uint4 load_weight(const __nv_bfloat16* p) {
     return v;
 }
 
-__device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-#endif
-}
-
-__device__ __forceinline__ float bf16_lo(unsigned v) { return __uint_as_float(v << 16); }
-__device__ __forceinline__ float bf16_hi(unsigned v) { return __uint_as_float(v & 0xffff0000u); }
-
-__device__ __forceinline__ void unpack8(const uint4& v, float (&f)[8]) {
-    f[0] = bf16_lo(v.x); f[1] = bf16_hi(v.x); f[2] = bf16_lo(v.y); f[3] = bf16_hi(v.y);
-    f[4] = bf16_lo(v.z); f[5] = bf16_hi(v.z); f[6] = bf16_lo(v.w); f[7] = bf16_hi(v.w);
-}
-
-__device__ __forceinline__ float dot8(const uint4& w, const float (&x)[8], float acc) {
-    float f[8];
-    unpack8(w, f);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) acc = fmaf(f[j], x[j], acc);
-    return acc;
+__device__ __forceinline__ void store_out(void* out, long long o, float v, int epilogue) {
+    if (epilogue == kStoreBf16) static_cast<__nv_bfloat16*>(out)[o] = __float2bfloat16_rn(v);
+    else if (epilogue == kStoreF32) static_cast<float*>(out)[o] = v;
+    else static_cast<float*>(out)[o] += xserv::round_bf16(v);
 }
 
 // silu(g) = g / (1 + 2^(-g * log2 e)) with ex2.approx and an IEEE division, exactly as activation.ptx.
@@ -77,10 +61,11 @@ __device__ __forceinline__ float silu(float g) {
 }
 
 // Stage the m transformed x rows in shared memory (bf16 [m][K]). Every thread of the CTA takes part.
-template <int M>
-__device__ __forceinline__ void stage_x(__nv_bfloat16* xs, float* scratch, const void* x, long long x_stride,
+template <int M, int THREADS>
+__device__ __forceinline__ void stage_x(__nv_bfloat16* xs, int KS, float* scratch, const void* x, long long x_stride,
                                         const int* x_rows, const __nv_bfloat16* norm_w, float eps, int m, int K,
                                         int prologue) {
+    constexpr int kThreads = THREADS, kWarps = THREADS / 32;
     const int chunks = K / 8;
     if (prologue == kRmsNorm) {
         // Pass 1: each row's sum of squares (per-thread partials, then warp and CTA sums in a fixed order).
@@ -122,137 +107,301 @@ __device__ __forceinline__ void stage_x(__nv_bfloat16* xs, float* scratch, const
                     xserv::load8(norm_w + c * 8, w);
 #pragma unroll
                     for (int j = 0; j < 8; ++j) v[j] = w[j] * (v[j] * inv);
-                    xserv::store8(xs + (long long)i * K + c * 8, v);
+                    xserv::store8(xs + (long long)i * KS + c * 8, v);
                 }
             }
         }
     } else if (prologue == kSiluMul) {
-        for (int i = 0; i < m; ++i) {
+        // One flat loop over (row, chunk) so that a thread's loads are independent (in flight together).
+#pragma unroll 4
+        for (int e = threadIdx.x; e < m * chunks; e += kThreads) {
+            const int i = e / chunks, c = e - i * chunks;
             const __nv_bfloat16* row = static_cast<const __nv_bfloat16*>(x) + (long long)(x_rows ? x_rows[i] : i) * x_stride;
-            for (int c = threadIdx.x; c < chunks; c += kThreads) {
-                float g[8], u[8];
-                xserv::load8(row + c * 8, g);
-                xserv::load8(row + K + c * 8, u);
+            float g[8], u[8];
+            xserv::load8(row + c * 8, g);
+            xserv::load8(row + K + c * 8, u);
 #pragma unroll
-                for (int j = 0; j < 8; ++j) g[j] = xserv::round_bf16(silu(g[j])) * u[j];
-                xserv::store8(xs + (long long)i * K + c * 8, g);
-            }
+            for (int j = 0; j < 8; ++j) g[j] = xserv::round_bf16(silu(g[j])) * u[j];
+            xserv::store8(xs + (long long)i * KS + c * 8, g);
         }
     } else {
-        for (int i = 0; i < m; ++i) {
+#pragma unroll 4
+        for (int e = threadIdx.x; e < m * chunks; e += kThreads) {
+            const int i = e / chunks, c = e - i * chunks;
             const __nv_bfloat16* row = static_cast<const __nv_bfloat16*>(x) + (long long)(x_rows ? x_rows[i] : i) * x_stride;
-            for (int c = threadIdx.x; c < chunks; c += kThreads)
-                reinterpret_cast<uint4*>(xs + (long long)i * K)[c] = reinterpret_cast<const uint4*>(row)[c];
+            reinterpret_cast<uint4*>(xs + (long long)i * KS)[c] = reinterpret_cast<const uint4*>(row)[c];
         }
     }
     __syncthreads();
 }
 
-// M: rows compiled for (m <= M at run time); U: 16-byte chunks per row a lane keeps in flight.
-template <int M, int U>
+// ---- gemv_row: one x row on the CUDA cores -----------------------------------------------------------------------
+namespace row {
+
+constexpr int kWarps = 4, kThreads = kWarps * 32;
+constexpr int kRows = 4;  // weight rows per row group
+constexpr int kU = 4;     // 16-byte chunks per row a lane keeps in flight
+
+__device__ __forceinline__ float dot8(const uint4& w, const uint4& x, float acc) {
+    const unsigned wv[4] = {w.x, w.y, w.z, w.w}, xv[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {  // bf16 -> fp32 is a shift (low half) or a mask (high half)
+        acc = fmaf(__uint_as_float(wv[j] << 16), __uint_as_float(xv[j] << 16), acc);
+        acc = fmaf(__uint_as_float(wv[j] & 0xffff0000u), __uint_as_float(xv[j] & 0xffff0000u), acc);
+    }
+    return acc;
+}
+
+__device__ __forceinline__ void load_step(uint4 (&w)[kU][kRows], const __nv_bfloat16* const (&wrow)[kRows], int c,
+                                          int stride, int chunks) {
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+        const int cu = c + u * stride;
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) w[u][r] = cu < chunks ? load_weight(wrow[r] + cu * 8) : make_uint4(0, 0, 0, 0);
+    }
+}
+
+__device__ __forceinline__ void fma_step(float (&acc)[kRows], const uint4 (&w)[kU][kRows], const __nv_bfloat16* xs,
+                                         int c, int stride, int chunks) {
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+        const int cu = c + u * stride;
+        if (cu < chunks) {
+            const uint4 xv = reinterpret_cast<const uint4*>(xs)[cu];
+#pragma unroll
+            for (int r = 0; r < kRows; ++r) acc[r] = dot8(w[u][r], xv, acc[r]);
+        }
+    }
+}
+
+// Dynamic shared memory: partial sums [kWarps][kRows], the RMS scratch [kWarps], then x [K] bf16.
 __device__ __forceinline__ void gemv(const void* x, long long x_stride, const int* x_rows,
                                      const __nv_bfloat16* norm_w, float eps, const __nv_bfloat16* __restrict__ W,
-                                     void* out, long long out_stride, int m, int N, int K, int split, int prologue,
-                                     int epilogue) {
-    extern __shared__ __align__(16) unsigned char smem[];
-    __shared__ float scratch[M * kWarps];
-    __shared__ float partial[kWarps][kRows * M];
-    __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem);
+                                     void* out, int N, int K, int split, int prologue, int epilogue) {
+    extern __shared__ __align__(16) float smem[];
+    float (*partial)[kRows] = reinterpret_cast<float (*)[kRows]>(smem);
+    float* scratch = smem + kWarps * kRows;
+    __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(scratch + kWarps);
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int groups_per_tile = kWarps / split;
     const int slot = warp / split, part = warp % split;  // this warp's row group in the tile, its share of K
     const int chunks = K / 8;
     const int num_tiles = (N + kRows * groups_per_tile - 1) / (kRows * groups_per_tile);
+    const int first = part * 32 + lane, stride = 32 * split;  // this lane's first chunk, the step between its chunks
+    auto rows_of = [&](int tile, const __nv_bfloat16* (&wrow)[kRows]) {
+        const int n0 = (tile * groups_per_tile + slot) * kRows;
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) wrow[r] = W + (long long)min(n0 + r, N - 1) * K;  // clamped rows: not stored
+        return n0;
+    };
 
-    // Before the wait: the first tile's weight rows of this warp into L2 (lane r < R prefetches row r's share).
-    if (blockIdx.x < num_tiles && lane < kRows) {
-        const int n = (blockIdx.x * groups_per_tile + slot) * kRows + lane;
-        if (n < N) {
-            const int per = (chunks + split - 1) / split;  // chunks of this warp's K share, as 16-byte units
-            const int c0 = min(part * per, chunks), c1 = min(c0 + per, chunks);
-            if (c1 > c0) prefetch_l2(W + (long long)n * K + c0 * 8, (unsigned)(c1 - c0) * 16u);
-        }
+    uint4 w0[kU][kRows];  // the first tile's first chunk step, loaded before the wait
+    if (blockIdx.x < num_tiles) {
+        const __nv_bfloat16* wrow[kRows];
+        rows_of(blockIdx.x, wrow);
+        load_step(w0, wrow, first, stride, chunks);
     }
     xserv::pdl_wait();
-    stage_x<M>(xs, scratch, x, x_stride, x_rows, norm_w, eps, m, K, prologue);
+    stage_x<1, kThreads>(xs, K, scratch, x, x_stride, x_rows, norm_w, eps, 1, K, prologue);
     xserv::pdl_launch_dependents();
 
     for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-        const int n0 = (tile * groups_per_tile + slot) * kRows;
         const __nv_bfloat16* wrow[kRows];
-#pragma unroll
-        for (int r = 0; r < kRows; ++r) wrow[r] = W + (long long)min(n0 + r, N - 1) * K;  // clamped: a valid row
-        float acc[kRows][M];
-#pragma unroll
-        for (int r = 0; r < kRows; ++r)
-#pragma unroll
-            for (int i = 0; i < M; ++i) acc[r][i] = 0.f;
-
-        for (int c = part * 32 + lane; c < chunks; c += 32 * split * U) {
-            uint4 w[U][kRows];
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int cu = c + u * 32 * split;
-#pragma unroll
-                for (int r = 0; r < kRows; ++r) w[u][r] = cu < chunks ? load_weight(wrow[r] + cu * 8) : make_uint4(0, 0, 0, 0);
-            }
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int cu = c + u * 32 * split;
-                if (cu < chunks) {
-#pragma unroll
-                    for (int i = 0; i < M; ++i) {
-                        if (i < m) {
-                            float xv[8];
-                            unpack8(reinterpret_cast<const uint4*>(xs + (long long)i * K)[cu], xv);
-#pragma unroll
-                            for (int r = 0; r < kRows; ++r) acc[r][i] = dot8(w[u][r], xv, acc[r][i]);
-                        }
-                    }
-                }
-            }
+        const int n0 = rows_of(tile, wrow);
+        float acc[kRows] = {0.f, 0.f, 0.f, 0.f};
+        int c = first;
+        if (tile == blockIdx.x) {
+            fma_step(acc, w0, xs, c, stride, chunks);
+            c += stride * kU;
         }
-        // Reduce: the lanes of each warp, then the `split` warps of the row group, in warp order.
+        for (; c < chunks; c += stride * kU) {
+            uint4 w[kU][kRows];
+            load_step(w, wrow, c, stride, chunks);
+            fma_step(acc, w, xs, c, stride, chunks);
+        }
+        // Sum the lanes of each warp, then the `split` warps of the row group in warp order.
 #pragma unroll
-        for (int r = 0; r < kRows; ++r)
-#pragma unroll
-            for (int i = 0; i < M; ++i) {
-                const float v = xserv::warp_sum(acc[r][i]);
-                if (lane == 0) partial[warp][r * M + i] = v;
-            }
+        for (int r = 0; r < kRows; ++r) {
+            const float v = xserv::warp_sum(acc[r]);
+            if (lane == 0) partial[warp][r] = v;
+        }
         __syncthreads();
-        if (part == 0) {
-            for (int e = lane; e < kRows * M; e += 32) {
-                const int r = e / M, i = e % M, n = n0 + r;
-                if (i >= m || n >= N) continue;
-                float v = 0.f;
-                for (int p = 0; p < split; ++p) v += partial[warp + p][e];
-                const long long o = (long long)i * out_stride + n;
-                if (epilogue == kStoreBf16) static_cast<__nv_bfloat16*>(out)[o] = __float2bfloat16_rn(v);
-                else if (epilogue == kStoreF32) static_cast<float*>(out)[o] = v;
-                else static_cast<float*>(out)[o] += xserv::round_bf16(v);
-            }
+        if (part == 0 && lane < kRows && n0 + lane < N) {
+            float v = 0.f;
+            for (int p = 0; p < split; ++p) v += partial[warp + p][lane];
+            store_out(out, n0 + lane, v, epilogue);
         }
         __syncthreads();  // `partial` is reused by the next tile
     }
 }
 
+}  // namespace row
+
+// ---- the tensor-core GEMV ---------------------------------------------------------------------------------------
+// mma.sync m16n8k16 (bf16 in, fp32 accumulate) with the weights as A (16 rows of a row group) and the staged x as
+// B (8 x rows per n-tile; rows >= m read as zeros). A dot product may take its k terms in any order, so lane
+// (g, t) (g = lane / 4, t = lane % 4) loads 8 consecutive k values (one 16-byte load) of weight rows g and g + 8
+// for a 32-wide k block, and x row g's 8 values at the same k: the same k permutation on both sides, so every
+// fragment comes from a 16-byte load. Of the lane's physical k = block + t*8 + [0, 8), mma 0 takes [0, 4) as the
+// logical k pairs (2t, 2t+1) and (2t+8, 2t+9), mma 1 takes [4, 8).
+// C: c0, c1 = weight row g, x rows 2t, 2t+1; c2, c3 = weight row g + 8.
+namespace mma {
+
+constexpr int kWarps = 8, kThreads = kWarps * 32;
+constexpr int kGroupRows = 16;  // weight rows per row group: the mma's M
+constexpr int kPad = 32;        // bf16 padding per staged x row: rows g and g + 1 start in different banks
+constexpr int kU = 4;           // k blocks a lane keeps in flight (2 loads each)
+
+struct Frag {
+    uint4 lo, hi;  // weight rows g and g + 8: 8 bf16 each
+};
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                         unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void load_blocks(Frag (&w)[kU], const __nv_bfloat16* lo, const __nv_bfloat16* hi, int k0,
+                                            int kstep, int K) {
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+        const int k = k0 + u * kstep;
+        w[u].lo = k < K ? load_weight(lo + k) : make_uint4(0, 0, 0, 0);
+        w[u].hi = k < K ? load_weight(hi + k) : make_uint4(0, 0, 0, 0);
+    }
+}
+
+// mma.sync needs the whole warp: a block runs when its start (k - t * 8, the same in every lane) is inside K;
+// lanes whose 8 values lie past K (K % 32 != 0) feed zeros, as load_blocks did for the weights, and so do the
+// lanes of x rows >= m (only m rows are staged).
+template <int NT>
+__device__ __forceinline__ void mma_blocks(float (&acc)[NT][4], const Frag (&w)[kU], const __nv_bfloat16* xs, int g,
+                                           int t, int k0, int kstep, int K, int KS, int m) {
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+        const int k = k0 + u * kstep;
+        if (k - t * 8 < K) {
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                const int i = g + nt * 8;
+                const uint4 xv = k < K && i < m ? *reinterpret_cast<const uint4*>(xs + (long long)i * KS + k)
+                                                : make_uint4(0, 0, 0, 0);
+                mma_bf16(acc[nt], w[u].lo.x, w[u].hi.x, w[u].lo.y, w[u].hi.y, xv.x, xv.y);
+                mma_bf16(acc[nt], w[u].lo.z, w[u].hi.z, w[u].lo.w, w[u].hi.w, xv.z, xv.w);
+            }
+        }
+    }
+}
+
+// NT n-tiles of 8 x rows (m <= 8 * NT). Dynamic shared memory: partial sums [kWarps][32][NT * 4], the RMS
+// scratch [8 * NT * kWarps], then x [m][K + kPad] bf16.
+template <int NT>
+__device__ __forceinline__ void gemv(const void* x, long long x_stride, const int* x_rows,
+                                     const __nv_bfloat16* norm_w, float eps, const __nv_bfloat16* __restrict__ W,
+                                     void* out, long long out_stride, int m, int N, int K, int split, int prologue,
+                                     int epilogue) {
+    constexpr int M = 8 * NT;
+    extern __shared__ __align__(16) float smem[];
+    float (*partial)[32][NT * 4] = reinterpret_cast<float (*)[32][NT * 4]>(smem);
+    float* scratch = smem + kWarps * 32 * NT * 4;
+    __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(scratch + M * kWarps);
+    const int KS = K + kPad;
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int groups_per_tile = kWarps / split;
+    const int slot = warp / split, part = warp % split;  // this warp's row group in the tile, its share of K
+    const int num_tiles = (N + kGroupRows * groups_per_tile - 1) / (kGroupRows * groups_per_tile);
+    const int k_first = part * 32 + t * 8, kstep = 32 * split;  // this lane's first k, the step between its blocks
+    auto rows_of = [&](int tile, const __nv_bfloat16*& lo, const __nv_bfloat16*& hi) {
+        const int n0 = (tile * groups_per_tile + slot) * kGroupRows;
+        lo = W + (long long)min(n0 + g, N - 1) * K;  // clamped: a valid row, its result is not stored
+        hi = W + (long long)min(n0 + g + 8, N - 1) * K;
+        return n0;
+    };
+
+    Frag w0[kU];  // the first tile's first blocks, loaded before the wait
+    if (blockIdx.x < num_tiles) {
+        const __nv_bfloat16 *lo, *hi;
+        rows_of(blockIdx.x, lo, hi);
+        load_blocks(w0, lo, hi, k_first, kstep, K);
+    }
+    xserv::pdl_wait();
+    stage_x<M, kThreads>(xs, KS, scratch, x, x_stride, x_rows, norm_w, eps, m, K, prologue);
+    xserv::pdl_launch_dependents();
+
+    for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+        const __nv_bfloat16 *lo, *hi;
+        const int n0 = rows_of(tile, lo, hi);
+        float acc[NT][4];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) acc[nt][j] = 0.f;
+        int k = k_first;
+        if (tile == blockIdx.x) {
+            mma_blocks<NT>(acc, w0, xs, g, t, k, kstep, K, KS, m);
+            k += kstep * kU;
+        }
+        for (; k - t * 8 < K; k += kstep * kU) {  // the block's start (the same in every lane) is inside K
+            Frag w[kU];
+            load_blocks(w, lo, hi, k, kstep, K);
+            mma_blocks<NT>(acc, w, xs, g, t, k, kstep, K, KS, m);
+        }
+        // Sum the `split` warps of the row group in warp order, then write the outputs this lane holds.
+        if (split > 1) {
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) partial[warp][lane][nt * 4 + j] = acc[nt][j];
+            __syncthreads();
+            if (part == 0)
+                for (int p = 1; p < split; ++p)
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                        for (int j = 0; j < 4; ++j) acc[nt][j] += partial[warp + p][lane][nt * 4 + j];
+        }
+        if (part == 0) {
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const int n = n0 + g + (j >> 1) * 8, i = nt * 8 + 2 * t + (j & 1);
+                    if (i < m && n < N) store_out(out, (long long)i * out_stride + n, acc[nt][j], epilogue);
+                }
+        }
+        if (split > 1) __syncthreads();  // `partial` is reused by the next tile
+    }
+}
+
+}  // namespace mma
+
 }  // namespace
 
 // x: see the prologues above; x_rows: int32 [m] or null; norm_w: bf16 [K] (kRmsNorm) or null; W: bf16 [N, K];
-// out: [m, out_stride] (bf16 / fp32, or the fp32 residual for kAddResidual). grid: persistent (<= tiles),
-// block: 128 threads, dynamic shared memory: m * K * 2 bytes.
-#define XSERV_GEMV(M, U)                                                                                              \
-    extern "C" __global__ void __launch_bounds__(kThreads) gemv_m##M(                                                 \
+// out: [m, out_stride] (bf16 / fp32, or the fp32 residual for kAddResidual). grid: persistent (<= tiles).
+// gemv_row: m = 1, block 128, dynamic shared memory (4 * 4 + 4) * 4 + K * 2 bytes.
+extern "C" __global__ void __launch_bounds__(row::kThreads) gemv_row(
+    const void* x, long long x_stride, const int* x_rows, const __nv_bfloat16* norm_w, float eps,
+    const __nv_bfloat16* W, void* out, int N, int K, int split, int prologue, int epilogue) {
+    row::gemv(x, x_stride, x_rows, norm_w, eps, W, out, N, K, split, prologue, epilogue);
+}
+
+// gemv_mma_m<M>: m <= M, block 256, dynamic shared memory (8 * 32 * 4 * NT + M * 8) * 4 + m * (K + 32) * 2 bytes.
+#define XSERV_GEMV_MMA(M, NT)                                                                                         \
+    extern "C" __global__ void __launch_bounds__(mma::kThreads) gemv_mma_m##M(                                       \
         const void* x, long long x_stride, const int* x_rows, const __nv_bfloat16* norm_w, float eps,                \
         const __nv_bfloat16* W, void* out, long long out_stride, int m, int N, int K, int split, int prologue,       \
         int epilogue) {                                                                                               \
-        gemv<M, U>(x, x_stride, x_rows, norm_w, eps, W, out, out_stride, m, N, K, split, prologue, epilogue);       \
+        mma::gemv<NT>(x, x_stride, x_rows, norm_w, eps, W, out, out_stride, m, N, K, split, prologue, epilogue);    \
     }
-XSERV_GEMV(1, 4)
-XSERV_GEMV(2, 4)
-XSERV_GEMV(4, 4)
-XSERV_GEMV(8, 2)
-XSERV_GEMV(16, 2)
-#undef XSERV_GEMV
+XSERV_GEMV_MMA(8, 1)
+XSERV_GEMV_MMA(16, 2)
+#undef XSERV_GEMV_MMA

@@ -309,6 +309,7 @@ __device__ __forceinline__ void qk_rope_write_kv_rows(__nv_bfloat16* qkv, const 
         }
     }
     xserv::pdl_wait();  // qkv, positions and slot_mapping come from earlier kernels
+    xserv::pdl_launch_dependents();  // the attention kernel may start its prologue (it waits for this grid)
     uint4 raw_lo[STEPS], raw_hi[STEPS];
     int head[STEPS], pos[STEPS], slot[STEPS];
 #pragma unroll

@@ -26,6 +26,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=16)
     ap.add_argument("--batch-sizes", default="1")
     ap.add_argument("--no-cuda-graphs", action="store_true")
+    ap.add_argument("--unfused", action="store_true",
+                    help="small batches through the unfused ops (cuBLASLt + separate norm/activation/add kernels)")
     args = ap.parse_args(argv)
 
     from xserv import LLM, SamplingParams
@@ -37,6 +39,11 @@ def main(argv=None) -> int:
     llm = LLM(args.model, device="cuda", max_model_len=max_len, max_num_seqs=max(sizes),
               kv_cache_tokens=max(sizes) * max_len + 1024, cuda_graphs=not args.no_cuda_graphs)
     load = time.perf_counter() - t
+    if args.unfused:  # and the decode graphs captured again, now through the unfused ops
+        llm.model.fused_gemv = False
+        if not args.no_cuda_graphs:
+            llm.engine.runner.graphs.clear()
+            llm.engine.runner.capture_decode_graphs()
     weight_bytes = llm.model.weight_bytes()
     print(f"device: {get_device().name}")
     print(f"model: {args.model} ({weight_bytes / 1e9:.2f} GB of weights, loaded in {llm.timings['weights_s']:.1f}s, LLM ready in {load:.1f}s), context "

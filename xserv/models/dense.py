@@ -18,13 +18,13 @@ from typing import ClassVar
 import numpy as np
 
 from ..ops.activation import silu_and_mul
-from ..ops.attention import attention_decode, attention_prefill, write_kv_packed
+from ..ops.attention import attention_decode, attention_prefill
 from ..ops.cast import cast
 from ..ops.embedding import embedding
-from ..ops.gemv import gemv_supported, linear_add, rmsnorm_linear, silu_mul_linear_add
+from ..ops.gemv import gemv_supported, linear_add, linear_gemv, prefer_gemv, rmsnorm_linear, silu_mul_linear_add
 from ..ops.linear import linear
 from ..ops.rmsnorm import fused_add_rmsnorm
-from ..ops.rope import qk_norm_rope, qk_rope, rope_cos_sin_table
+from ..ops.rope import qk_norm_rope_write_kv, rope_cos_sin_table
 from ..tensor import Tensor, as_dtype, bfloat16, float32
 from .base import KVLayout
 
@@ -242,8 +242,9 @@ class DenseModel:
             gemv_supported(m, k) for m, k in ((num_tokens, c.hidden_size), (num_tokens, c.q_size),
                                               (num_tokens, c.intermediate_size), (num_logits, c.hidden_size)))
 
-    # Up to this many tokens a forward runs the fused GEMV path (measured: docs/kernels/gemv.md).
-    FUSED_MAX_TOKENS: ClassVar[int] = 16
+    # Up to this many tokens a forward runs the fused GEMV path; above, the unfused ops, whose projections still
+    # take the GEMV kernel where it beats cuBLASLt (prefer_gemv). Measured: docs/kernels/gemv.md.
+    FUSED_MAX_TOKENS: ClassVar[int] = 4
 
     def forward(self, batch, kv_cache, workspace: Workspace | None = None) -> Tensor:
         """Logits float32 [rows, vocab] for the rows batch.logits_indices names (every row if None)."""
@@ -270,29 +271,35 @@ class DenseModel:
         residual.zero_()  # the first layer's add starts the float32 stream from the embeddings, exactly
         for i, layer in enumerate(self.layers):
             fused_add_rmsnorm(hidden, residual, layer.input_norm, self.eps, out=normed)
-            linear(normed, layer.qkv, out=qkv)
+            self._project(normed, layer.qkv, qkv)
             self._attention(i, layer, batch, kv_cache, qkv3, attn3)
-            linear(attn, layer.o_proj, out=hidden)
+            self._project(attn, layer.o_proj, hidden)
             fused_add_rmsnorm(hidden, residual, layer.post_norm, self.eps, out=normed)
-            linear(normed, layer.gate_up, out=gate_up)
+            self._project(normed, layer.gate_up, gate_up)
             silu_and_mul(gate_up, out=act)
-            linear(act, layer.down, out=hidden)
+            self._project(act, layer.down, hidden)
         fused_add_rmsnorm(hidden, residual, self.final_norm, self.eps, out=normed)
         if batch.logits_indices is not None:
             rows = ws.gathered[:n]
             embedding(batch.logits_indices, normed, out=rows)
         else:
             rows = normed
-        return linear(rows, self.lm_head, out=ws.logits[:n])
+        return self._project(rows, self.lm_head, ws.logits[:n])
+
+    def _project(self, x: Tensor, weight: Tensor, out: Tensor) -> Tensor:
+        """out = x @ weight^T: the GEMV kernel for the few-row shapes where it beats cuBLASLt, else cuBLASLt."""
+        m, k = x.shape
+        if self.device == "cuda" and self.fused_gemv and prefer_gemv(m, weight.shape[0], k):
+            return linear_gemv(x, weight, out=out)
+        return linear(x, weight, out=out)
 
     def _attention(self, i: int, layer: DenseLayer, batch, kv_cache, qkv3: Tensor, attn3: Tensor) -> None:
-        """Layer i's attention block between the projections: q/k norm and RoPE, the KV-cache write, attention."""
+        """Layer i's attention block between the projections: q/k norm and RoPE with the KV-cache write (one
+        kernel), then attention."""
         hq, hkv = self.config.num_attention_heads, self.config.num_key_value_heads
-        if self.QK_NORM:
-            qk_norm_rope(qkv3, layer.q_norm, layer.k_norm, batch.positions, self.cos_sin, hq, hkv, self.eps)
-        else:
-            qk_rope(qkv3, batch.positions, self.cos_sin, hq, hkv)
-        write_kv_packed(qkv3, hq, kv_cache.k[i], kv_cache.v[i], batch.slot_mapping)
+        qk_norm_rope_write_kv(qkv3, layer.q_norm if self.QK_NORM else None, layer.k_norm if self.QK_NORM else None,
+                              batch.positions, self.cos_sin, hq, hkv, self.eps, kv_cache.k[i], kv_cache.v[i],
+                              batch.slot_mapping, pdl=True)
         if batch.max_q_len > 1:
             attention_prefill(qkv3, kv_cache.k[i], kv_cache.v[i], batch.cu_seqlens_q, batch.kv_lens,
                               batch.block_tables, self.scale, batch.max_q_len, out=attn3, num_q_heads=hq)

@@ -26,19 +26,29 @@ from .linear import linear_reference
 from .rmsnorm import rmsnorm_reference
 
 MAX_M = 16
-_KERNEL_M = (1, 2, 4, 8, 16)  # gemv_m<M> in gemv.cu; m rows run on the smallest M >= m
-_THREADS = 128  # kThreads
-_ROWS = 4  # kRows: output rows per row group; a tile is (4 / split) row groups
-# The staged x rows (bf16 [m, K]) live in shared memory; two CTAs of this size still fit an SM's 227 KB.
+# Launch shapes of the two kernels (gemv.cu): warps per CTA, weight rows per row group, the row-padding of staged x.
+_ROW_WARPS, _ROW_ROWS = 4, 4  # gemv_row (m = 1)
+_MMA_WARPS, _MMA_ROWS, _MMA_PAD = 8, 16, 32  # gemv_mma_m8 / _m16
+# The staged x rows live in shared memory; two CTAs of this size still fit an SM's 227 KB.
 SMEM_LIMIT = 112 * 1024
-_SM_SMEM = 227 * 1024
+# At most 2 CTAs per SM: enough loads in flight for the bandwidth, and each CTA stages x (once) the fewest times.
+CTAS_PER_SM = 2
 _PROLOGUE = {"bf16": 0, "rmsnorm": 1, "silu_mul": 2}
 _EPILOGUE = {bfloat16: 0, float32: 1, "add": 2}
 
 
+def _smem(m: int, k: int) -> int:
+    """Dynamic shared memory of the kernel that takes m rows: partial sums, RMS scratch, staged x (gemv.cu)."""
+    if m == 1:
+        return (_ROW_WARPS * _ROW_ROWS + _ROW_WARPS) * 4 + k * 2
+    kernel_m = 8 if m <= 8 else 16
+    return (_MMA_WARPS * 32 * 4 * (kernel_m // 8) + kernel_m * _MMA_WARPS) * 4 + m * (k + _MMA_PAD) * 2
+
+
 def gemv_supported(m: int, k: int) -> bool:
     """Can the GEMV kernels take m rows of an in_features-k input (before any alignment check)?"""
-    return 1 <= m <= MAX_M and k % 8 == 0 and m * k * 2 <= SMEM_LIMIT
+    return 1 <= m <= MAX_M and k % 8 == 0 and _smem(m, k) <= SMEM_LIMIT
+
 
 
 def prefer_gemv(m: int, n: int, k: int) -> bool:
@@ -76,7 +86,7 @@ def _check_weight(weight: Tensor, k: int) -> int:
 def _check_m(m: int, k: int) -> None:
     if not gemv_supported(max(m, 1), k):
         raise ValueError(f"gemv: {m} rows of in_features {k} do not fit the GEMV kernels (rows <= {MAX_M}, "
-                         f"in_features % 8 == 0, rows * in_features * 2 <= {SMEM_LIMIT} bytes)")
+                         f"in_features % 8 == 0, the staged rows within {SMEM_LIMIT} bytes of shared memory)")
 
 
 def linear_gemv(x: Tensor, weight: Tensor, out: Tensor | None = None, out_dtype=None) -> Tensor:
@@ -162,17 +172,21 @@ def silu_mul_linear_add(gate_up: Tensor, weight: Tensor, residual: Tensor) -> Te
 
 
 # ---- launch -------------------------------------------------------------------------------------------------------
-def plan(m: int, n: int, k: int, multiprocessor_count: int, ctas_per_sm: int) -> tuple[int, int, int]:
-    """(kernel M, split, grid): split = warps sharing a row group's K (1, 2 or 4: the fewest that give every SM
-    two tiles), grid = the tiles, at most the CTAs resident at once (the kernel loops over the rest)."""
-    kernel_m = next(km for km in _KERNEL_M if km >= m)
-    split = 4
-    for s in (1, 2, 4):
-        if cdiv(n, _ROWS * (4 // s)) >= 2 * multiprocessor_count:
+def plan(m: int, n: int, multiprocessor_count: int) -> tuple[str, int, int, int]:
+    """(kernel, threads, split, grid): split = warps sharing a row group's K (the fewest that give every SM two
+    tiles), grid = the tiles, at most CTAS_PER_SM per multiprocessor (each CTA stages x once, then loops over its
+    tiles)."""
+    if m == 1:
+        name, warps, rows = "gemv_row", _ROW_WARPS, _ROW_ROWS
+    else:
+        name, warps, rows = ("gemv_mma_m8" if m <= 8 else "gemv_mma_m16"), _MMA_WARPS, _MMA_ROWS
+    split = warps
+    for s in (1, 2, 4, 8):
+        if s <= warps and cdiv(n, rows * (warps // s)) >= 2 * multiprocessor_count:
             split = s
             break
-    tiles = cdiv(n, _ROWS * (4 // split))
-    return kernel_m, split, min(tiles, multiprocessor_count * ctas_per_sm)
+    tiles = cdiv(n, rows * (warps // split))
+    return name, warps * 32, split, min(tiles, multiprocessor_count * CTAS_PER_SM)
 
 
 def _launch(prologue: str, x: Tensor, x_stride: int, rows: Tensor | None, norm_weight: Tensor | None, eps32,
@@ -181,12 +195,12 @@ def _launch(prologue: str, x: Tensor, x_stride: int, rows: Tensor | None, norm_w
         return
     if not aligned(x, weight) or (x_stride * x.dtype.itemsize) % 16:
         raise ValueError("gemv: x and weight must be 16-byte aligned with 16-byte aligned rows")
-    smem = m * k * 2
-    ctas_per_sm = max(1, min(16, _SM_SMEM // (smem + 4096)))
-    device = get_device()
-    kernel_m, split, grid = plan(m, n, k, device.multiprocessor_count, ctas_per_sm)
-    kernel("gemv", f"gemv_m{kernel_m}")(
-        grid, _THREADS, x, np.int64(x_stride), rows if rows is not None else 0,
-        norm_weight if norm_weight is not None else 0, np.float32(eps32), weight, out, np.int64(out.shape[1]),
-        np.int32(m), np.int32(n), np.int32(k), np.int32(split), np.int32(_PROLOGUE[prologue]), np.int32(epilogue),
-        smem=smem)
+    name, threads, split, grid = plan(m, n, get_device().multiprocessor_count)
+    common = (norm_weight if norm_weight is not None else 0, np.float32(eps32), weight, out)
+    tail = (np.int32(n), np.int32(k), np.int32(split), np.int32(_PROLOGUE[prologue]), np.int32(epilogue))
+    if m == 1:
+        args = (x, np.int64(x_stride), rows if rows is not None else 0, *common, *tail)
+    else:
+        args = (x, np.int64(x_stride), rows if rows is not None else 0, *common[:3], out, np.int64(out.shape[1]),
+                np.int32(m), *tail)
+    kernel("gemv", name)(grid, threads, *args, smem=_smem(m, k), pdl=True)

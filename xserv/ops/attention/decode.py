@@ -257,7 +257,9 @@ def attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_lens: Tenso
         magic, shift = fast_div(block_size)
         args += [np.uint32(magic), np.int32(shift)]
     grid = (splits, num_kv_heads, num_seqs)
-    kernel(k.family, k.name(head_dim, group))(grid, (_THREADS, 1, 1), *args, smem=k.smem(head_dim))
+    # v4 waits for the previous kernel itself (pdl_wait): it may be launched with programmatic dependent launch
+    kernel(k.family, k.name(head_dim, group))(grid, (_THREADS, 1, 1), *args, smem=k.smem(head_dim),
+                                              pdl=k is DECODE_KERNELS["v4"])
     if k.generation == 2 and splits > 1:
         kernel(k.family, "attention_decode_combine")(
             (num_q_heads, num_seqs, 1), (head_dim, 1, 1), part_o, part_lse, kv_lens, np.int32(chunk),
