@@ -273,6 +273,21 @@ def test_prefill_token_buckets():
     assert prefill_token_buckets(8) == [8] and prefill_token_buckets(16) == [16] and prefill_token_buckets(0) == []
 
 
+def test_prefill_graph_tokens_option():
+    import argparse
+
+    from xserv.engine.config import EngineConfig
+
+    assert EngineConfig().prefill_graph_tokens == 512 and EngineConfig(prefill_graph_tokens=0).prefill_graph_tokens == 0
+    for bad in (-1, 1.5, True, None):
+        with pytest.raises(ValueError, match="prefill_graph_tokens"):
+            EngineConfig(prefill_graph_tokens=bad)
+    p = argparse.ArgumentParser()
+    EngineConfig.add_cli_arguments(p)
+    assert EngineConfig.from_cli_args(p.parse_args([])).prefill_graph_tokens == 512
+    assert EngineConfig.from_cli_args(p.parse_args(["--prefill-graph-tokens", "0"])).prefill_graph_tokens == 0
+
+
 def _spy_steps(runner):
     """Wrap runner.run: record (tokens of the step, replayed a prefill graph, logits copy) per step."""
     steps = []
@@ -453,7 +468,8 @@ def check_prefill_graphs_cuda(folder, lengths=(1, 15, 16, 17, 100, 128, 129), ma
                        + pos % kv.block_size).tolist())
             for (k0, v0), i in zip(before, layers):
                 for old, new in ((k0, kv.k[i].numpy()), (v0, kv.v[i].numpy())):
-                    old, new = old.reshape(old.shape[0] * old.shape[1], -1), new.reshape(new.shape[0] * new.shape[1], -1)
+                    rows = old.shape[0] * old.shape[1]
+                    old, new = old.reshape(rows, -1), new.reshape(rows, -1)
                     changed = set(np.flatnonzero(np.any(old.view(np.uint16) != new.view(np.uint16), axis=1)).tolist())
                     assert changed <= own and changed, (length, prefix)
             eager = runner.forward([SeqChunk(prompt[prefix:], prefix, seq.block_table, "last")]).numpy()
@@ -482,7 +498,7 @@ def check_prefill_graphs_cuda(folder, lengths=(1, 15, 16, 17, 100, 128, 129), ma
         top2 = np.sort(ref, -1)[:, -2:]
         clear = (top2[:, 1] - top2[:, 0]) > 1e-2 * np.abs(top2[:, 1]).max()
         picked = np.argmax(ref, -1)
-        assert all(t == r for t, r, c in zip(out.token_ids, picked, clear) if c), (len(prompt), out.token_ids, picked)
+        assert all(t == r for t, r, c in zip(out.token_ids, picked, clear) if c), (len(prompt), out.token_ids)
         # graphed and eager prefill: the same tokens, up to a near tie of the eager logits
         same = next((i for i, (a, b) in enumerate(zip(out.token_ids, eager)) if a != b), len(eager))
         assert same == len(eager) or not clear[same], (len(prompt), out.token_ids, eager)

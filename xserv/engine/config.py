@@ -30,7 +30,7 @@ class EngineConfig:
     block_size: int = 16
     gpu_memory_fraction: float = 0.85
     cuda_graphs: bool = True
-    prefill_graph_tokens: int = 256
+    prefill_graph_tokens: int = 512
     enable_prefix_caching: bool = True
     overlap_steps: bool = True
     seed: int = 0

@@ -181,8 +181,9 @@ class LLMEngine:
         """When the step in flight is a pure decode step replayed from a graph (or a prefill graph's chunk, the
         step's only row) and nothing waits to be admitted, the next step is that step's sampled sequences decoding
         their next token: launch it now, before the step in flight has been booked, with each row's input token
-        gathered on the device from the step in flight's output (`index`). Sequences that the token in flight ends by length are left out; one that a stop token
-        or string ends keeps its row, whose token is dropped when booked. Returns (rows, index) or None."""
+        gathered on the device from the step in flight's output (`index`). Sequences that the token in flight ends
+        by length are left out; one that a stop token or string ends keeps its row, whose token is dropped when
+        booked. Returns (rows, index) or None."""
         if not self.config.overlap_steps or len(self._inflight) != 1 or self.scheduler.waiting:
             return None
         last = self._inflight[0]
