@@ -241,22 +241,21 @@ def test_cuda_model_matches_numpy_and_reference(models, folders, arch, rng):
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ARCHS)
 def test_cuda_fused_small_forwards_match_unfused(models, folders, arch, rng):
-    """Forwards of <= 16 tokens take the fused GEMV path (norm / SiLU / residual add folded into the projections);
-    the same steps through the unfused ops (cuBLASLt) give the same logits up to fp32 summation order, and the
-    same greedy token wherever the top two logits are not a near tie."""
+    """One-token forwards take the fused GEMV path (norm / SiLU / residual add folded into the projections); the
+    same steps through the unfused ops (cuBLASLt) give the same logits up to fp32 summation order, and the same
+    greedy token wherever the top two logits are not a near tie. A one-token prompt, then decode steps."""
     from xserv.engine.kv_cache import KVCache as Cache
 
     gpu = load(folders[arch], "cuda")
     v = gpu.config.vocab_size
-    seqs = [rng.integers(0, v, n).tolist() for n in (12, 3)]
-    tables = [[5, 1, 7, 9], [2, 3]]
-    steps = [[SeqChunk(s[:-1], 0, t, "last") for s, t in zip(seqs, tables)],  # 13 tokens, logits of 2 rows
-             [SeqChunk(s[-1:], len(s) - 1, t, "last") for s, t in zip(seqs, tables)]]  # a decode step
+    seq = rng.integers(0, v, 4).tolist()
+    table = [5, 1, 7]
+    steps = [[SeqChunk(seq[j:j + 1], j, table, "last")] for j in range(len(seq))]
     logits = {}
     for fused in (True, False):
         gpu.fused_gemv = fused
         cache = Cache(KVCacheSpec(*gpu.kv_layout, BLOCK), 16, "cuda", gpu.dtype)
-        assert gpu.fused_forward_ok(2, 2) == fused  # the decode step; the 13-token step runs the GEMV unfused
+        assert gpu.fused_forward_ok(1, 1) == fused and not gpu.fused_forward_ok(2, 2)
         logits[fused] = [gpu.forward(make_batch(chunks, BLOCK, "cuda"), cache).numpy().copy() for chunks in steps]
     gpu.fused_gemv = True
     for got, want in zip(logits[True], logits[False]):

@@ -242,9 +242,10 @@ class DenseModel:
             gemv_supported(m, k) for m, k in ((num_tokens, c.hidden_size), (num_tokens, c.q_size),
                                               (num_tokens, c.intermediate_size), (num_logits, c.hidden_size)))
 
-    # Up to this many tokens a forward runs the fused GEMV path; above, the unfused ops, whose projections still
-    # take the GEMV kernel where it beats cuBLASLt (prefer_gemv). Measured: docs/kernels/gemv.md.
-    FUSED_MAX_TOKENS: ClassVar[int] = 4
+    # Up to this many tokens a forward runs the fused GEMV path. Measured (docs/kernels/gemv.md, H100): one token
+    # gains 32% (0.6B) and 8% (8B) per decode step; at 4 tokens the prologues, recomputed by every CTA, cost more
+    # than the launches they save (8B: 468 vs 609 tok/s), so wider steps keep the unfused ops.
+    FUSED_MAX_TOKENS: ClassVar[int] = 1
 
     def forward(self, batch, kv_cache, workspace: Workspace | None = None) -> Tensor:
         """Logits float32 [rows, vocab] for the rows batch.logits_indices names (every row if None)."""

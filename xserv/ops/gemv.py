@@ -52,9 +52,10 @@ def gemv_supported(m: int, k: int) -> bool:
 
 
 def prefer_gemv(m: int, n: int, k: int) -> bool:
-    """The measured choice for a plain linear: the GEMV kernel for m <= 8 rows (it matched or beat cuBLASLt on
-    every Qwen3 projection shape measured at m = 1..8 and lost at 16: docs/kernels/gemv.md)."""
-    return m <= 8 and gemv_supported(m, k)
+    """The measured choice for a plain linear: the GEMV kernel for one row (1.03-1.73x cuBLASLt on every Qwen3
+    projection measured); from 2 rows the mma kernel wins on 0.6B-sized weights but loses to cuBLASLt on 8B-sized
+    ones, and a decode step of 8 rows gained nothing end to end, so cuBLASLt keeps them (docs/kernels/gemv.md)."""
+    return m == 1 and gemv_supported(m, k)
 
 
 # ---- references (NumPy; the composition of the unfused ops' references) ------------------------------------------
