@@ -210,7 +210,9 @@ __device__ __forceinline__ void gemv(const void* x, long long x_stride, const in
     for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
         const __nv_bfloat16* wrow[kRows];
         const int n0 = rows_of(tile, wrow);
-        float acc[kRows] = {0.f, 0.f, 0.f, 0.f};
+        float acc[kRows];
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) acc[r] = 0.f;
         int c = first;
         if (tile == blockIdx.x) {
             fma_step(acc, w0, xs, c, stride, chunks);
