@@ -1,7 +1,19 @@
-import numpy as np
-import pytest
+import hashlib
+import os
+import threading
+from pathlib import Path
 
-from xserv.runtime import cuda_available
+# Under pytest-xdist the workers share the cores: each one's BLAS gets its share of them (set before NumPy loads,
+# and inherited by the servers and CLIs the tests start). The tests' matrices are small, so more BLAS threads than
+# that only burn CPU (the engine tests: the same wall time with 1 thread as with 2, and 40% less CPU).
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    os.environ.setdefault("OPENBLAS_NUM_THREADS",
+                          str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from xserv.runtime import cuda_available  # noqa: E402
 
 HAS_GPU = cuda_available()
 
@@ -21,3 +33,46 @@ def rng(request):
     import zlib
 
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _parse_each_tokenizer_file_once():
+    """xserv.Tokenizer.from_folder runs as it is, but the Hugging Face tokenizer it builds from a tokenizer.json is
+    built once per file content and shared: parsing Qwen3's 11 MB tokenizer.json takes ~0.45 s of CPU, and the tests
+    load a model (every model folder has that same file) a few dozen times. Sharing is safe because xserv only
+    reads the object (encode, decode, token ids, vocabulary size); should anything set padding or truncation or
+    add tokens to it, the next load parses the file again instead of handing out the changed object."""
+    import tokenizers
+
+    from xserv.tokenizer import Tokenizer
+
+    real = tokenizers.Tokenizer
+    parsed: dict[bytes, tuple[object, int]] = {}
+
+    class ParseOnce:  # what `from tokenizers import Tokenizer` gives xserv.tokenizer inside from_folder
+        @staticmethod
+        def from_file(path):
+            key = hashlib.blake2b(Path(path).read_bytes(), digest_size=16).digest()
+            tok, vocab = parsed.get(key, (None, None))
+            if tok is None or tok.padding is not None or tok.truncation is not None \
+                    or tok.get_vocab_size(with_added_tokens=True) != vocab:
+                tok = real.from_file(path)
+                parsed[key] = tok, tok.get_vocab_size(with_added_tokens=True)
+            return tok
+
+    lock = threading.Lock()
+    from_folder = Tokenizer.__dict__["from_folder"]
+
+    def from_folder_parsing_once(cls, folder):
+        with lock:  # the swap below is seen by every thread: one load at a time
+            tokenizers.Tokenizer = ParseOnce
+            try:
+                return from_folder.__func__(cls, folder)
+            finally:
+                tokenizers.Tokenizer = real
+
+    Tokenizer.from_folder = classmethod(from_folder_parsing_once)
+    try:
+        yield
+    finally:
+        Tokenizer.from_folder = from_folder

@@ -97,6 +97,17 @@ def rel_err_rows(out, ref) -> np.ndarray:
     return np.linalg.norm(out - ref, axis=-1) / np.linalg.norm(ref, axis=-1)
 
 
+# A module that imports a fixture gets its own copy of it, session scope or not: each checkpoint below is made once
+# per test process, whichever modules import its fixture.
+_MADE: dict[str, Path] = {}
+
+
+def _once(name: str, make) -> Path:
+    if name not in _MADE:
+        _MADE[name] = make()
+    return _MADE[name]
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir():
     from xserv.models.random_checkpoint import bundled_tiny_model
@@ -109,8 +120,9 @@ def perturbed_model_dir(tmp_path_factory):
     """The tiny preset with norms off 1, untied LM head, weights std 0.1 so that every layer moves the logits."""
     from xserv.models.random_checkpoint import make_test_model
 
-    return make_test_model("tiny", tmp_path_factory.mktemp("models") / "tiny-perturbed", seed=3,
-                           overrides={"tie_word_embeddings": False, "initializer_range": 0.1}, progress=False)
+    return _once("perturbed", lambda: make_test_model(
+        "tiny", tmp_path_factory.mktemp("models") / "tiny-perturbed", seed=3,
+        overrides={"tie_word_embeddings": False, "initializer_range": 0.1}, progress=False))
 
 
 @pytest.fixture(scope="session")
@@ -119,5 +131,6 @@ def llama_model_dir(tmp_path_factory):
     so all three frequency bands occur), untied, weights std 0.1, norms off 1."""
     from xserv.models.random_checkpoint import make_test_model
 
-    return make_test_model("llama3-tiny", tmp_path_factory.mktemp("models") / "llama3-tiny", seed=5,
-                           overrides={"tie_word_embeddings": False, "initializer_range": 0.1}, progress=False)
+    return _once("llama", lambda: make_test_model(
+        "llama3-tiny", tmp_path_factory.mktemp("models") / "llama3-tiny", seed=5,
+        overrides={"tie_word_embeddings": False, "initializer_range": 0.1}, progress=False))

@@ -160,11 +160,20 @@ WORD_IDS = {" one": 825, " two": 1378, " three": 2326, " four": 3040, " five": 4
             "Paris": 59604, " Paris": 12095, " flag": 5181}
 
 
+_MADE: list[ScriptedModel] = []  # made once per test process, whichever modules import the fixture
+
+
 @pytest.fixture(scope="session")
 def scripted_model(tmp_path_factory) -> ScriptedModel:
+    if not _MADE:
+        _MADE.append(_make_scripted_model(tmp_path_factory.mktemp("models") / "scripted"))
+    return _MADE[0]
+
+
+def _make_scripted_model(folder) -> ScriptedModel:
     ids = WORD_IDS
     rules, markers, flag = option_script(ids)
-    folder = build_scripted_model(tmp_path_factory.mktemp("models") / "scripted", rules, markers, flag)
+    folder = build_scripted_model(folder, rules, markers, flag)
     # the two end-of-sequence sources a Qwen3 folder has
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps(config | {"eos_token_id": ids[IM_END]}, indent=2))

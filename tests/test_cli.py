@@ -218,11 +218,27 @@ def test_bad_model_path_is_reported_before_the_device(tmp_path):
     assert "CUDA" not in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
-def test_generate_without_a_model_uses_the_bundled_tiny_one(tmp_path):
-    r = xserv("generate", "--device", "cpu", "--prompt", "Hello", "--max-tokens", "4", "--temperature", "0",
-              env={"XSERV_CACHE_DIR": str(tmp_path)})
-    assert r.returncode == 0, r.stderr
-    assert "RANDOM" in r.stderr and r.stdout.strip()
+@pytest.fixture
+def cli(capsys, monkeypatch):
+    """`xserv ARGS` through xserv.cli.main in this process (what the process adds is tested by the subprocesses
+    above): (exit status, stdout, stderr)."""
+    def run(*args, stdin=""):
+        monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+        capsys.readouterr()
+        try:
+            code = main(list(args))
+        except SystemExit as e:  # argparse's usage errors
+            code = e.code
+        out, err = capsys.readouterr()
+        return code, out, err
+    return run
+
+
+def test_generate_without_a_model_uses_the_bundled_tiny_one(cli, tmp_path, monkeypatch):
+    monkeypatch.setenv("XSERV_CACHE_DIR", str(tmp_path))
+    code, out, err = cli("generate", "--device", "cpu", "--prompt", "Hello", "--max-tokens", "4", "--temperature", "0")
+    assert code == 0, err
+    assert "RANDOM" in err and out.strip()
     assert (tmp_path / "models" / "tiny-random" / "config.json").is_file()
 
 
@@ -232,16 +248,15 @@ def test_generate_without_a_model_uses_the_bundled_tiny_one(tmp_path):
     (["--top-p", "1.5"], "top_p"),
     (["--max-tokens", "0"], "max_tokens"),
 ])
-def test_errors_are_one_line(tiny_model_dir, args, needle):  # noqa: F811
-    base = ["generate", "--model", str(tiny_model_dir), "--device", "cpu", "--prompt", "Hi"]
-    r = xserv(*base, *args)
-    assert r.returncode == 2
-    assert "Traceback" not in r.stderr
-    error_lines = [line for line in r.stderr.splitlines() if "error" in line]
-    assert len(error_lines) == 1 and needle in error_lines[0], r.stderr
+def test_errors_are_one_line(cli, tiny_model_dir, args, needle):  # noqa: F811
+    code, _, err = cli("generate", "--model", str(tiny_model_dir), "--device", "cpu", "--prompt", "Hi", *args)
+    assert code == 2
+    assert "Traceback" not in err
+    error_lines = [line for line in err.splitlines() if "error" in line]
+    assert len(error_lines) == 1 and needle in error_lines[0], err
 
 
-def test_unsupported_architecture(tiny_model_dir, tmp_path):  # noqa: F811
+def test_unsupported_architecture(cli, tiny_model_dir, tmp_path):  # noqa: F811
     import json
     import shutil
 
@@ -250,14 +265,14 @@ def test_unsupported_architecture(tiny_model_dir, tmp_path):  # noqa: F811
     cfg = json.loads((folder / "config.json").read_text())
     cfg["architectures"] = ["Qwen3MoeForCausalLM"]
     (folder / "config.json").write_text(json.dumps(cfg))
-    r = xserv("generate", "--model", str(folder), "--device", "cpu", "--prompt", "Hi")
-    assert r.returncode == 2 and "Qwen3MoeForCausalLM" in r.stderr and "Traceback" not in r.stderr
+    code, _, err = cli("generate", "--model", str(folder), "--device", "cpu", "--prompt", "Hi")
+    assert code == 2 and "Qwen3MoeForCausalLM" in err and "Traceback" not in err
 
 
-def test_chat_without_model_says_weights_are_random(tiny_model_dir):  # noqa: F811
-    r = xserv("chat", "--device", "cpu", "--max-tokens", "4", stdin="/exit\n")
-    assert r.returncode == 0, r.stderr
-    assert "RANDOM" in r.stderr
+def test_chat_without_model_says_weights_are_random(cli, tiny_model_dir):  # noqa: F811
+    code, _, err = cli("chat", "--device", "cpu", "--max-tokens", "4", stdin="/exit\n")
+    assert code == 0, err
+    assert "RANDOM" in err
 
 
 def test_help_lists_commands_and_options(capsys):
@@ -274,31 +289,37 @@ def test_help_lists_commands_and_options(capsys):
 
 def test_chat_ctrl_c_stops_the_answer_not_the_session(tiny_model_dir):  # noqa: F811
     import signal
+    import threading
     import time
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "xserv", "chat", "--model", str(tiny_model_dir), "--device", "cpu",
                              "--max-tokens", "3000", "--ignore-eos", "--temperature", "0"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    import threading
-
     chunks = []
     reader = threading.Thread(target=lambda: chunks.extend(iter(lambda: proc.stdout.read(1), "")), daemon=True)
     reader.start()
+
+    def wait_for(what, done, timeout=60):
+        deadline = time.monotonic() + timeout
+        while not done() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert done(), f"{what}: {''.join(chunks)[-300:]!r}"
+
+    def answer_then_interrupt(message):
+        """Send a message, wait until its answer streams, Ctrl-C it, wait for the next prompt."""
+        start = len(chunks)
+        proc.stdin.write(message + "\n")
+        proc.stdin.flush()
+        wait_for("no streamed answer", lambda: len(chunks) >= start + 20)  # 3000 tokens: still streaming
+        interrupted_at = len(chunks)
+        proc.send_signal(signal.SIGINT)
+        wait_for("no prompt after Ctrl-C", lambda: ">>> " in "".join(chunks[interrupted_at:]))
+
     try:
-        proc.stdin.write("Tell me a long story\n")
-        proc.stdin.flush()
-        deadline = time.time() + 60
-        while len(chunks) < 20 and time.time() < deadline:  # the answer is streaming
-            time.sleep(0.05)
-        assert len(chunks) >= 20, "no streamed output"
-        proc.send_signal(signal.SIGINT)
-        time.sleep(0.5)
-        proc.stdin.write("Another one\n")
-        proc.stdin.flush()
-        time.sleep(1.0)
-        proc.send_signal(signal.SIGINT)
-        time.sleep(0.5)
+        wait_for("no first prompt", lambda: ">>> " in "".join(chunks))
+        answer_then_interrupt("Tell me a long story")
+        answer_then_interrupt("Another one")
         proc.stdin.write("/exit\n")
         proc.stdin.flush()
         proc.wait(timeout=60)

@@ -13,7 +13,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from qwen3_reference import perturbed_model_dir  # noqa: E402,F401
-from server_process import ServerProcess, stream_text  # noqa: E402
+from server_process import ServerProcess, http, stream_text  # noqa: E402
 
 MODEL = "tiny"
 GREEDY = {"temperature": 0.0}
@@ -33,7 +33,7 @@ def client(server):
 
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
-    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert http().get(server.url + "/health").json() == {"status": "ok"}
 
 
 def test_chat_and_completion_streaming_equals_whole(client):
@@ -145,20 +145,20 @@ def _check_error(r, status: int, param=None):
 def test_bad_input_is_400_naming_the_field(server, body, param):
     route = "/v1/chat/completions" if param.startswith(("messages", "top_logprobs", "max_completion")) else \
         "/v1/completions"
-    _check_error(httpx.post(server.url + route, json=body, timeout=30), 400, param)
+    _check_error(http().post(server.url + route, json=body, timeout=30), 400, param)
 
 
 def test_bad_json_unknown_model_and_routes(server):
     for raw in (b"{not json", b"[1, 2]", b"", b'{"prompt": "x", "temperature": NaN}',
                 b'{"prompt": "x", "temperature": Infinity}'):
-        r = httpx.post(server.url + "/v1/completions", content=raw, headers={"content-type": "application/json"})
+        r = http().post(server.url + "/v1/completions", content=raw, headers={"content-type": "application/json"})
         _check_error(r, 400)
-    err = _check_error(httpx.post(server.url + "/v1/completions", json={"model": "gpt-9", "prompt": "x"}), 404,
+    err = _check_error(http().post(server.url + "/v1/completions", json={"model": "gpt-9", "prompt": "x"}), 404,
                        "model")
     assert "gpt-9" in err["message"]
-    _check_error(httpx.get(server.url + "/v1/nothing"), 404)
-    _check_error(httpx.get(server.url + "/v1/completions"), 405)
-    r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2, "some_new_field": 1})
+    _check_error(http().get(server.url + "/v1/nothing"), 404)
+    _check_error(http().get(server.url + "/v1/completions"), 405)
+    r = http().post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2, "some_new_field": 1})
     assert r.status_code == 200  # unknown fields are ignored
 
 
@@ -167,7 +167,7 @@ def test_64_concurrent_streams_match_each_request_alone(server, rng):
     body = dict(max_tokens=8, ignore_eos=True, **GREEDY)
     alone = []
     for p in prompts:
-        r = httpx.post(server.url + "/v1/completions", json={"prompt": p, **body}, timeout=60)
+        r = http().post(server.url + "/v1/completions", json={"prompt": p, **body}, timeout=60)
         assert r.status_code == 200
         alone.append(r.json()["choices"][0]["text"])
     assert len(set(alone)) > 8  # the prompts matter
@@ -217,7 +217,7 @@ def test_dropped_streams_free_their_blocks(server):
 
 
 def test_metrics_page(server):
-    text = httpx.get(server.url + "/metrics").text
+    text = http().get(server.url + "/metrics").text
     m = server.metrics()
     for name in ("xserv_num_requests_running", "xserv_num_requests_waiting", "xserv_kv_blocks_used",
                  "xserv_kv_blocks_free", "xserv_prefix_cache_hits_total", "xserv_prompt_tokens_total",
@@ -275,7 +275,7 @@ def test_bench_serve_against_the_server(server, tmp_path):
 def test_non_streaming_client_that_leaves_aborts_its_request(server):
     before = server.metrics()['xserv_request_success_total{finish_reason="abort"}']
     with pytest.raises(httpx.TimeoutException):
-        httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 250, "ignore_eos": True},
+        http().post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 250, "ignore_eos": True},
                    timeout=0.3)
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:

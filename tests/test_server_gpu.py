@@ -14,7 +14,7 @@ pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
 from qwen3_reference import perturbed_model_dir  # noqa: E402,F401
-from server_process import ServerProcess, stream_text  # noqa: E402
+from server_process import ServerProcess, http, stream_text  # noqa: E402
 
 NEAR_TIE = 0.1  # nats between the alone run's best and second-best token
 
@@ -38,7 +38,7 @@ def test_256_concurrent_streams_on_the_gpu(perturbed_model_dir, rng):  # noqa: F
         body = dict(max_tokens=32, ignore_eos=True, temperature=0.0)
         alone, ties = [], []
         for p in prompts:
-            r = httpx.post(s.url + "/v1/completions", json={"prompt": p, "logprobs": 5, **body}, timeout=120)
+            r = http().post(s.url + "/v1/completions", json={"prompt": p, "logprobs": 5, **body}, timeout=120)
             assert r.status_code == 200, r.text
             choice = r.json()["choices"][0]
             alone.append(choice["text"])

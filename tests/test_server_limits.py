@@ -12,7 +12,7 @@ pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
 from qwen3_reference import tiny_model_dir  # noqa: E402,F401
-from server_process import ServerProcess  # noqa: E402
+from server_process import ServerProcess, http  # noqa: E402
 
 KEY = "s3cret-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -34,21 +34,21 @@ def _error(r, status: int) -> dict:
 
 
 def test_api_key_on_every_route_but_health(guarded):
-    assert httpx.get(guarded.url + "/health").status_code == 200
+    assert http().get(guarded.url + "/health").status_code == 200
     for method, path in (("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/completions"),
                          ("POST", "/v1/chat/completions"), ("GET", "/no/such/route")):
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
-            err = _error(httpx.request(method, guarded.url + path, headers=headers, json={}), 401)
+            err = _error(http().request(method, guarded.url + path, headers=headers, json={}), 401)
             assert KEY not in err["message"]
-    assert httpx.get(guarded.url + "/v1/models", headers=AUTH).status_code == 200
-    r = httpx.post(guarded.url + "/v1/completions", headers=AUTH, json={"prompt": "hi", "max_tokens": 2})
+    assert http().get(guarded.url + "/v1/models", headers=AUTH).status_code == 200
+    r = http().post(guarded.url + "/v1/completions", headers=AUTH, json={"prompt": "hi", "max_tokens": 2})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2
     assert KEY not in guarded.output()  # never logged
 
 
 def test_oversized_bodies_get_413_unread(guarded):
     big = json.dumps({"prompt": "x" * 10_000, "max_tokens": 1})
-    _error(httpx.post(guarded.url + "/v1/completions", headers={**AUTH, "content-type": "application/json"},
+    _error(http().post(guarded.url + "/v1/completions", headers={**AUTH, "content-type": "application/json"},
                       content=big), 413)
 
     def chunks():  # no Content-Length: the limit trips while reading
@@ -57,9 +57,9 @@ def test_oversized_bodies_get_413_unread(guarded):
             yield b"y" * 100
         yield b'"}'
 
-    _error(httpx.post(guarded.url + "/v1/completions", headers={**AUTH, "content-type": "application/json"},
+    _error(http().post(guarded.url + "/v1/completions", headers={**AUTH, "content-type": "application/json"},
                       content=chunks()), 413)
-    r = httpx.post(guarded.url + "/v1/completions", headers=AUTH, json={"prompt": "x" * 500, "max_tokens": 1})
+    r = http().post(guarded.url + "/v1/completions", headers=AUTH, json={"prompt": "x" * 500, "max_tokens": 1})
     assert r.status_code == 200
 
 
@@ -70,7 +70,7 @@ def test_overload_is_refused_at_once(guarded):
 
     def long_stream():
         body = {"prompt": "go", "max_tokens": 400, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", guarded.url + "/v1/completions", headers=AUTH, json=body, timeout=60) as r:
+        with http().stream("POST", guarded.url + "/v1/completions", headers=AUTH, json=body, timeout=60) as r:
             lines = r.iter_lines()
             next(line for line in lines if line.startswith("data: "))
             opened.wait()
@@ -83,10 +83,10 @@ def test_overload_is_refused_at_once(guarded):
     opened.wait(30)
     try:
         start = time.perf_counter()
-        err = _error(httpx.post(guarded.url + "/v1/completions", headers=AUTH, json={"prompt": "x", "max_tokens": 2}),
+        err = _error(http().post(guarded.url + "/v1/completions", headers=AUTH, json={"prompt": "x", "max_tokens": 2}),
                      503)
         assert err["code"] == "overloaded" and time.perf_counter() - start < 2
-        assert httpx.get(guarded.url + "/health").status_code == 200  # overloaded is not unhealthy
+        assert http().get(guarded.url + "/health").status_code == 200  # overloaded is not unhealthy
     finally:
         release.set()
         for t in threads:
@@ -95,14 +95,14 @@ def test_overload_is_refused_at_once(guarded):
     deadline = time.monotonic() + 10
     while guarded.metrics(AUTH)["xserv_num_requests_running"] and time.monotonic() < deadline:
         time.sleep(0.05)
-    r = httpx.post(guarded.url + "/v1/completions", headers=AUTH, json={"prompt": "x", "max_tokens": 2})
+    r = http().post(guarded.url + "/v1/completions", headers=AUTH, json={"prompt": "x", "max_tokens": 2})
     assert r.status_code == 200  # the dropped streams were aborted, room again
 
 
 def _stream_in_thread(url, body, out: list):
     def go():
         chunks, finish = [], None
-        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        with http().stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
             for line in r.iter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
                     chunk = json.loads(line[6:])
@@ -117,7 +117,7 @@ def _stream_in_thread(url, body, out: list):
 
 
 def test_sigterm_drains_then_aborts_and_exits_0(tiny_model_dir):  # noqa: F811
-    s = ServerProcess(tiny_model_dir, "--drain-timeout", "3", "--max-model-len", "4096").start()
+    s = ServerProcess(tiny_model_dir, "--drain-timeout", "2", "--max-model-len", "4096").start()
     try:
         short, long = [], []
         threads = [_stream_in_thread(s.url, {"prompt": "a", "max_tokens": 12, "ignore_eos": True}, short),
@@ -127,8 +127,8 @@ def test_sigterm_drains_then_aborts_and_exits_0(tiny_model_dir):  # noqa: F811
             time.sleep(0.02)
         s.signal(signal.SIGTERM)
         time.sleep(0.3)
-        assert httpx.get(s.url + "/health").status_code == 503
-        _error(httpx.post(s.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}), 503)
+        assert http().get(s.url + "/health").status_code == 503
+        _error(http().post(s.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}), 503)
         for t in threads:
             t.join(30)
         assert s.wait(30) == 0, s.output()

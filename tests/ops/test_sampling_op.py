@@ -202,6 +202,20 @@ def test_distribution_reference_keeps_ties():
 
 
 # ---- chi-square on the CPU op ---------------------------------------------------------------------------------
+# What these add to the exact tests above (the distribution against the brute-force oracle, the draw as the Gumbel
+# argmax over the kept tokens): that argmax(z + Philox Gumbel noise) does follow the distribution, i.e. that the
+# noise is right. Its bugs are gross: noise shared by the 4 tokens of a Philox group moves the option sets'
+# distributions by Cohen's w2 = sum((q - p)^2 / p) of 0.04-0.57, halved noise by 0.03-0.53, a draw that ignores
+# the temperature by 0.10-0.16 (at T 0.6 and 0.7; the detection test below). Power (noncentral chi-square,
+# lambda = n * w2, P_MIN = 1e-4, 6 to 31 pooled degrees of freedom) with CPU_DRAWS = 1000: the first two bugs fail
+# six of the seven option sets with probability > 0.9999 each, the third the two sets below temperature 0.9 and
+# the detection test (probability 0.9992); any test misses a w2 >= 0.1 shift with probability < 0.001 up to 40
+# degrees of freedom. 2000 draws would buy w2 >= 0.05 at twice the CPU time (each draw runs the reference
+# sampler, ~0.45 ms); smaller shifts (a 10% temperature error is w2 ~0.01: ~10,000 draws) are the exact tests'
+# to catch. The GPU tests draw 40,000-60,000 at a time.
+CPU_DRAWS = 1000
+
+
 def _draw_cpu(logits, options, n, counts=None, seen=None):
     """n draws of the CPU reference (seeds 0..n-1), each seeing the same penalty state."""
     p = _packed_params(options, slot=0 if counts is not None else -1)
@@ -210,7 +224,7 @@ def _draw_cpu(logits, options, n, counts=None, seen=None):
 
 @pytest.mark.parametrize("name", list(OPTION_SETS))
 def test_cpu_chi_square(rng, name):
-    v, n = 64, 2000
+    v, n = 64, CPU_DRAWS
     logits = separated_logits(rng, 1, v, std=1.0)[0]
     counts, seen = _penalty_rows(rng, v)
     use_state = "penalt" in name or name == "all"
@@ -224,7 +238,7 @@ def test_cpu_chi_square_detects_a_wrong_distribution(rng):
     # The test has power: the draws at temperature 0.7 fail against the temperature-1 distribution.
     v = 64
     logits = separated_logits(rng, 1, v, std=1.0)[0]
-    tokens = _draw_cpu(logits, dict(temperature=0.7), 2000)
+    tokens = _draw_cpu(logits, dict(temperature=0.7), CPU_DRAWS)
     want = sampling_distribution_reference(logits, RowParams(1.0))
     assert chi2_pvalue(np.bincount(tokens, minlength=v), want) < P_MIN
 
