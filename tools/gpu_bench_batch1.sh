@@ -9,7 +9,7 @@ export PYTHONUNBUFFERED=1 XSERV_CACHE_DIR=/tmp/xserv-cache PYTHONPATH=/tmp/site:
 presets=("${@:-0.6b}")
 for p in "${presets[@]}"; do [ -d /tmp/model-$p ] || python3 -m tools.make_test_model --preset $p --out /tmp/model-$p --no-progress >/dev/null & done; wait
 if [ -n "${HF:-}" ]; then
-  for p in "${presets[@]}"; do echo "=== $p transformers"; python3 -m tools.bench_hf_decode --model /tmp/model-$p --batch-sizes 1,64 --steps 64 2>&1 | grep -v Warning | tail -3; done
+  for p in "${presets[@]}"; do echo "=== $p transformers"; python3 -m tools.bench_hf_decode --model /tmp/model-$p --batch-sizes ${HF_BATCH:-1,64} --steps 32 2>&1 | grep -v Warning | tail -3; done
   exit 0
 fi
 echo "=== ceilings"; python3 -m tools.kernel_harness ceilings 2>&1 | tail -3
