@@ -17,8 +17,25 @@ from xserv.runtime import cuda_available  # noqa: E402
 
 HAS_GPU = cuda_available()
 
+# The heaviest files first (CPU seconds of each on a 2-core machine without a GPU: compile_all ~30, the rest 4-9).
+# Under README's test command (pytest-xdist: --dist loadfile --no-loadscope-reorder) each worker takes the next
+# whole file in this order, so that the long ones start early and the workers finish together; whole files keep a
+# module's fixtures (a server process, a loaded model) to one worker.
+HEAVY_FIRST = ("test_compile_all.py", "test_engine.py", "test_server.py", "test_server_limits.py", "test_cli.py",
+               "test_sampling_op.py", "test_sampling.py")
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: no workers (this process runs everything) where there is a GPU, whose tests want the device to
+    themselves; else one per core, at most 4 (compile_all alone is a third of the CPU work: more workers wait)."""
+    if HAS_GPU:
+        return 0
+    return min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
 
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the others keep their order
     if HAS_GPU:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -48,11 +65,16 @@ def _parse_each_tokenizer_file_once():
 
     real = tokenizers.Tokenizer
     parsed: dict[bytes, tuple[object, int]] = {}
+    digests: dict[tuple, bytes] = {}  # (path, size, mtime, inode) -> content digest: each file is read once
 
     class ParseOnce:  # what `from tokenizers import Tokenizer` gives xserv.tokenizer inside from_folder
         @staticmethod
         def from_file(path):
-            key = hashlib.blake2b(Path(path).read_bytes(), digest_size=16).digest()
+            st = os.stat(path)
+            file_key = (os.path.realpath(path), st.st_size, st.st_mtime_ns, st.st_ino)
+            if file_key not in digests:
+                digests[file_key] = hashlib.blake2b(Path(path).read_bytes(), digest_size=16).digest()
+            key = digests[file_key]
             tok, vocab = parsed.get(key, (None, None))
             if tok is None or tok.padding is not None or tok.truncation is not None \
                     or tok.get_vocab_size(with_added_tokens=True) != vocab:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import os
 import signal
@@ -13,8 +14,17 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def skip_unless_installed(*modules: str) -> None:
+    """Skip the calling test module unless `modules` are installed, without importing them (the server runs in its
+    own process: importing fastapi and openai in the test process would only slow down collection, ~1 s)."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"needs {', '.join(missing)}", allow_module_level=True)
 
 
 @functools.lru_cache(maxsize=None)

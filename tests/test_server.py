@@ -7,13 +7,12 @@ import time
 
 import pytest
 
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
-openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from qwen3_reference import perturbed_model_dir  # noqa: E402,F401
-from server_process import ServerProcess, http, stream_text  # noqa: E402
+from server_process import ServerProcess, http, skip_unless_installed, stream_text  # noqa: E402
+
+skip_unless_installed("fastapi", "uvicorn", "openai")
 
 MODEL = "tiny"
 GREEDY = {"temperature": 0.0}
@@ -28,6 +27,8 @@ def server(perturbed_model_dir):  # noqa: F811
 
 @pytest.fixture(scope="module")
 def client(server):
+    import openai
+
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
 

@@ -9,12 +9,12 @@ import asyncio
 
 import pytest
 
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
 from qwen3_reference import perturbed_model_dir  # noqa: E402,F401
-from server_process import ServerProcess, http, stream_text  # noqa: E402
+from server_process import ServerProcess, http, skip_unless_installed, stream_text  # noqa: E402
+
+skip_unless_installed("fastapi", "uvicorn")
 
 NEAR_TIE = 0.1  # nats between the alone run's best and second-best token
 

@@ -7,12 +7,12 @@ import time
 
 import pytest
 
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
 from qwen3_reference import tiny_model_dir  # noqa: E402,F401
-from server_process import ServerProcess, http  # noqa: E402
+from server_process import ServerProcess, http, skip_unless_installed  # noqa: E402
+
+skip_unless_installed("fastapi", "uvicorn")
 
 KEY = "s3cret-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -117,7 +117,8 @@ def _stream_in_thread(url, body, out: list):
 
 
 def test_sigterm_drains_then_aborts_and_exits_0(tiny_model_dir):  # noqa: F811
-    s = ServerProcess(tiny_model_dir, "--drain-timeout", "2", "--max-model-len", "4096").start()
+    # 4 sequence slots (the default 256 would zero 190 MB of sampling-penalty state at start-up for 2 streams)
+    s = ServerProcess(tiny_model_dir, "--drain-timeout", "2", "--max-model-len", "4096", "--max-num-seqs", "4").start()
     try:
         short, long = [], []
         threads = [_stream_in_thread(s.url, {"prompt": "a", "max_tokens": 12, "ignore_eos": True}, short),
@@ -155,7 +156,7 @@ sys.exit(main(sys.argv[1:]))
 
 
 def test_engine_failure_ends_streams_with_an_error_and_exits_nonzero(tiny_model_dir):  # noqa: F811
-    s = ServerProcess(tiny_model_dir, code=FAILING_ENGINE).start()
+    s = ServerProcess(tiny_model_dir, "--max-num-seqs", "4", code=FAILING_ENGINE).start()
     try:
         out = []
         _stream_in_thread(s.url, {"prompt": "a", "max_tokens": 50, "ignore_eos": True}, out).join(30)
