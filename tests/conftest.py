@@ -25,6 +25,7 @@ HEAVY_FIRST = ("test_compile_all.py", "test_engine.py", "test_server.py", "test_
                "test_sampling_op.py", "test_sampling.py")
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: without the plugin (the GPU machine) it is never called
 def pytest_xdist_auto_num_workers(config):
     """`-n auto`: no workers (this process runs everything) where there is a GPU, whose tests want the device to
     themselves; else one per core, at most 4 (compile_all alone is a third of the CPU work: more workers wait)."""
