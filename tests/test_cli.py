@@ -293,9 +293,12 @@ def test_chat_ctrl_c_stops_the_answer_not_the_session(tiny_model_dir):  # noqa: 
     import time
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # SIGINT back to its default in the child: a test run started in the background of a non-interactive shell
+    # inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler (Ctrl-C would do nothing)
     proc = subprocess.Popen([sys.executable, "-m", "xserv", "chat", "--model", str(tiny_model_dir), "--device", "cpu",
                              "--max-tokens", "3000", "--ignore-eos", "--temperature", "0"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     chunks = []
     reader = threading.Thread(target=lambda: chunks.extend(iter(lambda: proc.stdout.read(1), "")), daemon=True)
     reader.start()
