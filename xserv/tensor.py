@@ -122,6 +122,8 @@ class Tensor:
 
     @classmethod
     def zeros(cls, shape, dtype, device: str = "cuda") -> "Tensor":
+        if _check_device(device) == "cpu":  # np.zeros maps zero pages lazily instead of writing every byte
+            return cls(_shape(shape), as_dtype(dtype), array=np.zeros(_shape(shape), as_dtype(dtype)))
         return cls.empty(shape, dtype, device).zero_()
 
     def zero_(self) -> "Tensor":

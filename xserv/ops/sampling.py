@@ -141,6 +141,7 @@ def philox4x32_10(counter, key) -> tuple[np.ndarray, ...]:
 
 
 _GUMBEL_MAX = np.float32(16.7)  # > -log(-log(1 - 2**-24)) = 16.64, the largest noise gumbel_noise returns
+_PRUNE_ABOVE = 4096  # candidate counts above which the reference prunes by the top token's noise first
 
 
 def gumbel_noise(seed: int, step: int, token_ids: np.ndarray) -> np.ndarray:
@@ -226,10 +227,11 @@ def sample_row_reference(logits_row, row_params, counts_row=None, seen_row=None)
     if p.greedy or zmax == -np.inf:
         return int(np.argmax(z))
     kept = np.flatnonzero(z >= _threshold(z, p))
-    # Only tokens within the largest noise of (the top token + its noise) can win: the others need no Philox.
-    top = int(np.argmax(z))
-    reach = z[top] + gumbel_noise(p.seed, p.step, np.array([top]))[0] - _GUMBEL_MAX
-    kept = kept[z[kept] >= reach]
+    if kept.size > _PRUNE_ABOVE:
+        # Only tokens within the largest noise of (the top token + its noise) can win: the others need no Philox.
+        top = int(np.argmax(z))
+        reach = z[top] + gumbel_noise(p.seed, p.step, np.array([top]))[0] - _GUMBEL_MAX
+        kept = kept[z[kept] >= reach]
     perturbed = z[kept] + gumbel_noise(p.seed, p.step, kept)
     return int(kept[np.argmax(perturbed)])  # first maximum: the lowest token id on ties
 
