@@ -75,6 +75,29 @@ def test_allocator_keep_alive_records_allocations():
     assert alloc._recorders == []
 
 
+def test_buffer_released_once_by_free_or_garbage_collection():
+    # CPU: a fake device allocation underneath. A buffer goes back to its size class exactly once, whether freed
+    # explicitly (then dropped) or dropped; a double release would hand one block to two later allocations.
+    from xserv.runtime.allocator import CachingAllocator
+
+    class FakeDevice(CachingAllocator):
+        def _device_alloc(self, size):
+            self.stats.device_allocations += 1
+            return 0x1000 * self.stats.device_allocations
+
+    alloc = FakeDevice()
+    a = alloc.allocate(700)
+    ptr = a.ptr
+    a.free()
+    a.free()
+    del a
+    assert alloc.stats.bytes_in_use == 0 and alloc._free[size_class(700)] == [ptr]
+    b, c = alloc.allocate(700), alloc.allocate(700)
+    assert b.ptr == ptr and c.ptr != ptr  # one block, handed out once
+    del b
+    assert alloc._free[size_class(700)] == [ptr] and alloc.stats.bytes_in_use == size_class(700)
+
+
 @pytest.mark.gpu
 def test_out_of_memory_says_how_much():
     from xserv.runtime import DeviceOutOfMemory, get_runtime
