@@ -197,11 +197,12 @@ def _launch(prologue: str, x: Tensor, x_stride: int, rows: Tensor | None, norm_w
     if not aligned(x, weight) or (x_stride * x.dtype.itemsize) % 16:
         raise ValueError("gemv: x and weight must be 16-byte aligned with 16-byte aligned rows")
     name, threads, split, grid = plan(m, n, get_device().multiprocessor_count)
-    common = (norm_weight if norm_weight is not None else 0, np.float32(eps32), weight, out)
-    tail = (np.int32(n), np.int32(k), np.int32(split), np.int32(_PROLOGUE[prologue]), np.int32(epilogue))
-    if m == 1:
-        args = (x, np.int64(x_stride), rows if rows is not None else 0, *common, *tail)
-    else:
-        args = (x, np.int64(x_stride), rows if rows is not None else 0, *common[:3], out, np.int64(out.shape[1]),
-                np.int32(m), *tail)
+    x_rows = rows if rows is not None else 0  # a null pointer: rows 0..m-1
+    norm = norm_weight if norm_weight is not None else 0
+    modes = (np.int32(split), np.int32(_PROLOGUE[prologue]), np.int32(epilogue))
+    if m == 1:  # gemv_row(x, x_stride, x_rows, norm_w, eps, W, out, N, K, split, prologue, epilogue)
+        args = (x, np.int64(x_stride), x_rows, norm, np.float32(eps32), weight, out, np.int32(n), np.int32(k), *modes)
+    else:  # gemv_mma_m*(x, x_stride, x_rows, norm_w, eps, W, out, out_stride, m, N, K, split, prologue, epilogue)
+        args = (x, np.int64(x_stride), x_rows, norm, np.float32(eps32), weight, out, np.int64(out.shape[1]),
+                np.int32(m), np.int32(n), np.int32(k), *modes)
     kernel("gemv", name)(grid, threads, *args, smem=_smem(m, k), pdl=True)
