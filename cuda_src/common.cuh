@@ -28,6 +28,17 @@ __device__ __forceinline__ void store8(__nv_bfloat16* p, const float (&in)[8]) {
     *reinterpret_cast<bf16x8*>(p) = v;
 }
 
+// Eight fp32 values moved as two 16-byte accesses (the fp32 residual stream). Callers guarantee alignment.
+__device__ __forceinline__ void load8(const float* p, float (&out)[8]) {
+    const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+    out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w; out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
+}
+
+__device__ __forceinline__ void store8(float* p, const float (&in)[8]) {
+    reinterpret_cast<float4*>(p)[0] = make_float4(in[0], in[1], in[2], in[3]);
+    reinterpret_cast<float4*>(p)[1] = make_float4(in[4], in[5], in[6], in[7]);
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);

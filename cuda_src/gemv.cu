@@ -77,9 +77,10 @@ __device__ __forceinline__ void stage_x(__nv_bfloat16* xs, int KS, float* scratc
             if (i < m) {
                 const float* row = static_cast<const float*>(x) + (long long)(x_rows ? x_rows[i] : i) * x_stride;
                 for (int c = threadIdx.x; c < chunks; c += kThreads) {
-                    const float4 a = reinterpret_cast<const float4*>(row + c * 8)[0];
-                    const float4 b = reinterpret_cast<const float4*>(row + c * 8)[1];
-                    ss[i] += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w + b.x * b.x + b.y * b.y + b.z * b.z + b.w * b.w;
+                    float v[8];
+                    xserv::load8(row + c * 8, v);
+                    ss[i] += v[0] * v[0] + v[1] * v[1] + v[2] * v[2] + v[3] * v[3] + v[4] * v[4] + v[5] * v[5] +
+                             v[6] * v[6] + v[7] * v[7];
                 }
             }
         }
@@ -101,9 +102,7 @@ __device__ __forceinline__ void stage_x(__nv_bfloat16* xs, int KS, float* scratc
                 const float* row = static_cast<const float*>(x) + (long long)(x_rows ? x_rows[i] : i) * x_stride;
                 for (int c = threadIdx.x; c < chunks; c += kThreads) {
                     float v[8], w[8];
-                    const float4 a = reinterpret_cast<const float4*>(row + c * 8)[0];
-                    const float4 b = reinterpret_cast<const float4*>(row + c * 8)[1];
-                    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+                    xserv::load8(row + c * 8, v);
                     xserv::load8(norm_w + c * 8, w);
 #pragma unroll
                     for (int j = 0; j < 8; ++j) v[j] = w[j] * (v[j] * inv);

@@ -19,18 +19,10 @@ namespace {
 
 constexpr int kRowsPerWarp = 2;  // head rows per warp: two rows' loads in flight before the first reduction
 
-// Eight residual values moved as 16-byte accesses (one bf16x8, or two float4), and whether the stream is
-// rounded to bf16 (Qwen3RMSNorm's rounding of the normalised value applies to bf16 streams only).
-__device__ __forceinline__ void load8(const __nv_bfloat16* p, float (&v)[8]) { xserv::load8(p, v); }
-__device__ __forceinline__ void store8(__nv_bfloat16* p, const float (&v)[8]) { xserv::store8(p, v); }
-__device__ __forceinline__ void load8(const float* p, float (&v)[8]) {
-    const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
-    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
-}
-__device__ __forceinline__ void store8(float* p, const float (&v)[8]) {
-    reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
-    reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
-}
+// Eight residual values moved as 16-byte accesses (common.cuh: one bf16x8, or two float4), and whether the
+// stream is rounded to bf16 (Qwen3RMSNorm's rounding of the normalised value applies to bf16 streams only).
+using xserv::load8;
+using xserv::store8;
 template <typename Res> constexpr bool kRoundedStream = true;
 template <> constexpr bool kRoundedStream<float> = false;
 
