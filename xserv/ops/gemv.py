@@ -140,35 +140,31 @@ def rmsnorm_linear(residual: Tensor, norm_weight: Tensor, eps: float, weight: Te
 def linear_add(x: Tensor, weight: Tensor, residual: Tensor) -> Tensor:
     """residual fp32 [m, N] += bf16(x bf16 [m, K] @ weight^T). Returns residual."""
     check_tensor("x", x, dtype=bfloat16, ndim=2)
-    m, k = x.shape
-    n = _check_weight(weight, k)
-    _check_m(m, k)
-    check_tensor("residual", residual, dtype=float32, shape=(m, n))
-    device = same_device(x=x, weight=weight, residual=residual)
-    check_alias("residual", residual, "x", x, allow_identical=False)
-    if device == "cpu":
-        residual.array[...] = add_rounded(residual.array, linear_reference(x.array, weight.array))
-        return residual
-    _launch("bf16", x, k, None, None, 0.0, weight, residual, _EPILOGUE["add"], m, n, k)
-    return residual
+    return _add_into_residual("x", x, x.shape[1], "bf16", linear_reference, weight, residual)
 
 
 def silu_mul_linear_add(gate_up: Tensor, weight: Tensor, residual: Tensor) -> Tensor:
     """residual fp32 [m, N] += bf16(silu_and_mul(gate_up bf16 [m, 2I]) @ weight[N, I]^T). Returns residual."""
     check_tensor("gate_up", gate_up, dtype=bfloat16, ndim=2)
-    m, width = gate_up.shape
+    width = gate_up.shape[1]
     if width % 2:
         raise ValueError(f"gate_up: last dimension {width} must be even (gate and up halves)")
-    k = width // 2
+    return _add_into_residual("gate_up", gate_up, width // 2, "silu_mul", silu_mul_linear_reference, weight, residual)
+
+
+def _add_into_residual(name: str, x: Tensor, k: int, prologue: str, reference, weight: Tensor,
+                       residual: Tensor) -> Tensor:
+    """The residual-add epilogue ops: x (checked by the caller) gives the K = k input of the projection."""
+    m = x.shape[0]
     n = _check_weight(weight, k)
     _check_m(m, k)
     check_tensor("residual", residual, dtype=float32, shape=(m, n))
-    device = same_device(gate_up=gate_up, weight=weight, residual=residual)
-    check_alias("residual", residual, "gate_up", gate_up, allow_identical=False)
+    device = same_device(**{name: x}, weight=weight, residual=residual)
+    check_alias("residual", residual, name, x, allow_identical=False)
     if device == "cpu":
-        residual.array[...] = add_rounded(residual.array, silu_mul_linear_reference(gate_up.array, weight.array))
+        residual.array[...] = add_rounded(residual.array, reference(x.array, weight.array))
         return residual
-    _launch("silu_mul", gate_up, width, None, None, 0.0, weight, residual, _EPILOGUE["add"], m, n, k)
+    _launch(prologue, x, x.shape[1], None, None, 0.0, weight, residual, _EPILOGUE["add"], m, n, k)
     return residual
 
 
