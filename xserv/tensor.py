@@ -3,7 +3,6 @@ array (CPU backend). Always contiguous (row-major); views share storage. Arithme
 from __future__ import annotations
 
 import math
-from typing import Iterable
 
 import ml_dtypes
 import numpy as np
