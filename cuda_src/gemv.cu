@@ -10,6 +10,12 @@
 //   epilogue  kStoreBf16 / kStoreF32  out[m, n] = acc
 //             kAddResidual           out is the fp32 residual: out[m, n] += bf16(acc) (what hidden = linear(...)
 //                                    followed by fused_add_rmsnorm_f32res's add does)
+//             kSiluMulBf16           (gemv_row only) W is the fused [gate; up] weight [2I, K] and out bf16 [I]:
+//                                    out[j] = bf16(bf16(silu(bf16(acc_gate_j))) * bf16(acc_up_j)), the rounding of
+//                                    the gate/up projection's bf16 output followed by silu_and_mul. The tile pairs
+//                                    gate rows with their up rows (see gemv_row), so the activation is computed
+//                                    once per step, not by every CTA of the down projection (the kSiluMul
+//                                    prologue's cost: every CTA recomputes the whole row).
 //
 // Why not cuBLASLt: at M <= 16 a projection is a read of W (bandwidth-bound), and cuBLASLt's kernels for these
 // shapes leave part of the bandwidth unused and need separate kernels for the norm, the activation and the
@@ -36,7 +42,7 @@
 namespace {
 
 enum Prologue : int { kBf16 = 0, kRmsNorm = 1, kSiluMul = 2 };
-enum Epilogue : int { kStoreBf16 = 0, kStoreF32 = 1, kAddResidual = 2 };
+enum Epilogue : int { kStoreBf16 = 0, kStoreF32 = 1, kAddResidual = 2, kSiluMulBf16 = 3 };
 
 // A weight load that should not displace x or the staged rows in L1: W is read exactly once.
 __device__ __forceinline__ uint4 load_weight(const __nv_bfloat16* p) {
@@ -175,6 +181,9 @@ __device__ __forceinline__ void fma_step(float (&acc)[kRows], const uint4 (&w)[k
 }
 
 // Dynamic shared memory: partial sums [kWarps][kRows], the RMS scratch [kWarps], then x [K] bf16.
+// kSiluMulBf16 pairs the row groups of a tile (split <= 2, so a tile holds an even number of them): slot 2p takes
+// gate rows j0..j0+3 (rows j of W), slot 2p + 1 the matching up rows (rows I + j), and the gate slot's lanes combine
+// both sums; N is then W's 2I rows and the tiles cover the I activations.
 __device__ __forceinline__ void gemv(const void* x, long long x_stride, const int* x_rows,
                                      const __nv_bfloat16* norm_w, float eps, const __nv_bfloat16* __restrict__ W,
                                      void* out, int N, int K, int split, int prologue, int epilogue) {
@@ -187,12 +196,16 @@ __device__ __forceinline__ void gemv(const void* x, long long x_stride, const in
     const int groups_per_tile = kWarps / split;
     const int slot = warp / split, part = warp % split;  // this warp's row group in the tile, its share of K
     const int chunks = K / 8;
-    const int num_tiles = (N + kRows * groups_per_tile - 1) / (kRows * groups_per_tile);
+    const bool paired = epilogue == kSiluMulBf16;
+    const int outputs = paired ? N / 2 : N, groups_out = paired ? groups_per_tile / 2 : groups_per_tile;
+    const int num_tiles = (outputs + kRows * groups_out - 1) / (kRows * groups_out);
     const int first = part * 32 + lane, stride = 32 * split;  // this lane's first chunk, the step between its chunks
+    // The first output of this warp's row group in `tile`, and the weight rows it reads (clamped rows: not stored).
     auto rows_of = [&](int tile, const __nv_bfloat16* (&wrow)[kRows]) {
-        const int n0 = (tile * groups_per_tile + slot) * kRows;
+        const int n0 = (tile * groups_out + (paired ? slot / 2 : slot)) * kRows;
+        const long long base = paired && (slot & 1) ? outputs : 0;  // an up slot: rows I + j
 #pragma unroll
-        for (int r = 0; r < kRows; ++r) wrow[r] = W + (long long)min(n0 + r, N - 1) * K;  // clamped rows: not stored
+        for (int r = 0; r < kRows; ++r) wrow[r] = W + (base + min(n0 + r, outputs - 1)) * K;
         return n0;
     };
 
@@ -229,10 +242,17 @@ __device__ __forceinline__ void gemv(const void* x, long long x_stride, const in
             if (lane == 0) partial[warp][r] = v;
         }
         __syncthreads();
-        if (part == 0 && lane < kRows && n0 + lane < N) {
+        if (part == 0 && lane < kRows && n0 + lane < outputs && !(paired && (slot & 1))) {
             float v = 0.f;
             for (int p = 0; p < split; ++p) v += partial[warp + p][lane];
-            store_out(out, n0 + lane, v, epilogue);
+            if (paired) {  // the up slot's warps follow this one's: warp + split
+                float up = 0.f;
+                for (int p = 0; p < split; ++p) up += partial[warp + split + p][lane];
+                const float act = xserv::round_bf16(silu(xserv::round_bf16(v))) * xserv::round_bf16(up);
+                static_cast<__nv_bfloat16*>(out)[n0 + lane] = __float2bfloat16_rn(act);
+            } else {
+                store_out(out, n0 + lane, v, epilogue);
+            }
         }
         __syncthreads();  // `partial` is reused by the next tile
     }

@@ -36,7 +36,8 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-torch", action="store_true")
     args = ap.parse_args(argv)
 
-    from xserv.ops.gemv import gemv_supported, linear_add, linear_gemv, rmsnorm_linear, silu_mul_linear_add
+    from xserv.ops.gemv import (gemv_supported, linear_add, linear_gemv, rmsnorm_linear, rmsnorm_linear_silu_mul,
+                                silu_mul_linear_add)
     from xserv.ops.linear import linear
     from xserv.runtime import get_device
     from xserv.runtime.timing import benchmark_graph
@@ -53,8 +54,9 @@ def main(argv=None) -> int:
     print(f"device: {dev.name} ({dev.multiprocessor_count} SMs, L2 {dev.info.l2_cache_bytes >> 20} MiB); copy "
           f"bandwidth measured now {copy:.0f} GB/s (read + write)")
     print("GB/s = (weight + x + out bytes) / time; %copy against the copy bandwidth; fused = the variant the model "
-          "runs (qkv/gate_up: RMSNorm prologue, o: residual-add epilogue, down: SiLU prologue + residual add, "
-          "lm_head: RMSNorm prologue, fp32 out)")
+          "runs (qkv/lm_head: RMSNorm prologue (lm_head fp32 out); gate_up: RMSNorm prologue, at M = 1 also the SiLU-"
+          "and-mul epilogue; o: residual-add epilogue; down: residual-add epilogue, above M = 1 also the SiLU "
+          "prologue)")
     hdr = (f"{'model':5s} {'proj':8s} {'M':>3s} {'N':>7s} {'K':>6s} {'gemv us':>8s} {'GB/s':>6s} {'%copy':>6s} "
            f"{'fused us':>8s} {'cublas us':>9s} {'cublas/gemv':>11s}" + (f" {'torch us':>9s} {'torch/gemv':>10s}" if torch else ""))
     print(hdr)
@@ -79,11 +81,14 @@ def main(argv=None) -> int:
                 t_gemv = benchmark_graph([lambda w=w: linear_gemv(x, w, out) for w in ws])
                 t_blas = benchmark_graph([lambda w=w: linear(x, w, out) for w in ws])
                 res = Tensor.zeros((m, n), float32)
-                if proj in ("qkv", "gate_up", "lm_head"):
-                    r_in = Tensor.from_numpy(rng.standard_normal((m, k), np.float32))
-                    norm_w = Tensor.from_numpy(np.ones(k, bfloat16))
+                r_in = Tensor.from_numpy(rng.standard_normal((m, k), np.float32))
+                norm_w = Tensor.from_numpy(np.ones(k, bfloat16))
+                if proj == "gate_up" and m == 1:  # the one-token path: the SiLU-and-mul epilogue, bf16 [1, I] out
+                    act = Tensor.empty((m, n // 2), bfloat16)
+                    fused = [lambda w=w: rmsnorm_linear_silu_mul(r_in, norm_w, 1e-6, w, act) for w in ws]
+                elif proj in ("qkv", "gate_up", "lm_head"):
                     fused = [lambda w=w: rmsnorm_linear(r_in, norm_w, 1e-6, w, out) for w in ws]
-                elif proj == "o":
+                elif proj == "o" or (proj == "down" and m == 1):  # one token: down takes the activation as is
                     fused = [lambda w=w: linear_add(x, w, res) for w in ws]
                 else:
                     gu = Tensor.from_numpy(rng.standard_normal((m, 2 * k), np.float32).astype(bfloat16))

@@ -4,6 +4,11 @@ Prints the kernels by total time, their sum against the recorded GPU span (the r
 and the device name. GPU machine only (needs torch).
 
     python -m tools.profile_engine --model DIR [--warm 300 --steps 50 --temperature 0]
+    python -m tools.profile_engine --model DIR --single-context 512 --warm 32 --steps 20 --timeline 16
+
+--single-context runs one request of that many prompt tokens instead (batch-1 decode); --timeline K prints K
+consecutive kernels of one recorded step with their start, duration and the gap before each (with programmatic
+dependent launch a kernel may start before the previous one ends: a negative gap).
 """
 from __future__ import annotations
 
@@ -23,6 +28,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=50, help="engine steps recorded (default 50)")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top", type=int, default=25, help="kernels listed (default 25)")
+    ap.add_argument("--single-context", type=int, default=0, help="one request of this many prompt tokens")
+    ap.add_argument("--timeline", type=int, default=0, help="print this many consecutive kernels of one step")
     args = ap.parse_args(argv)
 
     import torch
@@ -32,8 +39,13 @@ def main(argv=None) -> int:
     from xserv.bench.throughput import make_workload
     from xserv.runtime import get_device, synchronize
 
-    llm = LLM(args.model, device="cuda", max_model_len=2048, progress=False)
-    prompts, out_lens = make_workload(256, (100, 1024), (100, 1024), 0, llm.config.vocab_size)
+    max_len = max(2048, args.single_context + args.warm + args.steps + 8)
+    llm = LLM(args.model, device="cuda", max_model_len=max_len, progress=False)
+    if args.single_context:
+        prompts, out_lens = make_workload(1, (args.single_context,) * 2, (max_len - args.single_context,) * 2, 0,
+                                          llm.config.vocab_size)
+    else:
+        prompts, out_lens = make_workload(256, (100, 1024), (100, 1024), 0, llm.config.vocab_size)
     engine = llm.engine
     for i, (p, n) in enumerate(zip(prompts, out_lens)):
         engine.add_request(p, SamplingParams(max_tokens=n, temperature=args.temperature, ignore_eos=True, seed=i))
@@ -65,6 +77,16 @@ def main(argv=None) -> int:
     print(f"{'kernel':<90} {'calls':>7} {'total ms':>9} {'share':>6} {'us/call':>8}")
     for name, (t, n) in sorted(per_name.items(), key=lambda kv: -kv[1][0])[:args.top]:
         print(f"{name[:90]:<90} {n:>7} {t / 1e3:>9.2f} {t / total_us:>6.1%} {t / n:>8.1f}")
+    if args.timeline and kernels:
+        ordered = sorted(kernels, key=lambda e: e.time_range.start)
+        first = len(ordered) // 2  # from the middle of the recording: a step in full flow
+        print(f"{'kernel':<70} {'start us':>9} {'dur us':>8} {'gap us':>8}")
+        prev_end = ordered[first - 1].time_range.end
+        t0 = ordered[first].time_range.start
+        for e in ordered[first:first + args.timeline]:
+            print(f"{e.name[:70]:<70} {e.time_range.start - t0:>9.2f} {e.device_time:>8.2f} "
+                  f"{e.time_range.start - prev_end:>8.2f}")
+            prev_end = e.time_range.end
     return 0
 
 

@@ -7,7 +7,8 @@ import pytest
 
 from xserv.ops.activation import silu_and_mul
 from xserv.ops.gemv import (CTAS_PER_SM, add_rounded, gemv_supported, linear_add, linear_gemv, plan, rmsnorm_linear,
-                            rmsnorm_linear_reference, silu_mul_linear_add, silu_mul_linear_reference, MAX_M)
+                            rmsnorm_linear_reference, rmsnorm_linear_silu_mul, rmsnorm_linear_silu_mul_reference,
+                            silu_mul_linear_add, silu_mul_linear_reference, MAX_M)
 from xserv.ops.linear import linear, linear_reference
 from xserv.ops.rmsnorm import fused_add_rmsnorm
 from xserv.tensor import Tensor, bfloat16, float32, int32
@@ -58,6 +59,23 @@ def test_cpu_silu_mul_linear_add_is_activation_linear_add(rng):
     np.testing.assert_array_equal(res_t.array, want)
 
 
+def test_cpu_rmsnorm_linear_silu_mul_is_norm_linear_then_activation(rng):
+    k, i = 64, 24
+    residual = random_array(rng, (1, k), np.float32, mean=0.0, std=2.0)
+    norm_w = random_array(rng, (k,), bfloat16, mean=1.0, std=0.1)
+    w = Tensor.from_numpy(weights(rng, 2 * i, k), "cpu")
+    res_t, norm_t = Tensor.from_numpy(residual, "cpu"), Tensor.from_numpy(norm_w, "cpu")
+    gate_up = rmsnorm_linear(res_t, norm_t, EPS, w)  # bf16, as the unfused decoder stores it
+    want = silu_and_mul(gate_up).array
+    got = rmsnorm_linear_silu_mul(res_t, norm_t, EPS, w)
+    assert got.dtype == bfloat16 and got.shape == (1, i)
+    np.testing.assert_array_equal(got.array, want)
+    with pytest.raises(ValueError, match="one"):
+        rmsnorm_linear_silu_mul(Tensor.from_numpy(np.zeros((2, k), np.float32), "cpu"), norm_t, EPS, w)
+    with pytest.raises(ValueError, match="even"):
+        rmsnorm_linear_silu_mul(res_t, norm_t, EPS, Tensor.from_numpy(weights(rng, 7, k), "cpu"))
+
+
 def test_cpu_linear_add_and_plain(rng):
     x = random_array(rng, (2, 32), bfloat16, mean=0.0)
     w = weights(rng, 8, 32)
@@ -100,6 +118,8 @@ def test_plan_splits_fill_the_sms():
     assert plan(16, 24576, 132)[:3] == ("gemv_mma_m16", 256, 2)
     name, _, split, grid = plan(3, 151936, 132)
     assert name == "gemv_mma_m8" and split == 1 and grid == 132 * CTAS_PER_SM < 151936 / 128
+    # the SiLU-and-mul epilogue pairs two row groups per tile: at most 2 warps share K
+    assert plan(1, 1024, 132, paired=True)[2] == 2 and plan(1, 24576, 132, paired=True)[2] == 1
 
 
 # ---- GPU: the kernels against the references ---------------------------------------------------------------------
@@ -158,6 +178,20 @@ def test_cuda_linear_add(rng, m, n, k):
     linear_add(Tensor.from_numpy(x), Tensor.from_numpy(w), res_t)
     want = add_rounded(residual, linear_reference(x, w))
     close(res_t.numpy() - residual, want - residual)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("i,k", [(3072, 1024), (1001, 1000), (37, 520), (12288, 64), (5, 3072)])
+def test_cuda_rmsnorm_linear_silu_mul(rng, i, k):
+    """The gate/up projection with the activation in its epilogue: I not a multiple of a tile's 4 or 8 outputs,
+    K not a multiple of 32, split 2 and 1, more tiles than CTAs (I = 12288, K = 64), a single tile (I = 5)."""
+    residual = random_array(rng, (1, k), np.float32, mean=0.0, std=3.0)
+    norm_w = random_array(rng, (k,), bfloat16, mean=1.0, std=0.1)
+    w = weights(rng, 2 * i, k)
+    out = poisoned((1, i), bfloat16)
+    rmsnorm_linear_silu_mul(Tensor.from_numpy(residual), Tensor.from_numpy(norm_w), EPS, Tensor.from_numpy(w),
+                            out=out)
+    close(out.numpy(), rmsnorm_linear_silu_mul_reference(residual, norm_w, EPS, w))
 
 
 @pytest.mark.gpu

@@ -1,4 +1,5 @@
 """Skinny GEMMs (xserv/ops/gemv.py): gemv (x @ W^T), rmsnorm_linear (RMSNorm of the fp32 residual, then W),
+rmsnorm_linear_silu_mul (one row: RMSNorm, the fused gate/up weight W [N = 2I, K], then silu_and_mul -> [1, I]),
 silu_mul_linear_add (residual += bf16(silu_and_mul(gate_up) @ W^T)). Shapes: MxNxK (rows, out and in features).
 
 The harness times eager calls, which at these microsecond sizes is mostly host time: the bandwidth table comes
@@ -52,6 +53,13 @@ def _run_norm(d):
     return rmsnorm_linear(d["x"], d["norm_weight"], EPS, d["weight"], out=_out(d, d["weight"].shape[0], "bfloat16"))
 
 
+def _run_norm_silu(d):
+    from xserv.ops.gemv import rmsnorm_linear_silu_mul
+
+    return rmsnorm_linear_silu_mul(d["x"], d["norm_weight"], EPS, d["weight"],
+                                   out=_out(d, d["weight"].shape[0] // 2, "bfloat16"))
+
+
 def _run_silu(d):
     # Adds into a copy of the residual: the check compares one call, and the bench's repeats may keep adding.
     from xserv.ops.gemv import silu_mul_linear_add
@@ -72,6 +80,12 @@ def _ref_norm(d):
     return rmsnorm_linear_reference(d["x"], d["norm_weight"], EPS, d["weight"]).astype("bfloat16").astype(np.float64)
 
 
+def _ref_norm_silu(d):
+    from xserv.ops.gemv import rmsnorm_linear_silu_mul_reference
+
+    return rmsnorm_linear_silu_mul_reference(d["x"], d["norm_weight"], EPS, d["weight"]).astype(np.float64)
+
+
 def _ref_silu(d):
     from xserv.ops.gemv import add_rounded, silu_mul_linear_reference
 
@@ -84,6 +98,14 @@ def _torch_norm(d):
     r = d["x"]
     normed = (d["norm_weight"].float() * (r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + EPS))).bfloat16()
     return normed @ d["weight"].t()
+
+
+def _torch_norm_silu(d):
+    import torch.nn.functional as F
+
+    gate_up = _torch_norm(d)
+    i = gate_up.shape[1] // 2
+    return (F.silu(gate_up[:, :i]) * gate_up[:, i:]).bfloat16()
 
 
 def _torch_silu(d):
@@ -107,6 +129,11 @@ SPECS = [
            make_inputs=_norm_inputs, run=_run_norm, reference=_ref_norm, tolerance=1e-2, check_shapes=CHECK,
            bench_shapes=BENCH, bytes_moved=_bytes(lambda s: s[2] * 4, 2), torch_peer=_torch_norm,
            shape_help="MxNxK"),
+    OpSpec(name="rmsnorm_linear_silu_mul", family="gemv", kernels=("gemv_row",), make_inputs=_norm_inputs,
+           run=_run_norm_silu, reference=_ref_norm_silu, tolerance=1e-2,
+           check_shapes=[(1, 2000, 1024), (1, 74, 520), (1, 6144, 1024)],
+           bench_shapes=[(1, 6144, 1024), (1, 24576, 4096)], bytes_moved=lambda s: s[1] * s[2] * 2 + s[2] * 4 + s[1],
+           torch_peer=_torch_norm_silu, shape_help="1xNxK (N = 2I: gate rows, then up rows)"),
     OpSpec(name="silu_mul_linear_add", family="gemv", kernels=("gemv_row", "gemv_mma_m8", "gemv_mma_m16"),
            make_inputs=_silu_inputs, run=_run_silu, reference=_ref_silu, tolerance=1e-2, check_shapes=CHECK,
            bench_shapes=BENCH, bytes_moved=_bytes(lambda s: s[2] * 4, 8), torch_peer=_torch_silu,

@@ -21,7 +21,8 @@ from ..ops.activation import silu_and_mul
 from ..ops.attention import attention_decode, attention_prefill
 from ..ops.cast import cast
 from ..ops.embedding import embedding
-from ..ops.gemv import gemv_supported, linear_add, linear_gemv, prefer_gemv, rmsnorm_linear, silu_mul_linear_add
+from ..ops.gemv import (gemv_supported, linear_add, linear_gemv, prefer_gemv, rmsnorm_linear,
+                        rmsnorm_linear_silu_mul)
 from ..ops.linear import linear
 from ..ops.rmsnorm import fused_add_rmsnorm
 from ..ops.rope import qk_norm_rope_write_kv, rope_cos_sin_table
@@ -244,7 +245,8 @@ class DenseModel:
 
     # Up to this many tokens a forward runs the fused GEMV path. Measured (docs/kernels/gemv.md, H100): one token
     # gains 32% (0.6B) and 8% (8B) per decode step; at 4 tokens the prologues, recomputed by every CTA, cost more
-    # than the launches they save (8B: 468 vs 609 tok/s), so wider steps keep the unfused ops.
+    # than the launches they save (8B: 468 vs 609 tok/s), so wider steps keep the unfused ops (and the SiLU-and-mul
+    # epilogue, rmsnorm_linear_silu_mul, takes one row).
     FUSED_MAX_TOKENS: ClassVar[int] = 1
 
     def forward(self, batch, kv_cache, workspace: Workspace | None = None) -> Tensor:
@@ -309,13 +311,14 @@ class DenseModel:
                              self.scale, batch.max_kv_len, out=attn3, num_q_heads=hq)
 
     def _forward_fused(self, batch, kv_cache, ws: Workspace, t: int, n: int) -> Tensor:
-        """The forward of a few tokens as ~6 launches per layer: each projection is a GEMV kernel that applies
-        the RMSNorm before it (reading the fp32 residual stream), the SiLU-and-mul before the down projection, or
-        the residual add after the o / down projections. Same rounding points as `forward`'s unfused ops."""
+        """The forward of one token as 6 launches per layer: each projection is a GEMV kernel that applies the
+        RMSNorm before it (reading the fp32 residual stream), the SiLU-and-mul after the gate/up projection (its
+        tiles pair gate and up rows), or the residual add after the o / down projections. Same rounding points as
+        `forward`'s unfused ops."""
         c = self.config
         hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         residual, hidden = ws.residual[:t], ws.hidden[:t]
-        qkv, attn, gate_up = ws.qkv[:t], ws.attn[:t], ws.gate_up[:t]
+        qkv, attn, act = ws.qkv[:t], ws.attn[:t], ws.act[:t]
         qkv3, attn3 = qkv.view(t, hq + 2 * hkv, d), attn.view(t, hq, d)
         embedding(batch.input_ids, self.embed, out=hidden)
         cast(hidden, float32, out=residual)  # the float32 stream starts from the embeddings, exactly
@@ -323,7 +326,7 @@ class DenseModel:
             rmsnorm_linear(residual, layer.input_norm, self.eps, layer.qkv, out=qkv)
             self._attention(i, layer, batch, kv_cache, qkv3, attn3)
             linear_add(attn, layer.o_proj, residual)
-            rmsnorm_linear(residual, layer.post_norm, self.eps, layer.gate_up, out=gate_up)
-            silu_mul_linear_add(gate_up, layer.down, residual)
+            rmsnorm_linear_silu_mul(residual, layer.post_norm, self.eps, layer.gate_up, out=act)
+            linear_add(act, layer.down, residual)
         return rmsnorm_linear(residual, self.final_norm, self.eps, self.lm_head, out=ws.logits[:n],
                               rows=batch.logits_indices)

@@ -2,6 +2,8 @@
 
     linear_gemv(x, W)                        out = x @ W^T
     rmsnorm_linear(residual, norm_w, eps, W) out = rmsnorm(residual[rows]) @ W^T   (fp32 residual stream)
+    rmsnorm_linear_silu_mul(residual, norm_w, eps, W_gate_up)
+                                             out = silu_and_mul(bf16(rmsnorm(residual) @ W_gate_up^T))  (one row)
     linear_add(x, W, residual)               residual += bf16(x @ W^T)
     silu_mul_linear_add(gate_up, W, residual) residual += bf16(silu_and_mul(gate_up) @ W^T)
 
@@ -34,7 +36,7 @@ SMEM_LIMIT = 112 * 1024
 # At most 2 CTAs per SM: enough loads in flight for the bandwidth, and each CTA stages x (once) the fewest times.
 CTAS_PER_SM = 2
 _PROLOGUE = {"bf16": 0, "rmsnorm": 1, "silu_mul": 2}
-_EPILOGUE = {bfloat16: 0, float32: 1, "add": 2}
+_EPILOGUE = {bfloat16: 0, float32: 1, "add": 2, "silu_mul": 3}
 
 
 def _smem(m: int, k: int) -> int:
@@ -65,6 +67,14 @@ def rmsnorm_linear_reference(residual: np.ndarray, norm_weight: np.ndarray, eps:
     r = residual if rows is None else residual[rows]
     normed = rmsnorm_reference(r.astype(np.float32), norm_weight, eps).astype(bfloat16)
     return linear_reference(normed, weight)
+
+
+def rmsnorm_linear_silu_mul_reference(residual: np.ndarray, norm_weight: np.ndarray, eps: float,
+                                      gate_up_weight: np.ndarray) -> np.ndarray:
+    """bf16 [m, I]: the gate/up projection of the normalised rows rounded to bf16 (as `linear` stores it), then
+    silu_and_mul."""
+    gate_up = rmsnorm_linear_reference(residual, norm_weight, eps, gate_up_weight).astype(bfloat16)
+    return silu_and_mul_reference(gate_up).astype(bfloat16)
 
 
 def silu_mul_linear_reference(gate_up: np.ndarray, weight: np.ndarray) -> np.ndarray:
@@ -137,6 +147,33 @@ def rmsnorm_linear(residual: Tensor, norm_weight: Tensor, eps: float, weight: Te
     return out
 
 
+def rmsnorm_linear_silu_mul(residual: Tensor, norm_weight: Tensor, eps: float, gate_up_weight: Tensor,
+                            out: Tensor | None = None) -> Tensor:
+    """silu_and_mul(bf16(rmsnorm(residual) @ gate_up_weight^T)) -> out bf16 [1, I]: residual fp32 [1, K] (one row:
+    the one-token decode step), gate_up_weight bf16 [2I, K] (gate rows, then up rows). The activation is computed
+    in the projection's epilogue, once per step (the down projection then takes it as a plain bf16 input)."""
+    check_tensor("residual", residual, dtype=float32, ndim=2)
+    m, k = residual.shape
+    check_tensor("norm_weight", norm_weight, dtype=bfloat16, shape=(k,))
+    eps32 = check_eps(eps)
+    n = _check_weight(gate_up_weight, k)
+    if n % 2:
+        raise ValueError(f"gate_up_weight: {n} rows, expected an even count (gate rows then up rows)")
+    if m != 1:
+        raise ValueError(f"residual: {m} rows; rmsnorm_linear_silu_mul takes one (use rmsnorm_linear, then "
+                         f"silu_and_mul)")
+    _check_m(m, k)
+    device = same_device(residual=residual, norm_weight=norm_weight, gate_up_weight=gate_up_weight, out=out)
+    out = output("out", out, (m, n // 2), bfloat16, device)
+    check_alias("out", out, "residual", residual, allow_identical=False)
+    if device == "cpu":
+        out.array[...] = rmsnorm_linear_silu_mul_reference(residual.array, norm_weight.array, eps32,
+                                                           gate_up_weight.array)
+        return out
+    _launch("rmsnorm", residual, k, None, norm_weight, eps32, gate_up_weight, out, _EPILOGUE["silu_mul"], m, n, k)
+    return out
+
+
 def linear_add(x: Tensor, weight: Tensor, residual: Tensor) -> Tensor:
     """residual fp32 [m, N] += bf16(x bf16 [m, K] @ weight^T). Returns residual."""
     check_tensor("x", x, dtype=bfloat16, ndim=2)
@@ -169,17 +206,17 @@ def _add_into_residual(name: str, x: Tensor, k: int, prologue: str, reference, w
 
 
 # ---- launch -------------------------------------------------------------------------------------------------------
-def plan(m: int, n: int, multiprocessor_count: int) -> tuple[str, int, int, int]:
+def plan(m: int, n: int, multiprocessor_count: int, paired: bool = False) -> tuple[str, int, int, int]:
     """(kernel, threads, split, grid): split = warps sharing a row group's K (the fewest that give every SM two
     tiles), grid = the tiles, at most CTAS_PER_SM per multiprocessor (each CTA stages x once, then loops over its
-    tiles)."""
+    tiles). paired (the SiLU-and-mul epilogue, one row): a tile pairs gate and up row groups, so split <= 2."""
     if m == 1:
         name, warps, rows = "gemv_row", _ROW_WARPS, _ROW_ROWS
     else:
         name, warps, rows = ("gemv_mma_m8" if m <= 8 else "gemv_mma_m16"), _MMA_WARPS, _MMA_ROWS
-    split = warps
+    split = 2 if paired else warps
     for s in (1, 2, 4, 8):
-        if s <= warps and cdiv(n, rows * (warps // s)) >= 2 * multiprocessor_count:
+        if s <= min(warps, split) and cdiv(n, rows * (warps // s)) >= 2 * multiprocessor_count:
             split = s
             break
     tiles = cdiv(n, rows * (warps // split))
@@ -192,7 +229,8 @@ def _launch(prologue: str, x: Tensor, x_stride: int, rows: Tensor | None, norm_w
         return
     if not aligned(x, weight) or (x_stride * x.dtype.itemsize) % 16:
         raise ValueError("gemv: x and weight must be 16-byte aligned with 16-byte aligned rows")
-    name, threads, split, grid = plan(m, n, get_device().multiprocessor_count)
+    paired = epilogue == _EPILOGUE["silu_mul"]
+    name, threads, split, grid = plan(m, n, get_device().multiprocessor_count, paired)
     x_rows = rows if rows is not None else 0  # a null pointer: rows 0..m-1
     norm = norm_weight if norm_weight is not None else 0
     modes = (np.int32(split), np.int32(_PROLOGUE[prologue]), np.int32(epilogue))
