@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from xserv.ops.argmax import argmax, argmax_reference
+from xserv.ops.argmax import argmax, argmax_reference, split_plan
 from xserv.tensor import Tensor, bfloat16, float32, int32
 from xserv.testing import poisoned, random_array
 
@@ -45,6 +45,27 @@ def test_cuda_exact(rng, dtype, b, v):
     argmax(Tensor.from_numpy(x), out=out)
     np.testing.assert_array_equal(out.numpy(), argmax_reference(x))
     np.testing.assert_array_equal(out.numpy(), where)
+
+
+def test_split_plan():
+    # one row of a 152k vocabulary fills the GPU in splits of >= 512 float4s; many rows keep one CTA each
+    assert split_plan(1, 151936, 132) == 74 and split_plan(7, 151936, 132) == 18
+    assert split_plan(64, 151936, 132) == 2 and split_plan(67, 151936, 132) == 1 and split_plan(1, 1023, 132) == 1
+
+
+@pytest.mark.gpu
+def test_cuda_split_rows_again_and_again(rng):
+    """The split kernel's last CTA resets its row counter: calls after calls (as graph replays are) stay right,
+    with the maximum moved to a different split each time, and on a split boundary."""
+    from xserv.runtime import get_device
+
+    v = 151936
+    chunk = 4 * -(-(v // 4) // split_plan(3, v, get_device().multiprocessor_count))  # elements per split at b = 3
+    for b, where in ((1, [0]), (3, [v - 1, 3 * chunk, 3 * chunk - 1]), (1, [77777]), (2, [3, 150000])):
+        x = random_array(rng, (b, v), np.float32)
+        x[np.arange(b), where] = 50.0
+        got = argmax(Tensor.from_numpy(x), out=poisoned((b,), int32)).numpy()
+        np.testing.assert_array_equal(got, where)
 
 
 @pytest.mark.gpu
