@@ -209,14 +209,11 @@ __device__ __forceinline__ void gemv(const void* x, long long x_stride, const in
         return n0;
     };
 
-    // One chunk step of weights in registers (kU x kRows 16-byte loads). The first tile's first step is loaded
-    // before the wait, into the same registers the loop uses (a separate copy took 242 registers: no room for the
-    // next kernel's CTAs on the SM, so programmatic dependent launch could not overlap their weight loads).
-    uint4 w[kU][kRows];
+    uint4 w0[kU][kRows];  // the first tile's first chunk step, loaded before the wait
     if (blockIdx.x < num_tiles) {
         const __nv_bfloat16* wrow[kRows];
         rows_of(blockIdx.x, wrow);
-        load_step(w, wrow, first, stride, chunks);
+        load_step(w0, wrow, first, stride, chunks);
     }
     xserv::pdl_wait();
     stage_x<1, kThreads>(xs, K, scratch, x, x_stride, x_rows, norm_w, eps, 1, K, prologue);
@@ -228,8 +225,14 @@ __device__ __forceinline__ void gemv(const void* x, long long x_stride, const in
         float acc[kRows];
 #pragma unroll
         for (int r = 0; r < kRows; ++r) acc[r] = 0.f;
-        for (int c = first; c < chunks; c += stride * kU) {
-            if (tile != blockIdx.x || c != first) load_step(w, wrow, c, stride, chunks);
+        int c = first;
+        if (tile == blockIdx.x) {
+            fma_step(acc, w0, xs, c, stride, chunks);
+            c += stride * kU;
+        }
+        for (; c < chunks; c += stride * kU) {
+            uint4 w[kU][kRows];
+            load_step(w, wrow, c, stride, chunks);
             fma_step(acc, w, xs, c, stride, chunks);
         }
         // Sum the lanes of each warp, then the `split` warps of the row group in warp order.
