@@ -115,9 +115,11 @@ def test_plan_splits_fill_the_sms():
     # exceeds what is resident, and the grid-stride loop covers the other tiles
     assert plan(1, 1024, 132) == ("gemv_row", 128, 4, 256)
     assert plan(2, 6144, 132)[:3] == ("gemv_mma_m8", 256, 8)
-    assert plan(16, 24576, 132)[:3] == ("gemv_mma_m16", 256, 4)  # 2 would leave 384 tiles on 264 CTAs
-    assert plan(1, 6144, 132)[2] == 2 and plan(1, 24576, 132)[2] == 1  # 768 tiles on 264 CTAs: 97% busy
-    name, _, split, grid = plan(3, 151936, 132)
+    assert plan(16, 24576, 132, k=4096)[:3] == ("gemv_mma_m16", 256, 4)  # 2 would leave 384 tiles on 264 CTAs
+    assert plan(1, 6144, 132, k=4096)[2] == 2  # 768 tiles on 264 CTAs: 97% busy
+    assert plan(1, 6144, 132, k=1024)[2] == 1  # but a warp's half of K = 1024 would leave half its loads empty
+    assert plan(1, 24576, 132, k=4096)[2] == 1
+    name, _, split, grid = plan(3, 151936, 132, k=1024)
     assert name == "gemv_mma_m8" and split == 2 and grid == 132 * CTAS_PER_SM < 151936 / 64
     # the SiLU-and-mul epilogue pairs two row groups per tile: at most 2 warps share K
     assert plan(1, 1024, 132, paired=True)[2] == 2 and plan(1, 24576, 132, paired=True)[2] == 1

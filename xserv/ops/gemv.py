@@ -206,7 +206,7 @@ def _add_into_residual(name: str, x: Tensor, k: int, prologue: str, reference, w
 
 
 # ---- launch -------------------------------------------------------------------------------------------------------
-def plan(m: int, n: int, multiprocessor_count: int, paired: bool = False) -> tuple[str, int, int, int]:
+def plan(m: int, n: int, multiprocessor_count: int, paired: bool = False, k: int = 0) -> tuple[str, int, int, int]:
     """(kernel, threads, split, grid): split = warps sharing a row group's K (the fewest that give every SM two
     tiles and keep the last round of tiles >= 90% full), grid = the tiles, at most CTAS_PER_SM per multiprocessor
     (each CTA stages x once, then loops over its tiles). paired (the SiLU-and-mul epilogue, one row): a tile pairs
@@ -222,9 +222,12 @@ def plan(m: int, n: int, multiprocessor_count: int, paired: bool = False) -> tup
         return cdiv(n, rows * (warps // s))
 
     split = next((s for s in (1, 2, 4, 8) if s <= max_split and tiles(s) >= 2 * multiprocessor_count), max_split)
-    # More splits while the last round of tiles leaves over 10% of the CTAs idle (8B qkv: 384 tiles on 264 CTAs
-    # ran at 73% of the balanced time; 768 tiles balance to 97%).
-    while split < max_split and tiles(split) / (slots * cdiv(tiles(split), slots)) < 0.9:
+    # More splits while the last round of tiles leaves over 10% of the CTAs idle (8B qkv: 384 tiles on 264 CTAs,
+    # 16.5 us; 768 tiles, 15.4 us on an H200), as long as a warp's share of K still fills its loads (a load step
+    # covers `step_k` values per warp: 0.6B gate_up, K = 1024, lost 5.2 -> 6.1 us at split 2).
+    step_k = 32 * 4 * (8 if m == 1 else 1)  # lanes x kU x (values per 16-byte chunk / per mma block lane)
+    while (split < max_split and tiles(split) / (slots * cdiv(tiles(split), slots)) < 0.9
+           and k >= 2 * split * step_k):
         split *= 2
     return name, warps * 32, split, min(tiles(split), slots)
 
@@ -236,7 +239,7 @@ def _launch(prologue: str, x: Tensor, x_stride: int, rows: Tensor | None, norm_w
     if not aligned(x, weight) or (x_stride * x.dtype.itemsize) % 16:
         raise ValueError("gemv: x and weight must be 16-byte aligned with 16-byte aligned rows")
     paired = epilogue == _EPILOGUE["silu_mul"]
-    name, threads, split, grid = plan(m, n, get_device().multiprocessor_count, paired)
+    name, threads, split, grid = plan(m, n, get_device().multiprocessor_count, paired, k)
     x_rows = rows if rows is not None else 0  # a null pointer: rows 0..m-1
     norm = norm_weight if norm_weight is not None else 0
     modes = (np.int32(split), np.int32(_PROLOGUE[prologue]), np.int32(epilogue))
