@@ -15,6 +15,24 @@ extern "C" __global__ void embedding_bf16_vec(const int* __restrict__ ids, const
     for (int c = threadIdx.x; c < chunks; c += blockDim.x) dst[c] = valid ? src[c] : make_uint4(0u, 0u, 0u, 0u);
 }
 
+// As embedding_bf16_vec with a float32 out (exact: bf16 widens to fp32), the decoder's fp32 residual stream starting
+// from the embeddings in one kernel. out: [num_tokens, hidden] fp32, 16-byte aligned.
+extern "C" __global__ void embedding_bf16_to_f32_vec(const int* __restrict__ ids, const uint4* __restrict__ table,
+                                                     float* __restrict__ out, int vocab, int chunks) {
+    const long long t = blockIdx.x;
+    const int id = ids[t];
+    const bool valid = id >= 0 && id < vocab;
+    const uint4* src = table + (long long)(valid ? id : 0) * chunks;
+    float* dst = out + t * chunks * 8;
+    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+        float v[8];
+        xserv::load8(reinterpret_cast<const __nv_bfloat16*>(src + c), v);
+        if (!valid)
+            for (int j = 0; j < 8; ++j) v[j] = 0.f;
+        xserv::store8(dst + c * 8, v);
+    }
+}
+
 // ids: [num_tokens] int32; table: [vocab, hidden] bf16 bits; out: [num_tokens, hidden] bf16 bits. Any alignment.
 extern "C" __global__ void embedding_bf16_scalar(const int* __restrict__ ids, const unsigned short* __restrict__ table,
                                                  unsigned short* __restrict__ out, int vocab, int hidden) {

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from xserv.ops.embedding import embedding, embedding_reference
-from xserv.tensor import Tensor, bfloat16
+from xserv.tensor import Tensor, bfloat16, float32
 from xserv.testing import misaligned, poisoned, random_array
 
 
@@ -27,6 +27,17 @@ def test_cpu_dispatch(rng):
     out = embedding(Tensor.from_numpy(ids, "cpu"), Tensor.from_numpy(table, "cpu"))
     assert out.device == "cpu" and out.shape == (7, 16) and out.dtype == bfloat16
     np.testing.assert_array_equal(out.array, table[ids])
+
+
+def test_cpu_float32_out_widens_exactly(rng):
+    ids, table = _inputs(rng, 5, 30, 16)
+    ids[3] = 30  # out of range: a zero row
+    out = embedding(Tensor.from_numpy(ids, "cpu"), Tensor.from_numpy(table, "cpu"),
+                    out=Tensor.empty((5, 16), float32, "cpu"))
+    np.testing.assert_array_equal(out.array, embedding_reference(ids, table).astype(np.float32))
+    with pytest.raises(ValueError, match="out"):
+        embedding(Tensor.from_numpy(ids, "cpu"), Tensor.from_numpy(table, "cpu"),
+                  out=Tensor.empty((5, 16), np.int32, "cpu"))
 
 
 @pytest.mark.parametrize("bad, name", [("ids_dtype", "ids"), ("table_dtype", "table"), ("out_shape", "out"),
@@ -56,6 +67,16 @@ def test_cuda_matches_reference(rng, t, v, h):
     out = poisoned((t, h), bfloat16)
     embedding(Tensor.from_numpy(ids), Tensor.from_numpy(table), out=out)
     np.testing.assert_array_equal(out.numpy().view(np.uint16), embedding_reference(ids, table).view(np.uint16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t, v, h", [(1, 100, 1024), (9, 3000, 4096), (4, 50, 1000)])
+def test_cuda_float32_out(rng, t, v, h):
+    ids, table = _inputs(rng, t, v, h)
+    ids[-1], ids[0] = v, v - 1  # an out-of-range id gives a zero row
+    out = poisoned((t, h), float32)
+    embedding(Tensor.from_numpy(ids), Tensor.from_numpy(table), out=out)
+    np.testing.assert_array_equal(out.numpy(), embedding_reference(ids, table).astype(np.float32))
 
 
 @pytest.mark.gpu

@@ -19,7 +19,6 @@ import numpy as np
 
 from ..ops.activation import silu_and_mul
 from ..ops.attention import attention_decode, attention_prefill
-from ..ops.cast import cast
 from ..ops.embedding import embedding
 from ..ops.gemv import (gemv_supported, linear_add, linear_gemv, prefer_gemv, rmsnorm_linear,
                         rmsnorm_linear_silu_mul)
@@ -317,11 +316,10 @@ class DenseModel:
         `forward`'s unfused ops."""
         c = self.config
         hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        residual, hidden = ws.residual[:t], ws.hidden[:t]
+        residual = ws.residual[:t]
         qkv, attn, act = ws.qkv[:t], ws.attn[:t], ws.act[:t]
         qkv3, attn3 = qkv.view(t, hq + 2 * hkv, d), attn.view(t, hq, d)
-        embedding(batch.input_ids, self.embed, out=hidden)
-        cast(hidden, float32, out=residual)  # the float32 stream starts from the embeddings, exactly
+        embedding(batch.input_ids, self.embed, out=residual)  # the float32 stream starts from the embeddings, exactly
         for i, layer in enumerate(self.layers):
             rmsnorm_linear(residual, layer.input_norm, self.eps, layer.qkv, out=qkv)
             self._attention(i, layer, batch, kv_cache, qkv3, attn3)
