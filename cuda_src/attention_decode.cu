@@ -2,6 +2,7 @@
 // attention.cuh), split-KV ("flash-decoding") with GQA grouping and the split combine folded in. Shared pieces and
 // the arguments: attention_decode.cuh; the fallback (v2): attention_decode_v2.cu.
 #include "attention_decode.cuh"
+#include "rope.cuh"
 
 using namespace xserv;
 using namespace xserv::decode;
@@ -11,16 +12,15 @@ using namespace xserv::decode;
 // split combine folded into the kernel.
 //
 // attention_decode_v4_d{D}_g{G}_s{STAGES}: grid (num_splits, Hkv, num_seqs), block 128 (4 warps), dynamic
-// shared memory STAGES * 16 KB (the ring) + kV4TabCap * 4 (page table) + 16 bytes. STAGES = 2 ships (measured best
-// on an H200: docs/kernels/attention.md, "v4 decode"; and on an H100 for the few-sequence plans of about 2 CTAs per
-// SM, where a third stage was 1-3% slower: "few sequences"); 3 and 4 stages are in cuda_src/dev/.
+// shared memory STAGES * 16 KB (the ring) + kV4TabCap * 4 (page table) + 16 + kV4RowBytes (the fused rows). STAGES = 2
+// ships (measured best on an H200: docs/kernels/attention.md, "v4 decode"; and on an H100 for the few-sequence plans
+// of about 2 CTAs per SM, where a third stage was 1-3% slower: "few sequences"); 3 and 4 stages are in cuda_src/dev/.
 //   Key layout as v2: D/8 lanes share a key (one 16-byte chunk of its K and V row each), 32/(D/8) keys side by side,
 //   kV4Unroll such steps per stage, warps interleaved over the split's keys. Each lane cp.asyncs exactly the chunks
 //   it later reads ([warp][stage][chunk][lane], conflict-free), so the STAGES-deep ring needs no barrier: while one
 //   stage is computed, STAGES - 1 are in flight, and the registers hold no loads.
 //   At CTA start the split's block-table entries (pre-multiplied by block_size) are copied into shared memory, so a
 //   refill is a shared load, a multiply-add and two cp.async per key: no global round trip before the K/V loads.
-//   The prologue's loads (kv_len, q, the table entries of a full chunk) go out together: one round trip.
 //   The launcher guarantees they fit (ceil(chunk_len / block_size) + 1 <= kV4TabCap), else it runs v2.
 //   t / block_size is a multiply-high by a host-computed magic number (bs_magic, bs_shift), not a division.
 //   Softmax: ex2.approx; the running max is raised only when a score exceeds it by more than 8 (log2 domain), and
@@ -31,6 +31,37 @@ using namespace xserv::decode;
 //   num_splits == 1: bf16 out directly; otherwise fp32 partials, and the last CTA of each (sequence, kv head) to
 //   finish (counters, reset by that CTA: graph-replay safe) merges them (combine_splits_v4, <= kV4MaxSplits).
 //   kv_len == 0: split 0 writes zeros.
+//
+// Fused entry (positions != nullptr; attention_decode_rope in xserv/ops/attention/decode.py): the same kernel also
+// does qk_norm_rope_write_kv's work for a decode batch (one new token per sequence), with the same bits as that
+// kernel followed by the plain one. q is the packed qkv, read only. Every split's CTA makes its G query rows itself
+// (q head RMSNorm when q_weight is given, RoPE at positions[s]; rope.cuh's pieces, so the same rounding points: the
+// rotated row rounded to bf16 as qkv would hold it); head g by warp g % 4, through shared memory. The CTA whose split
+// holds position kv_len - 1 makes the new token's K row (norm, RoPE) and V row (copied) in warp G % 4, writes them
+// to the cache at slot_mapping[s] (< 0: nothing) and puts the same bits into its ring where the loop reads that key
+// (no store-then-reload through global memory). If that slot is not where the page table puts position
+// kv_len - 1 (not in a batch that xserv builds) or is -1 (a padding row), the key is read from the cache instead, as
+// attention_decode would. qkv's q and k heads are not rotated in place: other splits' CTAs still read the raw q.
+//
+// Programmatic dependent launch. The kernel calls pdl_launch_dependents() first (the o projection may start and load
+// its weights) and, before pdl_wait(), reads what no kernel of the decode step writes: kv_lens, the block table,
+// positions, slot_mapping, the norm weights, and issues the K/V loads of the first STAGES - 1 stages and L2
+// prefetches of the next kV4PrefetchStages, for every key except the newest (position kv_len - 1). Why that is safe:
+//   - kv_lens, block_tables, positions and slot_mapping are uploaded by memory copies before the step's first kernel
+//     (and the step's graph starts after the copies); a kernel of the chain can only have started once the kernel
+//     before it started, so whenever this one runs, the step's first kernel has started: the copies are done.
+//   - The cache of this layer is written in this step only by the new-token write: this kernel (fused) or the
+//     qk_norm_rope_write_kv kernel right before it (plain), at the slots of the new tokens, which are the newest
+//     key of their own sequence; other keys were written by earlier steps, whose kernels have all finished.
+//   - Everything else the kernel reads (q / qkv) or writes (out, the partials, the counters, the cache) waits for
+//     pdl_wait, which returns when the kernel before has completed and its writes are visible. Every kernel of the
+//     chain calls pdl_launch_dependents only after its own pdl_wait, except this one (first, so that the o
+//     projection overlaps it; that kernel waits for this grid before it reads `out`), so when this kernel starts,
+//     all kernels before the one right before it have completed: only that one (the qkv GEMV, or the rope kernel)
+//     may still be running. Every CTA calls pdl_wait, also those that have no keys, so that this grid's completion
+//     keeps implying its predecessors' completion for the kernels after it.
+// The newest key's K/V are loaded after pdl_wait (the plain kernel: __ldcg, past L1) or taken from this kernel's own
+// rows (fused); it is placed into the ring slot that iteration reads (place_new), in the stage before the wait skipped.
 // =================================================================================================================
 namespace {
 
@@ -39,11 +70,16 @@ constexpr int kV4Unroll = 4;
 constexpr int kV4TabCap = 512;
 constexpr int kV4MaxSplits = 256;  // the combine's scratch holds G * num_splits weights (the launcher's limit)
 constexpr float kV4Thresh = 8.f;
+constexpr int kV4PrefetchStages = 2;  // stages after the first STAGES - 1 that go to L2 before pdl_wait
+constexpr int kV4RowBytes = (8 + 2) * 128 * 2;  // fused: G <= 8 rotated q rows + the new K and V rows, bf16, D <= 128
 
 // n / d for 0 <= n < 2^31 with (magic, shift) from the host (_fast_div in xserv/ops/attention.py).
 __device__ __forceinline__ int fast_div(int n, unsigned magic, int shift) {
     return (int)((__umulhi((unsigned)n, magic) + (unsigned)n) >> shift);
 }
+
+// One L2 prefetch of the 128-byte line at p (no register written, nothing waits for it).
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
 // bf16 -> fp32 is a shift or a mask (one instruction per value; the generic conversion takes 1.5).
 __device__ __forceinline__ void bf16x8_to_float_fast(const uint4& v, float (&f)[8]) {
@@ -143,55 +179,232 @@ __device__ __forceinline__ void combine_splits_v4(int* counter, int active, long
     if (threadIdx.x == 0) *counter = 0;
 }
 
+// The v4 kernel's arguments: XSERV_DECODE_ARGS (attention_decode.cuh) with writable caches, then the folded
+// combine's counters and the block-size divisor, then the fused entry's (positions == nullptr: plain attention):
+//   counters:     [num_seqs * num_kv_heads] int32, zero between calls (the last CTA of a pair resets its counter)
+//   positions:    [num_seqs] int32, the new token's position (RoPE), or nullptr: q is rotated, K/V are in the cache
+//   slot_mapping: [num_seqs] int32, where the new token's K/V go (< 0: a padding row, nothing written)
+//   cos_sin:      [max_pos, D] fp32, 16-byte aligned
+//   q_weight, k_weight: [D] bf16 head-norm weights (Qwen3), or nullptr (Llama: no head norm)
+// Fused, q is the packed qkv [num_seqs, num_q_heads + 2 * num_kv_heads, D] (q_row_stride its row), 16-byte aligned.
+#define XSERV_DECODE_V4_ARGS                                                                                     \
+    const __nv_bfloat16 *__restrict__ q, long long q_row_stride, __nv_bfloat16 *k_cache, __nv_bfloat16 *v_cache, \
+        const int *__restrict__ kv_lens, const int *__restrict__ block_tables, int max_blocks_per_seq,           \
+        int block_size, int num_q_heads, int num_kv_heads, float scale_log2, int chunk_len, int num_splits,      \
+        __nv_bfloat16 *__restrict__ out, float *__restrict__ part_o, float *__restrict__ part_lse,               \
+        int *__restrict__ counters, unsigned bs_magic, int bs_shift, const int *__restrict__ positions,          \
+        const int *__restrict__ slot_mapping, const float *__restrict__ cos_sin, int max_pos,                    \
+        const __nv_bfloat16 *__restrict__ q_weight, const __nv_bfloat16 *__restrict__ k_weight, float eps
+#define XSERV_DECODE_V4_PASS                                                                                     \
+    q, q_row_stride, k_cache, v_cache, kv_lens, block_tables, max_blocks_per_seq, block_size, num_q_heads,       \
+        num_kv_heads, scale_log2, chunk_len, num_splits, out, part_o, part_lse, counters, bs_magic, bs_shift,    \
+        positions, slot_mapping, cos_sin, max_pos, q_weight, k_weight, eps
+
 template <int D, int G, int STAGES>
-__device__ void decode_split_v4(const __nv_bfloat16* __restrict__ q, long long q_row_stride,
-                                const __nv_bfloat16* __restrict__ k_cache, const __nv_bfloat16* __restrict__ v_cache,
-                                const int* __restrict__ kv_lens, const int* __restrict__ block_tables,
-                                int max_blocks_per_seq, int block_size, int num_q_heads, int num_kv_heads,
-                                float scale_log2, int chunk_len, int num_splits, __nv_bfloat16* __restrict__ out,
-                                float* __restrict__ part_o, float* __restrict__ part_lse, int* __restrict__ counters,
-                                unsigned bs_magic, int bs_shift) {
+__device__ void decode_split_v4(XSERV_DECODE_V4_ARGS) {
     constexpr int U = kV4Unroll;
     constexpr int LPK = D / 8;         // lanes per key
     constexpr int KPS = 32 / LPK;      // keys side by side in a warp
     constexpr int KPI = KPS * U;       // keys per warp and stage
+    constexpr int CI = kV4Warps * KPI; // keys per CTA and stage
     constexpr int NCH = 2 * U;         // 16-byte chunks per lane and stage (K then V)
+    constexpr int LPR = D / 16;        // lanes per head row in rope.cuh's layout
     constexpr int RING = kV4Warps * STAGES * NCH * 32 * 16;
     static_assert(kV4Warps * G * D * 4 + 2 * kV4Warps * G * 4 <= RING, "merge area fits in the ring");
+    static_assert((G + 2) * D * 2 <= kV4RowBytes, "the fused rows fit their shared area");
     extern __shared__ __align__(16) unsigned char smem_raw[];
     int* tab = reinterpret_cast<int*>(smem_raw + RING);
     int& sm_last = *reinterpret_cast<int*>(smem_raw + RING + kV4TabCap * 4);
-    require_dynamic_smem(RING + kV4TabCap * 4 + 4);
+    // [G][D] bf16: the rotated query rows (fused), then the new key's K row and V row as the loop must see them
+    const unsigned sm_rows = smem_u32(smem_raw + RING + kV4TabCap * 4 + 16);
+    const unsigned sm_new_k = sm_rows + G * D * 2, sm_new_v = sm_rows + (G + 1) * D * 2;
+    require_dynamic_smem(RING + kV4TabCap * 4 + 16 + kV4RowBytes);
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int c = lane % LPK, sub = lane / LPK;
+    const int c = lane % LPK, sub = lane / LPK, t = lane % LPR;
     const int s = blockIdx.z, kv_head = blockIdx.y, split = blockIdx.x;
     const int start = split * chunk_len;
     const int h0 = kv_head * G;
-    // Prologue in one memory round trip: kv_len, the query rows and the split's page-table entries are loaded
-    // together (the entries for a full chunk, within the table row, before kv_len is known: entries past the
-    // sequence's end land in `tab` but are never used). The launcher guarantees they fit in kV4TabCap.
-    // Programmatic dependent launch: q and the cache come from the kernels before; the next kernel (the o
-    // projection) may start now and load its weights while this one runs (it waits for this grid to finish).
-    xserv::pdl_launch_dependents();
-    xserv::pdl_wait();
+    const bool fused = positions != nullptr;
+    const bool norm = fused && q_weight != nullptr;
+    constexpr int kNewWarp = G % kV4Warps;  // the warp that makes the new key's rows (the next in the q heads' turn)
+
+    // ---- Before pdl_wait: only what no kernel of this decode step writes (see the header). kv_len, the split's
+    // page-table entries (for a full chunk, within the table row, before kv_len is known: entries past the
+    // sequence's end land in `tab` but are never used), the new token's position and slot and the norm weights go
+    // out together: one round trip. The launcher guarantees the entries fit in kV4TabCap.
+    xserv::pdl_launch_dependents();  // the o projection may start and load its weights (it waits for this grid)
     const int kv_len = kv_lens[s];
-    uint4 q_raw[G];
-#pragma unroll
-    for (int g = 0; g < G; ++g)
-        q_raw[g] = *reinterpret_cast<const uint4*>(q + s * q_row_stride + (long long)(h0 + g) * D + c * 8);
+    const int pos = fused ? positions[s] : 0;
+    const int slot = fused ? slot_mapping[s] : -1;
     const int* table = block_tables + (long long)s * max_blocks_per_seq;
     const int p0 = fast_div(start, bs_magic, bs_shift);  // pages as first slots (page * block_size)
     const int n_cap = min(fast_div(start + chunk_len - 1, bs_magic, bs_shift) - p0 + 1, max_blocks_per_seq - p0);
     for (int i = threadIdx.x; i < n_cap; i += kV4Warps * 32)
         tab[i] = (int)((unsigned)__ldg(table + p0 + i) * (unsigned)block_size);  // -1 entries: never read
-    if (start >= kv_len) {
-        if (kv_len == 0 && split == 0)  // a padding row of a captured batch: a defined zero row
+    rope16::NormWeights w;
+    if (norm) rope16::load_norm_weights<D>(w, q_weight, k_weight, t);
+    __syncthreads();  // the page table is in shared memory
+
+    // The new token's K and V rows, as qk_norm_rope_write_kv makes them (rope.cuh's pieces, its rounding points):
+    // this lane's chunk c of each, written to the cache at `slot` by the lanes of sub 0 (slot < 0: a padding row,
+    // nothing written). Every lane of the warp must call it (the norm's shuffles).
+    const __nv_bfloat16* q_seq = q + (long long)s * q_row_stride;
+    auto make_new_kv = [&](uint4& k_bits, uint4& v_bits) {
+        const __nv_bfloat16* k_row = q_seq + (long long)(num_q_heads + kv_head) * D;
+        const __nv_bfloat16* v_row = k_row + (long long)num_kv_heads * D;
+        const uint4 raw_lo = *reinterpret_cast<const uint4*>(k_row + 8 * t);
+        const uint4 raw_hi = *reinterpret_cast<const uint4*>(k_row + D / 2 + 8 * t);
+        v_bits = *reinterpret_cast<const uint4*>(v_row + 8 * c);
+        float cv[8], sv[8], lo[8], hi[8];
+        const bool in_range = rope16::load_cos_sin<D>(cos_sin, pos, max_pos, t, cv, sv);
+        rope16::bf16x8_bits_to_float(raw_lo, lo);
+        rope16::bf16x8_bits_to_float(raw_hi, hi);
+        if (norm) rope16::row_rmsnorm16<D>(lo, hi, false, w, eps);
+        rope16::rope_apply(lo, hi, in_range, cv, sv);
+        const uint4 out_lo = rope16::float8_to_bf16_bits(lo), out_hi = rope16::float8_to_bf16_bits(hi);
+        k_bits = c < LPR ? out_lo : out_hi;  // chunk c: elements [8c, 8c + 8)
+        if (sub == 0 && slot >= 0) {
+            const long long row = ((long long)slot * num_kv_heads + kv_head) * D + 8 * c;
+            *reinterpret_cast<uint4*>(k_cache + row) = k_bits;
+            *reinterpret_cast<uint4*>(v_cache + row) = v_bits;
+        }
+    };
+
+    if (start >= kv_len) {  // no keys in this split
+        xserv::pdl_wait();  // every CTA waits before it ends or writes (the chain argument in the header)
+        if (kv_len == 0 && split == 0) {  // a padding row of a captured batch: a defined zero row
             for (int idx = threadIdx.x; idx < G * D; idx += kV4Warps * 32)
                 out[((long long)s * num_q_heads + h0) * D + idx] = __float2bfloat16(0.f);
+            if (fused && slot >= 0 && warp == kNewWarp) {  // no key to attend to, but the new K/V still go in
+                uint4 kb, vb;
+                make_new_kv(kb, vb);
+            }
+        }
         return;
     }
     const int end = min(start + chunk_len, kv_len);
+    // The newest key (position kv_len - 1): written by the kernel before (qk_norm_rope_write_kv) or by this one
+    // (fused), so it is the one K/V load that waits for pdl_wait. Where it sits in the ring: iteration it_n of warp
+    // warp_n, lanes of sub_n, chunk u_n (-1: not in this split).
+    const int jn = kv_len - 1;
+    const bool holds_new = jn < end;  // start <= jn here
+    int it_n = -1, warp_n = -1, sub_n = -1, u_n = 0;
+    if (holds_new) {
+        const int rel = jn - start;
+        it_n = rel / CI;
+        warp_n = (rel % CI) / KPI;
+        u_n = (rel % KPI) / KPS;
+        sub_n = rel % KPS;
+    }
+
+    const int first = start + warp * KPI;
+    const int n_it = end > first ? (end - first + CI - 1) / CI : 0;
+    const unsigned row_bytes = (unsigned)(num_kv_heads * D * 2);  // bytes between consecutive slots
+    const unsigned long long kbase = reinterpret_cast<unsigned long long>(k_cache + (long long)kv_head * D + c * 8);
+    const unsigned long long vbase = reinterpret_cast<unsigned long long>(v_cache + (long long)kv_head * D + c * 8);
+    const unsigned ring = smem_u32(smem_raw) + (unsigned)(warp * STAGES * NCH * 32 + lane) * 16u;
+    auto slot_of = [&](int j) {
+        const int pidx = fast_div(j, bs_magic, bs_shift);
+        return (unsigned)(tab[pidx - p0] + (j - pidx * block_size));
+    };
+    // The newest key's chunks from sm_new_k / sm_new_v into this lane's ring slots (lanes of warp_n, sub_n).
+    auto place_new = [&](unsigned st, int u) {
+        sts128(st + u * 512u, lds128(sm_new_k + c * 16u));
+        sts128(st + (U + u) * 512u, lds128(sm_new_v + c * 16u));
+    };
+    // Stage `stage` of the ring <- the keys of iteration `it` (zero-filled past the end). Before pdl_wait (pre) the
+    // newest key is skipped; after it, the newest key is placed from shared memory (place_new) instead of copied.
+    auto issue = [&](int it, int stage, bool pre) {
+        const int j0 = first + it * CI + sub;
+        const unsigned st = ring + (unsigned)(stage * NCH * 32) * 16u;
+        const bool has_new = it == it_n && warp == warp_n;  // warp-uniform
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int j = j0 + u * KPS;
+            if (has_new && j == jn) {
+                if (!pre) place_new(st, u);
+                continue;
+            }
+            const bool valid = j < end;
+            const unsigned sl = slot_of(valid ? j : start);  // an address inside the sequence either way
+            // one IMAD.WIDE.U32 each: base + slot * row_bytes
+            const unsigned long long koff = kbase + (unsigned long long)sl * row_bytes;
+            const unsigned long long voff = vbase + (unsigned long long)sl * row_bytes;
+            cp_async16_m(st + u * 512u, reinterpret_cast<const void*>(koff), valid);
+            cp_async16_m(st + (U + u) * 512u, reinterpret_cast<const void*>(voff), valid);
+        }
+    };
+
+    // The first STAGES - 1 stages go out before pdl_wait (all but the newest key), and the next kV4PrefetchStages
+    // stages of this warp are prefetched into L2 (one lane per 128-byte line of a row; L2 is coherent, so a line of
+    // the newest key's old value is harmless).
+#pragma unroll
+    for (int b = 0; b < STAGES - 1; ++b) {
+        if (b < n_it) issue(b, b, true);
+        cp_async_commit_m();
+    }
+    if ((c & 7) == 0) {
+        for (int it = STAGES - 1; it < min(n_it, STAGES - 1 + kV4PrefetchStages); ++it) {
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int j = first + it * CI + sub + u * KPS;
+                if (j < end) {
+                    const unsigned sl = slot_of(j);
+                    prefetch_l2(reinterpret_cast<const void*>(kbase + (unsigned long long)sl * row_bytes));
+                    prefetch_l2(reinterpret_cast<const void*>(vbase + (unsigned long long)sl * row_bytes));
+                }
+            }
+        }
+    }
+
+    // ---- After pdl_wait: q (and the new token's rows) come from the kernel before.
+    xserv::pdl_wait();
+    uint4 q_raw[G];
+    if (!fused) {
+#pragma unroll
+        for (int g = 0; g < G; ++g)
+            q_raw[g] = *reinterpret_cast<const uint4*>(q_seq + (long long)(h0 + g) * D + c * 8);
+    } else {
+        // q head g = warp, warp + 4, ... of the group: head norm and RoPE by this warp (rope.cuh), the bf16 row into
+        // sm_rows. Every split's CTA recomputes its G rows (G x D values); qkv is not written (other CTAs still read
+        // the raw q).
+        float cv[8], sv[8];
+        const bool in_range = rope16::load_cos_sin<D>(cos_sin, pos, max_pos, t, cv, sv);
+        for (int g = warp; g < G; g += kV4Warps) {
+            const __nv_bfloat16* q_row = q_seq + (long long)(h0 + g) * D;
+            float lo[8], hi[8];
+            rope16::bf16x8_bits_to_float(*reinterpret_cast<const uint4*>(q_row + 8 * t), lo);
+            rope16::bf16x8_bits_to_float(*reinterpret_cast<const uint4*>(q_row + D / 2 + 8 * t), hi);
+            if (norm) rope16::row_rmsnorm16<D>(lo, hi, true, w, eps);
+            rope16::rope_apply(lo, hi, in_range, cv, sv);
+            const uint4 out_lo = rope16::float8_to_bf16_bits(lo), out_hi = rope16::float8_to_bf16_bits(hi);
+            if (sub == 0) sts128(sm_rows + (unsigned)(g * D + 8 * c) * 2u, c < LPR ? out_lo : out_hi);
+        }
+    }
+    if (holds_new && warp == kNewWarp) {
+        // The newest key as attention_decode after qk_norm_rope_write_kv would read it: this kernel's rows where it
+        // wrote them to the slot the page table names for position kv_len - 1 (the usual case), else (not fused, a
+        // padding row, a slot elsewhere) the cache's bits at that position, read after pdl_wait and past L1.
+        const unsigned slot_t = slot_of(jn);
+        uint4 kb = make_uint4(0u, 0u, 0u, 0u), vb = kb;
+        if (fused) make_new_kv(kb, vb);
+        if (!fused || slot < 0 || (unsigned)slot != slot_t) {
+            kb = __ldcg(reinterpret_cast<const uint4*>(kbase + (unsigned long long)slot_t * row_bytes));
+            vb = __ldcg(reinterpret_cast<const uint4*>(vbase + (unsigned long long)slot_t * row_bytes));
+        }
+        if (sub == 0) {
+            sts128(sm_new_k + c * 16u, kb);
+            sts128(sm_new_v + c * 16u, vb);
+        }
+    }
+    if (fused || holds_new) __syncthreads();  // sm_rows is written (CTA-uniform condition)
+    if (fused) {
+#pragma unroll
+        for (int g = 0; g < G; ++g) q_raw[g] = lds128(sm_rows + (unsigned)(g * D + 8 * c) * 2u);
+    }
+    if (it_n >= 0 && it_n < STAGES - 1 && warp == warp_n && sub == sub_n)  // its stage went out before the wait
+        place_new(ring + (unsigned)(it_n * NCH * 32) * 16u, u_n);
 
     float qf[G][8];
 #pragma unroll
@@ -208,47 +421,15 @@ __device__ void decode_split_v4(const __nv_bfloat16* __restrict__ q, long long q
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[g][e] = 0.f;
     }
-
-    const int first = start + warp * KPI;
-    const int n_it = end > first ? (end - first + kV4Warps * KPI - 1) / (kV4Warps * KPI) : 0;
-    const unsigned row_bytes = (unsigned)(num_kv_heads * D * 2);  // bytes between consecutive slots
-    const unsigned long long kbase = reinterpret_cast<unsigned long long>(k_cache + (long long)kv_head * D + c * 8);
-    const unsigned long long vbase = reinterpret_cast<unsigned long long>(v_cache + (long long)kv_head * D + c * 8);
-    const unsigned ring = smem_u32(smem_raw) + (unsigned)(warp * STAGES * NCH * 32 + lane) * 16u;
-    __syncthreads();  // the page table is in shared memory
-
-    auto issue = [&](int it, int stage) {
-        const int j0 = first + it * (kV4Warps * KPI) + sub;
-        const unsigned st = ring + (unsigned)(stage * NCH * 32) * 16u;
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int j = j0 + u * KPS;
-            const bool valid = j < end;
-            const int jj = valid ? j : start;  // an address inside the sequence either way
-            const int pidx = fast_div(jj, bs_magic, bs_shift);
-            const unsigned slot = (unsigned)(tab[pidx - p0] + (jj - pidx * block_size));
-            // one IMAD.WIDE.U32 each: base + slot * row_bytes
-            const unsigned long long koff = kbase + (unsigned long long)slot * row_bytes;
-            const unsigned long long voff = vbase + (unsigned long long)slot * row_bytes;
-            cp_async16_m(st + u * 512u, reinterpret_cast<const void*>(koff), valid);
-            cp_async16_m(st + (U + u) * 512u, reinterpret_cast<const void*>(voff), valid);
-        }
-    };
-
-#pragma unroll
-    for (int b = 0; b < STAGES - 1; ++b) {
-        if (b < n_it) issue(b, b);
-        cp_async_commit_m();
-    }
     int rd = 0, wr = STAGES - 1;
     for (int it = 0; it < n_it; ++it) {
-        if (it + STAGES - 1 < n_it) issue(it + STAGES - 1, wr);
+        if (it + STAGES - 1 < n_it) issue(it + STAGES - 1, wr, false);
         cp_async_commit_m();
         cp_async_wait_m<STAGES - 1>();  // this lane's copies of stage `rd` have landed
         const unsigned st = ring + (unsigned)(rd * NCH * 32) * 16u;
         rd = rd + 1 == STAGES ? 0 : rd + 1;
         wr = wr + 1 == STAGES ? 0 : wr + 1;
-        const int jb = first + it * (kV4Warps * KPI) + sub;
+        const int jb = first + it * CI + sub;
         // scores: per-lane partial dot products, then the transpose-reduce (see the header)
         float sc[U][G];
         constexpr int GP = G <= 1 ? 1 : G <= 2 ? 2 : G <= 4 ? 4 : 8;  // G padded to a power of two
@@ -299,7 +480,7 @@ __device__ void decode_split_v4(const __nv_bfloat16* __restrict__ q, long long q
                 sc[u][g] = __shfl_sync(0xffffffffu, v[i % NF], sub * LPK + (i / NF) * R);
             }
         }
-        if (first + it * (kV4Warps * KPI) + KPI > end) {  // the last stage of the warp: mask keys past the end
+        if (first + it * CI + KPI > end) {  // the last stage of the warp: mask keys past the end
 #pragma unroll
             for (int u = 0; u < U; ++u)
 #pragma unroll
@@ -393,9 +574,8 @@ __device__ void decode_split_v4(const __nv_bfloat16* __restrict__ q, long long q
 #define XSERV_V4_MINB(G) ((G) <= 4 ? 4 : 2)
 #define XSERV_DECODE_V4_KERNEL(D, G, S)                                                                          \
     extern "C" __global__ void __launch_bounds__(128, XSERV_V4_MINB(G))                                          \
-        attention_decode_v4_d##D##_g##G##_s##S(XSERV_DECODE_ARGS, int* __restrict__ counters, unsigned bs_magic,  \
-                                               int bs_shift) {                                                   \
-        decode_split_v4<D, G, S>(XSERV_DECODE_PASS, counters, bs_magic, bs_shift);                               \
+        attention_decode_v4_d##D##_g##G##_s##S(XSERV_DECODE_V4_ARGS) {                                          \
+        decode_split_v4<D, G, S>(XSERV_DECODE_V4_PASS);                                                          \
     }
 
 // 2 stages, for every head_dim and group size.

@@ -146,6 +146,11 @@ __device__ __forceinline__ uint4 lds128(unsigned addr) {
     return v;
 }
 
+__device__ __forceinline__ void sts128(unsigned addr, const uint4& v) {
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                 : "memory");
+}
+
 }  // namespace decode
 }  // namespace xserv
 

@@ -17,7 +17,7 @@
 //
 // One warp per head row (layout in norm.cuh), kRowsPerWarp rows per warp with all loads issued before any math.
 // The row index is warp-uniform, so bounds checks keep whole warps together (warp_sum needs all 32 lanes).
-#include "norm.cuh"
+#include "rope.cuh"
 
 namespace {
 
@@ -196,90 +196,17 @@ XSERV_QK_ROPE(qk_rope_d128_bf16_scalar, 128, false)
 //
 // Layout: 16-byte accesses (v1, a warp per row with the 4-byte accesses of qk_norm_rope and the weights picked by
 // reference, i.e. from local memory, ran at 64% of copy bandwidth at 8192 tokens, slower than the two ops; this
-// layout with the weights in registers runs at 88%): a (token, head) row of D values is held by LPR = D/16 lanes,
-// lane t holding lo = elements [8t, 8t+8) and hi = [D/2 + 8t, D/2 + 8t + 8), so rotate-half pairs stay in one lane;
-// a warp holds 32/LPR rows at a time, STEPS such groups per warp with all loads issued before any math.
-// Bit-identity with qk_norm_rope's warp-per-row layout (HeadRow, norm.cuh): each value gets the same arithmetic
-// (rms_apply, round_bf16, the same RoPE expressions, the same bf16 rounding at the store), and the row's sum of
-// squares is added up in the same tree: HeadRow lane l's partial (its EH values of each half, in its order) is formed
-// here for each of the VPL = 32/LPR HeadRow lanes a lane covers (l = t * VPL + j), and warp_sum's butterfly
-// (xor 16, 8, 4, 2, 1) is replayed on them: a distance >= VPL is a shuffle by distance / VPL between the row's lanes,
-// a smaller one adds the lane's own partials j and j ^ distance. Float addition is commutative, so every HeadRow
-// lane of warp_sum ends with the same bits, and so does every partial here.
+// layout with the weights in registers runs at 88%): a (token, head) row of D values is held by LPR = D/16 lanes
+// (rope.cuh: the layout, the head norm and RoPE of one row, and why they give qk_norm_rope's bits; the fused decode
+// attention entry in attention_decode.cu uses the same pieces); a warp holds 32/LPR rows at a time, STEPS such groups
+// per warp with all loads issued before any math.
 //
 // Programmatic dependent launch: the q/k weights are loaded before pdl_wait() (no earlier kernel writes them);
 // qkv, positions, slot_mapping and the caches are touched only after it (the table row depends on the position).
 // ---------------------------------------------------------------------------------------------------------------
 namespace {
 
-__device__ __forceinline__ void bf16x8_bits_to_float(const uint4& v, float (&f)[8]) {
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float2 x = __bfloat1622float2(h[i]);
-        f[2 * i] = x.x;
-        f[2 * i + 1] = x.y;
-    }
-}
-
-__device__ __forceinline__ uint4 float8_to_bf16_bits(const float (&f)[8]) {
-    uint4 v;
-    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);  // head_store's rounding
-    return v;
-}
-
-// The head RMSNorm of one row held by LPR lanes (see the header): inv_rms from warp_sum's tree, then
-// round_bf16(rms_apply(x, inv, w)) per value. Every lane of the warp must call it (full-mask shuffles).
-// The weights stay packed bf16 pairs in registers (16 registers for q's and k's, not 32) and are picked value by
-// value (a select: a reference to one of two arrays would put both in local memory).
-struct NormWeights {
-    __nv_bfloat162 q_lo[4], q_hi[4], k_lo[4], k_hi[4];  // elements [8t, 8t+8) and [D/2 + 8t, D/2 + 8t + 8)
-};
-
-__device__ __forceinline__ float weight_at(const __nv_bfloat162 (&w)[4], int i) {
-    return __bfloat162float(i % 2 ? w[i / 2].y : w[i / 2].x);
-}
-
-template <int D>
-__device__ __forceinline__ void row_rmsnorm16(float (&lo)[8], float (&hi)[8], bool is_q, const NormWeights& w,
-                                              float eps) {
-    constexpr int EH = D / 64;     // values per half of a HeadRow lane
-    constexpr int VPL = 8 / EH;    // HeadRow lanes per lane here (= 32 / LPR)
-    float part[VPL];
-#pragma unroll
-    for (int j = 0; j < VPL; ++j) {
-        float ss = 0.f;  // head_rmsnorm_regs' partial of HeadRow lane t * VPL + j, in its order
-#pragma unroll
-        for (int e = 0; e < EH; ++e) {
-            const int i = j * EH + e;
-            ss += lo[i] * lo[i] + hi[i] * hi[i];
-        }
-        part[j] = ss;
-    }
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) {  // warp_sum's butterfly over the 32 HeadRow lanes
-        if (offset >= VPL) {
-#pragma unroll
-            for (int j = 0; j < VPL; ++j) part[j] += __shfl_xor_sync(0xffffffffu, part[j], offset / VPL);
-        } else {
-            float next[VPL];
-#pragma unroll
-            for (int j = 0; j < VPL; ++j) next[j] = part[j] + part[j ^ offset];
-#pragma unroll
-            for (int j = 0; j < VPL; ++j) part[j] = next[j];
-        }
-    }
-    const float inv = xserv::rms_inv(part[0], D, eps);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        const float wl = is_q ? weight_at(w.q_lo, i) : weight_at(w.k_lo, i);
-        const float wh = is_q ? weight_at(w.q_hi, i) : weight_at(w.k_hi, i);
-        lo[i] = xserv::round_bf16(xserv::rms_apply(lo[i], inv, wl));
-        hi[i] = xserv::round_bf16(xserv::rms_apply(hi[i], inv, wh));
-    }
-}
+using namespace xserv::rope16;
 
 template <int D, bool NORM, int STEPS>
 __device__ __forceinline__ void qk_rope_write_kv_rows(__nv_bfloat16* qkv, const __nv_bfloat16* __restrict__ q_weight,
@@ -299,15 +226,7 @@ __device__ __forceinline__ void qk_rope_write_kv_rows(__nv_bfloat16* qkv, const 
     const long long warp_first = ((long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * STEPS * RPW;
     if (warp_first >= rows) return;  // warp-uniform
     NormWeights w;
-    if constexpr (NORM) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {  // scalar loads: the weights need no alignment
-            w.q_lo[e] = __halves2bfloat162(q_weight[8 * t + 2 * e], q_weight[8 * t + 2 * e + 1]);
-            w.q_hi[e] = __halves2bfloat162(q_weight[D / 2 + 8 * t + 2 * e], q_weight[D / 2 + 8 * t + 2 * e + 1]);
-            w.k_lo[e] = __halves2bfloat162(k_weight[8 * t + 2 * e], k_weight[8 * t + 2 * e + 1]);
-            w.k_hi[e] = __halves2bfloat162(k_weight[D / 2 + 8 * t + 2 * e], k_weight[D / 2 + 8 * t + 2 * e + 1]);
-        }
-    }
+    if constexpr (NORM) load_norm_weights<D>(w, q_weight, k_weight, t);
     xserv::pdl_wait();  // qkv, positions and slot_mapping come from earlier kernels
     xserv::pdl_launch_dependents();  // the attention kernel may start its prologue (it waits for this grid)
     uint4 raw_lo[STEPS], raw_hi[STEPS];
@@ -338,23 +257,8 @@ __device__ __forceinline__ void qk_rope_write_kv_rows(__nv_bfloat16* qkv, const 
         // every lane takes part in the norm's shuffles; v rows and missing rows discard the result
         if constexpr (NORM) row_rmsnorm16<D>(lo, hi, is_q, w, eps);
         if (is_qk) {
-            if (pos[k] >= 0 && pos[k] < max_pos) {
-                const float4* cs = reinterpret_cast<const float4*>(cos_sin + (long long)pos[k] * D);
-                const float4 c0 = __ldg(cs + 2 * t), c1 = __ldg(cs + 2 * t + 1);
-                const float4 s0 = __ldg(cs + D / 8 + 2 * t), s1 = __ldg(cs + D / 8 + 2 * t + 1);
-                const float cv[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
-                const float sv[8] = {s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w};
-#pragma unroll
-                for (int e = 0; e < 8; ++e) {  // rope_regs' expressions
-                    const float c = cv[e], s = sv[e];
-                    const float l = lo[e], h = hi[e];
-                    lo[e] = l * c - h * s;
-                    hi[e] = h * c + l * s;
-                }
-            } else {
-#pragma unroll
-                for (int e = 0; e < 8; ++e) lo[e] = hi[e] = xserv::quiet_nan();
-            }
+            float cv[8], sv[8];
+            rope_apply(lo, hi, load_cos_sin<D>(cos_sin, pos[k], max_pos, t, cv, sv), cv, sv);
             const uint4 out_lo = float8_to_bf16_bits(lo), out_hi = float8_to_bf16_bits(hi);
             *reinterpret_cast<uint4*>(qkv + row * D + 8 * t) = out_lo;
             *reinterpret_cast<uint4*>(qkv + row * D + D / 2 + 8 * t) = out_hi;

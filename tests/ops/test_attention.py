@@ -1,3 +1,4 @@
+import functools
 import math
 import os
 import re
@@ -9,6 +10,7 @@ import pytest
 from xserv.ops import attention as A
 from xserv.ops.attention import decode as D
 from xserv.ops.attention import prefill as P
+from xserv.ops.rope import rope_cos_sin_table
 from xserv.runtime.compiler import kernel_source_dir
 from xserv.tensor import Tensor, bfloat16
 from xserv.testing import paged_kv_from_dense, poisoned, random_array, rel_error
@@ -308,6 +310,8 @@ def test_host_mirrors_match_device_constants():
     v4 = _source("attention_decode")
     assert int(re.search(r"constexpr int kV4TabCap = (\d+);", v4).group(1)) == D.V4_TABLE_CAP
     assert int(re.search(r"constexpr int kV4MaxSplits = (\d+);", v4).group(1)) == D.V4_MAX_SPLITS
+    row_bytes = re.search(r"constexpr int kV4RowBytes = ([\d ()*+]+);", v4).group(1)
+    assert eval(row_bytes) == D.V4_ROW_BYTES  # a product of literals  # noqa: S307
     warps = int(re.search(r"constexpr int kV4Warps = (\d+);", v4).group(1))
     unroll = int(re.search(r"constexpr int kV4Unroll = (\d+);", v4).group(1))
     assert warps * (2 * unroll) * 32 * 16 == D.V4_RING_STAGE_BYTES and warps * 32 == D._THREADS
@@ -336,6 +340,168 @@ def test_default_variants_are_the_shipped_ones(monkeypatch):
     with pytest.raises(ValueError, match="sm_90a"):
         P.select_prefill_kernel("v4", 128, 16)
     assert D.DEFAULT_DECODE == "v4"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# attention_decode_rope: qk_norm_rope_write_kv + attention_decode in one op (one launch on the GPU)
+# ---------------------------------------------------------------------------------------------------------------
+ROPE_EPS = 1e-6
+
+
+def rope_case(rng, kv_lens, hq, hkv, d, block_size, norm=True, kinds=None):
+    """A decode batch as xserv builds it: sequence s has kv_lens[s] tokens, the last one new (position kv_len - 1,
+    its raw q/k/v in the packed qkv); the cache holds the others (zero-mean random, blocks permuted, unused slots
+    NaN) and NaN in the new token's slot, which slot_mapping names. kinds[s] (default "new") may also be "pad" (a
+    padding row: slot -1, its key already in the cache), "elsewhere" (the new K/V go to a spare slot, not where the
+    table puts position kv_len - 1, whose old key stays) or "zero" (kv_len 0: no key, the new K/V still go to a
+    spare slot)."""
+    kinds = list(kinds or ["new"] * len(kv_lens))
+    ks = [random_array(rng, (n, hkv, d), bfloat16, mean=0.0) for n in kv_lens]
+    vs = [random_array(rng, (n, hkv, d), bfloat16, mean=0.0) for n in kv_lens]
+    k_cache, v_cache, tables = paged_kv_from_dense(rng, ks, vs, block_size, spare_blocks=2)
+    flat_k, flat_v = k_cache.reshape(-1, hkv, d), v_cache.reshape(-1, hkv, d)
+    owned = {int(b) for b in tables.ravel() if b >= 0}
+    spare = [b * block_size + i for b in range(k_cache.shape[0]) if b not in owned for i in range(block_size)]
+    spare = list(rng.permutation(spare))
+    slots = np.full(len(kv_lens), -1, np.int32)
+    for s, (n, kind) in enumerate(zip(kv_lens, kinds)):
+        if kind == "new":
+            slot = tables[s, (n - 1) // block_size] * block_size + (n - 1) % block_size
+            flat_k[slot] = flat_v[slot] = np.nan  # the new token's K/V are not in the cache yet
+            slots[s] = slot
+        elif kind in ("elsewhere", "zero"):
+            slots[s] = spare.pop()
+        assert (kind == "zero") == (n == 0), (kind, n)
+    table = rope_cos_sin_table(d, max(max(kv_lens), 1) + 8, 1e6)
+    return dict(qkv=random_array(rng, (len(kv_lens), hq + 2 * hkv, d), bfloat16, mean=0.0),
+                qw=random_array(rng, (d,), bfloat16, mean=1.0, std=0.3) if norm else None,
+                kw=random_array(rng, (d,), bfloat16, mean=1.0, std=0.3) if norm else None,
+                pos=np.maximum(np.array(kv_lens, np.int32) - 1, 0), cos_sin=table, slots=slots,
+                k_cache=k_cache, v_cache=v_cache, tables=tables, kv_lens=np.array(kv_lens, np.int32), hq=hq,
+                hkv=hkv, scale=1.0 / math.sqrt(d), kinds=kinds)
+
+
+def rope_expected(c):
+    """The composition of the NumPy references: out (float64; zero rows for kv_len 0) and the written caches."""
+    from xserv.ops.rope import qk_norm_rope_write_kv_reference
+
+    kc, vc = c["k_cache"].copy(), c["v_cache"].copy()
+    rotated = qk_norm_rope_write_kv_reference(c["qkv"], c["qw"], c["kw"], c["pos"], c["cos_sin"], c["hq"], c["hkv"],
+                                              ROPE_EPS, kc, vc, c["slots"])
+    d = c["qkv"].shape[2]
+    out = np.zeros((len(c["kv_lens"]), c["hq"], d))
+    keep = np.flatnonzero(c["kv_lens"] > 0)
+    out[keep] = A.attention_decode_reference(rotated[keep], kc, vc, c["kv_lens"][keep], c["tables"][keep],
+                                             c["scale"], c["hq"], dtype=np.float64)
+    return out, kc, vc
+
+
+def run_decode_rope(c, device="cuda", variant=None, max_kv_len=None):
+    """The fused op on fresh copies (NaN-poisoned output): (out, k_cache, v_cache, qkv afterwards)."""
+    to = functools.partial(Tensor.from_numpy, device=device)
+    qkv, kc, vc = to(c["qkv"].copy()), to(c["k_cache"].copy()), to(c["v_cache"].copy())
+    w = (None, None) if c["qw"] is None else (to(c["qw"]), to(c["kw"]))
+    out = poisoned((len(c["kv_lens"]), c["hq"], c["qkv"].shape[2]), bfloat16, device)
+    got = A.attention_decode_rope(qkv, *w, to(c["pos"]), to(c["cos_sin"]), c["hq"], ROPE_EPS, kc, vc,
+                                  to(c["slots"]), to(c["kv_lens"]), to(c["tables"]), c["scale"],
+                                  max_kv_len or max(int(c["kv_lens"].max()), 1), out=out, variant=variant)
+    assert got is out
+    return out.numpy(), kc.numpy(), vc.numpy(), qkv.numpy()
+
+
+def run_rope_then_decode(c, variant=None, max_kv_len=None):
+    """qk_norm_rope_write_kv then attention_decode, the two CUDA ops: (out, k_cache, v_cache)."""
+    from xserv.ops.rope import qk_norm_rope_write_kv
+
+    qkv, kc, vc = (Tensor.from_numpy(c[n].copy()) for n in ("qkv", "k_cache", "v_cache"))
+    w = (None, None) if c["qw"] is None else (Tensor.from_numpy(c["qw"]), Tensor.from_numpy(c["kw"]))
+    qk_norm_rope_write_kv(qkv, *w, Tensor.from_numpy(c["pos"]), Tensor.from_numpy(c["cos_sin"]), c["hq"], c["hkv"],
+                          ROPE_EPS, kc, vc, Tensor.from_numpy(c["slots"]))
+    out = poisoned((len(c["kv_lens"]), c["hq"], c["qkv"].shape[2]), bfloat16)
+    A.attention_decode(qkv, kc, vc, Tensor.from_numpy(c["kv_lens"]), Tensor.from_numpy(c["tables"]), c["scale"],
+                       max_kv_len or max(int(c["kv_lens"].max()), 1), out=out, num_q_heads=c["hq"], variant=variant)
+    return out.numpy(), kc.numpy(), vc.numpy()
+
+
+def u16(a):
+    return np.asarray(a).view(np.uint16)
+
+
+def _rms64(x, w):
+    x = x.astype(np.float64)
+    return w.astype(np.float64) * x / np.sqrt(np.mean(x * x, -1, keepdims=True) + ROPE_EPS)
+
+
+def _rope64(x, positions, d):
+    x = x.astype(np.float64)
+    ang = positions.astype(np.float64)[:, None, None] * (1e6 ** (-np.arange(0, d, 2) / d))[None, None, :]
+    lo, hi = x[..., :d // 2], x[..., d // 2:]
+    return np.concatenate([lo * np.cos(ang) - hi * np.sin(ang), hi * np.cos(ang) + lo * np.sin(ang)], -1)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_decode_rope_cpu_against_float64(rng, norm):
+    """The CPU op (the composition of the references) against an independent float64 formula: q/k head norm and
+    RoPE from the inverse frequencies, the dense attention of each sequence over its keys and the new one; the new
+    K/V in the cache at their slots (v bit for bit), qkv itself untouched, unwritten slots still NaN."""
+    hq, hkv, d = 8, 2, 64
+    kinds = ["new", "new", "pad", "new", "elsewhere"]
+    c = rope_case(rng, [1, 17, 1, 64, 40], hq, hkv, d, block_size=16, norm=norm, kinds=kinds)
+    out, kc, vc, qkv = run_decode_rope(c, "cpu")
+    np.testing.assert_array_equal(u16(qkv), u16(c["qkv"]))
+    q, k, v = c["qkv"][:, :hq], c["qkv"][:, hq:hq + hkv], c["qkv"][:, hq + hkv:]
+    if norm:
+        q, k = _rms64(q, c["qw"]), _rms64(k, c["kw"])
+    q, k = _rope64(q, c["pos"], d), _rope64(k, c["pos"], d)
+    kflat, vflat = kc.reshape(-1, hkv, d), vc.reshape(-1, hkv, d)
+    for s, kind in enumerate(kinds):
+        n = int(c["kv_lens"][s])
+        ks, vs = A.gather_kv(c["k_cache"], c["v_cache"], c["tables"][s], n)
+        ks, vs = ks.astype(np.float64), vs.astype(np.float64)
+        if kind == "new":
+            ks[n - 1], vs[n - 1] = k[s], v[s]
+        want = A.attention_reference(q[s:s + 1], ks, vs, c["scale"])
+        assert rel_error(out[s:s + 1], want) < TOL, (s, kind)
+        if kind != "pad":
+            assert rel_error(kflat[c["slots"][s]], k[s]) < 1e-2
+            np.testing.assert_array_equal(u16(vflat[c["slots"][s]]), u16(c["qkv"][s, hq + hkv:]))
+    written = set(c["slots"][c["slots"] >= 0].tolist())
+    old = np.isnan(c["k_cache"].reshape(-1, hkv, d)[:, 0, 0].astype(np.float32))
+    for slot in np.flatnonzero(old):
+        if slot not in written:
+            assert np.all(np.isnan(kflat[slot].astype(np.float32))) and np.all(np.isnan(vflat[slot].astype(np.float32)))
+
+
+def test_decode_rope_argument_errors(rng):
+    c = rope_case(rng, [5, 9], 4, 2, 64, block_size=16)
+    to = functools.partial(Tensor.from_numpy, device="cpu")
+    qkv, kc, vc, qw, kw = to(c["qkv"]), to(c["k_cache"]), to(c["v_cache"]), to(c["qw"]), to(c["kw"])
+    call = dict(q_weight=qw, k_weight=kw, positions=to(c["pos"]), cos_sin=to(c["cos_sin"]), num_q_heads=4,
+                eps=ROPE_EPS, k_cache=kc, v_cache=vc, slot_mapping=to(c["slots"]), kv_lens=to(c["kv_lens"]),
+                block_tables=to(c["tables"]), scale=0.125, max_kv_len=9)
+    A.attention_decode_rope(qkv, **call)  # the good call
+    with pytest.raises(ValueError, match="qkv"):  # q alone: the fused op needs the packed qkv
+        A.attention_decode_rope(to(np.ascontiguousarray(c["qkv"][:, :4])), **call)
+    with pytest.raises(ValueError, match="q_weight, k_weight"):
+        A.attention_decode_rope(qkv, **dict(call, k_weight=None))
+    with pytest.raises(ValueError, match="k_weight"):
+        A.attention_decode_rope(qkv, **dict(call, k_weight=to(np.zeros(32, bfloat16))))
+    with pytest.raises(ValueError, match="positions"):
+        A.attention_decode_rope(qkv, **dict(call, positions=to(c["pos"][:1])))
+    with pytest.raises(ValueError, match="slot_mapping"):
+        A.attention_decode_rope(qkv, **dict(call, slot_mapping=to(c["slots"].astype(np.int64))))
+    with pytest.raises(ValueError, match="cos_sin"):
+        A.attention_decode_rope(qkv, **dict(call, cos_sin=to(c["cos_sin"][:, :32].copy())))
+    with pytest.raises(ValueError, match="kv_lens"):
+        A.attention_decode_rope(qkv, **dict(call, kv_lens=to(c["kv_lens"][:1])))
+    with pytest.raises(ValueError, match="v_cache"):
+        A.attention_decode_rope(qkv, **dict(call, v_cache=kc))
+    with pytest.raises(ValueError, match="out: overlaps qkv"):  # the output may not overlap the qkv it reads
+        A.attention_decode_rope(qkv, **call, out=qkv.view(-1)[:2 * 4 * 64].view(2, 4, 64))
+    with pytest.raises(ValueError, match="eps"):
+        A.attention_decode_rope(qkv, **dict(call, eps=-1.0))
+    with pytest.raises(ValueError, match="variant"):
+        A.attention_decode_rope(qkv, **call, variant="v9")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -505,6 +671,130 @@ def test_write_kv_gpu(rng, packed):
                    Tensor.from_numpy(np.ascontiguousarray(qkv[:, hq + hkv:])), kc, vc, Tensor.from_numpy(slots))
     np.testing.assert_array_equal(kc.numpy().view(np.uint16), kref.view(np.uint16))
     np.testing.assert_array_equal(vc.numpy().view(np.uint16), vref.view(np.uint16))
+
+
+# ---- attention_decode_rope on the GPU ---------------------------------------------------------------------------
+# (hq, hkv, block_size): G = 1..8 with odd head counts and group sizes, several block sizes
+ROPE_SHAPES = [(4, 4, 16), (8, 4, 32), (12, 4, 8), (16, 4, 256), (40, 8, 16), (12, 2, 64), (28, 4, 48), (8, 1, 16)]
+# around the 16/32/64-key edges of the ring and of the splits, a few splits, a multiple of the chunk and not
+ROPE_LENS = [1, 2, 15, 16, 17, 33, 63, 64, 65, 128, 200, 520, 1000, 3000]
+
+
+def check_decode_rope(c, variant=None, max_kv_len=None):
+    """The fused op is bit-identical to qk_norm_rope_write_kv followed by attention_decode (out and both caches),
+    leaves qkv as it was (the two-op fallback, variant v2, rotates it in place), and agrees with the composition of
+    the NumPy references (the attention in float64)."""
+    out, kc, vc, qkv = run_decode_rope(c, variant=variant, max_kv_len=max_kv_len)
+    want_out, want_kc, want_vc = run_rope_then_decode(c, variant="v2" if variant == "v2" else None,
+                                                      max_kv_len=max_kv_len)
+    np.testing.assert_array_equal(u16(out), u16(want_out))
+    np.testing.assert_array_equal(u16(kc), u16(want_kc))
+    np.testing.assert_array_equal(u16(vc), u16(want_vc))
+    if variant != "v2":
+        np.testing.assert_array_equal(u16(qkv), u16(c["qkv"]))
+    ref_out, ref_kc, ref_vc = rope_expected(c)
+    assert row_error(out, ref_out) < TOL
+    for got, ref in ((kc, ref_kc), (vc, ref_vc)):
+        written = ~np.isnan(ref.astype(np.float32))
+        np.testing.assert_array_equal(np.isnan(got.astype(np.float32)), ~written)  # nothing else written
+        assert rel_error(got[written], ref[written]) < 3e-3
+    np.testing.assert_array_equal(u16(vc), u16(ref_vc))  # v: copied bit for bit
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("hq,hkv,block_size", ROPE_SHAPES)
+def test_decode_rope_gpu(rng, norm, head_dim, hq, hkv, block_size):
+    lens = ROPE_LENS + [1, 0, 300]
+    kinds = ["new"] * len(ROPE_LENS) + ["pad", "zero", "elsewhere"]
+    check_decode_rope(rope_case(rng, lens, hq, hkv, head_dim, block_size, norm=norm, kinds=kinds))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("hq,hkv", [(16, 8), (32, 8), (14, 2), (64, 8)])
+@pytest.mark.parametrize("kv_len", [1, 2, 64, 65, 520, 1000, 4096, 4097, 20000])
+def test_decode_rope_gpu_one_sequence(rng, head_dim, hq, hkv, kv_len):
+    """Batch 1, as the engine's one-request decode: from one split to many, the new key in the stage that goes out
+    before pdl_wait or in a later one (each split of 64 to 1024 keys), a graph's max_kv_len bucket above kv_len."""
+    c = rope_case(rng, [kv_len], hq, hkv, head_dim, 16)
+    check_decode_rope(c, max_kv_len=max(kv_len, 512))
+
+
+@pytest.mark.gpu
+def test_decode_rope_gpu_v2_fallback_and_variant(rng):
+    # block size 1 with 120000 keys: v4's shared page table cannot hold a split's pages, so two launches (v2)
+    c = rope_case(rng, [120000, 3], 8, 2, 64, 1, kinds=["new", "pad"])
+    assert D.plan_decode("v4", 2, 2, 120000, 1, 64, 4, 132)[0].variant == "v2"
+    out = run_decode_rope(c)[0]
+    assert row_error(out, rope_expected(c)[0]) < TOL_LONG
+    check_decode_rope(rope_case(rng, [5, 700, 1], 16, 4, 128, 16, kinds=["new", "new", "pad"]), variant="v2")
+
+
+@pytest.mark.gpu
+def test_decode_rope_gpu_bad_position_gives_nan(rng):
+    c = rope_case(rng, [10, 20, 30], 8, 2, 128, 16)
+    c["pos"][1] = c["cos_sin"].shape[0]  # outside the table: NaN in that sequence's q, k (and so its output)
+    out, kc, _, _ = run_decode_rope(c)
+    want_out, want_kc, _ = run_rope_then_decode(c)
+    np.testing.assert_array_equal(u16(out), u16(want_out))
+    np.testing.assert_array_equal(u16(kc), u16(want_kc))
+    assert np.all(np.isnan(out[1].astype(np.float32))) and np.all(np.isfinite(out[[0, 2]].astype(np.float32)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fused", [True, False])
+def test_decode_rope_gpu_pdl_chain_graph(rng, fused):
+    """The model's chain with programmatic dependent launch, captured in a CUDA graph and replayed: the qkv GEMV
+    (rmsnorm_linear), then the fused op, or qk_norm_rope_write_kv then attention_decode. Before every replay qkv and
+    the new tokens' cache slots are NaN (host copies before the launch), so a kernel that read either before its pdl_wait would show
+    NaN. Replays give the bits of the eager run."""
+    from xserv.ops.gemv import rmsnorm_linear
+    from xserv.ops.rope import qk_norm_rope_write_kv
+    from xserv.runtime.graphs import CUDAGraph
+
+    hq, hkv, d, hidden = 16, 8, 128, 1024
+    lens = [520, 37, 1, 4000]
+    c = rope_case(rng, lens, hq, hkv, d, 16, kinds=["new", "new", "pad", "new"])
+    residual = Tensor.from_numpy(random_array(rng, (len(lens), hidden), np.float32, mean=0.0))
+    norm_w = Tensor.from_numpy(random_array(rng, (hidden,), bfloat16, mean=1.0, std=0.1))
+    w_qkv = Tensor.from_numpy(random_array(rng, ((hq + 2 * hkv) * d, hidden), bfloat16, mean=0.0, std=0.03))
+    t = {n: Tensor.from_numpy(c[n]) for n in ("qw", "kw", "pos", "cos_sin", "slots", "kv_lens", "tables")}
+    kc, vc = Tensor.from_numpy(c["k_cache"]), Tensor.from_numpy(c["v_cache"])
+    qkv = Tensor.empty((len(lens), hq + 2 * hkv, d), bfloat16, "cuda")
+    out = Tensor.empty((len(lens), hq, d), bfloat16, "cuda")
+    nan_qkv, nan_out = np.full(qkv.shape, np.nan, bfloat16), np.full(out.shape, np.nan, bfloat16)
+
+    def poison():  # eager host copies, before the step or the graph's replay
+        qkv.copy_(nan_qkv)
+        out.copy_(nan_out)
+        kc.copy_(c["k_cache"])  # the new tokens' slots NaN again
+        vc.copy_(c["v_cache"])
+
+    def step():
+        rmsnorm_linear(residual, norm_w, ROPE_EPS, w_qkv, out=qkv.view(len(lens), (hq + 2 * hkv) * d))
+        if fused:
+            A.attention_decode_rope(qkv, t["qw"], t["kw"], t["pos"], t["cos_sin"], hq, ROPE_EPS, kc, vc, t["slots"],
+                                    t["kv_lens"], t["tables"], c["scale"], 4096, out=out)
+        else:
+            qk_norm_rope_write_kv(qkv, t["qw"], t["kw"], t["pos"], t["cos_sin"], hq, hkv, ROPE_EPS, kc, vc,
+                                  t["slots"], pdl=True)
+            A.attention_decode(qkv, kc, vc, t["kv_lens"], t["tables"], c["scale"], 4096, out=out, num_q_heads=hq)
+
+    poison()
+    step()
+    first = [x.numpy() for x in (out, kc, vc)]
+    assert np.all(np.isfinite(first[0].astype(np.float32)))
+    graph = CUDAGraph()
+    with graph.capture():
+        step()
+    for _ in range(5):
+        poison()
+        graph.replay()
+        for got, want in zip((out, kc, vc), first):
+            np.testing.assert_array_equal(u16(got.numpy()), u16(want))
+    graph.close()
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from typing import ClassVar
 import numpy as np
 
 from ..ops.activation import silu_and_mul
-from ..ops.attention import attention_decode, attention_prefill
+from ..ops.attention import attention_decode_rope, attention_prefill
 from ..ops.embedding import embedding
 from ..ops.gemv import (gemv_supported, linear_add, linear_gemv, prefer_gemv, rmsnorm_linear,
                         rmsnorm_linear_silu_mul)
@@ -296,18 +296,20 @@ class DenseModel:
         return linear(x, weight, out=out)
 
     def _attention(self, i: int, layer: DenseLayer, batch, kv_cache, qkv3: Tensor, attn3: Tensor) -> None:
-        """Layer i's attention block between the projections: q/k norm and RoPE with the KV-cache write (one
-        kernel), then attention."""
+        """Layer i's attention block between the projections. Decode batches (one token per sequence): q/k norm,
+        RoPE, the KV-cache write and attention in one kernel (qkv is only read). Prefill: q/k norm and RoPE with the
+        KV-cache write (one kernel, in place on qkv), then attention."""
         hq, hkv = self.config.num_attention_heads, self.config.num_key_value_heads
-        qk_norm_rope_write_kv(qkv3, layer.q_norm if self.QK_NORM else None, layer.k_norm if self.QK_NORM else None,
-                              batch.positions, self.cos_sin, hq, hkv, self.eps, kv_cache.k[i], kv_cache.v[i],
-                              batch.slot_mapping, pdl=True)
-        if batch.max_q_len > 1:
-            attention_prefill(qkv3, kv_cache.k[i], kv_cache.v[i], batch.cu_seqlens_q, batch.kv_lens,
-                              batch.block_tables, self.scale, batch.max_q_len, out=attn3, num_q_heads=hq)
-        else:
-            attention_decode(qkv3, kv_cache.k[i], kv_cache.v[i], batch.kv_lens, batch.block_tables,
-                             self.scale, batch.max_kv_len, out=attn3, num_q_heads=hq)
+        q_norm, k_norm = (layer.q_norm, layer.k_norm) if self.QK_NORM else (None, None)
+        if batch.max_q_len == 1:
+            attention_decode_rope(qkv3, q_norm, k_norm, batch.positions, self.cos_sin, hq, self.eps, kv_cache.k[i],
+                                  kv_cache.v[i], batch.slot_mapping, batch.kv_lens, batch.block_tables, self.scale,
+                                  batch.max_kv_len, out=attn3)
+            return
+        qk_norm_rope_write_kv(qkv3, q_norm, k_norm, batch.positions, self.cos_sin, hq, hkv, self.eps, kv_cache.k[i],
+                              kv_cache.v[i], batch.slot_mapping, pdl=True)
+        attention_prefill(qkv3, kv_cache.k[i], kv_cache.v[i], batch.cu_seqlens_q, batch.kv_lens, batch.block_tables,
+                          self.scale, batch.max_q_len, out=attn3, num_q_heads=hq)
 
     def _forward_fused(self, batch, kv_cache, ws: Workspace, t: int, n: int) -> Tensor:
         """The forward of one token as 6 launches per layer: each projection is a GEMV kernel that applies the

@@ -1,5 +1,7 @@
 """Attention over a paged KV cache: writing new K/V into the cache, causal prefill of packed variable-length
-query chunks, and single-token decode (split-KV with a log-sum-exp combine).
+query chunks, and single-token decode (split-KV with a log-sum-exp combine), also with the q/k head norm, RoPE and
+the new token's KV-cache write folded in (attention_decode_rope: qk_norm_rope_write_kv + attention_decode, one
+launch).
 
 Cache layout, per layer: k_cache, v_cache bf16 [num_blocks, block_size, num_kv_heads, head_dim]; token t of
 sequence s lives in block block_tables[s, t // block_size] at offset t % block_size. GQA: query head h uses kv head
@@ -11,14 +13,14 @@ prefill and decode (each with its table of kernels: the shipped ones in cuda_src
 in cuda_src/dev/). Kernel notes and measurements: docs/kernels/attention.md.
 """
 from ._args import HEAD_DIMS, MAX_GQA_GROUP
-from .decode import DECODE_KERNELS, attention_decode, decode_plan
+from .decode import DECODE_KERNELS, attention_decode, attention_decode_rope, decode_plan
 from .kv_write import write_kv, write_kv_packed
 from .prefill import PREFILL_KERNELS, attention_prefill, default_prefill_variant, prefill_variants
 from .reference import (attention_decode_reference, attention_prefill_reference, attention_reference, gather_kv,
                         write_kv_reference)
 
 __all__ = [
-    "HEAD_DIMS", "MAX_GQA_GROUP", "DECODE_KERNELS", "PREFILL_KERNELS", "attention_decode", "attention_prefill",
-    "attention_decode_reference", "attention_prefill_reference", "attention_reference", "decode_plan",
-    "default_prefill_variant", "gather_kv", "prefill_variants", "write_kv", "write_kv_packed", "write_kv_reference",
+    "HEAD_DIMS", "MAX_GQA_GROUP", "DECODE_KERNELS", "PREFILL_KERNELS", "attention_decode", "attention_decode_rope",
+    "attention_prefill", "attention_decode_reference", "attention_prefill_reference", "attention_reference",
+    "decode_plan", "default_prefill_variant", "gather_kv", "prefill_variants", "write_kv", "write_kv_packed", "write_kv_reference",
 ]

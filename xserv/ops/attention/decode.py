@@ -18,7 +18,8 @@ import numpy as np
 
 from ...runtime import get_device, kernel
 from ...tensor import Tensor, bfloat16, float32, int32
-from .._checks import output, same_device
+from .._checks import check_aligned, check_tensor, output, same_device
+from .._launch import check_alias, check_eps
 from ._args import check_cache, check_tables, query_heads
 from .reference import attention_decode_reference
 
@@ -26,6 +27,7 @@ from .reference import attention_decode_reference
 V4_TABLE_CAP = 512  # kV4TabCap (attention_decode.cu): page-table entries a v4 CTA keeps in shared memory
 V4_RING_STAGE_BYTES = 16384  # 4 warps x 8 chunks x 32 lanes x 16 bytes: one stage of v4's ring
 V4_MAX_SPLITS = 256  # kV4MaxSplits: the folded combine's shared scratch holds G * num_splits weights
+V4_ROW_BYTES = 2560  # kV4RowBytes: v4's shared rows of the fused entry (G <= 8 query rows + the new K and V, bf16)
 V4_CTA_COST_KEYS = 64  # a v4 CTA's fixed cost (prologue, merge, partials, combine) in keys streamed (H100 sweep)
 V2_CTAS_PER_SM = 4  # v2's split-KV grid aims at this many CTAs per SM
 _SM_SMEM = 227 * 1024  # shared memory per SM available to CTAs on sm_90 (sizes resident-CTA counts)
@@ -64,9 +66,10 @@ class DecodeKernel:
         return f"attention_decode_v{self.generation}_d{head_dim}_g{group}_s{self.stages}{self.suffix}"
 
     def smem(self, head_dim: int) -> int:
-        """Dynamic shared memory: v4's ring + page table + a flag; v3's per-warp staging + a flag; v2 none."""
+        """Dynamic shared memory: v4's ring + page table + a flag + the fused entry's rows; v3's per-warp staging + a
+        flag; v2 none."""
         if self.generation == 4:
-            return self.stages * V4_RING_STAGE_BYTES + V4_TABLE_CAP * 4 + 16
+            return self.stages * V4_RING_STAGE_BYTES + V4_TABLE_CAP * 4 + 16 + V4_ROW_BYTES
         if self.generation == 3:
             return 4 * self.stages * head_dim * 64 + 16
         return 0
@@ -235,14 +238,34 @@ def attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_lens: Tenso
         out.array[...] = attention_decode_reference(q.array, k_cache.array, v_cache.array, kv_lens.array,
                                                     block_tables.array, scale, num_q_heads).astype(bfloat16)
         return out
+    _launch(_plan(variant, num_seqs, num_kv_heads, max_kv_len, block_size, head_dim, num_q_heads // num_kv_heads),
+            q, k_cache, v_cache, kv_lens, block_tables, scale, out, num_q_heads, _PLAIN_V4)
+    return out
+
+
+_PLAIN_V4 = (0, 0, 0, np.int32(0), 0, 0, np.float32(0))  # v4's fused-entry arguments of a plain call (nullptr: off)
+
+
+def _plan(variant: str, num_seqs: int, num_kv_heads: int, max_kv_len: int, block_size: int, head_dim: int,
+          group: int) -> tuple[DecodeKernel, int, int]:
     max_kv_len = int(max_kv_len)
     if max_kv_len < 1:
         raise ValueError(f"max_kv_len: {max_kv_len} < 1")
-    group = num_q_heads // num_kv_heads
     k, splits, chunk = plan_decode(variant, num_seqs, num_kv_heads, max_kv_len, block_size, head_dim, group,
                                    get_device().multiprocessor_count)
     if k.generation >= 3 and splits > V4_MAX_SPLITS:
         raise ValueError(f"plan: {splits} splits > {V4_MAX_SPLITS}, the folded combine's limit")
+    return k, splits, chunk
+
+
+def _launch(plan: tuple[DecodeKernel, int, int], q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_lens: Tensor,
+            block_tables: Tensor, scale: float, out: Tensor, num_q_heads: int, v4_extra: tuple) -> None:
+    """Launch a planned decode kernel; v4 gets `v4_extra` (its fused-entry arguments: positions, slot_mapping,
+    cos_sin, max_pos, q_weight, k_weight, eps; _PLAIN_V4 for plain attention)."""
+    k, splits, chunk = plan
+    num_seqs, _, head_dim = out.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_q_heads // num_kv_heads
     part_o = part_lse = out  # unused by the kernels when splits == 1
     if splits > 1:
         rows = num_seqs * num_q_heads * splits
@@ -256,12 +279,97 @@ def attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_lens: Tenso
     if k.generation == 4:
         magic, shift = fast_div(block_size)
         args += [np.uint32(magic), np.int32(shift)]
+    shipped_v4 = k is DECODE_KERNELS["v4"]
+    if shipped_v4:
+        args += v4_extra
     grid = (splits, num_kv_heads, num_seqs)
     # v4 waits for the previous kernel itself (pdl_wait): it may be launched with programmatic dependent launch
-    kernel(k.family, k.name(head_dim, group))(grid, (_THREADS, 1, 1), *args, smem=k.smem(head_dim),
-                                              pdl=k is DECODE_KERNELS["v4"])
+    kernel(k.family, k.name(head_dim, group))(grid, (_THREADS, 1, 1), *args, smem=k.smem(head_dim), pdl=shipped_v4)
     if k.generation == 2 and splits > 1:
         kernel(k.family, "attention_decode_combine")(
             (num_q_heads, num_seqs, 1), (head_dim, 1, 1), part_o, part_lse, kv_lens, np.int32(chunk),
             np.int32(splits), np.int32(head_dim), out)
+
+
+_rope_module = None
+
+
+def _rope():
+    """xserv.ops.rope, imported on first use (it imports this package: a module-level import would be circular)."""
+    global _rope_module
+    if _rope_module is None:
+        from .. import rope
+
+        _rope_module = rope
+    return _rope_module
+
+
+def attention_decode_rope(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor | None, positions: Tensor,
+                          cos_sin: Tensor, num_q_heads: int, eps: float, k_cache: Tensor, v_cache: Tensor,
+                          slot_mapping: Tensor, kv_lens: Tensor, block_tables: Tensor, scale: float, max_kv_len: int,
+                          out: Tensor | None = None, variant: str | None = None) -> Tensor:
+    """qk_norm_rope_write_kv (q_weight, k_weight given: Qwen3's head norms; both None: Llama) followed by
+    attention_decode, for a decode batch (one new token per sequence), in one launch with the same results:
+    qkv bf16 [B, Hq + 2 Hkv, D] packed (16-byte aligned), positions and slot_mapping int32 [B] (slot < 0: nothing
+    written), cos_sin float32 [max_pos, D] (16-byte aligned), caches, kv_lens and block_tables as attention_decode
+    (kv_len counts the new token) -> out bf16 [B, Hq, D]. The new K/V go into the cache at slot_mapping; qkv is read
+    only by the fused kernel (its q and k heads stay unrotated; the v2 fallback's two launches rotate them in place,
+    so afterwards they are unspecified). The fused kernel attends over the new key as it wrote it when slot_mapping[s]
+    is the slot the block table gives position kv_len - 1 (any batch xserv builds), else as the cache holds it there,
+    as attention_decode would. variant: as attention_decode; a plan that runs v2 (variant "v2", or block_size < 8
+    with very long contexts) runs qk_norm_rope_write_kv and attention_decode, two launches."""
+    _, block_size, num_kv_heads, head_dim = check_cache(k_cache, v_cache)
+    check_tensor("qkv", qkv, dtype=bfloat16, ndim=3)
+    if isinstance(num_q_heads, bool) or not isinstance(num_q_heads, (int, np.integer)) or num_q_heads <= 0:
+        raise ValueError(f"num_q_heads: expected a positive int, got {num_q_heads!r}")
+    num_q_heads = int(num_q_heads)
+    if qkv.shape[1:] != (num_q_heads + 2 * num_kv_heads, head_dim):
+        raise ValueError(f"qkv: shape {list(qkv.shape)}, expected the packed [num_seqs, {num_q_heads} + 2 * "
+                         f"{num_kv_heads}, {head_dim}] (num_q_heads, the cache's kv heads and head_dim)")
+    query_heads(qkv, num_q_heads, num_kv_heads, head_dim)  # group size and alignment
+    num_seqs = qkv.shape[0]
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("q_weight, k_weight: give both (Qwen3's head norms) or neither (Llama)")
+    norm = q_weight is not None
+    if norm:
+        check_tensor("q_weight", q_weight, dtype=bfloat16, shape=(head_dim,))
+        check_tensor("k_weight", k_weight, dtype=bfloat16, shape=(head_dim,))
+    check_tensor("positions", positions, dtype=int32, shape=(num_seqs,))
+    check_tensor("slot_mapping", slot_mapping, dtype=int32, shape=(num_seqs,))
+    check_tensor("cos_sin", cos_sin, dtype=float32, ndim=2)
+    if cos_sin.shape[1] != head_dim or not 0 < cos_sin.shape[0] < 2**31:
+        raise ValueError(f"cos_sin: shape {list(cos_sin.shape)}, expected [max_positions < 2**31, {head_dim}]")
+    check_tables(kv_lens, block_tables, num_seqs)
+    eps32 = check_eps(eps)
+    device = same_device(qkv=qkv, q_weight=q_weight, k_weight=k_weight, positions=positions, cos_sin=cos_sin,
+                         k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping, kv_lens=kv_lens,
+                         block_tables=block_tables, out=out)
+    out = output("out", out, (num_seqs, num_q_heads, head_dim), bfloat16, device)
+    for name, t, other_name, other in (("k_cache", k_cache, "qkv", qkv), ("v_cache", v_cache, "qkv", qkv),
+                                       ("out", out, "qkv", qkv), ("v_cache", v_cache, "k_cache", k_cache),
+                                       ("out", out, "k_cache", k_cache), ("out", out, "v_cache", v_cache)):
+        check_alias(name, t, other_name, other, allow_identical=False)
+    variant = DEFAULT_DECODE if variant is None else variant
+    if variant not in DECODE_KERNELS:
+        raise ValueError(f"variant: unknown decode kernel {variant!r}; known: {', '.join(DECODE_KERNELS)}")
+    if num_seqs == 0:
+        return out
+    rope = _rope()
+    if device == "cpu":  # the composition of the references (qkv itself is left as it is)
+        rotated = rope.qk_norm_rope_write_kv_reference(
+            qkv.array, q_weight.array if norm else None, k_weight.array if norm else None, positions.array,
+            cos_sin.array, num_q_heads, num_kv_heads, eps32, k_cache.array, v_cache.array, slot_mapping.array)
+        out.array[...] = attention_decode_reference(rotated, k_cache.array, v_cache.array, kv_lens.array,
+                                                    block_tables.array, scale, num_q_heads).astype(bfloat16)
+        return out
+    check_aligned("cos_sin", cos_sin)
+    plan = _plan(variant, num_seqs, num_kv_heads, max_kv_len, block_size, head_dim, num_q_heads // num_kv_heads)
+    if plan[0] is not DECODE_KERNELS["v4"]:  # v2 (or a dev kernel): the two ops
+        rope.qk_norm_rope_write_kv(qkv, q_weight, k_weight, positions, cos_sin, num_q_heads, num_kv_heads, eps32,
+                                   k_cache, v_cache, slot_mapping, pdl=True)
+        _launch(plan, qkv, k_cache, v_cache, kv_lens, block_tables, scale, out, num_q_heads, _PLAIN_V4)
+        return out
+    _launch(plan, qkv, k_cache, v_cache, kv_lens, block_tables, scale, out, num_q_heads,
+            (positions, slot_mapping, cos_sin, np.int32(cos_sin.shape[0]), q_weight if norm else 0,
+             k_weight if norm else 0, eps32))
     return out
