@@ -20,7 +20,11 @@ GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256
 # max_kv_len, so a graph captured for max_model_len (40,960 for Qwen3) runs ~160 mostly idle splits per kv head
 # and a combine over all of them on every step of a short chat.
 GRAPH_KV_BUCKET_START, GRAPH_KV_BUCKET_GROWTH = 2048, 4
-_GRAPH_INPUTS = ("input_ids", "positions", "kv_lens", "slot_mapping")
+# A decode graph's metadata lives in one int32 device buffer per context bucket, uploaded with one copy per step
+# (five small copies and their gaps took ~10 us of GPU time per step): these rows of max_bs entries, then the block
+# table [max_bs, bucket width]. token_index: where a step launched ahead gathers its input tokens from.
+_GRAPH_INPUTS = ("input_ids", "positions", "kv_lens", "slot_mapping", "token_index")
+_PAD = {"input_ids": 0, "positions": 0, "kv_lens": 1, "slot_mapping": -1, "token_index": 0}  # rows n..bucket
 # Prefill graphs: one sequence's chunk of up to EngineConfig.prefill_graph_tokens tokens, padded to the next bucket
 # of a doubling ladder from PREFILL_GRAPH_START. Eager, such a step pays ~25 us of host time per launch x ~400
 # launches whatever its length; in a graph it costs its GPU time, at most 2x its own for the padding. Why the
@@ -155,20 +159,22 @@ class ModelRunner:
         sizes = [b for b in GRAPH_BATCH_SIZES if b < max_bs] + [max_bs]
         self._kv_buckets = kv_len_buckets(self.max_model_len)
         d = self.device
-        self._inputs = {name: Tensor.zeros((max_bs,), int32, d) for name in _GRAPH_INPUTS}
+        self._meta_rows = max_bs
         cu_seqlens = Tensor.from_numpy(np.arange(max_bs + 1, dtype=np.int32), d)
-        # one block-table buffer per context bucket, as wide as that bucket needs: a step uploads only that width
-        self._bucket_tables = {L: Tensor.zeros((max_bs, math.ceil(L / self.block_size)), int32, d)
-                               for L in self._kv_buckets}
-        self._staging = {name: np.zeros(max_bs, np.int32) for name in _GRAPH_INPUTS}
-        self._token_index = Tensor.zeros((max_bs,), int32, d)
+        # one metadata buffer per context bucket, its block table as wide as that bucket needs (a step uploads the
+        # rows, then only the table rows of its batch-size bucket), and its host image
+        self._meta, self._meta_host = {}, {}
+        for L in self._kv_buckets:
+            size = len(_GRAPH_INPUTS) * max_bs + max_bs * math.ceil(L / self.block_size)
+            self._meta[L] = Tensor.zeros((size,), int32, d)
+            self._meta_host[L] = np.zeros(size, np.int32)
         # Largest first, so that buffers sized by the first capture (the attention workspace) fit every later one.
         for bs in sorted(sizes, reverse=True):
             for max_kv_len in reversed(self._kv_buckets):
-                g = self._inputs
+                g = self._meta_fields(self._meta[max_kv_len], max_kv_len)
                 batch = Batch(
                     input_ids=g["input_ids"][:bs], positions=g["positions"][:bs], cu_seqlens_q=cu_seqlens[:bs + 1],
-                    kv_lens=g["kv_lens"][:bs], block_tables=self._bucket_tables[max_kv_len][:bs],
+                    kv_lens=g["kv_lens"][:bs], block_tables=g["block_tables"][:bs],
                     slot_mapping=g["slot_mapping"][:bs], logits_indices=None, num_tokens=bs, num_seqs=bs,
                     max_q_len=1, max_kv_len=max_kv_len)
 
@@ -187,14 +193,30 @@ class ModelRunner:
         self._bucket_of = np.array([min(b for b in batch_sizes if b >= n) for n in range(self._max_graph_bs + 1)])
         return batch_sizes
 
+    def _meta_fields(self, meta, max_kv_len: int) -> dict:
+        """Views of a bucket's metadata buffer (device Tensor or its host image): each _GRAPH_INPUTS row, and
+        "block_tables" [max_bs, width]."""
+        rows, width = self._meta_rows, math.ceil(max_kv_len / self.block_size)
+        fields = {name: meta[i * rows:(i + 1) * rows] for i, name in enumerate(_GRAPH_INPUTS)}
+        table = meta[len(_GRAPH_INPUTS) * rows:len(_GRAPH_INPUTS) * rows + rows * width]
+        fields["block_tables"] = table.reshape(rows, width) if isinstance(table, np.ndarray) else table.view(rows, width)
+        return fields
+
+    def _upload_meta(self, bs: int, max_kv_len: int) -> dict:
+        """One copy: every row of the host image, then the block table's first bs rows. Returns the device views."""
+        size = len(_GRAPH_INPUTS) * self._meta_rows + bs * math.ceil(max_kv_len / self.block_size)
+        meta = self._meta[max_kv_len]
+        meta[:size].copy_(self._meta_host[max_kv_len][:size])
+        return self._meta_fields(meta, max_kv_len)
+
     def _pad_inputs(self, n: int, bs: int, max_kv_len: int) -> None:
-        """Rows n..bs of the static buffers: slot -1 writes nothing, kv_len 1 reads block 0."""
-        for name, value in (("input_ids", 0), ("positions", 0), ("kv_lens", 1), ("slot_mapping", -1)):
-            self._staging[name][n:bs] = value
+        """Rows n..bs of the host image: slot -1 writes nothing, kv_len 1 reads block 0 (table rows zeroed)."""
+        host = self._meta_fields(self._meta_host[max_kv_len], max_kv_len)
+        for name, value in _PAD.items():
+            host[name][n:bs] = value
+        host["block_tables"][n:bs] = 0
         if n == 0:
-            for name in _GRAPH_INPUTS:
-                self._inputs[name][:bs].copy_(self._staging[name][:bs])
-            self._bucket_tables[max_kv_len][:bs].zero_()
+            self._upload_meta(bs, max_kv_len)
 
     def _sync_tables(self, seqs) -> np.ndarray:
         """The slots of `seqs`, with their rows of the host table mirror brought up to date."""
@@ -214,25 +236,20 @@ class ModelRunner:
         slots = self._sync_tables(seqs)
         positions = np.fromiter((len(s.token_ids) for s in seqs), np.int64, n) + (ahead - 1)
         max_kv_len = next(b for b in self._kv_buckets if b >= int(positions.max()) + 1)
-        width = self._bucket_tables[max_kv_len].shape[1]
-        st = self._staging
+        st = self._meta_fields(self._meta_host[max_kv_len], max_kv_len)
         if token_index is None:
             st["input_ids"][:n] = np.fromiter((s.token_ids[-1] for s in seqs), np.int64, n)
+        else:  # the rows' input tokens are gathered on the device below; these host values are overwritten
+            st["token_index"][:n] = token_index
         st["positions"][:n] = positions
         st["kv_lens"][:n] = positions + 1
         bsz = self.block_size
         st["slot_mapping"][:n] = self._tables[slots, positions // bsz] * bsz + positions % bsz
+        st["block_tables"][:n] = self._tables[slots, :st["block_tables"].shape[1]]
         self._pad_inputs(n, bs, max_kv_len)
-        for name in _GRAPH_INPUTS:
-            if name == "input_ids" and token_index is not None:
-                continue  # gathered below; padding rows keep whatever valid ids they hold
-            self._inputs[name][:bs].copy_(st[name][:bs])
+        dev = self._upload_meta(bs, max_kv_len)
         if token_index is not None:
-            self._token_index[:n].copy_(np.asarray(token_index, np.int32))
-            gather(token_src, self._token_index[:n], self._inputs["input_ids"][:n])
-        tables = np.zeros((bs, width), np.int32)
-        tables[:n] = self._tables[slots, :width]
-        self._bucket_tables[max_kv_len][:bs].copy_(tables)
+            gather(token_src, dev["token_index"][:n], dev["input_ids"][:n])
         self.graphs[(bs, max_kv_len)].replay()
         return self.workspace.logits[:n]
 
