@@ -1,8 +1,10 @@
-"""Harness specs for the attention family: write_kv, attention_prefill (causal and non-causal), attention_decode.
+"""Harness specs for the attention family: write_kv, attention_prefill (causal and non-causal), attention_decode,
+attention_decode_rope (qk_norm_rope_write_kv + attention_decode in one launch).
 
 Shapes (every sequence of a shape has the same lengths; the tests cover mixed ones):
   attention_prefill[_noncausal]  BxHQxHKVxLQxLKVxD[xBLOCK]   B sequences, LQ new queries over LKV cached keys
   attention_decode               BxHQxHKVxLKVxD[xBLOCK]
+  attention_decode_rope          BxHQxHKVxLKVxD[xBLOCK]      LKV counts the new token (its q/k/v in the packed qkv)
   write_kv                       TxHQxHKVxD[xBLOCK]          (the packed-qkv form the model calls)
 BLOCK is the KV-cache block size (default 16). `--variant NAME` runs one of the op's kernels (a PREFILL_KERNELS or
 DECODE_KERNELS name of xserv.ops.attention; development kernels compile on request), else the default.
@@ -159,6 +161,59 @@ def _decode_torch(t):
     return _sdpa(t["_q"], k, v, t["scale"], False)
 
 
+_ROPE_EPS = 1e-6
+
+
+def _decode_rope_inputs(rng, shape):
+    """A decode batch for attention_decode_rope: the cache holds each sequence's LKV - 1 older tokens (the new
+    token's slot NaN until the op writes it), the packed qkv the new token's raw q/k/v, Qwen3's head-norm weights."""
+    from xserv.ops.rope import rope_cos_sin_table
+
+    b, hq, hkv, lkv, d, *rest = shape
+    block = rest[0] if rest else 16
+    k_cache, v_cache, tables = _paged(rng, b, hkv, lkv, d, block)
+    slots = (tables[:, (lkv - 1) // block] * block + (lkv - 1) % block).astype(np.int32)
+    k_cache.reshape(-1, hkv, d)[slots] = np.nan
+    v_cache.reshape(-1, hkv, d)[slots] = np.nan
+    return dict(qkv=_random_bf16(rng, (b, hq + 2 * hkv, d)), k_cache=k_cache, v_cache=v_cache, block_tables=tables,
+                kv_lens=np.full(b, lkv, np.int32), positions=np.full(b, lkv - 1, np.int32), slot_mapping=slots,
+                cos_sin=rope_cos_sin_table(d, lkv + 8, 1e6),
+                q_weight=random_array(rng, (d,), bfloat16, mean=1.0, std=0.3),
+                k_weight=random_array(rng, (d,), bfloat16, mean=1.0, std=0.3),
+                num_q_heads=hq, scale=1.0 / math.sqrt(d), max_kv_len=lkv)
+
+
+def _decode_rope_run(t):
+    from xserv.ops.attention import attention_decode_rope
+    from xserv.testing import poisoned
+
+    b, hq, d = t["qkv"].shape[0], t["num_q_heads"], t["qkv"].shape[2]
+    return attention_decode_rope(t["qkv"], t["q_weight"], t["k_weight"], t["positions"], t["cos_sin"], hq, _ROPE_EPS,
+                                 t["k_cache"], t["v_cache"], t["slot_mapping"], t["kv_lens"], t["block_tables"],
+                                 t["scale"], t["max_kv_len"], out=poisoned((b, hq, d), bfloat16),
+                                 variant=t.get("variant"))
+
+
+def _decode_rope_reference(x):
+    from xserv.ops.attention import attention_decode_reference
+    from xserv.ops.rope import qk_norm_rope_write_kv_reference
+
+    hq, hkv = x["num_q_heads"], x["k_cache"].shape[2]
+    kc, vc = x["k_cache"].copy(), x["v_cache"].copy()
+    rotated = qk_norm_rope_write_kv_reference(x["qkv"], x["q_weight"], x["k_weight"], x["positions"], x["cos_sin"],
+                                              hq, hkv, _ROPE_EPS, kc, vc, x["slot_mapping"])
+    return attention_decode_reference(rotated, kc, vc, x["kv_lens"], x["block_tables"], x["scale"], hq,
+                                      dtype=np.float64)
+
+
+def _decode_rope_bytes(shape):
+    b, hq, hkv, lkv, d = shape[:5]
+    # the new token's q, k, v rows read, its K/V written, the older K/V read, out written; per sequence its cos/sin
+    # row, position, slot, kv_len and table entries; the two norm weights
+    return 2 * d * b * ((hq + 2 * hkv) + 2 * hkv + 2 * (lkv - 1) * hkv + hq) + b * (4 * d + 12 + 4 * -(-lkv // 16)) \
+        + 4 * d
+
+
 def _write_kv_inputs(rng, shape):
     tokens, hq, hkv, d, *rest = shape
     block = rest[0] if rest else 16
@@ -235,6 +290,15 @@ SPECS = [
         bench_shapes=[(64, 32, 8, 4096, 128), (1, 32, 8, 32768, 128), (1, 32, 8, 131072, 128),
                       (64, 32, 8, 4096, 128, 256)],
         bytes_moved=_decode_bytes, torch_peer=_decode_torch, shape_help="BxHQxHKVxLKVxD[xBLOCK]"),
+    OpSpec(
+        name="attention_decode_rope", family="attention_decode",
+        kernels=("attention_decode_v4_d128_g4_s2", "attention_decode_v4_d128_g2_s2"),
+        make_inputs=_decode_rope_inputs, run=_decode_rope_run, reference=_decode_rope_reference, tolerance=1e-2,
+        check_shapes=[(1, 4, 4, 1, 64), (5, 32, 8, 1000, 128), (3, 16, 2, 4097, 64, 256), (1, 40, 8, 32768, 128),
+                      (2, 16, 8, 520, 128, 8)],
+        bench_shapes=[(1, 16, 8, 520, 128), (1, 32, 8, 520, 128), (1, 32, 8, 32768, 128), (64, 32, 8, 4096, 128),
+                      (64, 16, 8, 520, 128)],
+        bytes_moved=_decode_rope_bytes, shape_help="BxHQxHKVxLKVxD[xBLOCK]"),
     OpSpec(
         name="write_kv", family="kv_cache", kernels=("write_kv_bf16",),
         make_inputs=_write_kv_inputs, run=_write_kv_run, reference=_write_kv_reference, tolerance=0.0,
