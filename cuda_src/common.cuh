@@ -82,21 +82,4 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
-// Pull this CTA's share of the bytes [p, p + bytes) into L2 (p 16-byte aligned, bytes a multiple of 16; the grid
-// splits the range evenly): bulk prefetches (cp.async.bulk.prefetch, the TMA unit: fire and forget, no registers or
-// load slots held) from the CTA's first threads. Before sm_90 it does nothing.
-__device__ __forceinline__ void prefetch_l2(const void* p, long long bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (p == nullptr || bytes <= 0) return;
-    constexpr long long kPiece = 16384;  // bytes per prefetch instruction
-    const long long share = ((bytes + gridDim.x - 1) / gridDim.x + 15) & ~15LL;
-    const long long end = min(bytes, (long long)(blockIdx.x + 1) * share);
-    for (long long o = (long long)blockIdx.x * share + threadIdx.x * kPiece; o < end; o += blockDim.x * kPiece) {
-        const unsigned size = (unsigned)min(kPiece, end - o);
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(static_cast<const char*>(p) + o), "r"(size)
-                     : "memory");
-    }
-#endif
-}
-
 }  // namespace xserv

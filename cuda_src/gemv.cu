@@ -34,8 +34,6 @@
 //
 // Programmatic dependent launch: the weights do not depend on the previous kernel, so each lane loads its first
 // weights into registers before pdl_wait(); the x staging comes after the wait, pdl_launch_dependents() after it.
-// Tail prefetch: a CTA done with its tiles may pull its share of the next kernel's weights (next_w, next_bytes;
-// null / 0 for none) into L2, so HBM keeps streaming through this kernel's drain and the next one's ramp.
 //
 // Requirements (the launcher checks): K % 8 == 0, W and x rows 16-byte aligned (x_stride a multiple of 8 bf16 /
 // 4 fp32 values), dynamic shared memory for the reduction buffers and the staged x.
@@ -188,8 +186,7 @@ __device__ __forceinline__ void fma_step(float (&acc)[kRows], const uint4 (&w)[k
 // both sums; N is then W's 2I rows and the tiles cover the I activations.
 __device__ __forceinline__ void gemv(const void* x, long long x_stride, const int* x_rows,
                                      const __nv_bfloat16* norm_w, float eps, const __nv_bfloat16* __restrict__ W,
-                                     void* out, int N, int K, int split, int prologue, int epilogue,
-                                     const void* next_w, long long next_bytes) {
+                                     void* out, int N, int K, int split, int prologue, int epilogue) {
     extern __shared__ __align__(16) float smem[];
     float (*partial)[kRows] = reinterpret_cast<float (*)[kRows]>(smem);
     float* scratch = smem + kWarps * kRows;
@@ -259,7 +256,6 @@ __device__ __forceinline__ void gemv(const void* x, long long x_stride, const in
         }
         __syncthreads();  // `partial` is reused by the next tile
     }
-    xserv::prefetch_l2(next_w, next_bytes);
 }
 
 }  // namespace row
@@ -330,7 +326,7 @@ template <int NT>
 __device__ __forceinline__ void gemv(const void* x, long long x_stride, const int* x_rows,
                                      const __nv_bfloat16* norm_w, float eps, const __nv_bfloat16* __restrict__ W,
                                      void* out, long long out_stride, int m, int N, int K, int split, int prologue,
-                                     int epilogue, const void* next_w, long long next_bytes) {
+                                     int epilogue) {
     constexpr int M = 8 * NT;
     extern __shared__ __align__(16) float smem[];
     float (*partial)[32][NT * 4] = reinterpret_cast<float (*)[32][NT * 4]>(smem);
@@ -404,7 +400,6 @@ __device__ __forceinline__ void gemv(const void* x, long long x_stride, const in
         }
         if (split > 1) __syncthreads();  // `partial` is reused by the next tile
     }
-    xserv::prefetch_l2(next_w, next_bytes);
 }
 
 }  // namespace mma
@@ -416,9 +411,8 @@ __device__ __forceinline__ void gemv(const void* x, long long x_stride, const in
 // gemv_row: m = 1, block 128, dynamic shared memory (4 * 4 + 4) * 4 + K * 2 bytes.
 extern "C" __global__ void __launch_bounds__(row::kThreads) gemv_row(
     const void* x, long long x_stride, const int* x_rows, const __nv_bfloat16* norm_w, float eps,
-    const __nv_bfloat16* W, void* out, int N, int K, int split, int prologue, int epilogue, const void* next_w,
-    long long next_bytes) {
-    row::gemv(x, x_stride, x_rows, norm_w, eps, W, out, N, K, split, prologue, epilogue, next_w, next_bytes);
+    const __nv_bfloat16* W, void* out, int N, int K, int split, int prologue, int epilogue) {
+    row::gemv(x, x_stride, x_rows, norm_w, eps, W, out, N, K, split, prologue, epilogue);
 }
 
 // gemv_mma_m<M>: m <= M, block 256, dynamic shared memory (8 * 32 * 4 * NT + M * 8) * 4 + m * (K + 32) * 2 bytes.
@@ -426,9 +420,8 @@ extern "C" __global__ void __launch_bounds__(row::kThreads) gemv_row(
     extern "C" __global__ void __launch_bounds__(mma::kThreads) gemv_mma_m##M(                                       \
         const void* x, long long x_stride, const int* x_rows, const __nv_bfloat16* norm_w, float eps,                \
         const __nv_bfloat16* W, void* out, long long out_stride, int m, int N, int K, int split, int prologue,       \
-        int epilogue, const void* next_w, long long next_bytes) {                                                    \
-        mma::gemv<NT>(x, x_stride, x_rows, norm_w, eps, W, out, out_stride, m, N, K, split, prologue, epilogue,     \
-                      next_w, next_bytes);                                                                            \
+        int epilogue) {                                                                                               \
+        mma::gemv<NT>(x, x_stride, x_rows, norm_w, eps, W, out, out_stride, m, N, K, split, prologue, epilogue);    \
     }
 XSERV_GEMV_MMA(8, 1)
 XSERV_GEMV_MMA(16, 2)

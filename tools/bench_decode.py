@@ -28,8 +28,6 @@ def main(argv=None) -> int:
     ap.add_argument("--no-cuda-graphs", action="store_true")
     ap.add_argument("--unfused", action="store_true",
                     help="small batches through the unfused ops (cuBLASLt + separate norm/activation/add kernels)")
-    ap.add_argument("--l2-prefetch", default="on",
-                    help="comma list of on/off: time the fused path with and without its GEMVs' L2 tail prefetch")
     args = ap.parse_args(argv)
 
     from xserv import LLM, SamplingParams
@@ -50,16 +48,11 @@ def main(argv=None) -> int:
     print(f"device: {get_device().name}")
     print(f"model: {args.model} ({weight_bytes / 1e9:.2f} GB of weights, loaded in {llm.timings['weights_s']:.1f}s, LLM ready in {load:.1f}s), context "
           f"{args.context}, {args.steps} steps, cuda graphs {'off' if args.no_cuda_graphs else 'on'}")
-    print(f"{'batch':>6}{'ms/step':>10}{'tok/s':>12}{'tok/s/seq':>12}{'weights GB/s':>14}{'L2 prefetch':>13}")
+    print(f"{'batch':>6}{'ms/step':>10}{'tok/s':>12}{'tok/s/seq':>12}{'weights GB/s':>14}")
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=0.0, max_tokens=args.warmup + args.steps + 1, ignore_eos=True)
     eng = llm.engine
-    for prefetch, bs in [(p == "on", bs) for p in args.l2_prefetch.split(",") for bs in sizes]:
-        if prefetch != llm.model.l2_prefetch:  # captured into the graphs: capture them again
-            llm.model.l2_prefetch = prefetch
-            if not args.no_cuda_graphs:
-                eng.runner.graphs.clear()
-                eng.runner.capture_decode_graphs()
+    for bs in sizes:
         seqs = [eng.add_request(rng.integers(0, 150000, args.context).tolist(), params) for _ in range(bs)]
         while any(s.num_computed < len(s.token_ids) - 1 or s.num_output_tokens == 0 for s in seqs):
             eng.step()  # prefill
@@ -73,8 +66,7 @@ def main(argv=None) -> int:
         dt = (time.perf_counter() - t) / args.steps
         for s in seqs:
             eng.abort(s)
-        print(f"{bs:>6}{dt * 1e3:>10.3f}{bs / dt:>12.1f}{1 / dt:>12.1f}{weight_bytes / dt / 1e9:>14.1f}"
-              f"{'on' if prefetch else 'off':>13}")
+        print(f"{bs:>6}{dt * 1e3:>10.3f}{bs / dt:>12.1f}{1 / dt:>12.1f}{weight_bytes / dt / 1e9:>14.1f}")
     return 0
 
 

@@ -208,22 +208,3 @@ def test_cuda_matches_cublas_at_decode_shapes(rng):
     for m in (1, 4, 8):
         got = linear_gemv(Tensor.from_numpy(x[:m]), w).numpy()
         close(got, ref[:m], tol=5e-3)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 5])
-def test_cuda_prefetch_is_only_a_hint(rng, m):
-    """Pulling another tensor into L2 (a weight, an odd-sized slice, the kernel's own weight) changes no output
-    bit, and a range the kernel cannot take is refused by name."""
-    n, k = 3001, 2048
-    x = Tensor.from_numpy(random_array(rng, (m, k), bfloat16, mean=0.0))
-    w = Tensor.from_numpy(weights(rng, n, k))
-    other = Tensor.from_numpy(weights(rng, 777, 1016))
-    plain = linear_gemv(x, w, out=poisoned((m, n), float32)).numpy()
-    for prefetch in (other, other[5:6], w[3:]):
-        got = linear_gemv(x, w, out=poisoned((m, n), float32), prefetch=prefetch).numpy()
-        np.testing.assert_array_equal(got, plain)
-    with pytest.raises(ValueError, match="prefetch"):
-        linear_gemv(x, w, prefetch=Tensor.from_numpy(np.zeros(5, bfloat16)))  # 10 bytes
-    with pytest.raises(ValueError, match="prefetch"):
-        linear_gemv(x, w, prefetch=Tensor.from_numpy(np.zeros(8, bfloat16), "cpu"))

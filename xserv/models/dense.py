@@ -147,8 +147,6 @@ class DenseModel:
         self.scale = float(config.head_dim) ** -0.5
         self.max_positions = int(max_positions or config.context_length)
         self.fused_gemv = True  # small forwards take the fused GEMV path (False: the unfused ops, for comparison)
-        self.l2_prefetch = True  # the fused path's GEMVs pull the next one's weights into L2 as they drain
-        self._prefetch_plan_cache: list | None = None
         table = rope_cos_sin_table(config.head_dim, self.max_positions, config.rope_theta, config.rope_scaling)
         self.cos_sin = Tensor.from_numpy(np.ascontiguousarray(table, np.float32), device)
 
@@ -324,28 +322,11 @@ class DenseModel:
         qkv, attn, act = ws.qkv[:t], ws.attn[:t], ws.act[:t]
         qkv3, attn3 = qkv.view(t, hq + 2 * hkv, d), attn.view(t, hq, d)
         embedding(batch.input_ids, self.embed, out=residual)  # the float32 stream starts from the embeddings, exactly
-        plan = self._prefetch_plan() if self.l2_prefetch else [(None,) * 4] * len(self.layers)
-        for i, (layer, pf) in enumerate(zip(self.layers, plan)):
-            rmsnorm_linear(residual, layer.input_norm, self.eps, layer.qkv, out=qkv, prefetch=pf[0])
+        for i, layer in enumerate(self.layers):
+            rmsnorm_linear(residual, layer.input_norm, self.eps, layer.qkv, out=qkv)
             self._attention(i, layer, batch, kv_cache, qkv3, attn3)
-            linear_add(attn, layer.o_proj, residual, prefetch=pf[1])
-            rmsnorm_linear_silu_mul(residual, layer.post_norm, self.eps, layer.gate_up, out=act, prefetch=pf[2])
-            linear_add(act, layer.down, residual, prefetch=pf[3])
+            linear_add(attn, layer.o_proj, residual)
+            rmsnorm_linear_silu_mul(residual, layer.post_norm, self.eps, layer.gate_up, out=act)
+            linear_add(act, layer.down, residual)
         return rmsnorm_linear(residual, self.final_norm, self.eps, self.lm_head, out=ws.logits[:n],
                               rows=batch.logits_indices)
-
-    # The most of the next weights a GEMV pulls into L2 as it drains: about what the next kernel's first round of
-    # tiles reads, well inside L2 (what is left of a larger matrix streams at bandwidth once the kernel runs).
-    PREFETCH_BYTES: ClassVar[int] = 16 << 20
-
-    def _prefetch_plan(self) -> list[tuple[Tensor, ...]]:
-        """Per layer, what its qkv, o, gate_up and down GEMVs pull into L2 once done with their tiles: the next
-        GEMV's weights (their first PREFETCH_BYTES), the last down projection lm_head's."""
-        if self._prefetch_plan_cache is None:
-            def head(w: Tensor) -> Tensor:
-                return w[:max(1, min(w.shape[0], self.PREFETCH_BYTES // (w.shape[1] * w.dtype.itemsize)))]
-
-            nexts = [layer.qkv for layer in self.layers[1:]] + [self.lm_head]
-            self._prefetch_plan_cache = [(head(l.o_proj), head(l.gate_up), head(l.down), head(nxt))
-                                         for l, nxt in zip(self.layers, nexts)]
-        return self._prefetch_plan_cache

@@ -11,10 +11,6 @@ Each is, bit for bit in its rounding points, the composition of the unfused ops 
 normalisation, silu_and_mul, linear, the residual add), so the CPU backend runs exactly that composition of the
 NumPy references. Only the order of the fp32 sums differs from cuBLASLt's.
 
-Every op takes `prefetch`: a CUDA tensor (the next projection's weights, or their first part) whose bytes the CTAs
-pull into L2 once done with their own tiles, so HBM keeps streaming through the kernel's drain and the next one's
-ramp (the fused one-token forward chains them). A hint only: results do not depend on it.
-
 `gemv_supported(m, k)` says whether a shape fits (the m staged input rows must fit shared memory);
 `prefer_gemv(m, n, k)` is the measured choice between this kernel and cuBLASLt for a plain linear
 (docs/kernels/gemv.md).
@@ -104,8 +100,7 @@ def _check_m(m: int, k: int) -> None:
                          f"in_features % 8 == 0, the staged rows within {SMEM_LIMIT} bytes of shared memory)")
 
 
-def linear_gemv(x: Tensor, weight: Tensor, out: Tensor | None = None, out_dtype=None,
-                prefetch: Tensor | None = None) -> Tensor:
+def linear_gemv(x: Tensor, weight: Tensor, out: Tensor | None = None, out_dtype=None) -> Tensor:
     """x bf16 [m, K] @ weight[N, K]^T -> out [m, N] (bf16 or float32)."""
     check_tensor("x", x, dtype=bfloat16, ndim=2)
     m, k = x.shape
@@ -119,12 +114,12 @@ def linear_gemv(x: Tensor, weight: Tensor, out: Tensor | None = None, out_dtype=
     if device == "cpu":
         out.array[...] = linear_reference(x.array, weight.array).astype(out.dtype)
         return out
-    _launch("bf16", x, k, None, None, 0.0, weight, out, _EPILOGUE[out.dtype], m, n, k, prefetch)
+    _launch("bf16", x, k, None, None, 0.0, weight, out, _EPILOGUE[out.dtype], m, n, k)
     return out
 
 
 def rmsnorm_linear(residual: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, out: Tensor | None = None,
-                   rows: Tensor | None = None, out_dtype=None, prefetch: Tensor | None = None) -> Tensor:
+                   rows: Tensor | None = None, out_dtype=None) -> Tensor:
     """rmsnorm(residual[rows]) @ weight^T -> out [m, N] (bf16 or float32): residual fp32 [T, K] (the decoder's
     stream), rows int32 [m] picking residual rows (default: all T), norm_weight bf16 [K]."""
     check_tensor("residual", residual, dtype=float32, ndim=2)
@@ -148,12 +143,12 @@ def rmsnorm_linear(residual: Tensor, norm_weight: Tensor, eps: float, weight: Te
         out.array[...] = rmsnorm_linear_reference(residual.array, norm_weight.array, eps32, weight.array,
                                                   idx).astype(out.dtype)
         return out
-    _launch("rmsnorm", residual, k, rows, norm_weight, eps32, weight, out, _EPILOGUE[out.dtype], m, n, k, prefetch)
+    _launch("rmsnorm", residual, k, rows, norm_weight, eps32, weight, out, _EPILOGUE[out.dtype], m, n, k)
     return out
 
 
 def rmsnorm_linear_silu_mul(residual: Tensor, norm_weight: Tensor, eps: float, gate_up_weight: Tensor,
-                            out: Tensor | None = None, prefetch: Tensor | None = None) -> Tensor:
+                            out: Tensor | None = None) -> Tensor:
     """silu_and_mul(bf16(rmsnorm(residual) @ gate_up_weight^T)) -> out bf16 [1, I]: residual fp32 [1, K] (one row:
     the one-token decode step), gate_up_weight bf16 [2I, K] (gate rows, then up rows). The activation is computed
     in the projection's epilogue, once per step (the down projection then takes it as a plain bf16 input)."""
@@ -175,29 +170,27 @@ def rmsnorm_linear_silu_mul(residual: Tensor, norm_weight: Tensor, eps: float, g
         out.array[...] = rmsnorm_linear_silu_mul_reference(residual.array, norm_weight.array, eps32,
                                                            gate_up_weight.array)
         return out
-    _launch("rmsnorm", residual, k, None, norm_weight, eps32, gate_up_weight, out, _EPILOGUE["silu_mul"], m, n, k,
-            prefetch)
+    _launch("rmsnorm", residual, k, None, norm_weight, eps32, gate_up_weight, out, _EPILOGUE["silu_mul"], m, n, k)
     return out
 
 
-def linear_add(x: Tensor, weight: Tensor, residual: Tensor, prefetch: Tensor | None = None) -> Tensor:
+def linear_add(x: Tensor, weight: Tensor, residual: Tensor) -> Tensor:
     """residual fp32 [m, N] += bf16(x bf16 [m, K] @ weight^T). Returns residual."""
     check_tensor("x", x, dtype=bfloat16, ndim=2)
-    return _add_into_residual("x", x, x.shape[1], "bf16", linear_reference, weight, residual, prefetch)
+    return _add_into_residual("x", x, x.shape[1], "bf16", linear_reference, weight, residual)
 
 
-def silu_mul_linear_add(gate_up: Tensor, weight: Tensor, residual: Tensor, prefetch: Tensor | None = None) -> Tensor:
+def silu_mul_linear_add(gate_up: Tensor, weight: Tensor, residual: Tensor) -> Tensor:
     """residual fp32 [m, N] += bf16(silu_and_mul(gate_up bf16 [m, 2I]) @ weight[N, I]^T). Returns residual."""
     check_tensor("gate_up", gate_up, dtype=bfloat16, ndim=2)
     width = gate_up.shape[1]
     if width % 2:
         raise ValueError(f"gate_up: last dimension {width} must be even (gate and up halves)")
-    return _add_into_residual("gate_up", gate_up, width // 2, "silu_mul", silu_mul_linear_reference, weight, residual,
-                              prefetch)
+    return _add_into_residual("gate_up", gate_up, width // 2, "silu_mul", silu_mul_linear_reference, weight, residual)
 
 
 def _add_into_residual(name: str, x: Tensor, k: int, prologue: str, reference, weight: Tensor,
-                       residual: Tensor, prefetch: Tensor | None) -> Tensor:
+                       residual: Tensor) -> Tensor:
     """The residual-add epilogue ops: x (checked by the caller) gives the K = k input of the projection."""
     m = x.shape[0]
     n = _check_weight(weight, k)
@@ -208,7 +201,7 @@ def _add_into_residual(name: str, x: Tensor, k: int, prologue: str, reference, w
     if device == "cpu":
         residual.array[...] = add_rounded(residual.array, reference(x.array, weight.array))
         return residual
-    _launch(prologue, x, x.shape[1], None, None, 0.0, weight, residual, _EPILOGUE["add"], m, n, k, prefetch)
+    _launch(prologue, x, x.shape[1], None, None, 0.0, weight, residual, _EPILOGUE["add"], m, n, k)
     return residual
 
 
@@ -239,20 +232,8 @@ def plan(m: int, n: int, multiprocessor_count: int, paired: bool = False, k: int
     return name, warps * 32, split, min(tiles(split), slots)
 
 
-def _prefetch_args(prefetch: Tensor | None) -> tuple:
-    """The kernels' (next_w, next_bytes)."""
-    if prefetch is None:
-        return 0, np.int64(0)
-    if not isinstance(prefetch, Tensor) or prefetch.device != "cuda":
-        raise ValueError(f"prefetch: expected a CUDA Tensor, got {prefetch!r}")
-    if prefetch.ptr % 16 or prefetch.nbytes % 16:
-        raise ValueError("prefetch: the range must start 16-byte aligned and be a multiple of 16 bytes")
-    return prefetch, np.int64(prefetch.nbytes)
-
-
 def _launch(prologue: str, x: Tensor, x_stride: int, rows: Tensor | None, norm_weight: Tensor | None, eps32,
-            weight: Tensor, out: Tensor, epilogue: int, m: int, n: int, k: int, prefetch: Tensor | None) -> None:
-    pf = _prefetch_args(prefetch)
+            weight: Tensor, out: Tensor, epilogue: int, m: int, n: int, k: int) -> None:
     if m == 0 or n == 0:
         return
     if not aligned(x, weight) or (x_stride * x.dtype.itemsize) % 16:
@@ -262,13 +243,9 @@ def _launch(prologue: str, x: Tensor, x_stride: int, rows: Tensor | None, norm_w
     x_rows = rows if rows is not None else 0  # a null pointer: rows 0..m-1
     norm = norm_weight if norm_weight is not None else 0
     modes = (np.int32(split), np.int32(_PROLOGUE[prologue]), np.int32(epilogue))
-    # gemv_row(x, x_stride, x_rows, norm_w, eps, W, out, N, K, split, prologue, epilogue, next_w, next_bytes);
-    # gemv_mma_m*(x, x_stride, x_rows, norm_w, eps, W, out, out_stride, m, N, K, split, prologue, epilogue, next_w,
-    # next_bytes)
-    if m == 1:
-        args = (x, np.int64(x_stride), x_rows, norm, np.float32(eps32), weight, out, np.int32(n), np.int32(k), *modes,
-                *pf)
-    else:
+    if m == 1:  # gemv_row(x, x_stride, x_rows, norm_w, eps, W, out, N, K, split, prologue, epilogue)
+        args = (x, np.int64(x_stride), x_rows, norm, np.float32(eps32), weight, out, np.int32(n), np.int32(k), *modes)
+    else:  # gemv_mma_m*(x, x_stride, x_rows, norm_w, eps, W, out, out_stride, m, N, K, split, prologue, epilogue)
         args = (x, np.int64(x_stride), x_rows, norm, np.float32(eps32), weight, out, np.int64(out.shape[1]),
-                np.int32(m), np.int32(n), np.int32(k), *modes, *pf)
+                np.int32(m), np.int32(n), np.int32(k), *modes)
     kernel("gemv", name)(grid, threads, *args, smem=_smem(m, k), pdl=True)
