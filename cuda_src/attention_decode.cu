@@ -38,8 +38,8 @@ using namespace xserv::decode;
 // (q head RMSNorm when q_weight is given, RoPE at positions[s]; rope.cuh's pieces, so the same rounding points: the
 // rotated row rounded to bf16 as qkv would hold it); head g by warp g % 4, through shared memory. The CTA whose split
 // holds position kv_len - 1 makes the new token's K row (norm, RoPE) and V row (copied) in warp G % 4, writes them
-// to the cache at slot_mapping[s] (< 0: nothing) and puts the same bits into its ring where the loop reads that key
-// (no store-then-reload through global memory). If that slot is not where the page table puts position
+// to the cache at slot_mapping[s] (< 0: nothing) and puts the same bits into its ring slot for that key when the
+// loop gets there (no store-then-reload through global memory). If that slot is not where the page table puts position
 // kv_len - 1 (not in a batch that xserv builds) or is -1 (a padding row), the key is read from the cache instead, as
 // attention_decode would. qkv's q and k heads are not rotated in place: other splits' CTAs still read the raw q.
 //
@@ -61,7 +61,7 @@ using namespace xserv::decode;
 //     may still be running. Every CTA calls pdl_wait, also those that have no keys, so that this grid's completion
 //     keeps implying its predecessors' completion for the kernels after it.
 // The newest key's K/V are loaded after pdl_wait (the plain kernel: __ldcg, past L1) or taken from this kernel's own
-// rows (fused); it is placed into the ring slot that iteration reads (place_new), in the stage before the wait skipped.
+// rows (fused), and written over that key's ring slot in the iteration that reads it, after the slot's copy landed.
 // =================================================================================================================
 namespace {
 
@@ -308,24 +308,15 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS) {
         const int pidx = fast_div(j, bs_magic, bs_shift);
         return (unsigned)(tab[pidx - p0] + (j - pidx * block_size));
     };
-    // The newest key's chunks from sm_new_k / sm_new_v into this lane's ring slots (lanes of warp_n, sub_n).
-    auto place_new = [&](unsigned st, int u) {
-        sts128(st + u * 512u, lds128(sm_new_k + c * 16u));
-        sts128(st + (U + u) * 512u, lds128(sm_new_v + c * 16u));
-    };
-    // Stage `stage` of the ring <- the keys of iteration `it` (zero-filled past the end). Before pdl_wait (pre) the
-    // newest key is skipped; after it, the newest key is placed from shared memory (place_new) instead of copied.
-    auto issue = [&](int it, int stage, bool pre) {
+    // Stage `stage` of the ring <- the keys of iteration `it` (zero-filled past the end). The newest key's copy is
+    // overwritten once it has landed (the loop, at iteration it_n): it may have been read before pdl_wait, or while
+    // this kernel writes it; keeping it here keeps the refill free of per-key tests.
+    auto issue = [&](int it, int stage) {
         const int j0 = first + it * CI + sub;
         const unsigned st = ring + (unsigned)(stage * NCH * 32) * 16u;
-        const bool has_new = it == it_n && warp == warp_n;  // warp-uniform
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int j = j0 + u * KPS;
-            if (has_new && j == jn) {
-                if (!pre) place_new(st, u);
-                continue;
-            }
             const bool valid = j < end;
             const unsigned sl = slot_of(valid ? j : start);  // an address inside the sequence either way
             // one IMAD.WIDE.U32 each: base + slot * row_bytes
@@ -336,12 +327,12 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS) {
         }
     };
 
-    // The first STAGES - 1 stages go out before pdl_wait (all but the newest key), and the next kV4PrefetchStages
-    // stages of this warp are prefetched into L2 (one lane per 128-byte line of a row; L2 is coherent, so a line of
-    // the newest key's old value is harmless).
+    // The first STAGES - 1 stages go out before pdl_wait (the newest key's copy is replaced, see issue), and the next
+    // kV4PrefetchStages stages of this warp are prefetched into L2 (one lane per 128-byte line of a row; L2 is
+    // coherent, so a line of the newest key's old value is harmless).
 #pragma unroll
     for (int b = 0; b < STAGES - 1; ++b) {
-        if (b < n_it) issue(b, b, true);
+        if (b < n_it) issue(b, b);
         cp_async_commit_m();
     }
     if ((c & 7) == 0) {
@@ -403,9 +394,6 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS) {
 #pragma unroll
         for (int g = 0; g < G; ++g) q_raw[g] = lds128(sm_rows + (unsigned)(g * D + 8 * c) * 2u);
     }
-    if (it_n >= 0 && it_n < STAGES - 1 && warp == warp_n && sub == sub_n)  // its stage went out before the wait
-        place_new(ring + (unsigned)(it_n * NCH * 32) * 16u, u_n);
-
     float qf[G][8];
 #pragma unroll
     for (int g = 0; g < G; ++g) {
@@ -423,10 +411,14 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS) {
     }
     int rd = 0, wr = STAGES - 1;
     for (int it = 0; it < n_it; ++it) {
-        if (it + STAGES - 1 < n_it) issue(it + STAGES - 1, wr, false);
+        if (it + STAGES - 1 < n_it) issue(it + STAGES - 1, wr);
         cp_async_commit_m();
         cp_async_wait_m<STAGES - 1>();  // this lane's copies of stage `rd` have landed
         const unsigned st = ring + (unsigned)(rd * NCH * 32) * 16u;
+        if (it == it_n && warp == warp_n && sub == sub_n) {  // the newest key: its rows from sm_new_k / sm_new_v
+            sts128(st + u_n * 512u, lds128(sm_new_k + c * 16u));
+            sts128(st + (U + u_n) * 512u, lds128(sm_new_v + c * 16u));
+        }
         rd = rd + 1 == STAGES ? 0 : rd + 1;
         wr = wr + 1 == STAGES ? 0 : wr + 1;
         const int jb = first + it * CI + sub;

@@ -6,10 +6,12 @@ worth of layers (each layer its own cache and weights, as in the model, so the s
     chain   the model's PDL chain around it: qkv GEMV (rmsnorm_linear) -> attention block -> o projection (linear_add);
             batch 1 only (the fused one-token forward); "gemvs" is the chain without the attention block
 
-Prints µs per layer, the plan (splits x chunk) and the device. Runs where attention_decode_rope does not exist (a
-checkout before it) and times the pair only, so that one script measures before and after.
+Prints µs per layer, the plan (splits x chunk) and the device. The fused op is timed in each --modes setting of its
+launch (xserv.ops.attention.decode's switches): spread (programmatic dependent launch, at most ceil(CTAs / SMs)
+CTAs per SM: the default), pdl (PDL alone), nopdl (a plain launch). Runs where attention_decode_rope does not exist
+(a checkout before it) and times the pair only, so that one script measures before and after.
 
-    python -m tools.bench_decode_rope [--only TEXT] [--iters 20]
+    python -m tools.bench_decode_rope [--only TEXT] [--iters 20] [--modes spread,pdl,nopdl]
 """
 from __future__ import annotations
 
@@ -66,7 +68,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", help="configs whose label contains this text")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--modes", default="spread,pdl,nopdl", help="launch settings of the fused op to time")
     args = ap.parse_args(argv)
+    modes = {"spread": (True, True), "pdl": (True, False), "nopdl": (False, False)}  # (FUSED_PDL, SPREAD_CTAS)
 
     from xserv.ops import attention as A
     from xserv.ops.attention import decode as D
@@ -81,8 +85,8 @@ def main(argv=None) -> int:
     dev = get_device()
     print(f"device: {dev.name} ({dev.arch}, {dev.multiprocessor_count} SMs, L2 {dev.info.l2_cache_bytes >> 20} MiB); "
           f"attention_decode_rope {'present' if fused_op else 'absent (pair only)'}")
-    print(f"{'config':14s} {'plan':>9s} {'pair us':>8s} {'fused us':>8s} {'chain pair':>10s} {'chain fused':>11s} "
-          f"{'gemvs':>7s}   (µs per layer, CUDA-graph replays of one step's layers)")
+    print(f"{'config':14s} {'plan':>9s} {'variant':>13s} {'alone us':>9s} {'chain us':>9s}   (µs per layer, CUDA-graph "
+          f"replays of one step's layers; chain = qkv GEMV + attention block + o projection)")
     rng = np.random.default_rng(0)
     pool = _pool(rng)
     for label, b, hq, hkv, lkv, d, hidden, layers in CONFIGS:
@@ -127,12 +131,22 @@ def main(argv=None) -> int:
             return benchmark_graph([lambda t=t: fn(t) for t in sets], calls=layers, iters=args.iters) * 1e3
 
         _, splits, chunk = D.plan_decode("v4", b, hkv, lkv, BLOCK, d, hq // hkv, dev.multiprocessor_count)
-        row = [f"{label:14s} {f'{splits}x{chunk}':>9s}", f"{time_it(pair):8.2f}",
-               f"{time_it(fused):8.2f}" if fused_op else f"{'-':>8s}"]
+        head = f"{label:14s} {f'{splits}x{chunk}':>9s}"
+
+        def show(name, block):
+            chained = f"{time_it(chain(block)):9.2f}" if hidden else f"{'-':>9s}"
+            alone = f"{time_it(block):9.2f}" if block is not None else f"{'-':>9s}"
+            print(f"{head} {name:>13s} {alone} {chained}", flush=True)
+
+        show("pair", pair)
+        if fused_op:
+            saved = (D.FUSED_PDL, D.SPREAD_CTAS)
+            for mode in [m for m in args.modes.split(",") if m]:
+                D.FUSED_PDL, D.SPREAD_CTAS = modes[mode]
+                show(f"fused {mode}", fused)
+            D.FUSED_PDL, D.SPREAD_CTAS = saved
         if hidden:
-            row += [f"{time_it(chain(pair)):10.2f}", f"{time_it(chain(fused)):11.2f}" if fused_op else f"{'-':>11s}",
-                    f"{time_it(chain(None)):7.2f}"]
-        print(" ".join(row), flush=True)
+            show("gemvs only", None)
     return 0
 
 

@@ -249,6 +249,19 @@ def test_v4_plan_few_sequences():
     assert D.plan_decode("v4", 64, 8, 4096, 16, 128, 4, 132) == (D.DECODE_KERNELS["v4"], 1, 4096)
 
 
+def test_spread_smem():
+    """The fused entry's placement cap: with the shared memory asked, an SM (228 KB, 1 KB reserved per CTA) holds at
+    most ceil(CTAs / SMs) of the grid's CTAs, and never less than the kernel's own layout."""
+    need = D.DECODE_KERNELS["v4"].smem(128)
+    for sms in (132, 114, 78):
+        for ctas in (1, 50, sms, sms + 1, 2 * sms, 2 * sms + 1, 3 * sms, 4 * sms, 10 * sms):
+            smem = D.spread_smem(need, ctas, sms)
+            cap = -(-ctas // sms)
+            assert need <= smem <= 227 * 1024 and smem % 16 == 0, (sms, ctas, smem)
+            per_sm = (228 * 1024) // (smem + 1024)
+            assert per_sm == cap or (smem == need and per_sm < cap), (sms, ctas, smem, per_sm)
+
+
 def test_fast_div():
     n = np.concatenate([np.arange(0, 1 << 16), np.arange((1 << 31) - 4096, 1 << 31)]).astype(np.uint64)
     for d in list(range(1, 257)) + [1000, 4096]:
@@ -744,16 +757,20 @@ def test_decode_rope_gpu_bad_position_gives_nan(rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fused", [True, False])
-def test_decode_rope_gpu_pdl_chain_graph(rng, fused):
+@pytest.mark.parametrize("fused", ["spread", "pdl", "nopdl", False])
+def test_decode_rope_gpu_pdl_chain_graph(rng, monkeypatch, fused):
     """The model's chain with programmatic dependent launch, captured in a CUDA graph and replayed: the qkv GEMV
     (rmsnorm_linear), then the fused op, or qk_norm_rope_write_kv then attention_decode. Before every replay qkv and
     the new tokens' cache slots are NaN (host copies before the launch), so a kernel that read either before its pdl_wait would show
-    NaN. Replays give the bits of the eager run."""
+    NaN. Replays give the bits of the eager run. The fused op in each of its launch settings (decode.FUSED_PDL,
+    decode.SPREAD_CTAS)."""
     from xserv.ops.gemv import rmsnorm_linear
     from xserv.ops.rope import qk_norm_rope_write_kv
     from xserv.runtime.graphs import CUDAGraph
 
+    if fused:
+        monkeypatch.setattr(D, "FUSED_PDL", fused != "nopdl")
+        monkeypatch.setattr(D, "SPREAD_CTAS", fused == "spread")
     hq, hkv, d, hidden = 16, 8, 128, 1024
     lens = [520, 37, 1, 4000]
     c = rope_case(rng, lens, hq, hkv, d, 16, kinds=["new", "new", "pad", "new"])

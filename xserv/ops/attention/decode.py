@@ -31,6 +31,15 @@ V4_ROW_BYTES = 2560  # kV4RowBytes: v4's shared rows of the fused entry (G <= 8 
 V4_CTA_COST_KEYS = 64  # a v4 CTA's fixed cost (prologue, merge, partials, combine) in keys streamed (H100 sweep)
 V2_CTAS_PER_SM = 4  # v2's split-KV grid aims at this many CTAs per SM
 _SM_SMEM = 227 * 1024  # shared memory per SM available to CTAs on sm_90 (sizes resident-CTA counts)
+_SM_SMEM_TOTAL, _CTA_SMEM_RESERVED, _CTA_SMEM_MAX = 228 * 1024, 1024, 227 * 1024  # sm_90: per SM, per CTA, one CTA
+# The fused entry (attention_decode_rope), launched right behind the qkv GEMV: with programmatic dependent launch
+# (FUSED_PDL) its CTAs start, and do their pre-wait work, while the GEMV still runs; the SMs free up one by one, and
+# the block scheduler would stack the early CTAs 2-4 deep on the first free SMs (the GEMV holds nearly all registers
+# of an SM), unbalancing a plan that spreads the keys over the SMs. SPREAD_CTAS: each CTA asks for enough dynamic
+# shared memory that an SM holds at most ceil(CTAs / SMs) of them (spread_smem). Both measured in
+# docs/kernels/attention.md ("QK-norm + RoPE + KV write folded into decode v4").
+FUSED_PDL = True
+SPREAD_CTAS = True
 _THREADS = 128
 
 
@@ -258,8 +267,17 @@ def _plan(variant: str, num_seqs: int, num_kv_heads: int, max_kv_len: int, block
     return k, splits, chunk
 
 
+def spread_smem(smem: int, ctas: int, multiprocessor_count: int) -> int:
+    """Dynamic shared memory (>= smem) with which an SM holds at most ceil(ctas / SMs) CTAs of a grid (sm_90: 228 KB
+    per SM, 1 KB reserved per CTA, 227 KB per CTA at most)."""
+    cap = -(-max(ctas, 1) // max(multiprocessor_count, 1))
+    fits_one_more = _SM_SMEM_TOTAL // (cap + 1) - _CTA_SMEM_RESERVED  # (cap + 1) CTAs of this much would fit
+    return min(max(smem, -(-(fits_one_more + 1) // 16) * 16), max(smem, _CTA_SMEM_MAX))
+
+
 def _launch(plan: tuple[DecodeKernel, int, int], q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_lens: Tensor,
-            block_tables: Tensor, scale: float, out: Tensor, num_q_heads: int, v4_extra: tuple) -> None:
+            block_tables: Tensor, scale: float, out: Tensor, num_q_heads: int, v4_extra: tuple,
+            fused: bool = False) -> None:
     """Launch a planned decode kernel; v4 gets `v4_extra` (its fused-entry arguments: positions, slot_mapping,
     cos_sin, max_pos, q_weight, k_weight, eps; _PLAIN_V4 for plain attention)."""
     k, splits, chunk = plan
@@ -283,8 +301,13 @@ def _launch(plan: tuple[DecodeKernel, int, int], q: Tensor, k_cache: Tensor, v_c
     if shipped_v4:
         args += v4_extra
     grid = (splits, num_kv_heads, num_seqs)
+    smem, pdl = k.smem(head_dim), shipped_v4
+    if fused:
+        pdl = FUSED_PDL
+        if SPREAD_CTAS:
+            smem = spread_smem(smem, splits * num_kv_heads * num_seqs, get_device().multiprocessor_count)
     # v4 waits for the previous kernel itself (pdl_wait): it may be launched with programmatic dependent launch
-    kernel(k.family, k.name(head_dim, group))(grid, (_THREADS, 1, 1), *args, smem=k.smem(head_dim), pdl=shipped_v4)
+    kernel(k.family, k.name(head_dim, group))(grid, (_THREADS, 1, 1), *args, smem=smem, pdl=pdl)
     if k.generation == 2 and splits > 1:
         kernel(k.family, "attention_decode_combine")(
             (num_q_heads, num_seqs, 1), (head_dim, 1, 1), part_o, part_lse, kv_lens, np.int32(chunk),
@@ -371,5 +394,5 @@ def attention_decode_rope(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor
         return out
     _launch(plan, qkv, k_cache, v_cache, kv_lens, block_tables, scale, out, num_q_heads,
             (positions, slot_mapping, cos_sin, np.int32(cos_sin.shape[0]), q_weight if norm else 0,
-             k_weight if norm else 0, eps32))
+             k_weight if norm else 0, eps32), fused=True)
     return out
