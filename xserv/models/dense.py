@@ -18,7 +18,7 @@ from typing import ClassVar
 import numpy as np
 
 from ..ops.activation import silu_and_mul
-from ..ops.attention import attention_decode_rope, attention_prefill
+from ..ops.attention import attention_decode, attention_decode_rope, attention_prefill
 from ..ops.embedding import embedding
 from ..ops.gemv import (gemv_supported, linear_add, linear_gemv, prefer_gemv, rmsnorm_linear,
                         rmsnorm_linear_silu_mul)
@@ -147,6 +147,7 @@ class DenseModel:
         self.scale = float(config.head_dim) ** -0.5
         self.max_positions = int(max_positions or config.context_length)
         self.fused_gemv = True  # small forwards take the fused GEMV path (False: the unfused ops, for comparison)
+        self.fused_attention = True  # decode: QK-norm/RoPE/KV write inside attention (False: the two kernels)
         table = rope_cos_sin_table(config.head_dim, self.max_positions, config.rope_theta, config.rope_scaling)
         self.cos_sin = Tensor.from_numpy(np.ascontiguousarray(table, np.float32), device)
 
@@ -301,13 +302,17 @@ class DenseModel:
         KV-cache write (one kernel, in place on qkv), then attention."""
         hq, hkv = self.config.num_attention_heads, self.config.num_key_value_heads
         q_norm, k_norm = (layer.q_norm, layer.k_norm) if self.QK_NORM else (None, None)
-        if batch.max_q_len == 1:
+        if batch.max_q_len == 1 and self.fused_attention:
             attention_decode_rope(qkv3, q_norm, k_norm, batch.positions, self.cos_sin, hq, self.eps, kv_cache.k[i],
                                   kv_cache.v[i], batch.slot_mapping, batch.kv_lens, batch.block_tables, self.scale,
                                   batch.max_kv_len, out=attn3)
             return
         qk_norm_rope_write_kv(qkv3, q_norm, k_norm, batch.positions, self.cos_sin, hq, hkv, self.eps, kv_cache.k[i],
                               kv_cache.v[i], batch.slot_mapping, pdl=True)
+        if batch.max_q_len == 1:
+            attention_decode(qkv3, kv_cache.k[i], kv_cache.v[i], batch.kv_lens, batch.block_tables, self.scale,
+                             batch.max_kv_len, out=attn3, num_q_heads=hq)
+            return
         attention_prefill(qkv3, kv_cache.k[i], kv_cache.v[i], batch.cu_seqlens_q, batch.kv_lens, batch.block_tables,
                           self.scale, batch.max_q_len, out=attn3, num_q_heads=hq)
 
