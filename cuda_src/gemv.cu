@@ -324,28 +324,19 @@ __device__ __forceinline__ void gemv(const Phase& p) {
     tiles(p, L, w0, sm);
 }
 
-// A grid-wide barrier for a grid whose CTAs are all resident (the launcher sizes it so). barrier[0] counts arrivals
-// and only grows (64-bit: no reset between launches or graph replays, as long as every launch that shares it uses
-// the same grid size); the last CTA of a round bumps barrier[16] (its own 128-byte line), which the others poll, so
-// the polling does not contend with the arrivals' atomics. The fences publish each CTA's earlier global writes
-// (the threadfence-reduction pattern).
-__device__ __forceinline__ void grid_sync(unsigned long long* barrier) {
+// A grid-wide barrier for a grid whose CTAs are all resident (the launcher sizes it so): each CTA adds one to a
+// 64-bit counter that only grows (so no reset between launches or graph replays, as long as every launch that
+// shares it uses the same grid size), then waits until the counter reaches the end of this barrier's round.
+// The fence before the add and the acquire load publish each CTA's earlier global writes to the CTAs after it.
+__device__ __forceinline__ void grid_sync(unsigned long long* counter) {
     __syncthreads();
     if (threadIdx.x == 0) {
-        unsigned long long* generation = barrier + 16;
-        const unsigned long long gen = *reinterpret_cast<volatile unsigned long long*>(generation);
         __threadfence();
-        const unsigned long long n = gridDim.x;
-        if (atomicAdd(barrier, 1ull) % n == n - 1) {
-            __threadfence();
-            *reinterpret_cast<volatile unsigned long long*>(generation) = gen + 1;
-        } else {
-            unsigned long long v;
-            do {
-                asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(generation) : "memory");
-            } while (v == gen);
-        }
-        __threadfence();
+        const unsigned long long n = gridDim.x, old = atomicAdd(counter, 1ull), target = old - old % n + n;
+        unsigned long long v;
+        do {
+            asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(counter) : "memory");
+        } while (v < target);
     }
     __syncthreads();
 }
@@ -512,7 +503,7 @@ extern "C" __global__ void __launch_bounds__(row::kThreads) gemv_row(
 // barriers instead of kernel boundaries. Each CTA loads its first weights of the next projection before it
 // arrives at the barrier, so the weight stream continues through it; x is staged through L2 (another CTA wrote
 // it). grid: every CTA resident at once (the launcher checks the occupancy); dynamic shared memory for the largest
-// K; `barrier`: 256 zeroed bytes kept for the process (see grid_sync), used only by launches of this grid size.
+// K; `barrier`: a zeroed counter kept for the process, used only by launches of this grid size.
 extern "C" __global__ void __launch_bounds__(row::kThreads) gemv_row_chain(const row::Phase* __restrict__ phases,
                                                                           int count, unsigned long long* barrier) {
     const row::Smem sm = row::smem_layout();

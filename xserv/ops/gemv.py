@@ -261,7 +261,7 @@ def _launch_chain(phases, eps32) -> None:
         desc = _chain_descriptors[key] = Tensor.from_numpy(np.frombuffer(key, np.uint8).copy(), "cuda")
     barrier = _chain_barriers.get(grid)
     if barrier is None:
-        barrier = _chain_barriers[grid] = Tensor.zeros((64,), int32, "cuda")  # two 64-bit words 128 bytes apart
+        barrier = _chain_barriers[grid] = Tensor.zeros((2,), int32, "cuda")  # one 64-bit counter
     chain(grid, _ROW_WARPS * 32, desc, np.int32(len(phases)), barrier, smem=smem, pdl=True)
 
 
