@@ -4,8 +4,8 @@ kernels.
 Which kernel runs: v4 (cuda_src/attention_decode.cu: v2's CUDA-core math behind a per-lane cp.async ring and a
 shared page table, split combine folded in), or
 v2 (attention_decode_v2.cu, plain loads and a separate combine kernel) where a split's pages would overflow v4's
-shared page table (a block size below 8 with a very long context). The v4 plan (`v4_plan`) fills one wave of
-resident CTAs with the shortest splits: few sequences get up to `resident` CTAs per SM. v3 (tensor cores) and the v4 experiments are development kernels in cuda_src/dev/, run when a test, the
+shared page table (a block size below 8 with a very long context). The v4 plan (`v4_plan`) balances the keys per
+SM rather than filling resident slots: few sequences get about two CTAs per SM. v3 (tensor cores) and the v4 experiments are development kernels in cuda_src/dev/, run when a test, the
 harness or tools/bench_attention.py names them. Measurements: docs/kernels/attention.md.
 """
 from __future__ import annotations
@@ -28,8 +28,7 @@ V4_TABLE_CAP = 512  # kV4TabCap (attention_decode.cu): page-table entries a v4 C
 V4_RING_STAGE_BYTES = 16384  # 4 warps x 8 chunks x 32 lanes x 16 bytes: one stage of v4's ring
 V4_MAX_SPLITS = 256  # kV4MaxSplits: the folded combine's shared scratch holds G * num_splits weights
 V4_ROW_BYTES = 2560  # kV4RowBytes: v4's shared rows of the fused entry (G <= 8 query rows + the new K and V, bf16)
-V4_CTA_COST_KEYS = 64  # a v4 CTA's fixed cost (prologue, merge, partials) in keys streamed (H100 / H200 sweeps)
-V4_COMBINE_COST_KEYS = 1  # the folded combine's cost per split, in keys (v4_plan)
+V4_CTA_COST_KEYS = 64  # a v4 CTA's fixed cost (prologue, merge, partials, combine) in keys streamed (H100 sweep)
 V2_CTAS_PER_SM = 4  # v2's split-KV grid aims at this many CTAs per SM
 _SM_SMEM = 227 * 1024  # shared memory per SM available to CTAs on sm_90 (sizes resident-CTA counts)
 _SM_SMEM_TOTAL, _CTA_SMEM_RESERVED, _CTA_SMEM_MAX = 228 * 1024, 1024, 227 * 1024  # sm_90: per SM, per CTA, one CTA
@@ -153,29 +152,30 @@ def v4_plan(num_seqs: int, num_kv_heads: int, max_kv_len: int, multiprocessor_co
             max_chunk: int) -> tuple[int, int]:
     """(num_splits, chunk_len) of the v4 split-KV grid: chunk_len a multiple of 64, at most V4_MAX_SPLITS splits,
     every split non-empty ((splits - 1) * chunk_len < max_kv_len), no split longer than max_chunk (v4's page table)
-    where any split count allows it. The cost of a plan: the waves of `resident` CTAs per SM it takes, times what
-    one CTA streams (chunk_len keys plus a fixed V4_CTA_COST_KEYS), plus V4_COMBINE_COST_KEYS per split (the last
-    CTA of a (sequence, kv head) merges every split's partials); the cheapest wins, ties to fewer splits. So few
-    sequences split until one wave of resident CTAs is full: an SM streams best with all its resident CTAs busy.
-    Measured with tools/sweep_decode_plan.py (docs/kernels/attention.md, "few sequences, 2026-11-23"): 1 x 32k,
-    32/8 heads, at 64 splits of 512 keys (512 CTAs) runs at 89% (H100) / 86% (H200) of copy bandwidth, against 80% /
-    65% at 32 splits of 1024 (the earlier plan, which aimed at ~2 CTAs per SM); 1 x 8k: 64 x 128 beats 128 x 64."""
+    where any split count allows it. The cost of a plan is that of its busiest SM: ceil(CTAs / SMs) CTAs, each
+    streaming chunk_len keys plus a fixed cost of V4_CTA_COST_KEYS, 25% more where they exceed the `resident` CTAs
+    per SM (a second wave). Plans of more CTAs than SMs are preferred where there are any (one 4-warp CTA on an SM
+    keeps too few bytes in flight); the cheapest wins, ties to fewer splits. Measured on an H100 (tools/
+    sweep_decode_plan.py): for few sequences the best grid is about two CTAs per SM (1 x 32k: 32 splits of 1024,
+    not 64 of 512), and short contexts gain from chunks down to 64 keys (1 x 512: 8 splits, 13.1 -> 7.7 us)."""
     length = max(int(max_kv_len), 1)
     pairs = max(num_seqs * num_kv_heads, 1)
-    slots = max(multiprocessor_count, 1) * max(resident, 1)
+    sms = max(multiprocessor_count, 1)
     plans = {}
     for want in range(1, min(V4_MAX_SPLITS, -(-length // 64)) + 1):
         chunk = -(-(-(-length // want)) // 64) * 64
         splits = -(-length // chunk)
         if (splits, chunk) in plans:
             continue
-        waves = -(-pairs * splits // slots)
-        cost = waves * (chunk + V4_CTA_COST_KEYS) + splits * V4_COMBINE_COST_KEYS
-        plans[splits, chunk] = (chunk > max_chunk, cost, splits)
+        per_sm = -(-pairs * splits // sms)
+        cost = per_sm * (chunk + V4_CTA_COST_KEYS) * (1.25 if per_sm > resident else 1.0)
+        plans[splits, chunk] = (chunk > max_chunk, pairs * splits <= sms, cost, splits)
     fits = [k for k, v in plans.items() if not v[0]]
     if not fits:  # no split count keeps the pages within the table (the caller runs v2): the shortest splits
         return min(plans, key=lambda k: k[1])
-    return min(fits, key=lambda k: plans[k][1:])
+    if any(not plans[k][1] for k in fits):
+        fits = [k for k in fits if not plans[k][1]]
+    return min(fits, key=lambda k: plans[k][2:])
 
 
 @functools.lru_cache(maxsize=4096)
