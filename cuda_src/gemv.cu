@@ -209,7 +209,7 @@ __device__ __forceinline__ void gemv(const void* x, long long x_stride, const in
         return n0;
     };
 
-    uint4 w0[kU][kRows];  // a tile's first chunk step: the first tile's loaded before the wait, each next one's ahead
+    uint4 w0[kU][kRows];  // the first tile's first chunk step, loaded before the wait
     if (blockIdx.x < num_tiles) {
         const __nv_bfloat16* wrow[kRows];
         rows_of(blockIdx.x, wrow);
@@ -225,16 +225,15 @@ __device__ __forceinline__ void gemv(const void* x, long long x_stride, const in
         float acc[kRows];
 #pragma unroll
         for (int r = 0; r < kRows; ++r) acc[r] = 0.f;
-        fma_step(acc, w0, xs, first, stride, chunks);  // w0: this tile's first chunk step, loaded ahead
-        for (int c = first + stride * kU; c < chunks; c += stride * kU) {
+        int c = first;
+        if (tile == blockIdx.x) {
+            fma_step(acc, w0, xs, c, stride, chunks);
+            c += stride * kU;
+        }
+        for (; c < chunks; c += stride * kU) {
             uint4 w[kU][kRows];
             load_step(w, wrow, c, stride, chunks);
             fma_step(acc, w, xs, c, stride, chunks);
-        }
-        if (tile + gridDim.x < num_tiles) {  // the next tile's first step, in flight through this one's reduction
-            const __nv_bfloat16* next[kRows];
-            rows_of(tile + gridDim.x, next);
-            load_step(w0, next, first, stride, chunks);
         }
         // Sum the lanes of each warp, then the `split` warps of the row group in warp order.
 #pragma unroll
@@ -348,7 +347,7 @@ __device__ __forceinline__ void gemv(const void* x, long long x_stride, const in
         return n0;
     };
 
-    Frag w0[kU];  // a tile's first blocks: the first tile's loaded before the wait, each next one's ahead
+    Frag w0[kU];  // the first tile's first blocks, loaded before the wait
     if (blockIdx.x < num_tiles) {
         const __nv_bfloat16 *lo, *hi;
         rows_of(blockIdx.x, lo, hi);
@@ -366,17 +365,15 @@ __device__ __forceinline__ void gemv(const void* x, long long x_stride, const in
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
             for (int j = 0; j < 4; ++j) acc[nt][j] = 0.f;
-        mma_blocks<NT>(acc, w0, xs, g, t, k_first, kstep, K, KS, m);  // w0: this tile's first blocks, loaded ahead
-        // the block's start (the same in every lane) is inside K
-        for (int k = k_first + kstep * kU; k - t * 8 < K; k += kstep * kU) {
+        int k = k_first;
+        if (tile == blockIdx.x) {
+            mma_blocks<NT>(acc, w0, xs, g, t, k, kstep, K, KS, m);
+            k += kstep * kU;
+        }
+        for (; k - t * 8 < K; k += kstep * kU) {  // the block's start (the same in every lane) is inside K
             Frag w[kU];
             load_blocks(w, lo, hi, k, kstep, K);
             mma_blocks<NT>(acc, w, xs, g, t, k, kstep, K, KS, m);
-        }
-        if (tile + gridDim.x < num_tiles) {  // the next tile's first blocks, in flight through this one's reduction
-            const __nv_bfloat16 *nlo, *nhi;
-            rows_of(tile + gridDim.x, nlo, nhi);
-            load_blocks(w0, nlo, nhi, k_first, kstep, K);
         }
         // Sum the `split` warps of the row group in warp order, then write the outputs this lane holds.
         if (split > 1) {
