@@ -324,27 +324,19 @@ __device__ __forceinline__ void gemv(const Phase& p) {
     tiles(p, L, w0, sm);
 }
 
-// A grid-wide barrier for a grid whose CTAs are all resident (the launcher sizes it so), without atomics: each CTA
-// has a flag word that only it writes, counting the barriers it has reached (so no reset between launches or graph
-// replays: at every launch's start all flags are equal, as long as every launch that shares them uses the same grid
-// size). A CTA publishes its writes (fence, then its flag), then one warp polls every flag until all reached the
-// same count. (One counter that every CTA incremented took ~3 us a barrier: 264 same-address atomics serialise.)
-__device__ __forceinline__ void grid_sync(unsigned* flags, unsigned& epoch) {
-    __threadfence();  // this thread's global writes are visible device-wide before the CTA's flag says so
+// A grid-wide barrier for a grid whose CTAs are all resident (the launcher sizes it so): each CTA adds one to a
+// 64-bit counter that only grows (so no reset between launches or graph replays, as long as every launch that
+// shares it uses the same grid size), then waits until the counter reaches the end of this barrier's round.
+// The fence before the add and the acquire load publish each CTA's earlier global writes to the CTAs after it.
+__device__ __forceinline__ void grid_sync(unsigned long long* counter) {
     __syncthreads();
-    if (threadIdx.x < 32) {
-        ++epoch;
-        if (threadIdx.x == 0)
-            asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(flags + blockIdx.x), "r"(epoch) : "memory");
-        for (;;) {
-            bool done = true;
-            for (int c = threadIdx.x; c < (int)gridDim.x; c += 32) {
-                unsigned v;
-                asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(flags + c) : "memory");
-                done &= (int)(v - epoch) >= 0;
-            }
-            if (__all_sync(0xffffffffu, done)) break;
-        }
+    if (threadIdx.x == 0) {
+        __threadfence();
+        const unsigned long long n = gridDim.x, old = atomicAdd(counter, 1ull), target = old - old % n + n;
+        unsigned long long v;
+        do {
+            asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(counter) : "memory");
+        } while (v < target);
     }
     __syncthreads();
 }
@@ -511,11 +503,10 @@ extern "C" __global__ void __launch_bounds__(row::kThreads) gemv_row(
 // barriers instead of kernel boundaries. Each CTA loads its first weights of the next projection before it
 // arrives at the barrier, so the weight stream continues through it; x is staged through L2 (another CTA wrote
 // it). grid: every CTA resident at once (the launcher checks the occupancy); dynamic shared memory for the largest
-// K; `barrier`: one zeroed word per CTA, kept for the process (grid_sync), used only by launches of this grid size.
+// K; `barrier`: a zeroed counter kept for the process, used only by launches of this grid size.
 extern "C" __global__ void __launch_bounds__(row::kThreads) gemv_row_chain(const row::Phase* __restrict__ phases,
-                                                                          int count, unsigned* barrier) {
+                                                                          int count, unsigned long long* barrier) {
     const row::Smem sm = row::smem_layout();
-    unsigned epoch = *reinterpret_cast<volatile unsigned*>(barrier + blockIdx.x);  // barriers this CTA has passed
     row::Phase p = phases[0];
     row::Layout L(p);
     uint4 w0[row::kU][row::kRows];
@@ -529,7 +520,7 @@ extern "C" __global__ void __launch_bounds__(row::kThreads) gemv_row_chain(const
         p = phases[i];
         L = row::Layout(p);
         row::preload(p, L, w0);
-        row::grid_sync(barrier, epoch);
+        row::grid_sync(barrier);
     }
 }
 

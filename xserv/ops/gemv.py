@@ -234,7 +234,7 @@ def attention_out_mlp(attn: Tensor, o_proj: Tensor, residual: Tensor, post_norm:
 # row::Phase of gemv.cu: x, x_stride, x_rows, norm_w, W, out (8 bytes each), eps, N, K, split, prologue, epilogue.
 _PHASE = struct.Struct("<QqQQQQfiiiii")
 _chain_descriptors: dict[bytes, Tensor] = {}  # packed phases -> their device copy (graphs capture the address)
-_chain_barriers: dict[int, Tensor] = {}  # grid size -> its barrier flags (they serve one grid size)
+_chain_barriers: dict[int, Tensor] = {}  # grid size -> its barrier counter (a counter serves one grid size)
 
 
 def _launch_chain(phases, eps32) -> None:
@@ -261,7 +261,7 @@ def _launch_chain(phases, eps32) -> None:
         desc = _chain_descriptors[key] = Tensor.from_numpy(np.frombuffer(key, np.uint8).copy(), "cuda")
     barrier = _chain_barriers.get(grid)
     if barrier is None:
-        barrier = _chain_barriers[grid] = Tensor.zeros((grid,), int32, "cuda")  # a flag per CTA (grid_sync)
+        barrier = _chain_barriers[grid] = Tensor.zeros((2,), int32, "cuda")  # one 64-bit counter
     chain(grid, _ROW_WARPS * 32, desc, np.int32(len(phases)), barrier, smem=smem, pdl=True)
 
 
