@@ -53,11 +53,10 @@ __device__ __forceinline__ uint4 load_weight(const __nv_bfloat16* p) {
     return v;
 }
 
-// The residual add reads through L2 (__ldcg): in the chained kernel another CTA may have written the value since.
 __device__ __forceinline__ void store_out(void* out, long long o, float v, int epilogue) {
     if (epilogue == kStoreBf16) static_cast<__nv_bfloat16*>(out)[o] = __float2bfloat16_rn(v);
     else if (epilogue == kStoreF32) static_cast<float*>(out)[o] = v;
-    else static_cast<float*>(out)[o] = __ldcg(static_cast<float*>(out) + o) + xserv::round_bf16(v);
+    else static_cast<float*>(out)[o] += xserv::round_bf16(v);
 }
 
 // silu(g) = g / (1 + 2^(-g * log2 e)) with ex2.approx and an IEEE division, exactly as activation.ptx.
@@ -67,25 +66,8 @@ __device__ __forceinline__ float silu(float g) {
     return __fdiv_rn(g, 1.f + e);
 }
 
-// x loads that bypass L1 (CG: the chained kernel, whose x another CTA wrote after this SM may have cached it) or not.
-template <bool CG>
-__device__ __forceinline__ void load_x8(const float* p, float (&v)[8]) {
-    if constexpr (CG) {
-        const float4 a = __ldcg(reinterpret_cast<const float4*>(p)), b = __ldcg(reinterpret_cast<const float4*>(p) + 1);
-        v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-    } else {
-        xserv::load8(p, v);
-    }
-}
-
-template <bool CG>
-__device__ __forceinline__ uint4 load_x16(const uint4* p) {
-    if constexpr (CG) return __ldcg(p);
-    else return *p;
-}
-
 // Stage the m transformed x rows in shared memory (bf16 [m][K]). Every thread of the CTA takes part.
-template <int M, int THREADS, bool CG = false>
+template <int M, int THREADS>
 __device__ __forceinline__ void stage_x(__nv_bfloat16* xs, int KS, float* scratch, const void* x, long long x_stride,
                                         const int* x_rows, const __nv_bfloat16* norm_w, float eps, int m, int K,
                                         int prologue) {
@@ -102,7 +84,7 @@ __device__ __forceinline__ void stage_x(__nv_bfloat16* xs, int KS, float* scratc
                 const float* row = static_cast<const float*>(x) + (long long)(x_rows ? x_rows[i] : i) * x_stride;
                 for (int c = threadIdx.x; c < chunks; c += kThreads) {
                     float v[8];
-                    load_x8<CG>(row + c * 8, v);
+                    xserv::load8(row + c * 8, v);
                     ss[i] += v[0] * v[0] + v[1] * v[1] + v[2] * v[2] + v[3] * v[3] + v[4] * v[4] + v[5] * v[5] +
                              v[6] * v[6] + v[7] * v[7];
                 }
@@ -126,7 +108,7 @@ __device__ __forceinline__ void stage_x(__nv_bfloat16* xs, int KS, float* scratc
                 const float* row = static_cast<const float*>(x) + (long long)(x_rows ? x_rows[i] : i) * x_stride;
                 for (int c = threadIdx.x; c < chunks; c += kThreads) {
                     float v[8], w[8];
-                    load_x8<CG>(row + c * 8, v);
+                    xserv::load8(row + c * 8, v);
                     xserv::load8(norm_w + c * 8, w);
 #pragma unroll
                     for (int j = 0; j < 8; ++j) v[j] = w[j] * (v[j] * inv);
@@ -152,7 +134,7 @@ __device__ __forceinline__ void stage_x(__nv_bfloat16* xs, int KS, float* scratc
         for (int e = threadIdx.x; e < m * chunks; e += kThreads) {
             const int i = e / chunks, c = e - i * chunks;
             const __nv_bfloat16* row = static_cast<const __nv_bfloat16*>(x) + (long long)(x_rows ? x_rows[i] : i) * x_stride;
-            reinterpret_cast<uint4*>(xs + (long long)i * KS)[c] = load_x16<CG>(reinterpret_cast<const uint4*>(row) + c);
+            reinterpret_cast<uint4*>(xs + (long long)i * KS)[c] = reinterpret_cast<const uint4*>(row)[c];
         }
     }
     __syncthreads();
@@ -198,147 +180,82 @@ __device__ __forceinline__ void fma_step(float (&acc)[kRows], const uint4 (&w)[k
     }
 }
 
-// One projection of gemv_row. The chained kernel reads an array of these from device memory (the launcher packs
-// them: xserv/ops/gemv.py _PHASE); the single kernel builds one from its arguments.
-struct Phase {
-    const void* x;                 // the prologue's input row(s)
-    long long x_stride;
-    const int* x_rows;             // or null
-    const __nv_bfloat16* norm_w;   // kRmsNorm's weight, or null
-    const __nv_bfloat16* W;        // [N, K]
-    void* out;
-    float eps;
-    int N, K, split, prologue, epilogue;
-};
+// Dynamic shared memory: partial sums [kWarps][kRows], the RMS scratch [kWarps], then x [K] bf16.
+// kSiluMulBf16 pairs the row groups of a tile (split <= 2, so a tile holds an even number of them): slot 2p takes
+// gate rows j0..j0+3 (rows j of W), slot 2p + 1 the matching up rows (rows I + j), and the gate slot's lanes combine
+// both sums; N is then W's 2I rows and the tiles cover the I activations.
+__device__ __forceinline__ void gemv(const void* x, long long x_stride, const int* x_rows,
+                                     const __nv_bfloat16* norm_w, float eps, const __nv_bfloat16* __restrict__ W,
+                                     void* out, int N, int K, int split, int prologue, int epilogue) {
+    extern __shared__ __align__(16) float smem[];
+    float (*partial)[kRows] = reinterpret_cast<float (*)[kRows]>(smem);
+    float* scratch = smem + kWarps * kRows;
+    __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(scratch + kWarps);
 
-// Where a warp works in a phase. kSiluMulBf16 pairs the row groups of a tile (split <= 2, so a tile holds an even
-// number of them): slot 2p takes gate rows j0..j0+3 (rows j of W), slot 2p + 1 the matching up rows (rows I + j),
-// and the gate slot's lanes combine both sums; N is then W's 2I rows and the tiles cover the I activations.
-struct Layout {
-    int slot, part;        // this warp's row group in a tile, its share of K
-    int chunks, first, stride;  // 16-byte chunks per row; this lane's first chunk, the step between its chunks
-    int outputs, groups_out, num_tiles;
-    bool paired;
-
-    __device__ __forceinline__ explicit Layout(const Phase& p) {
-        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-        const int groups_per_tile = kWarps / p.split;
-        slot = warp / p.split;
-        part = warp % p.split;
-        chunks = p.K / 8;
-        first = part * 32 + lane;
-        stride = 32 * p.split;
-        paired = p.epilogue == kSiluMulBf16;
-        outputs = paired ? p.N / 2 : p.N;
-        groups_out = paired ? groups_per_tile / 2 : groups_per_tile;
-        num_tiles = (outputs + kRows * groups_out - 1) / (kRows * groups_out);
-    }
-
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int groups_per_tile = kWarps / split;
+    const int slot = warp / split, part = warp % split;  // this warp's row group in the tile, its share of K
+    const int chunks = K / 8;
+    const bool paired = epilogue == kSiluMulBf16;
+    const int outputs = paired ? N / 2 : N, groups_out = paired ? groups_per_tile / 2 : groups_per_tile;
+    const int num_tiles = (outputs + kRows * groups_out - 1) / (kRows * groups_out);
+    const int first = part * 32 + lane, stride = 32 * split;  // this lane's first chunk, the step between its chunks
     // The first output of this warp's row group in `tile`, and the weight rows it reads (clamped rows: not stored).
-    __device__ __forceinline__ int rows_of(const Phase& p, int tile, const __nv_bfloat16* (&wrow)[kRows]) const {
+    auto rows_of = [&](int tile, const __nv_bfloat16* (&wrow)[kRows]) {
         const int n0 = (tile * groups_out + (paired ? slot / 2 : slot)) * kRows;
         const long long base = paired && (slot & 1) ? outputs : 0;  // an up slot: rows I + j
 #pragma unroll
-        for (int r = 0; r < kRows; ++r) wrow[r] = p.W + (base + min(n0 + r, outputs - 1)) * p.K;
+        for (int r = 0; r < kRows; ++r) wrow[r] = W + (base + min(n0 + r, outputs - 1)) * K;
         return n0;
-    }
-};
+    };
 
-// Dynamic shared memory: partial sums [kWarps][kRows], the RMS scratch [kWarps], then x [K] bf16.
-struct Smem {
-    float (*partial)[kRows];
-    float* scratch;
-    __nv_bfloat16* xs;
-};
-
-__device__ __forceinline__ Smem smem_layout() {
-    extern __shared__ __align__(16) float smem[];
-    return {reinterpret_cast<float (*)[kRows]>(smem), smem + kWarps * kRows,
-            reinterpret_cast<__nv_bfloat16*>(smem + kWarps * kRows + kWarps)};
-}
-
-// The CTA's first tile's first chunk step, into registers: weights only, so it may run before pdl_wait().
-__device__ __forceinline__ void preload(const Phase& p, const Layout& L, uint4 (&w0)[kU][kRows]) {
-    if (blockIdx.x < L.num_tiles) {
+    uint4 w0[kU][kRows];  // the first tile's first chunk step, loaded before the wait
+    if (blockIdx.x < num_tiles) {
         const __nv_bfloat16* wrow[kRows];
-        L.rows_of(p, blockIdx.x, wrow);
-        load_step(w0, wrow, L.first, L.stride, L.chunks);
+        rows_of(blockIdx.x, wrow);
+        load_step(w0, wrow, first, stride, chunks);
     }
-}
+    xserv::pdl_wait();
+    stage_x<1, kThreads>(xs, K, scratch, x, x_stride, x_rows, norm_w, eps, 1, K, prologue);
+    xserv::pdl_launch_dependents();
 
-template <bool CG>
-__device__ __forceinline__ void stage(const Phase& p, const Smem& sm) {
-    stage_x<1, kThreads, CG>(sm.xs, p.K, sm.scratch, p.x, p.x_stride, p.x_rows, p.norm_w, p.eps, 1, p.K, p.prologue);
-}
-
-// The CTA's tiles (grid-stride), the first from the preloaded w0, and their epilogues.
-__device__ __forceinline__ void tiles(const Phase& p, const Layout& L, const uint4 (&w0)[kU][kRows], const Smem& sm) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int tile = blockIdx.x; tile < L.num_tiles; tile += gridDim.x) {
+    for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
         const __nv_bfloat16* wrow[kRows];
-        const int n0 = L.rows_of(p, tile, wrow);
+        const int n0 = rows_of(tile, wrow);
         float acc[kRows];
 #pragma unroll
         for (int r = 0; r < kRows; ++r) acc[r] = 0.f;
-        int c = L.first;
+        int c = first;
         if (tile == blockIdx.x) {
-            fma_step(acc, w0, sm.xs, c, L.stride, L.chunks);
-            c += L.stride * kU;
+            fma_step(acc, w0, xs, c, stride, chunks);
+            c += stride * kU;
         }
-        for (; c < L.chunks; c += L.stride * kU) {
+        for (; c < chunks; c += stride * kU) {
             uint4 w[kU][kRows];
-            load_step(w, wrow, c, L.stride, L.chunks);
-            fma_step(acc, w, sm.xs, c, L.stride, L.chunks);
+            load_step(w, wrow, c, stride, chunks);
+            fma_step(acc, w, xs, c, stride, chunks);
         }
         // Sum the lanes of each warp, then the `split` warps of the row group in warp order.
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
             const float v = xserv::warp_sum(acc[r]);
-            if (lane == 0) sm.partial[warp][r] = v;
+            if (lane == 0) partial[warp][r] = v;
         }
         __syncthreads();
-        if (L.part == 0 && lane < kRows && n0 + lane < L.outputs && !(L.paired && (L.slot & 1))) {
+        if (part == 0 && lane < kRows && n0 + lane < outputs && !(paired && (slot & 1))) {
             float v = 0.f;
-            for (int q = 0; q < p.split; ++q) v += sm.partial[warp + q][lane];
-            if (L.paired) {  // the up slot's warps follow this one's: warp + split
+            for (int p = 0; p < split; ++p) v += partial[warp + p][lane];
+            if (paired) {  // the up slot's warps follow this one's: warp + split
                 float up = 0.f;
-                for (int q = 0; q < p.split; ++q) up += sm.partial[warp + p.split + q][lane];
+                for (int p = 0; p < split; ++p) up += partial[warp + split + p][lane];
                 const float act = xserv::round_bf16(silu(xserv::round_bf16(v))) * xserv::round_bf16(up);
-                static_cast<__nv_bfloat16*>(p.out)[n0 + lane] = __float2bfloat16_rn(act);
+                static_cast<__nv_bfloat16*>(out)[n0 + lane] = __float2bfloat16_rn(act);
             } else {
-                store_out(p.out, n0 + lane, v, p.epilogue);
+                store_out(out, n0 + lane, v, epilogue);
             }
         }
         __syncthreads();  // `partial` is reused by the next tile
     }
-}
-
-__device__ __forceinline__ void gemv(const Phase& p) {
-    const Smem sm = smem_layout();
-    const Layout L(p);
-    uint4 w0[kU][kRows];
-    preload(p, L, w0);
-    xserv::pdl_wait();
-    stage<false>(p, sm);
-    xserv::pdl_launch_dependents();
-    tiles(p, L, w0, sm);
-}
-
-// A grid-wide barrier for a grid whose CTAs are all resident (the launcher sizes it so): each CTA adds one to a
-// 64-bit counter that only grows (so no reset between launches or graph replays, as long as every launch that
-// shares it uses the same grid size), then waits until the counter reaches the end of this barrier's round.
-// The fence before the add and the acquire load publish each CTA's earlier global writes to the CTAs after it.
-__device__ __forceinline__ void grid_sync(unsigned long long* counter) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        const unsigned long long n = gridDim.x, old = atomicAdd(counter, 1ull), target = old - old % n + n;
-        unsigned long long v;
-        do {
-            asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(counter) : "memory");
-        } while (v < target);
-    }
-    __syncthreads();
 }
 
 }  // namespace row
@@ -495,33 +412,7 @@ __device__ __forceinline__ void gemv(const void* x, long long x_stride, const in
 extern "C" __global__ void __launch_bounds__(row::kThreads) gemv_row(
     const void* x, long long x_stride, const int* x_rows, const __nv_bfloat16* norm_w, float eps,
     const __nv_bfloat16* W, void* out, int N, int K, int split, int prologue, int epilogue) {
-    row::gemv(row::Phase{x, x_stride, x_rows, norm_w, W, out, eps, N, K, split, prologue, epilogue});
-}
-
-// gemv_row_chain: `count` gemv_row projections in one launch, each reading what the one before wrote (the decoder
-// layer's o projection, gate/up with SiLU-and-mul, down, and the next layer's qkv), separated by grid-wide
-// barriers instead of kernel boundaries. Each CTA loads its first weights of the next projection before it
-// arrives at the barrier, so the weight stream continues through it; x is staged through L2 (another CTA wrote
-// it). grid: every CTA resident at once (the launcher checks the occupancy); dynamic shared memory for the largest
-// K; `barrier`: a zeroed counter kept for the process, used only by launches of this grid size.
-extern "C" __global__ void __launch_bounds__(row::kThreads) gemv_row_chain(const row::Phase* __restrict__ phases,
-                                                                          int count, unsigned long long* barrier) {
-    const row::Smem sm = row::smem_layout();
-    row::Phase p = phases[0];
-    row::Layout L(p);
-    uint4 w0[row::kU][row::kRows];
-    row::preload(p, L, w0);
-    xserv::pdl_wait();
-    for (int i = 0;;) {
-        row::stage<true>(p, sm);
-        if (i + 1 == count) xserv::pdl_launch_dependents();
-        row::tiles(p, L, w0, sm);
-        if (++i == count) break;
-        p = phases[i];
-        L = row::Layout(p);
-        row::preload(p, L, w0);
-        row::grid_sync(barrier);
-    }
+    row::gemv(x, x_stride, x_rows, norm_w, eps, W, out, N, K, split, prologue, epilogue);
 }
 
 // gemv_mma_m<M>: m <= M, block 256, dynamic shared memory (8 * 32 * 4 * NT + M * 8) * 4 + m * (K + 32) * 2 bytes.

@@ -28,9 +28,6 @@ def main(argv=None) -> int:
     ap.add_argument("--no-cuda-graphs", action="store_true")
     ap.add_argument("--unfused", action="store_true",
                     help="small batches through the unfused ops (cuBLASLt + separate norm/activation/add kernels)")
-    ap.add_argument("--gemv", default="chained",
-                    help="comma list of chained/separate: the fused path's GEMVs after attention in one launch "
-                         "(model.chained_gemv) or one launch each, timed one after the other")
     ap.add_argument("--attention", default="fused",
                     help="comma list of fused/pair: decode attention with QK-norm/RoPE/KV write folded in, or the "
                          "two kernels (model.fused_attention), timed one after the other")
@@ -54,16 +51,13 @@ def main(argv=None) -> int:
     print(f"device: {get_device().name}")
     print(f"model: {args.model} ({weight_bytes / 1e9:.2f} GB of weights, loaded in {llm.timings['weights_s']:.1f}s, LLM ready in {load:.1f}s), context "
           f"{args.context}, {args.steps} steps, cuda graphs {'off' if args.no_cuda_graphs else 'on'}")
-    print(f"{'batch':>6}{'ms/step':>10}{'tok/s':>12}{'tok/s/seq':>12}{'weights GB/s':>14}{'attention':>11}"
-          f"{'gemv':>10}")
+    print(f"{'batch':>6}{'ms/step':>10}{'tok/s':>12}{'tok/s/seq':>12}{'weights GB/s':>14}{'attention':>11}")
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=0.0, max_tokens=args.warmup + args.steps + 1, ignore_eos=True)
     eng = llm.engine
-    runs = [(a == "fused", g == "chained", bs) for a in args.attention.split(",") for g in args.gemv.split(",")
-            for bs in sizes]
-    for fused, chained, bs in runs:
-        if (fused, chained) != (llm.model.fused_attention, llm.model.chained_gemv):  # captured into the graphs
-            llm.model.fused_attention, llm.model.chained_gemv = fused, chained
+    for fused, bs in [(a == "fused", bs) for a in args.attention.split(",") for bs in sizes]:
+        if fused != llm.model.fused_attention:  # captured into the graphs: capture them again
+            llm.model.fused_attention = fused
             if not args.no_cuda_graphs:
                 eng.runner.graphs.clear()
                 eng.runner.capture_decode_graphs()
@@ -81,7 +75,7 @@ def main(argv=None) -> int:
         for s in seqs:
             eng.abort(s)
         print(f"{bs:>6}{dt * 1e3:>10.3f}{bs / dt:>12.1f}{1 / dt:>12.1f}{weight_bytes / dt / 1e9:>14.1f}"
-              f"{'fused' if fused else 'pair':>11}{'chained' if chained else 'separate':>10}")
+              f"{'fused' if fused else 'pair':>11}")
     return 0
 
 

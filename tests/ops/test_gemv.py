@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from xserv.ops.activation import silu_and_mul
-from xserv.ops.gemv import (CTAS_PER_SM, add_rounded, attention_out_mlp, gemv_supported, linear_add, linear_gemv, plan, rmsnorm_linear,
+from xserv.ops.gemv import (CTAS_PER_SM, add_rounded, gemv_supported, linear_add, linear_gemv, plan, rmsnorm_linear,
                             rmsnorm_linear_reference, rmsnorm_linear_silu_mul, rmsnorm_linear_silu_mul_reference,
                             silu_mul_linear_add, silu_mul_linear_reference, MAX_M)
 from xserv.ops.linear import linear, linear_reference
@@ -208,62 +208,3 @@ def test_cuda_matches_cublas_at_decode_shapes(rng):
     for m in (1, 4, 8):
         got = linear_gemv(Tensor.from_numpy(x[:m]), w).numpy()
         close(got, ref[:m], tol=5e-3)
-
-
-# ---- the chained layer tail (gemv_row_chain) ---------------------------------------------------------------------
-def _layer_tail(rng, q, h, i, nq, device):
-    t = lambda a: Tensor.from_numpy(a, device)  # noqa: E731
-    return dict(attn=t(random_array(rng, (1, q), bfloat16, mean=0.0)), o_proj=t(weights(rng, h, q)),
-                residual=t(random_array(rng, (1, h), np.float32, mean=0.0, std=2.0)),
-                post_norm=t(random_array(rng, (h,), bfloat16, mean=1.0, std=0.1)), gate_up=t(weights(rng, 2 * i, h)),
-                down=t(weights(rng, h, i)), next_norm=t(random_array(rng, (h,), bfloat16, mean=1.0, std=0.1)),
-                next_qkv=t(weights(rng, nq, h)))
-
-
-def test_cpu_attention_out_mlp_is_the_four_ops(rng):
-    d = _layer_tail(rng, 48, 64, 40, 56, "cpu")
-    act, qkv = Tensor.zeros((1, 40), bfloat16, "cpu"), Tensor.zeros((1, 56), bfloat16, "cpu")
-    r0 = d["residual"].array.copy()
-    attention_out_mlp(d["attn"], d["o_proj"], d["residual"], d["post_norm"], EPS, d["gate_up"], act, d["down"],
-                      d["next_norm"], d["next_qkv"], qkv)
-    r = Tensor.from_numpy(r0, "cpu")
-    linear_add(d["attn"], d["o_proj"], r)
-    a = rmsnorm_linear_silu_mul(r, d["post_norm"], EPS, d["gate_up"])
-    linear_add(a, d["down"], r)
-    np.testing.assert_array_equal(d["residual"].array, r.array)
-    np.testing.assert_array_equal(act.array, a.array)
-    np.testing.assert_array_equal(qkv.array, rmsnorm_linear(r, d["next_norm"], EPS, d["next_qkv"]).array)
-    with pytest.raises(ValueError, match="come together"):
-        attention_out_mlp(d["attn"], d["o_proj"], d["residual"], d["post_norm"], EPS, d["gate_up"], act, d["down"],
-                          d["next_norm"])
-    with pytest.raises(ValueError, match="down"):
-        attention_out_mlp(d["attn"], d["o_proj"], d["residual"], d["post_norm"], EPS, d["gate_up"], act, d["o_proj"])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("q,h,i,nq,nxt", [(2048, 1024, 3072, 4096, True), (4096, 4096, 12288, 6144, True),
-                                         (512, 1000, 1544, 744, True), (2048, 1024, 3072, 0, False)])
-def test_cuda_attention_out_mlp_matches_the_four_kernels(rng, q, h, i, nq, nxt):
-    """The chained kernel against the same four projections as separate kernels: the same bits (each tile is
-    computed the same way; only which CTA takes it differs), three calls in a row (the barrier counter carries on
-    from launch to launch), with the 0.6B and 8B shapes, an odd one, and the last layer's (no next qkv)."""
-    d = _layer_tail(rng, q, h, i, max(nq, 8), "cuda")
-    r0 = d["residual"].numpy()
-    for _ in range(3):
-        d["residual"].copy_(r0)
-        act, qkv = poisoned((1, i), bfloat16), poisoned((1, max(nq, 8)), bfloat16)
-        attention_out_mlp(d["attn"], d["o_proj"], d["residual"], d["post_norm"], EPS, d["gate_up"], act, d["down"],
-                          *((d["next_norm"], d["next_qkv"], qkv) if nxt else ()))
-        r = Tensor.from_numpy(r0)
-        linear_add(d["attn"], d["o_proj"], r)
-        a = rmsnorm_linear_silu_mul(r, d["post_norm"], EPS, d["gate_up"])
-        linear_add(a, d["down"], r)
-        np.testing.assert_array_equal(d["residual"].numpy(), r.numpy())
-        np.testing.assert_array_equal(act.numpy().view(np.uint16), a.numpy().view(np.uint16))
-        if nxt:
-            want = rmsnorm_linear(r, d["next_norm"], EPS, d["next_qkv"]).numpy()
-            np.testing.assert_array_equal(qkv.numpy().view(np.uint16), want.view(np.uint16))
-    # and against the NumPy composition
-    ref = add_rounded(r0, linear_reference(d["attn"].numpy(), d["o_proj"].numpy()))
-    ref_act = rmsnorm_linear_silu_mul_reference(ref, d["post_norm"].numpy(), EPS, d["gate_up"].numpy())
-    close(act.numpy(), ref_act)

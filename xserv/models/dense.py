@@ -20,7 +20,7 @@ import numpy as np
 from ..ops.activation import silu_and_mul
 from ..ops.attention import attention_decode, attention_decode_rope, attention_prefill
 from ..ops.embedding import embedding
-from ..ops.gemv import (attention_out_mlp, gemv_supported, linear_add, linear_gemv, prefer_gemv, rmsnorm_linear,
+from ..ops.gemv import (gemv_supported, linear_add, linear_gemv, prefer_gemv, rmsnorm_linear,
                         rmsnorm_linear_silu_mul)
 from ..ops.linear import linear
 from ..ops.rmsnorm import fused_add_rmsnorm
@@ -148,7 +148,6 @@ class DenseModel:
         self.max_positions = int(max_positions or config.context_length)
         self.fused_gemv = True  # small forwards take the fused GEMV path (False: the unfused ops, for comparison)
         self.fused_attention = True  # decode: QK-norm/RoPE/KV write inside attention (False: the two kernels)
-        self.chained_gemv = True  # fused path: a layer's GEMVs after attention in one launch (False: one each)
         table = rope_cos_sin_table(config.head_dim, self.max_positions, config.rope_theta, config.rope_scaling)
         self.cos_sin = Tensor.from_numpy(np.ascontiguousarray(table, np.float32), device)
 
@@ -318,31 +317,21 @@ class DenseModel:
                           self.scale, batch.max_q_len, out=attn3, num_q_heads=hq)
 
     def _forward_fused(self, batch, kv_cache, ws: Workspace, t: int, n: int) -> Tensor:
-        """The forward of one token as 2 launches per layer: decode attention with QK-norm, RoPE and the KV write
-        folded in, then the o, gate/up and down projections and the next layer's qkv chained in one kernel
-        (attention_out_mlp). Each projection is a GEMV that applies the RMSNorm before it (reading the fp32
-        residual stream), the SiLU-and-mul after the gate/up projection (its tiles pair gate and up rows), or the
-        residual add after the o / down projections. Same rounding points as `forward`'s unfused ops."""
+        """The forward of one token as 6 launches per layer: each projection is a GEMV kernel that applies the
+        RMSNorm before it (reading the fp32 residual stream), the SiLU-and-mul after the gate/up projection (its
+        tiles pair gate and up rows), or the residual add after the o / down projections. Same rounding points as
+        `forward`'s unfused ops."""
         c = self.config
         hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         residual = ws.residual[:t]
         qkv, attn, act = ws.qkv[:t], ws.attn[:t], ws.act[:t]
         qkv3, attn3 = qkv.view(t, hq + 2 * hkv, d), attn.view(t, hq, d)
         embedding(batch.input_ids, self.embed, out=residual)  # the float32 stream starts from the embeddings, exactly
-        layers = self.layers
-        rmsnorm_linear(residual, layers[0].input_norm, self.eps, layers[0].qkv, out=qkv)
-        for i, layer in enumerate(layers):
+        for i, layer in enumerate(self.layers):
+            rmsnorm_linear(residual, layer.input_norm, self.eps, layer.qkv, out=qkv)
             self._attention(i, layer, batch, kv_cache, qkv3, attn3)
-            nxt = layers[i + 1] if i + 1 < len(layers) else None
-            if self.chained_gemv:  # o, gate/up + SiLU, down and the next layer's qkv in one launch
-                attention_out_mlp(attn, layer.o_proj, residual, layer.post_norm, self.eps, layer.gate_up, act,
-                                  layer.down, nxt.input_norm if nxt else None, nxt.qkv if nxt else None,
-                                  qkv if nxt else None)
-                continue
             linear_add(attn, layer.o_proj, residual)
             rmsnorm_linear_silu_mul(residual, layer.post_norm, self.eps, layer.gate_up, out=act)
             linear_add(act, layer.down, residual)
-            if nxt is not None:
-                rmsnorm_linear(residual, nxt.input_norm, self.eps, nxt.qkv, out=qkv)
         return rmsnorm_linear(residual, self.final_norm, self.eps, self.lm_head, out=ws.logits[:n],
                               rows=batch.logits_indices)

@@ -6,9 +6,6 @@
                                              out = silu_and_mul(bf16(rmsnorm(residual) @ W_gate_up^T))  (one row)
     linear_add(x, W, residual)               residual += bf16(x @ W^T)
     silu_mul_linear_add(gate_up, W, residual) residual += bf16(silu_and_mul(gate_up) @ W^T)
-    attention_out_mlp(attn, W_o, residual, ...) one token's decoder layer after attention, and the next layer's qkv,
-                                             in one launch (gemv_row_chain: the projections separated by grid-wide
-                                             barriers instead of kernel boundaries)
 
 Each is, bit for bit in its rounding points, the composition of the unfused ops (fused_add_rmsnorm_f32res's
 normalisation, silu_and_mul, linear, the residual add), so the CPU backend runs exactly that composition of the
@@ -19,8 +16,6 @@ NumPy references. Only the order of the fp32 sums differs from cuBLASLt's.
 (docs/kernels/gemv.md).
 """
 from __future__ import annotations
-
-import struct
 
 import numpy as np
 
@@ -177,92 +172,6 @@ def rmsnorm_linear_silu_mul(residual: Tensor, norm_weight: Tensor, eps: float, g
         return out
     _launch("rmsnorm", residual, k, None, norm_weight, eps32, gate_up_weight, out, _EPILOGUE["silu_mul"], m, n, k)
     return out
-
-
-def attention_out_mlp(attn: Tensor, o_proj: Tensor, residual: Tensor, post_norm: Tensor, eps: float,
-                      gate_up: Tensor, act: Tensor, down: Tensor, next_norm: Tensor | None = None,
-                      next_qkv: Tensor | None = None, qkv_out: Tensor | None = None) -> Tensor:
-    """One token's decoder layer after attention, in one launch on CUDA (gemv_row_chain):
-        residual += bf16(attn @ o_proj^T)                                      (linear_add)
-        act = silu_and_mul(bf16(rmsnorm(residual, post_norm) @ gate_up^T))     (rmsnorm_linear_silu_mul)
-        residual += bf16(act @ down^T)                                         (linear_add)
-        qkv_out = bf16(rmsnorm(residual, next_norm) @ next_qkv^T)              (rmsnorm_linear; the next layer's,
-                                                                                when next_qkv is given)
-    attn bf16 [1, Q], residual fp32 [1, H], act bf16 [1, I] (written), qkv_out bf16 [1, N]. The same rounding points
-    as those four ops (the CPU backend runs them). Returns residual."""
-    check_tensor("attn", attn, dtype=bfloat16, ndim=2)
-    check_tensor("residual", residual, dtype=float32, ndim=2)
-    check_tensor("act", act, dtype=bfloat16, ndim=2)
-    if attn.shape[0] != 1 or residual.shape[0] != 1 or act.shape[0] != 1:
-        raise ValueError("attention_out_mlp: one token (attn, residual and act of one row)")
-    h, q, i = residual.shape[1], attn.shape[1], act.shape[1]
-    for name, w, shape in (("o_proj", o_proj, (h, q)), ("gate_up", gate_up, (2 * i, h)), ("down", down, (h, i))):
-        check_tensor(name, w, dtype=bfloat16, shape=shape)
-    check_tensor("post_norm", post_norm, dtype=bfloat16, shape=(h,))
-    eps32 = check_eps(eps)
-    if (next_qkv is None) != (qkv_out is None) or (next_qkv is None) != (next_norm is None):
-        raise ValueError("attention_out_mlp: next_norm, next_qkv and qkv_out come together")
-    if next_qkv is not None:
-        check_tensor("next_norm", next_norm, dtype=bfloat16, shape=(h,))
-        check_tensor("next_qkv", next_qkv, dtype=bfloat16, ndim=2)
-        check_tensor("next_qkv", next_qkv, shape=(next_qkv.shape[0], h))
-        check_tensor("qkv_out", qkv_out, dtype=bfloat16, shape=(1, next_qkv.shape[0]))
-    for m, k in ((1, q), (1, h), (1, i)):
-        _check_m(m, k)
-    device = same_device(attn=attn, o_proj=o_proj, residual=residual, post_norm=post_norm, gate_up=gate_up, act=act,
-                         down=down, next_norm=next_norm, next_qkv=next_qkv, qkv_out=qkv_out)
-    for name, t in (("attn", attn), ("act", act), ("qkv_out", qkv_out)):
-        if t is not None:
-            check_alias("residual", residual, name, t, allow_identical=False)
-    check_alias("act", act, "attn", attn, allow_identical=False)
-    if device == "cpu":
-        linear_add(attn, o_proj, residual)
-        rmsnorm_linear_silu_mul(residual, post_norm, eps32, gate_up, out=act)
-        linear_add(act, down, residual)
-        if next_qkv is not None:
-            rmsnorm_linear(residual, next_norm, eps32, next_qkv, out=qkv_out)
-        return residual
-    phases = [(attn, q, None, o_proj, residual, "bf16", _EPILOGUE["add"]),
-              (residual, h, post_norm, gate_up, act, "rmsnorm", _EPILOGUE["silu_mul"]),
-              (act, i, None, down, residual, "bf16", _EPILOGUE["add"])]
-    if next_qkv is not None:
-        phases.append((residual, h, next_norm, next_qkv, qkv_out, "rmsnorm", _EPILOGUE[bfloat16]))
-    _launch_chain(phases, eps32)
-    return residual
-
-
-# row::Phase of gemv.cu: x, x_stride, x_rows, norm_w, W, out (8 bytes each), eps, N, K, split, prologue, epilogue.
-_PHASE = struct.Struct("<QqQQQQfiiiii")
-_chain_descriptors: dict[bytes, Tensor] = {}  # packed phases -> their device copy (graphs capture the address)
-_chain_barriers: dict[int, Tensor] = {}  # grid size -> its barrier counter (a counter serves one grid size)
-
-
-def _launch_chain(phases, eps32) -> None:
-    """gemv_row_chain over `phases` [(x, K, norm weight or None, W, out, prologue, epilogue)]: one x row each.
-    The grid is every CTA that fits at once (its grid-wide barriers need them all resident)."""
-    sms = get_device().multiprocessor_count
-    chain = kernel("gemv", "gemv_row_chain")
-    smem = max(_smem(1, k) for _, k, *_ in phases)
-    per_sm = min(CTAS_PER_SM, chain.max_resident_per_sm(_ROW_WARPS * 32, smem))
-    if per_sm < 1:
-        raise RuntimeError(f"gemv_row_chain: no CTA of {smem} bytes of shared memory fits an SM")
-    grid = sms * per_sm
-    packed = bytearray()
-    for x, k, norm, w, out, prologue, epilogue in phases:
-        if not aligned(x, w):
-            raise ValueError("gemv: x and weight must be 16-byte aligned with 16-byte aligned rows")
-        n = w.shape[0]
-        split = plan(1, n, sms, epilogue == _EPILOGUE["silu_mul"], k)[2]
-        packed += _PHASE.pack(x.ptr, k, 0, norm.ptr if norm is not None else 0, w.ptr, out.ptr, float(eps32), n, k,
-                              split, _PROLOGUE[prologue], epilogue)
-    key = bytes(packed)
-    desc = _chain_descriptors.get(key)
-    if desc is None:  # uploaded on the first (eager) call; a graph capture replays the same call after it
-        desc = _chain_descriptors[key] = Tensor.from_numpy(np.frombuffer(key, np.uint8).copy(), "cuda")
-    barrier = _chain_barriers.get(grid)
-    if barrier is None:
-        barrier = _chain_barriers[grid] = Tensor.zeros((2,), int32, "cuda")  # one 64-bit counter
-    chain(grid, _ROW_WARPS * 32, desc, np.int32(len(phases)), barrier, smem=smem, pdl=True)
 
 
 def linear_add(x: Tensor, weight: Tensor, residual: Tensor) -> Tensor:

@@ -221,14 +221,6 @@ class Kernel:
         check_driver(driver.cuFuncSetAttribute(self._func, attr, smem), "cuFuncSetAttribute")
         self._smem_limit = smem
 
-    def max_resident_per_sm(self, block: int, smem: int = 0) -> int:
-        """CTAs of `block` threads and `smem` bytes of dynamic shared memory that fit on one multiprocessor at once
-        (the driver's occupancy calculation): what a kernel with grid-wide barriers may launch per SM."""
-        if smem > self._smem_limit:
-            self._raise_smem_limit(smem)
-        return int(check_driver(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(self._func, block, smem),
-                                "cuOccupancyMaxActiveBlocksPerMultiprocessor"))
-
     @property
     def registers(self) -> int:
         regs = self._kernel.attributes.num_regs  # a property in cuda-core >= 1.0, a method before
