@@ -317,10 +317,11 @@ class DenseModel:
                           self.scale, batch.max_q_len, out=attn3, num_q_heads=hq)
 
     def _forward_fused(self, batch, kv_cache, ws: Workspace, t: int, n: int) -> Tensor:
-        """The forward of one token as 6 launches per layer: each projection is a GEMV kernel that applies the
-        RMSNorm before it (reading the fp32 residual stream), the SiLU-and-mul after the gate/up projection (its
-        tiles pair gate and up rows), or the residual add after the o / down projections. Same rounding points as
-        `forward`'s unfused ops."""
+        """The forward of one token as 5 launches per layer, chained by programmatic dependent launch: decode
+        attention with QK-norm, RoPE and the KV write folded in (`_attention`), and the four projections as GEMV
+        kernels that apply the RMSNorm before them (reading the fp32 residual stream), the SiLU-and-mul after the
+        gate/up projection (its tiles pair gate and up rows), or the residual add after the o / down projections.
+        Same rounding points as `forward`'s unfused ops."""
         c = self.config
         hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         residual = ws.residual[:t]
