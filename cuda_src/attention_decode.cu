@@ -258,8 +258,8 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS) {
         v_bits = *reinterpret_cast<const uint4*>(v_row + 8 * c);
         float cv[8], sv[8], lo[8], hi[8];
         const bool in_range = rope16::load_cos_sin<D>(cos_sin, pos, max_pos, t, cv, sv);
-        rope16::bf16x8_bits_to_float(raw_lo, lo);
-        rope16::bf16x8_bits_to_float(raw_hi, hi);
+        xserv::bf16x8_to_float(raw_lo, lo);
+        xserv::bf16x8_to_float(raw_hi, hi);
         if (norm) rope16::row_rmsnorm16<D>(lo, hi, false, w, eps);
         rope16::rope_apply(lo, hi, in_range, cv, sv);
         const uint4 out_lo = rope16::float8_to_bf16_bits(lo), out_hi = rope16::float8_to_bf16_bits(hi);
@@ -365,8 +365,8 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS) {
         for (int g = warp; g < G; g += kV4Warps) {
             const __nv_bfloat16* q_row = q_seq + (long long)(h0 + g) * D;
             float lo[8], hi[8];
-            rope16::bf16x8_bits_to_float(*reinterpret_cast<const uint4*>(q_row + 8 * t), lo);
-            rope16::bf16x8_bits_to_float(*reinterpret_cast<const uint4*>(q_row + D / 2 + 8 * t), hi);
+            xserv::bf16x8_to_float(*reinterpret_cast<const uint4*>(q_row + 8 * t), lo);
+            xserv::bf16x8_to_float(*reinterpret_cast<const uint4*>(q_row + D / 2 + 8 * t), hi);
             if (norm) rope16::row_rmsnorm16<D>(lo, hi, true, w, eps);
             rope16::rope_apply(lo, hi, in_range, cv, sv);
             const uint4 out_lo = rope16::float8_to_bf16_bits(lo), out_hi = rope16::float8_to_bf16_bits(hi);

@@ -20,16 +20,6 @@
 namespace xserv {
 namespace decode {
 
-__device__ __forceinline__ void bf16x8_to_float(const uint4& v, float (&f)[8]) {
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float2 x = __bfloat1622float2(h[i]);
-        f[2 * i] = x.x;
-        f[2 * i + 1] = x.y;
-    }
-}
-
 // Merge online-softmax state (m, l, acc) with another (log2 domain); an empty state has m = -inf, l = 0.
 __device__ __forceinline__ void merge_state(float& m, float& l, float (&acc)[8], float m_o, float l_o,
                                             const float (&acc_o)[8]) {

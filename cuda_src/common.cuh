@@ -11,6 +11,17 @@ struct __align__(16) bf16x8 {
     __nv_bfloat162 h[4];
 };
 
+// Eight bf16 values held as one 16-byte register quad, widened to fp32 in order.
+__device__ __forceinline__ void bf16x8_to_float(const uint4& v, float (&out)[8]) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 f = __bfloat1622float2(h[i]);
+        out[2 * i] = f.x;
+        out[2 * i + 1] = f.y;
+    }
+}
+
 __device__ __forceinline__ void load8(const __nv_bfloat16* p, float (&out)[8]) {
     bf16x8 v = *reinterpret_cast<const bf16x8*>(p);
 #pragma unroll

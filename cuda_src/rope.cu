@@ -252,8 +252,8 @@ __device__ __forceinline__ void qk_rope_write_kv_rows(__nv_bfloat16* qkv, const 
         const long long row = warp_first + k * RPW + grp;
         const bool is_q = head[k] < num_q_heads, is_qk = head[k] >= 0 && head[k] < qk_heads;
         float lo[8], hi[8];
-        bf16x8_bits_to_float(raw_lo[k], lo);
-        bf16x8_bits_to_float(raw_hi[k], hi);
+        xserv::bf16x8_to_float(raw_lo[k], lo);
+        xserv::bf16x8_to_float(raw_hi[k], hi);
         // every lane takes part in the norm's shuffles; v rows and missing rows discard the result
         if constexpr (NORM) row_rmsnorm16<D>(lo, hi, is_q, w, eps);
         if (is_qk) {

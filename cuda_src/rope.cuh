@@ -20,16 +20,6 @@
 namespace xserv {
 namespace rope16 {
 
-__device__ __forceinline__ void bf16x8_bits_to_float(const uint4& v, float (&f)[8]) {
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float2 x = __bfloat1622float2(h[i]);
-        f[2 * i] = x.x;
-        f[2 * i + 1] = x.y;
-    }
-}
-
 __device__ __forceinline__ uint4 float8_to_bf16_bits(const float (&f)[8]) {
     uint4 v;
     __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
