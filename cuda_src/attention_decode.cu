@@ -108,12 +108,7 @@ __device__ __forceinline__ void combine_splits_v4(int* counter, int active, long
     constexpr int NIDX = G * D / 4;                      // float4 columns of the G output rows
     constexpr int PARTS = NIDX >= kV4Warps * 32 ? 1 : (kV4Warps * 32) / NIDX;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    __threadfence();  // this thread's partial writes are visible device-wide before the CTA counts itself done
-    __syncthreads();
-    if (threadIdx.x == 0) sm_last = atomicAdd(counter, 1) == active - 1;
-    __syncthreads();
-    if (!sm_last) return;
-    __threadfence();  // the other CTAs' partials (counted before our atomic) are visible from here on
+    if (!last_to_arrive(counter, active, sm_last)) return;
     float* sm_w = sm;                    // [G][active] split weights
     float4* sm_red = reinterpret_cast<float4*>(sm + ((G * active + 3) & ~3));  // [PARTS][NIDX] partial sums
     // split weights 2^(lse_i - M) / sum per head, one warp per head; the lse values are read from L2 once (into

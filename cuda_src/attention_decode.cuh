@@ -71,12 +71,7 @@ __device__ __forceinline__ void combine_splits_if_last(int* counter, int active,
                                                        const float* __restrict__ part_lse,
                                                        __nv_bfloat16* __restrict__ out, float* sm_w, int& sm_last) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    __threadfence();  // this thread's partial writes are visible device-wide before the CTA counts itself done
-    __syncthreads();
-    if (threadIdx.x == 0) sm_last = atomicAdd(counter, 1) == active - 1;
-    __syncthreads();
-    if (!sm_last) return;
-    __threadfence();  // the other CTAs' partials (counted before our atomic) are visible from here on
+    if (!last_to_arrive(counter, active, sm_last)) return;
     // split weights 2^(lse_i - M) / sum per head, one warp per head
     for (int g = warp; g < G; g += WARPS) {
         const float* lse = part_lse + (row0 + g) * num_splits;

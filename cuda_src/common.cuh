@@ -76,6 +76,19 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     return total;
 }
 
+// The threadfence-reduction hand-off: each CTA of a group counts itself done on `counter`, and the one that arrives
+// last (true in all of its threads) sees every other CTA's global writes made before they arrived. Every thread
+// of the CTA calls it; `last` is a shared int. The caller of the last CTA resets the counter if it is reused.
+__device__ __forceinline__ bool last_to_arrive(int* counter, int total, int& last) {
+    __threadfence();  // this thread's writes are visible device-wide before the CTA counts itself done
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(counter, 1) == total - 1;
+    __syncthreads();
+    if (!last) return false;
+    __threadfence();  // the other CTAs' writes (counted before our atomic) are visible from here on
+    return true;
+}
+
 // Programmatic dependent launch (Hopper). A kernel launched with the programmatic-stream-serialization attribute
 // (Kernel(..., pdl=True)) may start while the kernel before it in the stream is still running. It must call
 // pdl_wait() before its first read of anything an earlier kernel wrote (work that depends only on weights may come
