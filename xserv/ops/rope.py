@@ -217,8 +217,9 @@ def rope(x: Tensor, positions: Tensor, cos_sin: Tensor, out: Tensor | None = Non
     return out
 
 
-def _check_packed_qkv(qkv: Tensor, positions: Tensor, cos_sin: Tensor, num_q_heads: int, num_kv_heads: int) -> int:
-    """Checks shared by qk_rope and qk_norm_rope; returns head_dim."""
+def check_packed_qkv(qkv: Tensor, positions: Tensor, cos_sin: Tensor, num_q_heads: int, num_kv_heads: int) -> int:
+    """Checks shared by the ops that take the packed qkv with positions (qk_rope, qk_norm_rope, attention_decode_rope);
+    returns head_dim."""
     check_tensor("qkv", qkv, dtype=bfloat16, ndim=3)
     num_tokens, all_heads, head_dim = qkv.shape
     for name, value in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads)):
@@ -231,6 +232,17 @@ def _check_packed_qkv(qkv: Tensor, positions: Tensor, cos_sin: Tensor, num_q_hea
     check_int32_range("qkv", all_heads)
     _check_positions_table(positions, cos_sin, num_tokens, head_dim)
     return head_dim
+
+
+def check_head_norms(q_weight: Tensor | None, k_weight: Tensor | None, head_dim: int) -> bool:
+    """Both head-RMSNorm weights (Qwen3) or neither (Llama); True when given."""
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("q_weight, k_weight: give both (Qwen3's head norms) or neither (Llama)")
+    if q_weight is None:
+        return False
+    check_tensor("q_weight", q_weight, dtype=bfloat16, shape=(head_dim,))
+    check_tensor("k_weight", k_weight, dtype=bfloat16, shape=(head_dim,))
+    return True
 
 
 def _launch_packed(family_kernel: str, qkv: Tensor, num_q_heads: int, num_kv_heads: int, *args) -> None:
@@ -247,7 +259,7 @@ def _launch_packed(family_kernel: str, qkv: Tensor, num_q_heads: int, num_kv_hea
 def qk_rope(qkv: Tensor, positions: Tensor, cos_sin: Tensor, num_q_heads: int, num_kv_heads: int) -> Tensor:
     """In place on the packed QKV projection qkv: bf16 [T, Hq + 2 Hkv, D]: RoPE on heads [0, Hq + Hkv) (q and k),
     the v heads untouched (Llama: no head norms). Returns qkv."""
-    _check_packed_qkv(qkv, positions, cos_sin, num_q_heads, num_kv_heads)
+    check_packed_qkv(qkv, positions, cos_sin, num_q_heads, num_kv_heads)
     device = same_device(qkv=qkv, positions=positions, cos_sin=cos_sin)
     for name, t in (("positions", positions), ("cos_sin", cos_sin)):
         check_alias(name, t, "qkv", qkv, allow_identical=False)
@@ -266,7 +278,7 @@ def qk_norm_rope(qkv: Tensor, q_weight: Tensor, k_weight: Tensor, positions: Ten
                  num_q_heads: int, num_kv_heads: int, eps: float) -> Tensor:
     """In place on the packed QKV projection qkv: bf16 [T, Hq + 2 Hkv, D]: heads [0, Hq) get head-RMSNorm(q_weight)
     then RoPE, heads [Hq, Hq + Hkv) head-RMSNorm(k_weight) then RoPE, the v heads are untouched. Returns qkv."""
-    head_dim = _check_packed_qkv(qkv, positions, cos_sin, num_q_heads, num_kv_heads)
+    head_dim = check_packed_qkv(qkv, positions, cos_sin, num_q_heads, num_kv_heads)
     check_tensor("q_weight", q_weight, dtype=bfloat16, shape=(head_dim,))
     check_tensor("k_weight", k_weight, dtype=bfloat16, shape=(head_dim,))
     eps32 = check_eps(eps)
@@ -294,13 +306,8 @@ def qk_norm_rope_write_kv(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor
     launch; the results are bit-identical to the two ops run one after the other. qkv's v heads are not written.
     qkv, cos_sin and the caches must be 16-byte aligned (the kernel's accesses are 16 bytes wide).
     pdl=True launches it with programmatic dependent launch (the kernel waits before reading qkv). Returns qkv."""
-    head_dim = _check_packed_qkv(qkv, positions, cos_sin, num_q_heads, num_kv_heads)
-    if (q_weight is None) != (k_weight is None):
-        raise ValueError("q_weight, k_weight: give both (Qwen3's head norms) or neither (Llama)")
-    norm = q_weight is not None
-    if norm:
-        check_tensor("q_weight", q_weight, dtype=bfloat16, shape=(head_dim,))
-        check_tensor("k_weight", k_weight, dtype=bfloat16, shape=(head_dim,))
+    head_dim = check_packed_qkv(qkv, positions, cos_sin, num_q_heads, num_kv_heads)
+    norm = check_head_norms(q_weight, k_weight, head_dim)
     eps32 = check_eps(eps)
     _, _, cache_kv_heads, cache_head_dim = check_cache(k_cache, v_cache)
     if (cache_kv_heads, cache_head_dim) != (num_kv_heads, head_dim):

@@ -342,26 +342,15 @@ def attention_decode_rope(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor
     as attention_decode would. variant: as attention_decode; a plan that runs v2 (variant "v2", or block_size < 8
     with very long contexts) runs qk_norm_rope_write_kv and attention_decode, two launches."""
     _, block_size, num_kv_heads, head_dim = check_cache(k_cache, v_cache)
-    check_tensor("qkv", qkv, dtype=bfloat16, ndim=3)
-    if isinstance(num_q_heads, bool) or not isinstance(num_q_heads, (int, np.integer)) or num_q_heads <= 0:
-        raise ValueError(f"num_q_heads: expected a positive int, got {num_q_heads!r}")
+    rope = _rope()
+    rope.check_packed_qkv(qkv, positions, cos_sin, num_q_heads, num_kv_heads)
+    if not cos_sin.shape[0]:
+        raise ValueError(f"cos_sin: shape {list(cos_sin.shape)}, expected [max_positions > 0, {head_dim}]")
     num_q_heads = int(num_q_heads)
-    if qkv.shape[1:] != (num_q_heads + 2 * num_kv_heads, head_dim):
-        raise ValueError(f"qkv: shape {list(qkv.shape)}, expected the packed [num_seqs, {num_q_heads} + 2 * "
-                         f"{num_kv_heads}, {head_dim}] (num_q_heads, the cache's kv heads and head_dim)")
-    query_heads(qkv, num_q_heads, num_kv_heads, head_dim)  # group size and alignment
+    query_heads(qkv, num_q_heads, num_kv_heads, head_dim)  # head_dim against the cache's, group size, alignment
     num_seqs = qkv.shape[0]
-    if (q_weight is None) != (k_weight is None):
-        raise ValueError("q_weight, k_weight: give both (Qwen3's head norms) or neither (Llama)")
-    norm = q_weight is not None
-    if norm:
-        check_tensor("q_weight", q_weight, dtype=bfloat16, shape=(head_dim,))
-        check_tensor("k_weight", k_weight, dtype=bfloat16, shape=(head_dim,))
-    check_tensor("positions", positions, dtype=int32, shape=(num_seqs,))
+    norm = rope.check_head_norms(q_weight, k_weight, head_dim)
     check_tensor("slot_mapping", slot_mapping, dtype=int32, shape=(num_seqs,))
-    check_tensor("cos_sin", cos_sin, dtype=float32, ndim=2)
-    if cos_sin.shape[1] != head_dim or not 0 < cos_sin.shape[0] < 2**31:
-        raise ValueError(f"cos_sin: shape {list(cos_sin.shape)}, expected [max_positions < 2**31, {head_dim}]")
     check_tables(kv_lens, block_tables, num_seqs)
     eps32 = check_eps(eps)
     device = same_device(qkv=qkv, q_weight=q_weight, k_weight=k_weight, positions=positions, cos_sin=cos_sin,
@@ -377,7 +366,6 @@ def attention_decode_rope(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor
         raise ValueError(f"variant: unknown decode kernel {variant!r}; known: {', '.join(DECODE_KERNELS)}")
     if num_seqs == 0:
         return out
-    rope = _rope()
     if device == "cpu":  # the composition of the references (qkv itself is left as it is)
         rotated = rope.qk_norm_rope_write_kv_reference(
             qkv.array, q_weight.array if norm else None, k_weight.array if norm else None, positions.array,
