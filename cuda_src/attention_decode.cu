@@ -397,13 +397,7 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS) {
         for (int e = 0; e < 8; ++e) qf[g][e] *= scale_log2;
     }
     float m[G], l[G], acc[G][8];
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-        m[g] = neg_inf();
-        l[g] = 0.f;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[g][e] = 0.f;
-    }
+    empty_states(m, l, acc);
     int rd = 0, wr = STAGES - 1;
     for (int it = 0; it < n_it; ++it) {
         if (it + STAGES - 1 < n_it) issue(it + STAGES - 1, wr);

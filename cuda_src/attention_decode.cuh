@@ -20,6 +20,18 @@
 namespace xserv {
 namespace decode {
 
+// G empty online-softmax states (m = -inf, l = 0, acc = 0), one per query head of the group.
+template <int G>
+__device__ __forceinline__ void empty_states(float (&m)[G], float (&l)[G], float (&acc)[G][8]) {
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        m[g] = neg_inf();
+        l[g] = 0.f;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[g][e] = 0.f;
+    }
+}
+
 // Merge online-softmax state (m, l, acc) with another (log2 domain); an empty state has m = -inf, l = 0.
 __device__ __forceinline__ void merge_state(float& m, float& l, float (&acc)[8], float m_o, float l_o,
                                             const float (&acc_o)[8]) {

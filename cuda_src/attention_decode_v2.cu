@@ -61,13 +61,7 @@ __device__ void decode_split(const __nv_bfloat16* __restrict__ q, long long q_ro
         for (int e = 0; e < 8; ++e) qf[g][e] *= scale_log2;
     }
     float m[G], l[G], acc[G][8];
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-        m[g] = neg_inf();
-        l[g] = 0.f;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[g][e] = 0.f;
-    }
+    empty_states(m, l, acc);
 
     for (int base = start + warp * KPI; base < end; base += kWarps * KPI) {
         // Issue all loads of this iteration before using any (a table lookup, then K and V, per key).

@@ -315,13 +315,7 @@ __device__ void decode_split_v4_exp(const __nv_bfloat16* __restrict__ q, long lo
         for (int e = 0; e < 8; ++e) qf[g][e] *= scale_log2;
     }
     float m[G], l[G], acc[G][8];
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-        m[g] = neg_inf();
-        l[g] = 0.f;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[g][e] = 0.f;
-    }
+    empty_states(m, l, acc);
 
     const int first = start + warp * KPI;
     const int n_it = end > first ? (end - first + kV4Warps * KPI - 1) / (kV4Warps * KPI) : 0;
