@@ -2,6 +2,15 @@
 launch cost, and cold/warm kernel loading. Prints the device name; absolute numbers hold only for it.
 
     python -m tools.bench_runtime [--skip-torch] [--only launch,loading,gemm]
+    python -m tools.bench_runtime --only host [--calls 2000 --repeats 31]   # no GPU needed
+    python -m tools.bench_runtime --only host --against /path/to/other/checkout [--rounds 6]
+
+`--only host` measures the Python side of an eager op alone, on any machine: the runtime is built over a fake
+driver (cuLaunchKernel / cuLaunchKernelEx / cuMemAlloc are no-ops, no context, no cubins), so what is timed is
+xserv's own work per call: checks, Tensor allocation, argument packing, the Kernel call. It cannot be combined
+with the GPU sections (it replaces the runtime of its process). `--against` runs it in fresh processes, alternating
+this checkout with another one (say `git worktree add /tmp/before <commit>`) round after round, and prints each
+line's median per checkout and the median of the per-round ratios: on a noisy machine the pairs share its state.
 """
 from __future__ import annotations
 
@@ -169,6 +178,91 @@ def bench_launch(vs_torch: bool) -> None:
           "both allocating their output)")
 
 
+# ---- the Python side alone, over a fake driver (no GPU): tools/host_runtime.py -------------------------------
+def _host_ns(fn, calls: int, repeats: int) -> tuple[float, float]:
+    """(median, min) over `repeats` batches of `calls` back-to-back calls, in ns per call."""
+    for _ in range(calls):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter_ns()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter_ns() - t0) / calls)
+    return statistics.median(times), min(times)
+
+
+def bench_host(calls: int = 2000, repeats: int = 31) -> dict[str, float]:
+    """The Python side of eager launches, timed over the fake driver (tools/host_runtime.py). Returns the medians
+    (ns per call) by name, and prints them with the minimum of the batches."""
+    from tools.host_runtime import install
+
+    install()
+    from xserv.ops.elementwise import add
+    from xserv.ops.rmsnorm import rmsnorm
+    from xserv.runtime import kernel
+    from xserv.runtime import kernels as K
+    from xserv.tensor import Tensor, bfloat16, float32
+
+    a, b, o = (Tensor.empty((1, 4096), bfloat16) for _ in range(3))
+    x, w, y = Tensor.empty((1, 1024), bfloat16), Tensor.empty((1024,), bfloat16), Tensor.empty((1, 1024), bfloat16)
+    x256, w4k = Tensor.empty((256, 4096), bfloat16), Tensor.empty((4096,), bfloat16)
+    fill, fout = kernel("fill", "fill_f32"), Tensor.empty((256,), float32)
+    value, n = np.float32(1.0), np.int64(256)
+    nop = K._cuLaunchKernel
+    success_args = (0x1234, 1, 1, 1, 256, 1, 1, 0, 0x5150, 0, 0)
+    cases = [
+        ("no-op driver call (the fake cuLaunchKernel itself)", lambda: nop(*success_args)),
+        ("Kernel call, fill_f32 (3 arguments, no op checks)", lambda: fill(1, 256, fout, value, n)),
+        ("Kernel call, fill_f32, (1,) / (256,) tuples", lambda: fill((1,), (256,), fout, value, n)),
+        ("Tensor.empty((1, 4096), bf16) incl. release", lambda: Tensor.empty((1, 4096), bfloat16)),
+        ("add(a, b, out) 1x4096 bf16", lambda: add(a, b, o)),
+        ("add(a, b) 1x4096 bf16, allocating", lambda: add(a, b)),
+        ("rmsnorm(x, w, eps, out) 1x1024", lambda: rmsnorm(x, w, 1e-6, y)),
+        ("rmsnorm(x, w, eps) 1x1024, allocating", lambda: rmsnorm(x, w, 1e-6)),
+        ("rmsnorm(x, w, eps) 256x4096, allocating", lambda: rmsnorm(x256, w4k, 1e-6)),
+    ]
+    print(f"host-side Python per call, fake driver (no GPU); batches of {calls} calls, median (min) of {repeats}, ns")
+    results = {}
+    for name, fn in cases:
+        med, low = _host_ns(fn, calls, repeats)
+        results[name] = med
+        print(f"  {name:52s} {med:8.0f} ({low:6.0f})")
+    return results
+
+
+def compare_host(other: str, rounds: int, calls: int, repeats: int) -> None:
+    """bench_host in fresh processes, this checkout and `other` alternating (each round runs both, the order
+    swapped every round); prints the medians and the median of the per-round ratios (this / other)."""
+    import json
+    import os
+    from pathlib import Path
+
+    here = str(Path(__file__).resolve().parents[1])
+    # the other checkout's xserv, this checkout's benchmark and host runtime (the other may predate them)
+    code = ("import importlib.util, json, runpy, sys; sys.path.insert(0, sys.argv[1]);"
+            "spec = importlib.util.spec_from_file_location('tools.host_runtime', sys.argv[5]);"
+            "sys.modules[spec.name] = module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module);"
+            "bench = runpy.run_path(sys.argv[2]);"
+            "print(json.dumps(bench['bench_host'](int(sys.argv[3]), int(sys.argv[4]))))")
+    trees = {"this": here, "other": str(Path(other).resolve())}
+    results = {name: [] for name in trees}
+    for r in range(rounds):
+        for name in (("this", "other") if r % 2 == 0 else ("other", "this")):
+            env = dict(os.environ, PYTHONPATH=trees[name])
+            out = subprocess.run([sys.executable, "-c", code, trees[name], __file__, str(calls), str(repeats),
+                                  str(Path(__file__).with_name("host_runtime.py"))],
+                                 capture_output=True, text=True, cwd=trees[name], env=env, check=True)
+            results[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    print(f"\nhost-side ns per call, {rounds} alternating rounds: this = {here}, other = {trees['other']}")
+    print(f"  {'':52s} {'other':>8s} {'this':>8s} {'this/other':>10s}")
+    for case in results["this"][0]:
+        this = [run[case] for run in results["this"]]
+        that = [run.get(case, float("nan")) for run in results["other"]]
+        ratio = statistics.median(a / b for a, b in zip(this, that))
+        print(f"  {case:52s} {statistics.median(that):8.0f} {statistics.median(this):8.0f} {ratio:10.2f}")
+
+
 def bench_loading() -> None:
     """Cold: every family compiled by NVRTC here, bypassing the cache. Warm: a fresh process with the cache
     populated creates the runtime and loads every family's cubin (what `xserv` pays at start)."""
@@ -200,11 +294,25 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--skip-torch", action="store_true")
     p.add_argument("--only", default="launch,loading,gemm",
-                   help="comma-separated sections: launch (eager launch cost), loading (kernel compile/load), gemm")
+                   help="comma-separated sections: launch (eager launch cost), loading (kernel compile/load), gemm; "
+                        "or host alone (the Python side of eager launches over a fake driver, no GPU needed)")
+    p.add_argument("--calls", type=int, default=2000, help="host: calls per timed batch")
+    p.add_argument("--repeats", type=int, default=31, help="host: timed batches (the median is printed)")
+    p.add_argument("--against", metavar="CHECKOUT", help="host: compare with another checkout, alternating processes")
+    p.add_argument("--rounds", type=int, default=6, help="host --against: alternating rounds")
     args = p.parse_args()
     sections = set(args.only.split(","))
-    if sections - {"launch", "loading", "gemm"}:
-        p.error(f"--only: unknown section(s) {sorted(sections - {'launch', 'loading', 'gemm'})}")
+    known = {"launch", "loading", "gemm", "host"}
+    if sections - known:
+        p.error(f"--only: unknown section(s) {sorted(sections - known)}")
+    if "host" in sections:
+        if sections != {"host"}:
+            p.error("--only host replaces the process's runtime with a fake driver: run it alone")
+        if args.against:
+            compare_host(args.against, args.rounds, args.calls, args.repeats)
+        else:
+            bench_host(args.calls, args.repeats)
+        return
     from xserv.runtime import get_device, get_runtime
 
     dev = get_device()

@@ -8,6 +8,7 @@ import ml_dtypes
 import numpy as np
 from cuda.bindings import driver
 
+from . import runtime as _rt
 from .runtime import check_driver, get_device, get_runtime
 
 bfloat16 = np.dtype(ml_dtypes.bfloat16)
@@ -19,6 +20,7 @@ uint8 = np.dtype(np.uint8)
 
 DTYPES = {"bfloat16": bfloat16, "float16": float16, "float32": float32, "int32": int32, "int64": int64, "uint8": uint8}
 DEVICES = ("cpu", "cuda")
+_new = object.__new__
 
 
 _DTYPE_OF: dict = {}  # what as_dtype accepted before (a dtype, a scalar type, a name) -> the dtype: no re-validation
@@ -110,6 +112,26 @@ class Tensor:
     # ---- construction -------------------------------------------------------------------------------------
     @classmethod
     def empty(cls, shape, dtype, device: str = "cuda") -> "Tensor":
+        if device == "cuda" and type(shape) is tuple:
+            # An eager op's output (a shape tuple of ints, a dtype as_dtype has seen): the slots written out, no
+            # re-validation. Anything else takes the checked path below, which raises the usual errors.
+            try:
+                dt = _DTYPE_OF[dtype]
+            except (KeyError, TypeError):
+                dt = None
+            if dt is not None:
+                nbytes = numel = 1
+                for s in shape:
+                    if type(s) is not int or s < 0:
+                        break
+                    numel *= s
+                else:
+                    nbytes = numel * dt.itemsize
+                    buf = (_rt._runtime or get_runtime()).allocator.allocate(nbytes)
+                    t = _new(cls)
+                    t.shape, t.dtype, t.device, t.numel, t.nbytes = shape, dt, "cuda", numel, nbytes
+                    t.ptr, t._buffer, t._offset, t._array = buf.ptr, buf, 0, None
+                    return t
         shape, dtype = _shape(shape), as_dtype(dtype)
         if device == "cuda":
             nbytes = dtype.itemsize

@@ -38,6 +38,17 @@ def overlaps(a: Tensor, b: Tensor) -> bool:
     return a0 < b0 + b.nbytes and b0 < a0 + a.nbytes
 
 
+def same_or_disjoint(p: int, q: int, nbytes: int) -> bool:
+    """Two ranges of `nbytes` bytes starting at device addresses p and q are the same range or do not intersect
+    (the ops' fast paths: check_alias(allow_identical=True) for two same-size CUDA tensors, as one expression)."""
+    return p == q or p + nbytes <= q or q + nbytes <= p
+
+
+def disjoint(p: int, p_nbytes: int, q: int, q_nbytes: int) -> bool:
+    """The ranges [p, p + p_nbytes) and [q, q + q_nbytes) do not intersect (an empty range intersects nothing)."""
+    return p + p_nbytes <= q or q + q_nbytes <= p or not p_nbytes or not q_nbytes
+
+
 def identical(a: Tensor, b: Tensor) -> bool:
     """Same device, same first byte, same size: one is the other (possibly as a different view)."""
     return a is b or (a.device == b.device and a.nbytes == b.nbytes and _start(a) == _start(b))

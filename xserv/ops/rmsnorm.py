@@ -11,11 +11,15 @@ import numpy as np
 from ..runtime import kernel
 from ..tensor import Tensor, bfloat16, float32
 from ._checks import check_tensor, output, same_device
-from ._launch import aligned, cdiv, check_alias, check_eps, check_int32_range, round_up
+from ._launch import (aligned, cdiv, check_alias, check_eps, check_int32_range, disjoint, round_up,
+                      same_or_disjoint)
 
 HEAD_DIMS = (64, 128)
 _HEAD_BLOCK = 256  # 8 warps
 _HEAD_ROWS_PER_WARP = 2  # kRowsPerWarp in rmsnorm.cu / rope.cu
+_empty = Tensor.empty
+_EPS32: dict[float, np.float32] = {}  # eps (a valid Python float) -> its np.float32, built once
+_ROWS: dict[tuple, tuple] = {}  # (op, hidden, vectorised) -> (kernel name, threads per row, np.int32(hidden))
 
 
 # ---- references (NumPy, float32 math; return float32 values the caller writes into the output dtype) ----------
@@ -48,8 +52,40 @@ def _check_rows(x: Tensor, weight: Tensor, eps) -> tuple[int, int, np.float32]:
     return num_rows, hidden, check_eps(eps)
 
 
+def _eps32(eps) -> np.float32:
+    """check_eps, remembered for Python floats (an op is called with the same eps every time)."""
+    if type(eps) is float:  # not bool or int: True == 1 == 1.0 would find 1.0's entry without being checked
+        eps32 = _EPS32.get(eps)
+        if eps32 is None:
+            eps32 = check_eps(eps)
+            if len(_EPS32) < 64:
+                _EPS32[eps] = eps32
+        return eps32
+    return check_eps(eps)
+
+
 def rmsnorm(x: Tensor, weight: Tensor, eps: float, out: Tensor | None = None) -> Tensor:
     """x: bf16 [T, H], weight: bf16 [H] -> out: bf16 [T, H]. `out` may be `x`."""
+    # The usual eager call (CUDA tensors, `out` new, `x` or disjoint from it) is checked in one expression;
+    # anything else takes the full checks, which name what is wrong.
+    if (type(x) is Tensor and type(weight) is Tensor and x.dtype is bfloat16 and weight.dtype is bfloat16
+            and x.device == "cuda" and weight.device == "cuda" and len(x.shape) == 2
+            and weight.shape == x.shape[1:] and 0 < x.shape[1] < 2**31):
+        eps32 = _eps32(eps)
+        if out is None:
+            out = _empty(x.shape, bfloat16)  # a new block: it overlaps nothing
+        elif not (type(out) is Tensor and out.device == "cuda" and out.dtype is bfloat16 and out.shape == x.shape
+                  and same_or_disjoint(out.ptr, x.ptr, x.nbytes)):
+            return _rmsnorm_checked(x, weight, eps, out)
+        num_rows, hidden = x.shape
+        if num_rows:
+            name, threads, hidden32 = _rows_config("rmsnorm", hidden, not (x.ptr | weight.ptr | out.ptr) & 15)
+            kernel("rmsnorm", name)(num_rows, threads, x, weight, out, hidden32, eps32)
+        return out
+    return _rmsnorm_checked(x, weight, eps, out)
+
+
+def _rmsnorm_checked(x: Tensor, weight: Tensor, eps, out: Tensor | None) -> Tensor:
     num_rows, hidden, eps32 = _check_rows(x, weight, eps)
     device = same_device(x=x, weight=weight, out=out)
     out = output("out", out, x.shape, bfloat16, device)
@@ -67,6 +103,28 @@ def fused_add_rmsnorm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, o
     """residual <- x + residual (in place); out <- rmsnorm(residual). Returns out. `out` may be `x`, not
     `residual`. The residual stream is bf16 (rounded like HF in bf16) or float32 (kept unrounded; the normalised
     value is then not rounded before the weight multiply either, as HF's RMSNorm does on an fp32 input)."""
+    if (type(x) is Tensor and type(residual) is Tensor and type(weight) is Tensor and x.dtype is bfloat16
+            and weight.dtype is bfloat16 and (residual.dtype is bfloat16 or residual.dtype is float32)
+            and x.device == "cuda" and residual.device == "cuda" and weight.device == "cuda"
+            and len(x.shape) == 2 and residual.shape == x.shape and weight.shape == x.shape[1:]
+            and 0 < x.shape[1] < 2**31 and disjoint(residual.ptr, residual.nbytes, x.ptr, x.nbytes)):
+        eps32 = _eps32(eps)
+        if out is None:
+            out = _empty(x.shape, bfloat16)
+        elif not (type(out) is Tensor and out.device == "cuda" and out.dtype is bfloat16 and out.shape == x.shape
+                  and same_or_disjoint(out.ptr, x.ptr, x.nbytes)
+                  and disjoint(out.ptr, out.nbytes, residual.ptr, residual.nbytes)):
+            return _fused_add_rmsnorm_checked(x, residual, weight, eps, out)
+        num_rows, hidden = x.shape
+        if num_rows:
+            op = "fused_add_rmsnorm" if residual.dtype is bfloat16 else "fused_add_rmsnorm_f32res"
+            name, threads, hidden32 = _rows_config(op, hidden, not (x.ptr | residual.ptr | weight.ptr | out.ptr) & 15)
+            kernel("rmsnorm", name)(num_rows, threads, x, residual, weight, out, hidden32, eps32)
+        return out
+    return _fused_add_rmsnorm_checked(x, residual, weight, eps, out)
+
+
+def _fused_add_rmsnorm_checked(x: Tensor, residual: Tensor, weight: Tensor, eps, out: Tensor | None) -> Tensor:
     num_rows, hidden, eps32 = _check_rows(x, weight, eps)
     check_tensor("residual", residual, dtype=(bfloat16, float32), shape=x.shape)
     device = same_device(x=x, residual=residual, weight=weight, out=out)
@@ -87,17 +145,28 @@ def fused_add_rmsnorm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, o
 
 
 def _launch_rows(op: str, num_rows: int, hidden: int, inputs: tuple, weight: Tensor, out: Tensor, eps32) -> None:
+    name, threads, hidden32 = _rows_config(op, hidden, aligned(*inputs, weight, out))
+    kernel("rmsnorm", name)(num_rows, threads, *inputs, weight, out, hidden32, eps32)
+
+
+def _rows_config(op: str, hidden: int, vectorised_pointers: bool) -> tuple[str, int, np.int32]:
     """One CTA per row; the row in registers (VPT 16-byte vectors per thread) when hidden % 8 == 0, the pointers
-    are 16-byte aligned and the row fits 8 * 8 * 1024 values, else the two-pass scalar kernel."""
-    args = (*inputs, weight, out, np.int32(hidden), eps32)
-    nchunks = hidden // 8
-    if hidden % 8 == 0 and aligned(*inputs, weight, out):
-        for vpt in (1, 2, 4, 8):  # the fewest vectors per thread that keep the block at <= 256 threads
-            threads = round_up(cdiv(nchunks, vpt), 32)
-            if threads <= 256 or (vpt == 8 and threads <= 1024):
-                kernel("rmsnorm", f"{_kernel_prefix(op)}_vpt{vpt}")(num_rows, threads, *args)
-                return
-    kernel("rmsnorm", f"{_kernel_prefix(op)}_scalar")(num_rows, min(1024, round_up(hidden, 32)), *args)
+    are 16-byte aligned and the row fits 8 * 8 * 1024 values, else the two-pass scalar kernel.
+    -> (kernel name, threads per CTA, hidden as the kernel's int), computed once per (op, hidden, alignment)."""
+    key = (op, hidden, vectorised_pointers)
+    config = _ROWS.get(key)
+    if config is None:
+        config = None
+        if hidden % 8 == 0 and vectorised_pointers:
+            for vpt in (1, 2, 4, 8):  # the fewest vectors per thread that keep the block at <= 256 threads
+                threads = round_up(cdiv(hidden // 8, vpt), 32)
+                if threads <= 256 or (vpt == 8 and threads <= 1024):
+                    config = (f"{_kernel_prefix(op)}_vpt{vpt}", threads, np.int32(hidden))
+                    break
+        if config is None:
+            config = (f"{_kernel_prefix(op)}_scalar", min(1024, round_up(hidden, 32)), np.int32(hidden))
+        _ROWS[key] = config
+    return config
 
 
 def _kernel_prefix(op: str) -> str:
@@ -112,7 +181,7 @@ def head_rmsnorm(x: Tensor, weight: Tensor, eps: float, out: Tensor | None = Non
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"x: head_dim {head_dim} is not supported (supported: {HEAD_DIMS})")
     check_tensor("weight", weight, dtype=bfloat16, shape=(head_dim,))
-    eps32 = check_eps(eps)
+    eps32 = _eps32(eps)
     device = same_device(x=x, weight=weight, out=out)
     out = output("out", out, x.shape, bfloat16, device)
     check_alias("out", out, "x", x, allow_identical=True)
@@ -126,5 +195,5 @@ def head_rmsnorm(x: Tensor, weight: Tensor, eps: float, out: Tensor | None = Non
     if head_dim == 128 and not aligned(x, out, nbytes=4):
         name += "_scalar"
     grid = cdiv(rows, _HEAD_ROWS_PER_WARP * _HEAD_BLOCK // 32)
-    kernel("rmsnorm", name)(grid, _HEAD_BLOCK, x, weight, out, np.int64(rows), eps32)
+    kernel("rmsnorm", name)(grid, _HEAD_BLOCK, x, weight, out, rows, eps32)  # rows: the kernel's long long
     return out

@@ -56,12 +56,15 @@ class _Packer:
     """The parameters of one call signature of one kernel, in a buffer of 8-byte slots; `params` is the address of
     the void* array of the slots that the driver reads. Two functions are generated for the signature (the values
     go into their slots in one pack_into call, without a per-argument Python loop):
-    `pack(*args)` and `launch(gx, gy, gz, bx, by, bz, smem, *args)` = pack + cuLaunchKernel on the kernel's stream."""
+    `pack(*args)`, and `launch(gx, gy, gz, bx, by, bz, smem, *args)` = the argument types checked against the
+    signature's (None when one differs: the caller then looks the signature up), pack, cuLaunchKernel on the
+    kernel's stream (its result tuple)."""
 
-    __slots__ = ("pack", "launch", "params", "_buffer", "_pointers")
+    __slots__ = ("pack", "launch", "params", "nargs", "_buffer", "_pointers")
 
-    def __init__(self, kinds: list[tuple[str, int, str]], func, stream):
+    def __init__(self, kinds: list[tuple[str, int, str]], types: tuple, func, stream):
         n = max(1, len(kinds))
+        self.nargs = len(kinds)
         self._buffer = ctypes.create_string_buffer(_SLOT * n)
         base = ctypes.addressof(self._buffer)
         self._pointers = (ctypes.c_void_p * n)(*[base + _SLOT * i for i in range(n)])
@@ -69,12 +72,15 @@ class _Packer:
         layout = struct.Struct("<" + "".join(code + "x" * (_SLOT - size) for _, size, code in kinds))
         names = ", ".join(f"a{i}" for i in range(len(kinds)))
         values = ", ".join(f"a{i}.ptr" if how == "ptr" else f"a{i}" for i, (how, _, _) in enumerate(kinds))
+        same_types = " or ".join(f"type(a{i}) is not _t[{i}]" for i in range(len(kinds))) or "False"
         sep = ", " if kinds else ""
         source = (
-            "def make(_pack_into, _buffer, _params, _func, _stream):\n"
+            "def make(_pack_into, _buffer, _params, _func, _stream, _t):\n"
             f"    def pack({names}):\n"
             f"        _pack_into(_buffer, 0{sep}{values})\n"
             f"    def launch(gx, gy, gz, bx, by, bz, smem{sep}{names}):\n"
+            f"        if {same_types}:\n"
+            "            return None\n"
             f"        _pack_into(_buffer, 0{sep}{values})\n"
             "        return _cuLaunchKernel(_func, gx, gy, gz, bx, by, bz, smem, _stream, _params, 0)\n"
             "    return pack, launch\n"
@@ -82,7 +88,12 @@ class _Packer:
         scope: dict = {}
         # The module's globals: `_cuLaunchKernel` is looked up at call time (tests replace it with a fake driver).
         exec(source, globals(), scope)  # noqa: S102 - the source is built above from argument positions only
-        self.pack, self.launch = scope["make"](layout.pack_into, self._buffer, self.params, func, stream)
+        self.pack, self.launch = scope["make"](layout.pack_into, self._buffer, self.params, func, stream, types)
+
+
+class _NoPacker:
+    """Kernel._last before the first call: matches no call."""
+    nargs = -1
 
 
 class Kernel:
@@ -99,7 +110,7 @@ class Kernel:
     (cuda_src/common.cuh) before reading anything an earlier kernel wrote. Works under CUDA-graph capture.
     """
 
-    __slots__ = ("family", "name", "_kernel", "_device", "_func", "_hstream", "_smem_limit", "_packers",
+    __slots__ = ("family", "name", "_kernel", "_device", "_func", "_hstream", "_smem_limit", "_packers", "_last",
                  "_param_sizes", "_pdl_supported", "_pdl_configs")
 
     def __init__(self, family: str, name: str, core_kernel, device):
@@ -114,14 +125,12 @@ class Kernel:
         self._hstream = driver.CUstream(device.stream_handle)
         self._smem_limit = _SMEM_DEFAULT_LIMIT
         self._packers: dict[tuple, _Packer] = {}
+        self._last: _Packer | _NoPacker = _NoPacker()  # the signature of the last plain launch
         self._param_sizes: list[int] | None | bool = False  # False: not read yet; None: the driver cannot say
         self._pdl_supported = device.info.compute_capability[0] >= 9
         self._pdl_configs: dict[tuple, object] = {}
 
     def __call__(self, grid, block, *args, smem: int = 0, pdl: bool = False):
-        packer = self._packers.get(tuple(map(type, args)))
-        if packer is None:
-            packer = self._new_packer(args)  # checked against the kernel's parameters once per signature
         if type(grid) is int:
             gx = grid
             gy = gz = 1
@@ -134,21 +143,44 @@ class Kernel:
             bx, by, bz = _dims("block", block)
         if smem > self._smem_limit:
             self._raise_smem_limit(smem)
-        try:
-            if pdl and self._pdl_supported:
+        if pdl and self._pdl_supported:
+            packer = self._packer(args)
+            try:
                 packer.pack(*args)
-                (err,) = _cuLaunchKernelEx(self._pdl_config(gx, gy, gz, bx, by, bz, smem), self._func, packer.params, 0)
-            else:
-                (err,) = packer.launch(gx, gy, gz, bx, by, bz, smem, *args)
-        except Exception as exc:
-            # an argument that cannot be packed (a CPU tensor, a negative address, a value out of its type's
-            # range) is named in a ValueError; anything else (a grid the binding cannot convert) failed the launch
-            bad = self._bad_argument(args)
-            if bad is not None:
-                raise bad from exc
-            raise CudaError(f"launch of {self._where(grid, block, smem)} failed: {exc}") from exc
+                result = _cuLaunchKernelEx(self._pdl_config(gx, gy, gz, bx, by, bz, smem), self._func, packer.params, 0)
+            except Exception as exc:
+                self._raise_bad_call(exc, args, grid, block, smem)
+        else:
+            # The last signature launched, its argument types checked inside its launch (None: they differ); else
+            # the signature's own packer, found by the types of the arguments (and checked, the first time).
+            last = self._last
+            try:
+                result = last.launch(gx, gy, gz, bx, by, bz, smem, *args) if len(args) == last.nargs else None
+            except Exception as exc:
+                self._raise_bad_call(exc, args, grid, block, smem)
+            if result is None:
+                last = self._last = self._packer(args)
+                try:
+                    result = last.launch(gx, gy, gz, bx, by, bz, smem, *args)
+                except Exception as exc:
+                    self._raise_bad_call(exc, args, grid, block, smem)
+        err = result[0]
         if err is not _SUCCESS:  # enum members are singletons; check_driver compares by value before raising
             check_driver((err,), f"launch of {self._where(grid, block, smem)}")
+
+    def _packer(self, args) -> _Packer:
+        packer = self._packers.get(tuple(map(type, args)))
+        if packer is None:
+            packer = self._new_packer(args)  # checked against the kernel's parameters once per signature
+        return packer
+
+    def _raise_bad_call(self, exc: Exception, args, grid, block, smem):
+        # an argument that cannot be packed (a CPU tensor, a negative address, a value out of its type's range) is
+        # named in a ValueError; anything else (a grid the binding cannot convert) failed the launch
+        bad = self._bad_argument(args)
+        if bad is not None:
+            raise bad from exc
+        raise CudaError(f"launch of {self._where(grid, block, smem)} failed: {exc}") from exc
 
     # ---- first call of a signature, errors --------------------------------------------------------------------
     def _new_packer(self, args) -> _Packer:
@@ -168,7 +200,8 @@ class Kernel:
                     what = "a device address (8 bytes)" if address else f"a {type(args[i]).__name__} ({size} bytes)"
                     raise ValueError(f"{self.family}/{self.name}: argument {i} is {what}, the kernel's parameter {i} "
                                      f"takes {want} bytes")
-        packer = self._packers[tuple(map(type, args))] = _Packer(kinds, self._func, self._hstream)
+        types = tuple(map(type, args))
+        packer = self._packers[types] = _Packer(kinds, types, self._func, self._hstream)
         return packer
 
     def _bad_argument(self, args) -> ValueError | None:
