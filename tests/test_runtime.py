@@ -338,6 +338,35 @@ def test_launch_packs_pointers_and_scalars_into_their_slots(fake_launches, rng):
     assert len(k._packers) == 2 and int.from_bytes(calls[-1]["params"][1], "little") == 1024
 
 
+def test_launch_switches_between_signatures(fake_launches, rng):
+    """A call goes through the last signature's launch when the argument types match it (checked inside), else
+    through its own signature's packer: alternating signatures of one arity, fresh values each time, every slot
+    right; a call of another arity or with an argument type the kernel cannot take still fails by name."""
+    make, calls, _ = fake_launches
+    k = make([8, 8, 8])
+    t = _fake_tensor(0x4000)
+    signatures = [(lambda v: (t, v, np.int64(v))), (lambda v: (v, t, v)), (lambda v: (t, np.uint64(v), t))]
+    for i in rng.integers(0, len(signatures), 40):
+        value = int(rng.integers(1, 2**40)) * 16
+        args = signatures[i](value)
+        k(2, 64, *args)
+        want = [a.ptr if hasattr(a, "ptr") else int(a) for a in args]
+        assert [int.from_bytes(p, "little") for p in calls[-1]["params"]] == want
+    assert len(k._packers) == 3
+    n = len(calls)
+    with pytest.raises(ValueError, match="fam/kern: 2 arguments given, the kernel takes 3"):
+        k(2, 64, t, 5)
+    with pytest.raises(ValueError, match="argument 2 is a int32 \\(4 bytes\\), the kernel's parameter 2 takes 8"):
+        k(2, 64, t, 5, np.int32(5))
+    with pytest.raises(ValueError, match="argument 1: a Python float would be passed as a double"):
+        k(2, 64, t, 0.5, t)
+    k(2, 64, t, 0x10, t, pdl=True)  # the PDL launch (its own path) and back
+    k(2, 64, t, 0x20, np.int64(3))
+    assert len(calls) == n + 2 and calls[-2]["ex"] and not calls[-1]["ex"]
+    assert [int.from_bytes(p, "little") for p in calls[-2]["params"]] == [0x4000, 0x10, 0x4000]
+    assert [int.from_bytes(p, "little") for p in calls[-1]["params"]] == [0x4000, 0x20, 3]
+
+
 @pytest.mark.parametrize("grid,block,dims", [(5, 64, ((5, 1, 1), (64, 1, 1))), ((5,), (64,), ((5, 1, 1), (64, 1, 1))),
                                              ((5, 6), (32, 2), ((5, 6, 1), (32, 2, 1))),
                                              ((5, 6, 7), (8, 4, 2), ((5, 6, 7), (8, 4, 2))),
