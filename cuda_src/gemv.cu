@@ -38,7 +38,6 @@
 // Requirements (the launcher checks): K % 8 == 0, W and x rows 16-byte aligned (x_stride a multiple of 8 bf16 /
 // 4 fp32 values), dynamic shared memory for the reduction buffers and the staged x.
 #include "norm.cuh"
-#include "tma.cuh"
 
 namespace {
 
@@ -261,124 +260,6 @@ __device__ __forceinline__ void gemv(const void* x, long long x_stride, const in
 
 }  // namespace row
 
-// ---- gemv_ring: one x row, the weights streamed through shared memory ------------------------------------------
-// gemv_row keeps its bytes in flight in registers (242 per thread), so at 2 CTAs per SM nothing fits beside it and
-// programmatic dependent launch cannot start the next kernel's weight loads before this kernel's CTAs exit: each
-// projection pays its own ramp (~3 us on an H200, docs/kernels/gemv.md). gemv_ring keeps the bytes in flight in
-// shared memory instead: each warp streams its weight rows through a ring of `stages` slots of `stage_bytes`
-// with bulk copies (cp.async.bulk, issued by one lane, completion counted on one mbarrier per slot) and reads
-// them back with 16-byte shared loads. It needs few registers and ~40-60 KB of shared memory per CTA, so the next
-// kernel's CTAs become resident while this one runs and fill their rings before their pdl_wait(): the next
-// projection's first bytes stream during this one.
-//
-// Work split: the outputs are divided evenly over the grid's warps (counts differ by at most one). A warp's weight
-// rows are one contiguous byte range (two with the paired SiLU-and-mul epilogue: its gate rows, then its up rows),
-// streamed in stages of at most stage_bytes (a range's last stage may be shorter). A "line" is 512 bytes (32 lanes
-// x 16 bytes) and K % 256 == 0 makes a row a whole number of lines, so every line lies in one row: lane l
-// multiplies the line's 16 bytes l with x's matching 8 values; at a row's last line the warp sums its lanes (a
-// fixed order: results do not depend on timing) and lane 0 writes the output.
-namespace ring {
-
-constexpr int kWarps = 4, kThreads = kWarps * 32;
-constexpr int kLineBytes = 512;
-
-// acc[0] takes the low bf16 halves, acc[1] the high ones: two independent FMA chains.
-__device__ __forceinline__ void dot8(const uint4& w, const uint4& x, float (&acc)[2]) {
-    const unsigned wv[4] = {w.x, w.y, w.z, w.w}, xv[4] = {x.x, x.y, x.z, x.w};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        acc[0] = fmaf(__uint_as_float(wv[j] << 16), __uint_as_float(xv[j] << 16), acc[0]);
-        acc[1] = fmaf(__uint_as_float(wv[j] & 0xffff0000u), __uint_as_float(xv[j] & 0xffff0000u), acc[1]);
-    }
-}
-
-// Dynamic shared memory: the mbarriers [kWarps][stages] (padded to 128 bytes), the rings [kWarps][stages]
-// [stage_bytes], x [K] bf16, the RMS scratch [kWarps], and (paired) the gate sums [kWarps][rows_max].
-__device__ __forceinline__ void gemv(const void* x, long long x_stride, const int* x_rows,
-                                     const __nv_bfloat16* norm_w, float eps, const __nv_bfloat16* __restrict__ W,
-                                     void* out, int N, int K, int prologue, int epilogue, int stages, int stage_bytes) {
-    extern __shared__ __align__(128) unsigned char smem_bytes[];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const bool paired = epilogue == kSiluMulBf16;
-    const int outputs = paired ? N / 2 : N;
-    const int warps_total = gridDim.x * kWarps, gw = blockIdx.x * kWarps + warp;
-    const int o0 = (int)((long long)outputs * gw / warps_total);
-    const int rows = (int)((long long)outputs * (gw + 1) / warps_total) - o0;
-    const int rows_max = (outputs + warps_total - 1) / warps_total;
-
-    const int bar_bytes = (kWarps * stages * 8 + 127) / 128 * 128;
-    const unsigned bars = static_cast<unsigned>(__cvta_generic_to_shared(smem_bytes)) + warp * stages * 8;
-    unsigned char* ring = smem_bytes + bar_bytes + (long long)warp * stages * stage_bytes;
-    const unsigned ring_addr = static_cast<unsigned>(__cvta_generic_to_shared(ring));
-    __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem_bytes + bar_bytes + kWarps * stages * stage_bytes);
-    float* scratch = reinterpret_cast<float*>(xs + K);
-    float* gate = scratch + kWarps + warp * rows_max;
-
-    // The warp's ranges: rows o0.. of W (paired: gate rows o0.. then up rows outputs + o0..), streamed in stages.
-    const long long range_bytes = (long long)rows * K * 2;
-    const int range_stages = (int)((range_bytes + stage_bytes - 1) / stage_bytes);
-    const int total = paired ? 2 * range_stages : range_stages;
-    const unsigned char* first_byte = reinterpret_cast<const unsigned char*>(W + (long long)o0 * K);
-    const long long up_offset = (long long)outputs * K * 2;  // paired: from a gate row to its up row
-    auto issue = [&](int s) {  // lane 0: stage s into its slot
-        const bool up = s >= range_stages;
-        const long long off = (long long)(up ? s - range_stages : s) * stage_bytes;
-        const unsigned n = (unsigned)min((long long)stage_bytes, range_bytes - off);
-        const int slot = s % stages;
-        xserv::mbarrier_arrive_expect_tx(bars + slot * 8, n);
-        xserv::bulk_load_evict_first(ring_addr + slot * stage_bytes, first_byte + (up ? up_offset : 0) + off, n,
-                                     bars + slot * 8);
-    };
-    if (lane == 0) {
-        for (int slot = 0; slot < stages; ++slot) xserv::mbarrier_init(bars + slot * 8, 1);
-        xserv::mbarrier_init_fence();
-        for (int s = 0; s < min(stages, total); ++s) issue(s);  // the weights do not depend on earlier kernels
-    }
-    __syncwarp();
-    xserv::pdl_wait();
-    stage_x<1, kThreads>(xs, K, scratch, x, x_stride, x_rows, norm_w, eps, 1, K, prologue);
-    xserv::pdl_launch_dependents();
-
-    const int lines_per_row = K / 256;
-    float acc[2] = {0.f, 0.f};
-    int line_in_row = 0, row = 0;
-    for (int s = 0; s < total; ++s) {
-        const int slot = s % stages;
-        const bool up = s >= range_stages;
-        if (s == range_stages) row = 0;
-        const long long off = (long long)(up ? s - range_stages : s) * stage_bytes;
-        const int lines = (int)(min((long long)stage_bytes, range_bytes - off) / kLineBytes);
-        xserv::mbarrier_wait(bars + slot * 8, (s / stages) & 1);
-        const unsigned char* buf = ring + slot * stage_bytes + lane * 16;
-#pragma unroll 4
-        for (int l = 0; l < lines; ++l) {
-            const uint4 w = *reinterpret_cast<const uint4*>(buf + l * kLineBytes);
-            const uint4 xv = reinterpret_cast<const uint4*>(xs)[line_in_row * 32 + lane];
-            dot8(w, xv, acc);
-            if (++line_in_row == lines_per_row) {  // the row's last line: the warp's sum is its output
-                const float v = xserv::warp_sum(acc[0] + acc[1]);
-                acc[0] = acc[1] = 0.f;
-                line_in_row = 0;
-                if (lane == 0) {
-                    if (!paired) {
-                        store_out(out, o0 + row, v, epilogue);
-                    } else if (!up) {
-                        gate[row] = v;
-                    } else {
-                        const float act = xserv::round_bf16(silu(xserv::round_bf16(gate[row]))) * xserv::round_bf16(v);
-                        static_cast<__nv_bfloat16*>(out)[o0 + row] = __float2bfloat16_rn(act);
-                    }
-                }
-                ++row;
-            }
-        }
-        __syncwarp();  // every lane is done with the slot before it is refilled
-        if (lane == 0 && s + stages < total) issue(s + stages);
-    }
-}
-
-}  // namespace ring
-
 // ---- the tensor-core GEMV ---------------------------------------------------------------------------------------
 // mma.sync m16n8k16 (bf16 in, fp32 accumulate) with the weights as A (16 rows of a row group) and the staged x as
 // B (8 x rows per n-tile; rows >= m read as zeros). A dot product may take its k terms in any order, so lane
@@ -532,13 +413,6 @@ extern "C" __global__ void __launch_bounds__(row::kThreads) gemv_row(
     const void* x, long long x_stride, const int* x_rows, const __nv_bfloat16* norm_w, float eps,
     const __nv_bfloat16* W, void* out, int N, int K, int split, int prologue, int epilogue) {
     row::gemv(x, x_stride, x_rows, norm_w, eps, W, out, N, K, split, prologue, epilogue);
-}
-
-// gemv_ring: m = 1, K % 256 == 0, block 128; dynamic shared memory: see ring::gemv (xserv/ops/gemv.py _ring_smem).
-extern "C" __global__ void __launch_bounds__(ring::kThreads) gemv_ring(
-    const void* x, long long x_stride, const int* x_rows, const __nv_bfloat16* norm_w, float eps,
-    const __nv_bfloat16* W, void* out, int N, int K, int prologue, int epilogue, int stages, int stage_bytes) {
-    ring::gemv(x, x_stride, x_rows, norm_w, eps, W, out, N, K, prologue, epilogue, stages, stage_bytes);
 }
 
 // gemv_mma_m<M>: m <= M, block 256, dynamic shared memory (8 * 32 * 4 * NT + M * 8) * 4 + m * (K + 32) * 2 bytes.

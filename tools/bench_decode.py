@@ -31,13 +31,9 @@ def main(argv=None) -> int:
     ap.add_argument("--attention", default="fused",
                     help="comma list of fused/pair: decode attention with QK-norm/RoPE/KV write folded in, or the "
                          "two kernels (model.fused_attention), timed one after the other")
-    ap.add_argument("--gemv", default="row",
-                    help="comma list of ring/row: the one-row GEMV kernel (xserv.ops.gemv.M1_KERNEL: weights "
-                         "streamed through shared memory, or held in registers), timed one after the other")
     args = ap.parse_args(argv)
 
     from xserv import LLM, SamplingParams
-    from xserv.ops import gemv as gemv_ops
     from xserv.runtime import get_device, synchronize
 
     sizes = [int(s) for s in args.batch_sizes.split(",")]
@@ -55,16 +51,13 @@ def main(argv=None) -> int:
     print(f"device: {get_device().name}")
     print(f"model: {args.model} ({weight_bytes / 1e9:.2f} GB of weights, loaded in {llm.timings['weights_s']:.1f}s, LLM ready in {load:.1f}s), context "
           f"{args.context}, {args.steps} steps, cuda graphs {'off' if args.no_cuda_graphs else 'on'}")
-    print(f"{'batch':>6}{'ms/step':>10}{'tok/s':>12}{'tok/s/seq':>12}{'weights GB/s':>14}{'attention':>11}"
-          f"{'gemv':>6}")
+    print(f"{'batch':>6}{'ms/step':>10}{'tok/s':>12}{'tok/s/seq':>12}{'weights GB/s':>14}{'attention':>11}")
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=0.0, max_tokens=args.warmup + args.steps + 1, ignore_eos=True)
     eng = llm.engine
-    runs = [(g, a == "fused", bs) for g in args.gemv.split(",") for a in args.attention.split(",") for bs in sizes]
-    for gemv, fused, bs in runs:
-        if fused != llm.model.fused_attention or gemv != gemv_ops.M1_KERNEL:  # in the graphs: capture them again
+    for fused, bs in [(a == "fused", bs) for a in args.attention.split(",") for bs in sizes]:
+        if fused != llm.model.fused_attention:  # captured into the graphs: capture them again
             llm.model.fused_attention = fused
-            gemv_ops.M1_KERNEL = gemv
             if not args.no_cuda_graphs:
                 eng.runner.graphs.clear()
                 eng.runner.capture_decode_graphs()
@@ -82,7 +75,7 @@ def main(argv=None) -> int:
         for s in seqs:
             eng.abort(s)
         print(f"{bs:>6}{dt * 1e3:>10.3f}{bs / dt:>12.1f}{1 / dt:>12.1f}{weight_bytes / dt / 1e9:>14.1f}"
-              f"{'fused' if fused else 'pair':>11}{gemv:>6}")
+              f"{'fused' if fused else 'pair':>11}")
     return 0
 
 

@@ -34,12 +34,8 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="0.6b,8b")
     ap.add_argument("--m", default="1,2,4,8,16")
     ap.add_argument("--skip-torch", action="store_true")
-    ap.add_argument("--gemv", default="ring,row",
-                    help="one-row kernels to time (xserv.ops.gemv.M1_KERNEL): ring (weights streamed through shared "
-                         "memory) and/or row (held in registers)")
     args = ap.parse_args(argv)
 
-    from xserv.ops import gemv as gemv_ops
     from xserv.ops.gemv import (gemv_supported, linear_add, linear_gemv, rmsnorm_linear, rmsnorm_linear_silu_mul,
                                 silu_mul_linear_add)
     from xserv.ops.linear import linear
@@ -61,7 +57,7 @@ def main(argv=None) -> int:
           "runs (qkv/lm_head: RMSNorm prologue (lm_head fp32 out); gate_up: RMSNorm prologue, at M = 1 also the SiLU-"
           "and-mul epilogue; o: residual-add epilogue; down: residual-add epilogue, above M = 1 also the SiLU "
           "prologue)")
-    hdr = (f"{'model':5s} {'proj':8s} {'kern':4s} {'M':>3s} {'N':>7s} {'K':>6s} {'gemv us':>8s} {'GB/s':>6s} {'%copy':>6s} "
+    hdr = (f"{'model':5s} {'proj':8s} {'M':>3s} {'N':>7s} {'K':>6s} {'gemv us':>8s} {'GB/s':>6s} {'%copy':>6s} "
            f"{'fused us':>8s} {'cublas us':>9s} {'cublas/gemv':>11s}" + (f" {'torch us':>9s} {'torch/gemv':>10s}" if torch else ""))
     print(hdr)
     rng = np.random.default_rng(0)
@@ -75,11 +71,9 @@ def main(argv=None) -> int:
             if torch is not None:
                 tw = torch.from_numpy(w_np.view(np.int16)).view(torch.bfloat16).cuda()
                 tws = [tw.clone() for _ in range(copies)]
-            for m, kind in [(m, kind) for m in ms_list for kind in (args.gemv.split(",") if m == 1 else ["mma"])]:
+            for m in ms_list:
                 if not gemv_supported(m, k):
                     continue
-                if m == 1:
-                    gemv_ops.M1_KERNEL = kind
                 x_np = rng.standard_normal((m, k), np.float32).astype(bfloat16)
                 x = Tensor.from_numpy(x_np)
                 out_dtype = float32 if proj == "lm_head" else bfloat16
@@ -102,7 +96,7 @@ def main(argv=None) -> int:
                 t_fused = benchmark_graph(fused)
                 nbytes = n * k * 2 + m * k * 2 + m * n * out_dtype.itemsize
                 gbs = nbytes / t_gemv / 1e6
-                row = (f"{model:5s} {proj:8s} {kind:4s} {m:3d} {n:7d} {k:6d} {t_gemv * 1e3:8.2f} {gbs:6.0f} {100 * gbs / copy:5.0f}% "
+                row = (f"{model:5s} {proj:8s} {m:3d} {n:7d} {k:6d} {t_gemv * 1e3:8.2f} {gbs:6.0f} {100 * gbs / copy:5.0f}% "
                        f"{t_fused * 1e3:8.2f} {t_blas * 1e3:9.2f} {t_blas / t_gemv:10.2f}x")
                 if torch is not None:
                     tx = torch.from_numpy(x_np.view(np.int16)).view(torch.bfloat16).cuda()

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from xserv.ops.activation import silu_and_mul
-from xserv.ops import gemv as gemv_module
 from xserv.ops.gemv import (CTAS_PER_SM, add_rounded, gemv_supported, linear_add, linear_gemv, plan, rmsnorm_linear,
                             rmsnorm_linear_reference, rmsnorm_linear_silu_mul, rmsnorm_linear_silu_mul_reference,
                             silu_mul_linear_add, silu_mul_linear_reference, MAX_M)
@@ -126,20 +125,6 @@ def test_plan_splits_fill_the_sms():
     assert plan(1, 1024, 132, paired=True)[2] == 2 and plan(1, 24576, 132, paired=True)[2] == 1
 
 
-def test_ring_launch_shape_leaves_room_for_the_next_kernel():
-    """gemv_ring's point is that the next kernel's CTAs fit beside its own: on every Qwen3 projection shape, two
-    CTAs of one projection and two of the next stay within an H100/H200 SM's 228 KB of shared memory (1 KB of it
-    reserved per CTA), up to Qwen3-14B's shapes (32B's down projection stages 50 KB of x: fewer fit beside it)."""
-    from xserv.ops.gemv import RING_STAGE_BYTES, RING_STAGES, _ring_grid, _ring_smem
-    assert _ring_grid(1024, 132) == 256 and _ring_grid(151936, 132) == 132 * CTAS_PER_SM and _ring_grid(3, 132) == 1
-    for hidden, inter in ((1024, 3072), (2048, 6144), (2560, 9728), (4096, 12288), (5120, 17408)):
-        chain = [(4 * hidden, hidden, False), (hidden, 2 * hidden, False), (inter, hidden, True), (hidden, inter, False)]
-        sizes = [_ring_smem(n, k, _ring_grid(n, 132), RING_STAGES, RING_STAGE_BYTES, paired) + 1024
-                 for n, k, paired in chain]
-        for a, b in zip(sizes, sizes[1:] + sizes[:1]):
-            assert 2 * a + 2 * b <= 228 * 1024, (hidden, inter, sizes)
-
-
 # ---- GPU: the kernels against the references ---------------------------------------------------------------------
 SHAPES = [(1, 1024, 1024), (2, 37, 1000), (3, 3001, 2048), (5, 5003, 64), (8, 1024, 3072), (11, 300, 520),
           (16, 2112, 1024), (1, 70001, 64), (7, 9000, 1016)]
@@ -223,47 +208,3 @@ def test_cuda_matches_cublas_at_decode_shapes(rng):
     for m in (1, 4, 8):
         got = linear_gemv(Tensor.from_numpy(x[:m]), w).numpy()
         close(got, ref[:m], tol=5e-3)
-
-
-RING_SHAPES = [(1001, 256), (4096, 1024), (37, 3072), (5003, 768), (300, 12288)]
-# (N, K) at one row, K % 256 == 0: N not a multiple of the warps (uneven rows per warp), fewer outputs than warps
-# (grid of 10 CTAs), a K = 12288 row of 48 lines
-RING_CONFIGS = [(2, 4096), (3, 1536), (1, 512)]
-# (stages, stage_bytes): the shipped ring; stages that end inside a row (3 lines) with a row ending inside a stage;
-# one slot of one line (every stage waits for its refill)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("n,k", RING_SHAPES)
-@pytest.mark.parametrize("kind", ["ring", "row"])
-def test_cuda_one_row_kernels_every_epilogue(rng, monkeypatch, n, k, kind):
-    """Both one-row kernels (gemv_ring, gemv_row) through every op the decode step runs, against the references;
-    gemv_ring also at every ring shape of RING_CONFIGS."""
-    monkeypatch.setattr(gemv_module, "M1_KERNEL", kind)
-    residual = random_array(rng, (1, k), np.float32, mean=0.0, std=3.0)
-    norm_w = random_array(rng, (k,), bfloat16, mean=1.0, std=0.1)
-    x = random_array(rng, (1, k), bfloat16, mean=0.0)
-    gate_up = random_array(rng, (1, 2 * k), bfloat16, mean=0.0, std=2.0)
-    w, w2 = weights(rng, n, k), weights(rng, 2 * n, k)
-    base = random_array(rng, (1, n), np.float32, mean=0.0, std=0.1)
-    for stages, stage_bytes in RING_CONFIGS if kind == "ring" else [(None, None)]:
-        if stages is not None:
-            monkeypatch.setattr(gemv_module, "RING_STAGES", stages)
-            monkeypatch.setattr(gemv_module, "RING_STAGE_BYTES", stage_bytes)
-        assert gemv_module._use_ring(1, k) == (kind == "ring")
-        wt, w2t = Tensor.from_numpy(w), Tensor.from_numpy(w2)
-        for dtype in (bfloat16, float32):
-            out = poisoned((1, n), dtype)
-            linear_gemv(Tensor.from_numpy(x), wt, out=out)
-            close(out.numpy(), linear_reference(x, w).astype(dtype))
-        out = poisoned((1, n), float32)
-        rmsnorm_linear(Tensor.from_numpy(residual), Tensor.from_numpy(norm_w), EPS, wt, out=out)
-        close(out.numpy(), rmsnorm_linear_reference(residual, norm_w, EPS, w))
-        out = poisoned((1, n), bfloat16)
-        rmsnorm_linear_silu_mul(Tensor.from_numpy(residual), Tensor.from_numpy(norm_w), EPS, w2t, out=out)
-        close(out.numpy(), rmsnorm_linear_silu_mul_reference(residual, norm_w, EPS, w2))
-        for op, inp, ref in ((linear_add, x, linear_reference), (silu_mul_linear_add, gate_up, silu_mul_linear_reference)):
-            res_t = Tensor.from_numpy(base)
-            op(Tensor.from_numpy(inp), wt, res_t)
-            want = add_rounded(base, ref(inp, w))
-            close(res_t.numpy() - base, want - base)

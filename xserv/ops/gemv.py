@@ -22,7 +22,7 @@ import numpy as np
 from ..runtime import get_device, kernel
 from ..tensor import Tensor, bfloat16, float32, int32
 from ._checks import check_tensor, output, same_device
-from ._launch import aligned, cdiv, check_alias, check_eps, round_up
+from ._launch import aligned, cdiv, check_alias, check_eps
 from .activation import silu_and_mul_reference
 from .linear import linear_reference
 from .rmsnorm import rmsnorm_reference
@@ -35,13 +35,6 @@ _MMA_WARPS, _MMA_ROWS, _MMA_PAD = 8, 16, 32  # gemv_mma_m8 / _m16
 SMEM_LIMIT = 112 * 1024
 # At most 2 CTAs per SM: enough loads in flight for the bandwidth, and each CTA stages x (once) the fewest times.
 CTAS_PER_SM = 2
-# gemv_ring (one row, K % 256 == 0): each of its 4 warps streams its weight rows through `stages` shared-memory
-# slots of `stage_bytes` (bulk copies), so the kernel holds few registers and the next kernel's CTAs fit beside it.
-_RING_WARPS, _RING_K_MULTIPLE = 4, 256
-RING_STAGES, RING_STAGE_BYTES = 2, 4096
-# Which kernel takes one row: "ring" or "row" (gemv_row, registers in flight); `tools/bench_decode.py --gemv`
-# compares them end to end.
-M1_KERNEL = "row"
 _PROLOGUE = {"bf16": 0, "rmsnorm": 1, "silu_mul": 2}
 _EPILOGUE = {bfloat16: 0, float32: 1, "add": 2, "silu_mul": 3}
 
@@ -52,24 +45,6 @@ def _smem(m: int, k: int) -> int:
         return (_ROW_WARPS * _ROW_ROWS + _ROW_WARPS) * 4 + k * 2
     kernel_m = 8 if m <= 8 else 16
     return (_MMA_WARPS * 32 * 4 * (kernel_m // 8) + kernel_m * _MMA_WARPS) * 4 + m * (k + _MMA_PAD) * 2
-
-
-def _ring_grid(outputs: int, multiprocessor_count: int) -> int:
-    """gemv_ring's CTAs: CTAS_PER_SM per multiprocessor, fewer when there are fewer outputs than warps."""
-    return max(1, min(multiprocessor_count * CTAS_PER_SM, cdiv(outputs, _RING_WARPS)))
-
-
-def _ring_smem(outputs: int, k: int, grid: int, stages: int, stage_bytes: int, paired: bool) -> int:
-    """gemv_ring's dynamic shared memory (gemv.cu ring::gemv): mbarriers (padded to 128 bytes), the rings, x bf16,
-    the RMS scratch, and with the paired epilogue each warp's gate sums."""
-    bars = round_up(_RING_WARPS * stages * 8, 128)
-    gate = _RING_WARPS * cdiv(outputs, grid * _RING_WARPS) * 4 if paired else 0
-    return bars + _RING_WARPS * stages * stage_bytes + k * 2 + _RING_WARPS * 4 + gate
-
-
-def _use_ring(m: int, k: int) -> bool:
-    return (M1_KERNEL == "ring" and m == 1 and k % _RING_K_MULTIPLE == 0
-            and k * 2 + _RING_WARPS * RING_STAGES * RING_STAGE_BYTES + 1024 <= SMEM_LIMIT)
 
 
 def gemv_supported(m: int, k: int) -> bool:
@@ -264,17 +239,9 @@ def _launch(prologue: str, x: Tensor, x_stride: int, rows: Tensor | None, norm_w
     if not aligned(x, weight) or (x_stride * x.dtype.itemsize) % 16:
         raise ValueError("gemv: x and weight must be 16-byte aligned with 16-byte aligned rows")
     paired = epilogue == _EPILOGUE["silu_mul"]
-    sms = get_device().multiprocessor_count
+    name, threads, split, grid = plan(m, n, get_device().multiprocessor_count, paired, k)
     x_rows = rows if rows is not None else 0  # a null pointer: rows 0..m-1
     norm = norm_weight if norm_weight is not None else 0
-    if _use_ring(m, k):  # gemv_ring(x, x_stride, x_rows, norm_w, eps, W, out, N, K, prologue, epilogue, stages, stage_bytes)
-        grid = _ring_grid(n // 2 if paired else n, sms)
-        smem = _ring_smem(n // 2 if paired else n, k, grid, RING_STAGES, RING_STAGE_BYTES, paired)
-        args = (x, np.int64(x_stride), x_rows, norm, np.float32(eps32), weight, out, np.int32(n), np.int32(k),
-                np.int32(_PROLOGUE[prologue]), np.int32(epilogue), np.int32(RING_STAGES), np.int32(RING_STAGE_BYTES))
-        kernel("gemv", "gemv_ring")(grid, _RING_WARPS * 32, *args, smem=smem, pdl=True)
-        return
-    name, threads, split, grid = plan(m, n, sms, paired, k)
     modes = (np.int32(split), np.int32(_PROLOGUE[prologue]), np.int32(epilogue))
     if m == 1:  # gemv_row(x, x_stride, x_rows, norm_w, eps, W, out, N, K, split, prologue, epilogue)
         args = (x, np.int64(x_stride), x_rows, norm, np.float32(eps32), weight, out, np.int32(n), np.int32(k), *modes)
