@@ -129,7 +129,8 @@ def bench_launch(vs_torch: bool) -> None:
     out = Tensor.empty((256,), float32)
     fill = kernel("fill", "fill_f32")
     value, n = np.float32(1.0), np.int64(256)
-    print(f"\neager launch cost on {dev.name}: host time to issue one call (batches of 200 back-to-back calls, median of 40)")
+    print(f"\neager launch cost on {dev.name}, Python {sys.version.split()[0]}: host time to issue one call (batches of 200 "
+          "back-to-back calls, median of 40)")
     print(f"  Kernel call, fill_f32 1x256 (no op checks): {_rate(_per_call_us(lambda: fill(1, 256, out, value, n), synchronize))}")
     try:
         fill(1, 256, out, value, n, pdl=True)
@@ -199,13 +200,14 @@ def bench_host(calls: int = 2000, repeats: int = 31) -> dict[str, float]:
 
     install()
     from xserv.ops.elementwise import add
-    from xserv.ops.rmsnorm import rmsnorm
+    from xserv.ops.rmsnorm import fused_add_rmsnorm, rmsnorm
     from xserv.runtime import kernel
     from xserv.runtime import kernels as K
     from xserv.tensor import Tensor, bfloat16, float32
 
     a, b, o = (Tensor.empty((1, 4096), bfloat16) for _ in range(3))
     x, w, y = Tensor.empty((1, 1024), bfloat16), Tensor.empty((1024,), bfloat16), Tensor.empty((1, 1024), bfloat16)
+    res = Tensor.empty((1, 1024), bfloat16)
     x256, w4k = Tensor.empty((256, 4096), bfloat16), Tensor.empty((4096,), bfloat16)
     fill, fout = kernel("fill", "fill_f32"), Tensor.empty((256,), float32)
     value, n = np.float32(1.0), np.int64(256)
@@ -221,8 +223,10 @@ def bench_host(calls: int = 2000, repeats: int = 31) -> dict[str, float]:
         ("rmsnorm(x, w, eps, out) 1x1024", lambda: rmsnorm(x, w, 1e-6, y)),
         ("rmsnorm(x, w, eps) 1x1024, allocating", lambda: rmsnorm(x, w, 1e-6)),
         ("rmsnorm(x, w, eps) 256x4096, allocating", lambda: rmsnorm(x256, w4k, 1e-6)),
+        ("fused_add_rmsnorm(x, res, w, eps) 1x1024, allocating", lambda: fused_add_rmsnorm(x, res, w, 1e-6)),
     ]
-    print(f"host-side Python per call, fake driver (no GPU); batches of {calls} calls, median (min) of {repeats}, ns")
+    print(f"host-side Python per call, fake driver (no GPU), Python {sys.version.split()[0]}; batches of {calls} calls, "
+          f"median (min) of {repeats}, ns")
     results = {}
     for name, fn in cases:
         med, low = _host_ns(fn, calls, repeats)
@@ -254,7 +258,8 @@ def compare_host(other: str, rounds: int, calls: int, repeats: int) -> None:
                                   str(Path(__file__).with_name("host_runtime.py"))],
                                  capture_output=True, text=True, cwd=trees[name], env=env, check=True)
             results[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
-    print(f"\nhost-side ns per call, {rounds} alternating rounds: this = {here}, other = {trees['other']}")
+    print(f"\nhost-side ns per call, Python {sys.version.split()[0]}, {rounds} alternating rounds: this = {here}, "
+          f"other = {trees['other']}")
     print(f"  {'':52s} {'other':>8s} {'this':>8s} {'this/other':>10s}")
     for case in results["this"][0]:
         this = [run[case] for run in results["this"]]
