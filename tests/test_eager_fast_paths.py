@@ -24,7 +24,8 @@ def _param_sizes(family: str) -> dict[str, list[int]]:
         widths = []
         for p in params.split(","):
             p = " ".join(p.split())
-            widths.append(8 if "*" in p or p.startswith("long long") else 4 if re.match(r"(const )?(int|float) ", p) else None)
+            wide = "*" in p or p.startswith("long long")
+            widths.append(8 if wide else 4 if re.match(r"(const )?(int|float) ", p) else None)
         assert None not in widths, f"{name}: unknown parameter type in {params!r}"
         for vpt in ((1, 2, 4, 8) if name.endswith("##VPT") else (None,)):
             sizes[name.replace("##VPT", str(vpt)) if vpt else name] = widths

@@ -225,8 +225,8 @@ def bench_host(calls: int = 2000, repeats: int = 31) -> dict[str, float]:
         ("rmsnorm(x, w, eps) 256x4096, allocating", lambda: rmsnorm(x256, w4k, 1e-6)),
         ("fused_add_rmsnorm(x, res, w, eps) 1x1024, allocating", lambda: fused_add_rmsnorm(x, res, w, 1e-6)),
     ]
-    print(f"host-side Python per call, fake driver (no GPU), Python {sys.version.split()[0]}; batches of {calls} calls, "
-          f"median (min) of {repeats}, ns")
+    print(f"host-side Python per call, fake driver (no GPU), Python {sys.version.split()[0]}; "
+          f"batches of {calls} calls, median (min) of {repeats}, ns")
     results = {}
     for name, fn in cases:
         med, low = _host_ns(fn, calls, repeats)
