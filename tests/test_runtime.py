@@ -365,6 +365,12 @@ def test_launch_switches_between_signatures(fake_launches, rng):
     assert len(calls) == n + 2 and calls[-2]["ex"] and not calls[-1]["ex"]
     assert [int.from_bytes(p, "little") for p in calls[-2]["params"]] == [0x4000, 0x10, 0x4000]
     assert [int.from_bytes(p, "little") for p in calls[-1]["params"]] == [0x4000, 0x20, 3]
+    k0 = make([])  # a kernel without parameters
+    k0(3, 32)
+    k0(3, 32)
+    assert calls[-1]["params"] == [] and calls[-1]["grid"] == (3, 1, 1) and len(calls) == n + 4
+    with pytest.raises(ValueError, match="1 arguments given, the kernel takes 0"):
+        k0(3, 32, t)
 
 
 @pytest.mark.parametrize("grid,block,dims", [(5, 64, ((5, 1, 1), (64, 1, 1))), ((5,), (64,), ((5, 1, 1), (64, 1, 1))),

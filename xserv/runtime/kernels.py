@@ -56,9 +56,9 @@ class _Packer:
     """The parameters of one call signature of one kernel, in a buffer of 8-byte slots; `params` is the address of
     the void* array of the slots that the driver reads. Two functions are generated for the signature (the values
     go into their slots in one pack_into call, without a per-argument Python loop):
-    `pack(*args)`, and `launch(gx, gy, gz, bx, by, bz, smem, *args)` = the argument types checked against the
-    signature's (None when one differs: the caller then looks the signature up), pack, cuLaunchKernel on the
-    kernel's stream (its result tuple)."""
+    `pack(*args)`, and `launch(gx, gy, gz, bx, by, bz, smem, args)` (args: the tuple of the call's arguments, as
+    many as the signature has) = the argument types checked against the signature's (None when one differs: the
+    caller then looks the signature up), pack, cuLaunchKernel on the kernel's stream (its result tuple)."""
 
     __slots__ = ("pack", "launch", "params", "nargs", "_buffer", "_pointers")
 
@@ -72,14 +72,17 @@ class _Packer:
         layout = struct.Struct("<" + "".join(code + "x" * (_SLOT - size) for _, size, code in kinds))
         names = ", ".join(f"a{i}" for i in range(len(kinds)))
         values = ", ".join(f"a{i}.ptr" if how == "ptr" else f"a{i}" for i, (how, _, _) in enumerate(kinds))
-        same_types = " or ".join(f"type(a{i}) is not _t[{i}]" for i in range(len(kinds))) or "False"
+        same_types = " or ".join(f"type(a{i}) is not _t{i}" for i in range(len(kinds))) or "False"
         sep = ", " if kinds else ""
         source = (
             "def make(_pack_into, _buffer, _params, _func, _stream, _t):\n"
-            f"    def pack({names}):\n"
+            + "".join(f"    _t{i} = _t[{i}]\n" for i in range(len(kinds)))
+            + f"    def pack({names}):\n"
             f"        _pack_into(_buffer, 0{sep}{values})\n"
-            f"    def launch(gx, gy, gz, bx, by, bz, smem{sep}{names}):\n"
-            f"        if {same_types}:\n"
+            # the arguments come as one tuple (a plain call, cheaper than spreading them with *args)
+            "    def launch(gx, gy, gz, bx, by, bz, smem, args):\n"
+            + (f"        {names}, = args\n" if kinds else "")
+            + f"        if {same_types}:\n"
             "            return None\n"
             f"        _pack_into(_buffer, 0{sep}{values})\n"
             "        return _cuLaunchKernel(_func, gx, gy, gz, bx, by, bz, smem, _stream, _params, 0)\n"
@@ -155,13 +158,13 @@ class Kernel:
             # the signature's own packer, found by the types of the arguments (and checked, the first time).
             last = self._last
             try:
-                result = last.launch(gx, gy, gz, bx, by, bz, smem, *args) if len(args) == last.nargs else None
+                result = last.launch(gx, gy, gz, bx, by, bz, smem, args) if len(args) == last.nargs else None
             except Exception as exc:
                 self._raise_bad_call(exc, args, grid, block, smem)
             if result is None:
                 last = self._last = self._packer(args)
                 try:
-                    result = last.launch(gx, gy, gz, bx, by, bz, smem, *args)
+                    result = last.launch(gx, gy, gz, bx, by, bz, smem, args)
                 except Exception as exc:
                     self._raise_bad_call(exc, args, grid, block, smem)
         err = result[0]
