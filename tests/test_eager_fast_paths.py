@@ -281,3 +281,24 @@ def test_tensor_empty_fast_path_and_allocator_accounting(host, rng):
         Tensor.empty((2,), "bf16")
     with pytest.raises(ValueError, match="unknown device 'gpu'"):
         Tensor.empty((2,), bfloat16, "gpu")
+
+
+def test_empty_like_is_a_new_block_of_the_same_kind(host, rng):
+    _, runtime = host
+    stats = runtime.allocator.stats
+    block = _buffer(rng, 4096)
+    cases = [((1, 4096), bfloat16, 0), ((3, 5, 7), float32, 4), ((0, 3), bfloat16, 2), ((), np.int32, 8)]
+    for shape, dtype, offset in cases:
+        src = _tensor_at(block, offset, shape, dtype) if np.prod(shape) * np.dtype(dtype).itemsize <= 2048 else \
+            Tensor.empty(shape, dtype)
+        in_use = stats.bytes_in_use
+        t = src.empty_like()
+        assert type(t) is Tensor and t.shape == shape and t.dtype is np.dtype(dtype) and t.device == "cuda"
+        assert t.numel == src.numel and t.nbytes == src.nbytes and t._offset == 0 and t.ptr == t._buffer.ptr
+        assert t._buffer is not src._buffer and stats.bytes_in_use == in_use + size_class(src.nbytes)
+        assert not (t.ptr < block.ptr + block.nbytes and block.ptr < t.ptr + max(t.nbytes, 1))
+        del t
+        assert stats.bytes_in_use == in_use
+    c = Tensor.from_numpy(rng.standard_normal((3, 4)).astype(np.float32), "cpu")
+    e = c.empty_like()
+    assert e.device == "cpu" and e.shape == (3, 4) and e.dtype == np.float32 and not np.shares_memory(e.array, c.array)

@@ -141,6 +141,18 @@ class Tensor:
         if _check_device(device) == "cpu":
             return cls._make(shape, dtype, array=np.empty(shape, dtype))
 
+    def empty_like(self) -> "Tensor":
+        """A new uninitialised tensor of this one's shape, dtype and device (an eager op's output: for a CUDA tensor
+        the shape, dtype and sizes are copied, nothing is re-validated)."""
+        if self._array is not None:
+            return Tensor.empty(self.shape, self.dtype, "cpu")
+        nbytes = self.nbytes
+        buf = (_rt._runtime or get_runtime()).allocator.allocate(nbytes)
+        t = _new(Tensor)
+        t.shape, t.dtype, t.device, t.numel, t.nbytes = self.shape, self.dtype, "cuda", self.numel, nbytes
+        t.ptr, t._buffer, t._offset, t._array = buf.ptr, buf, 0, None
+        return t
+
     @classmethod
     def zeros(cls, shape, dtype, device: str = "cuda") -> "Tensor":
         if _check_device(device) == "cpu":  # np.zeros maps zero pages lazily instead of writing every byte

@@ -11,7 +11,6 @@ from ._launch import aligned, cdiv, check_alias, same_or_disjoint
 _BLOCK = 256
 # dtype -> (vectorised kernel, values per 16-byte vector, scalar kernel)
 _ADD_KERNELS = {bfloat16: ("add_bf16_vec", 8, "add_bf16_scalar"), float32: ("add_f32_vec", 4, "add_f32_scalar")}
-_empty = Tensor.empty
 
 
 def add_reference(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -28,7 +27,7 @@ def add(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
         names = _ADD_KERNELS.get(a.dtype)
         if names is not None:
             if out is None:
-                out = _empty(a.shape, a.dtype)  # a new block: it overlaps neither input
+                out = a.empty_like()  # a new block: it overlaps neither input
             elif not (type(out) is Tensor and out.device == "cuda" and out.dtype is a.dtype and out.shape == a.shape
                       and same_or_disjoint(out.ptr, a.ptr, a.nbytes) and same_or_disjoint(out.ptr, b.ptr, a.nbytes)):
                 return _add_checked(a, b, out)

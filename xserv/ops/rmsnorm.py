@@ -17,7 +17,6 @@ from ._launch import (aligned, cdiv, check_alias, check_eps, check_int32_range, 
 HEAD_DIMS = (64, 128)
 _HEAD_BLOCK = 256  # 8 warps
 _HEAD_ROWS_PER_WARP = 2  # kRowsPerWarp in rmsnorm.cu / rope.cu
-_empty = Tensor.empty
 _EPS32: dict[float, np.float32] = {}  # eps (a valid Python float) -> its np.float32, built once
 _ROWS: dict[tuple, tuple] = {}  # (op, hidden, vectorised) -> (kernel name, threads per row, np.int32(hidden))
 
@@ -73,7 +72,7 @@ def rmsnorm(x: Tensor, weight: Tensor, eps: float, out: Tensor | None = None) ->
             and weight.shape == x.shape[1:] and 0 < x.shape[1] < 2**31):
         eps32 = _eps32(eps)
         if out is None:
-            out = _empty(x.shape, bfloat16)  # a new block: it overlaps nothing
+            out = x.empty_like()  # a new block (x is bf16): it overlaps nothing
         elif not (type(out) is Tensor and out.device == "cuda" and out.dtype is bfloat16 and out.shape == x.shape
                   and same_or_disjoint(out.ptr, x.ptr, x.nbytes)):
             return _rmsnorm_checked(x, weight, eps, out)
@@ -110,7 +109,7 @@ def fused_add_rmsnorm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, o
             and 0 < x.shape[1] < 2**31 and disjoint(residual.ptr, residual.nbytes, x.ptr, x.nbytes)):
         eps32 = _eps32(eps)
         if out is None:
-            out = _empty(x.shape, bfloat16)
+            out = x.empty_like()
         elif not (type(out) is Tensor and out.device == "cuda" and out.dtype is bfloat16 and out.shape == x.shape
                   and same_or_disjoint(out.ptr, x.ptr, x.nbytes)
                   and disjoint(out.ptr, out.nbytes, residual.ptr, residual.nbytes)):
