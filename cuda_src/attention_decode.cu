@@ -45,8 +45,9 @@ using namespace xserv::decode;
 //
 // Programmatic dependent launch. The kernel calls pdl_launch_dependents() first (the o projection may start and load
 // its weights) and, before pdl_wait(), reads what no kernel of the decode step writes: kv_lens, the block table,
-// positions, slot_mapping, the norm weights, and issues the K/V loads of the first STAGES - 1 stages and L2
-// prefetches of the next kV4PrefetchStages, for every key except the newest (position kv_len - 1). Why that is safe:
+// positions, slot_mapping, the norm weights, and issues the K/V loads of the first STAGES - 1 stages (all of them
+// where the split has at most STAGES) and L2 prefetches of the next kV4PrefetchStages, for every key except the
+// newest (position kv_len - 1). Why that is safe:
 //   - kv_lens, block_tables, positions and slot_mapping are uploaded by memory copies before the step's first kernel
 //     (and the step's graph starts after the copies); a kernel of the chain can only have started once the kernel
 //     before it started, so whenever this one runs, the step's first kernel has started: the copies are done.
@@ -69,6 +70,7 @@ constexpr int kV4Warps = 4;
 constexpr int kV4Unroll = 4;
 constexpr int kV4TabCap = 512;
 constexpr int kV4MaxSplits = 256;  // the combine's scratch holds G * num_splits weights (the launcher's limit)
+constexpr int kV4FastCombine = 16;  // up to this many splits the combine loads everything in one round trip
 constexpr float kV4Thresh = 8.f;
 constexpr int kV4PrefetchStages = 2;  // stages after the first STAGES - 1 that go to L2 before pdl_wait
 constexpr int kV4RowBytes = (8 + 2) * 128 * 2;  // fused: G <= 8 rotated q rows + the new K and V rows, bf16, D <= 128
@@ -109,6 +111,47 @@ __device__ __forceinline__ void combine_splits_v4(int* counter, int active, long
     constexpr int PARTS = NIDX >= kV4Warps * 32 ? 1 : (kV4Warps * 32) / NIDX;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (!last_to_arrive(counter, active, sm_last)) return;
+    if (active <= kV4FastCombine) {
+        // Few splits (short contexts): one round trip to L2 instead of two. Each thread takes a float4 column of a
+        // head and loads that head's lse values with the column's partials, all at once; the threads of a head
+        // compute the same weights in the same order.
+        for (int idx = threadIdx.x; idx < NIDX; idx += kV4Warps * 32) {
+            const int g = idx / (D / 4), d4 = idx % (D / 4);
+            const float* lse = part_lse + (row0 + g) * num_splits;
+            const float4* src = reinterpret_cast<const float4*>(part_o + (row0 + g) * num_splits * D) + d4;
+            float ls[kV4FastCombine];
+            float4 x[kV4FastCombine];
+#pragma unroll
+            for (int i = 0; i < kV4FastCombine; ++i) {
+                if (i < active) {
+                    ls[i] = __ldcg(lse + i);
+                    x[i] = __ldcg(src + i * (D / 4));
+                }
+            }
+            float mm = ls[0];  // finite: split 0 holds keys
+#pragma unroll
+            for (int i = 1; i < kV4FastCombine; ++i)
+                if (i < active) mm = fmaxf(mm, ls[i]);
+            float den = 0.f;
+            float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+            for (int i = 0; i < kV4FastCombine; ++i) {
+                if (i < active) {
+                    const float w = exp2f(ls[i] - mm);
+                    den += w;
+                    acc.x += w * x[i].x;
+                    acc.y += w * x[i].y;
+                    acc.z += w * x[i].z;
+                    acc.w += w * x[i].w;
+                }
+            }
+            __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(out + (row0 + g) * D + 4 * d4);
+            dst[0] = __floats2bfloat162_rn(acc.x / den, acc.y / den);
+            dst[1] = __floats2bfloat162_rn(acc.z / den, acc.w / den);
+        }
+        if (threadIdx.x == 0) *counter = 0;
+        return;
+    }
     float* sm_w = sm;                    // [G][active] split weights
     float4* sm_red = reinterpret_cast<float4*>(sm + ((G * active + 3) & ~3));  // [PARTS][NIDX] partial sums
     // split weights 2^(lse_i - M) / sum per head, one warp per head; the lse values are read from L2 once (into
@@ -330,8 +373,13 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS) {
         if (b < n_it) issue(b, b);
         cp_async_commit_m();
     }
+    // A split of at most STAGES iterations (short contexts: 64-key chunks are 2) has nothing to refill: its last
+    // stage goes out before pdl_wait too, into the slot the loop would have refilled.
+    const bool all_ahead = n_it <= STAGES;
+    if (all_ahead && STAGES - 1 < n_it) issue(STAGES - 1, STAGES - 1);
+    cp_async_commit_m();
     if ((c & 7) == 0) {
-        for (int it = STAGES - 1; it < min(n_it, STAGES - 1 + kV4PrefetchStages); ++it) {
+        for (int it = all_ahead ? n_it : STAGES - 1; it < min(n_it, STAGES - 1 + kV4PrefetchStages); ++it) {
 #pragma unroll
             for (int u = 0; u < U; ++u) {
                 const int j = first + it * CI + sub + u * KPS;
@@ -400,9 +448,9 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS) {
     empty_states(m, l, acc);
     int rd = 0, wr = STAGES - 1;
     for (int it = 0; it < n_it; ++it) {
-        if (it + STAGES - 1 < n_it) issue(it + STAGES - 1, wr);
+        if (!all_ahead && it + STAGES - 1 < n_it) issue(it + STAGES - 1, wr);
         cp_async_commit_m();
-        cp_async_wait_m<STAGES - 1>();  // this lane's copies of stage `rd` have landed
+        cp_async_wait_m<STAGES - 1>();  // this lane's copies of stage `rd` have landed (all_ahead: of every stage)
         const unsigned st = ring + (unsigned)(rd * NCH * 32) * 16u;
         if (it == it_n && warp == warp_n && sub == sub_n) {  // the newest key: its rows from sm_new_k / sm_new_v
             sts128(st + u_n * 512u, lds128(sm_new_k + c * 16u));
