@@ -236,8 +236,8 @@ def bench_host(calls: int = 2000, repeats: int = 31) -> dict[str, float]:
 
 
 def compare_host(other: str, rounds: int, calls: int, repeats: int) -> None:
-    """bench_host in fresh processes, this checkout and `other` alternating (each round runs both, the order
-    swapped every round); prints the medians and the median of the per-round ratios (this / other)."""
+    """bench_host in fresh processes pinned to one core, this checkout and `other` alternating (each round runs
+    both, the order swapped every round); prints the medians and the median of the per-round ratios (this / other)."""
     import json
     import os
     from pathlib import Path
@@ -250,13 +250,20 @@ def compare_host(other: str, rounds: int, calls: int, repeats: int) -> None:
             "bench = runpy.run_path(sys.argv[2]);"
             "print(json.dumps(bench['bench_host'](int(sys.argv[3]), int(sys.argv[4]))))")
     trees = {"this": here, "other": str(Path(other).resolve())}
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+
+    def pin():  # both checkouts on the same core (the last one allowed): no migrations inside a timed batch
+        if cpus:
+            os.sched_setaffinity(0, {cpus[-1]})
+
     results = {name: [] for name in trees}
     for r in range(rounds):
         for name in (("this", "other") if r % 2 == 0 else ("other", "this")):
             env = dict(os.environ, PYTHONPATH=trees[name])
             out = subprocess.run([sys.executable, "-c", code, trees[name], __file__, str(calls), str(repeats),
                                   str(Path(__file__).with_name("host_runtime.py"))],
-                                 capture_output=True, text=True, cwd=trees[name], env=env, check=True)
+                                 capture_output=True, text=True, cwd=trees[name], env=env, check=True,
+                                 preexec_fn=pin)
             results[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
     print(f"\nhost-side ns per call, Python {sys.version.split()[0]}, {rounds} alternating rounds: this = {here}, "
           f"other = {trees['other']}")
