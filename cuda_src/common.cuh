@@ -79,14 +79,19 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
 // The threadfence-reduction hand-off: each CTA of a group counts itself done on `counter`, and the one that arrives
 // last (true in all of its threads) sees every other CTA's global writes made before they arrived. Every thread
 // of the CTA calls it; `last` is a shared int. The caller of the last CTA resets the counter if it is reused.
+// The ordering comes from one acquire-release atomic of thread 0 between two CTA barriers (the pattern of
+// cooperative groups' grid sync), not from a __threadfence in every thread: the first barrier orders the CTA's
+// writes before thread 0's release (release is cumulative), the second orders thread 0's acquire of the other
+// CTAs' writes before every thread's reads (docs/kernels/attention.md, "short-context tail").
 __device__ __forceinline__ bool last_to_arrive(int* counter, int total, int& last) {
-    __threadfence();  // this thread's writes are visible device-wide before the CTA counts itself done
     __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(counter, 1) == total - 1;
+    if (threadIdx.x == 0) {
+        int before;
+        asm volatile("atom.add.acq_rel.gpu.global.s32 %0, [%1], 1;" : "=r"(before) : "l"(counter) : "memory");
+        last = before == total - 1;
+    }
     __syncthreads();
-    if (!last) return false;
-    __threadfence();  // the other CTAs' writes (counted before our atomic) are visible from here on
-    return true;
+    return last;
 }
 
 // Programmatic dependent launch (Hopper). A kernel launched with the programmatic-stream-serialization attribute
