@@ -66,22 +66,11 @@ __device__ __forceinline__ float silu(float g) {
     return __fdiv_rn(g, 1.f + e);
 }
 
-// Before pdl_wait (the weights do not depend on earlier kernels): the RMSNorm prologue's weight goes into x row 0's
-// slot of the staging area, each thread writing the chunks it later reads back in stage_x's second pass, so that
-// pass waits for no global load but the residual's (an L2 round trip saved after the wait; no barrier needed).
-template <int THREADS>
-__device__ __forceinline__ void prestage_norm_weight(__nv_bfloat16* xs, const __nv_bfloat16* norm_w, int K,
-                                                     int prologue) {
-    if (prologue != kRmsNorm) return;
-    for (int c = threadIdx.x; c < K / 8; c += THREADS)
-        reinterpret_cast<uint4*>(xs)[c] = __ldg(reinterpret_cast<const uint4*>(norm_w) + c);
-}
-
-// Stage the m transformed x rows in shared memory (bf16 [m][K]). Every thread of the CTA takes part. kRmsNorm: the
-// norm weight is already in row 0's slot (prestage_norm_weight).
+// Stage the m transformed x rows in shared memory (bf16 [m][K]). Every thread of the CTA takes part.
 template <int M, int THREADS>
 __device__ __forceinline__ void stage_x(__nv_bfloat16* xs, int KS, float* scratch, const void* x, long long x_stride,
-                                        const int* x_rows, float eps, int m, int K, int prologue) {
+                                        const int* x_rows, const __nv_bfloat16* norm_w, float eps, int m, int K,
+                                        int prologue) {
     constexpr int kThreads = THREADS, kWarps = THREADS / 32;
     const int chunks = K / 8;
     if (prologue == kRmsNorm) {
@@ -108,27 +97,21 @@ __device__ __forceinline__ void stage_x(__nv_bfloat16* xs, int KS, float* scratc
             if (lane == 0) scratch[i * kWarps + warp] = s;
         }
         __syncthreads();
-        float inv[M];
+        // Pass 2: x = bf16(w * (r * inv)), re-reading the row (L1/L2 hits).
 #pragma unroll
         for (int i = 0; i < M; ++i) {
-            float total = 0.f;
+            if (i < m) {
+                float total = 0.f;
 #pragma unroll
-            for (int w = 0; w < kWarps; ++w) total += scratch[i * kWarps + w];
-            inv[i] = xserv::rms_inv(total, K, eps);
-        }
-        // Pass 2: x = bf16(w * (r * inv)), re-reading the rows (L1 hits) and this thread's chunk of the weight
-        // before row 0 overwrites it.
-        for (int c = threadIdx.x; c < chunks; c += kThreads) {
-            float w[8];
-            xserv::bf16x8_to_float(reinterpret_cast<const uint4*>(xs)[c], w);
-#pragma unroll
-            for (int i = 0; i < M; ++i) {
-                if (i < m) {
-                    const float* row = static_cast<const float*>(x) + (long long)(x_rows ? x_rows[i] : i) * x_stride;
-                    float v[8];
+                for (int w = 0; w < kWarps; ++w) total += scratch[i * kWarps + w];
+                const float inv = xserv::rms_inv(total, K, eps);
+                const float* row = static_cast<const float*>(x) + (long long)(x_rows ? x_rows[i] : i) * x_stride;
+                for (int c = threadIdx.x; c < chunks; c += kThreads) {
+                    float v[8], w[8];
                     xserv::load8(row + c * 8, v);
+                    xserv::load8(norm_w + c * 8, w);
 #pragma unroll
-                    for (int j = 0; j < 8; ++j) v[j] = w[j] * (v[j] * inv[i]);
+                    for (int j = 0; j < 8; ++j) v[j] = w[j] * (v[j] * inv);
                     xserv::store8(xs + (long long)i * KS + c * 8, v);
                 }
             }
@@ -232,9 +215,8 @@ __device__ __forceinline__ void gemv(const void* x, long long x_stride, const in
         rows_of(blockIdx.x, wrow);
         load_step(w0, wrow, first, stride, chunks);
     }
-    prestage_norm_weight<kThreads>(xs, norm_w, K, prologue);
     xserv::pdl_wait();
-    stage_x<1, kThreads>(xs, K, scratch, x, x_stride, x_rows, eps, 1, K, prologue);
+    stage_x<1, kThreads>(xs, K, scratch, x, x_stride, x_rows, norm_w, eps, 1, K, prologue);
     xserv::pdl_launch_dependents();
 
     for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
@@ -371,9 +353,8 @@ __device__ __forceinline__ void gemv(const void* x, long long x_stride, const in
         rows_of(blockIdx.x, lo, hi);
         load_blocks(w0, lo, hi, k_first, kstep, K);
     }
-    prestage_norm_weight<kThreads>(xs, norm_w, K, prologue);
     xserv::pdl_wait();
-    stage_x<M, kThreads>(xs, KS, scratch, x, x_stride, x_rows, eps, m, K, prologue);
+    stage_x<M, kThreads>(xs, KS, scratch, x, x_stride, x_rows, norm_w, eps, m, K, prologue);
     xserv::pdl_launch_dependents();
 
     for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
