@@ -3,14 +3,19 @@
 // grid = num_tokens (one CTA per row), block = launcher's thread count.
 #include "common.cuh"
 
+// The table row of token id `id` (row 0 when the id is outside [0, vocab): the caller then writes zeros).
+__device__ __forceinline__ const uint4* table_row(int id, const uint4* table, int vocab, int chunks, bool& valid) {
+    valid = id >= 0 && id < vocab;
+    return table + (long long)(valid ? id : 0) * chunks;
+}
+
 // ids: [num_tokens] int32; table: [vocab, hidden] as uint4 (8 bf16 each), chunks = hidden / 8;
 // out: [num_tokens, hidden] as uint4. Needs hidden % 8 == 0 and 16-byte aligned table and out (launcher checks).
 extern "C" __global__ void embedding_bf16_vec(const int* __restrict__ ids, const uint4* __restrict__ table,
                                               uint4* __restrict__ out, int vocab, int chunks) {
     const long long t = blockIdx.x;
-    const int id = ids[t];
-    const bool valid = id >= 0 && id < vocab;
-    const uint4* src = table + (long long)(valid ? id : 0) * chunks;
+    bool valid;
+    const uint4* src = table_row(ids[t], table, vocab, chunks, valid);
     uint4* dst = out + t * chunks;
     for (int c = threadIdx.x; c < chunks; c += blockDim.x) dst[c] = valid ? src[c] : make_uint4(0u, 0u, 0u, 0u);
 }
@@ -20,9 +25,8 @@ extern "C" __global__ void embedding_bf16_vec(const int* __restrict__ ids, const
 extern "C" __global__ void embedding_bf16_to_f32_vec(const int* __restrict__ ids, const uint4* __restrict__ table,
                                                      float* __restrict__ out, int vocab, int chunks) {
     const long long t = blockIdx.x;
-    const int id = ids[t];
-    const bool valid = id >= 0 && id < vocab;
-    const uint4* src = table + (long long)(valid ? id : 0) * chunks;
+    bool valid;
+    const uint4* src = table_row(ids[t], table, vocab, chunks, valid);
     float* dst = out + t * chunks * 8;
     for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
         float v[8];

@@ -45,8 +45,8 @@ def test_allocator_reuses_blocks_and_counts():
     assert alloc.stats.peak_bytes_in_use >= alloc.stats.bytes_in_use
 
 
-def test_allocator_keep_alive_records_allocations():
-    # CPU: a fake device allocation underneath; what is checked is the recording and that kept buffers stay in use
+def _fake_device_allocator():
+    """A CachingAllocator whose device allocations are fake addresses (CPU tests of its bookkeeping)."""
     from xserv.runtime.allocator import CachingAllocator
 
     class FakeDevice(CachingAllocator):
@@ -54,7 +54,12 @@ def test_allocator_keep_alive_records_allocations():
             self.stats.device_allocations += 1
             return 0x1000 * self.stats.device_allocations
 
-    alloc = FakeDevice()
+    return FakeDevice()
+
+
+def test_allocator_keep_alive_records_allocations():
+    # CPU: a fake device allocation underneath; what is checked is the recording and that kept buffers stay in use
+    alloc = _fake_device_allocator()
     before = alloc.allocate(512)
     kept, inner = [], []
     with alloc.keep_alive(kept):
@@ -78,14 +83,7 @@ def test_allocator_keep_alive_records_allocations():
 def test_buffer_released_once_by_free_or_garbage_collection():
     # CPU: a fake device allocation underneath. A buffer goes back to its size class exactly once, whether freed
     # explicitly (then dropped) or dropped; a double release would hand one block to two later allocations.
-    from xserv.runtime.allocator import CachingAllocator
-
-    class FakeDevice(CachingAllocator):
-        def _device_alloc(self, size):
-            self.stats.device_allocations += 1
-            return 0x1000 * self.stats.device_allocations
-
-    alloc = FakeDevice()
+    alloc = _fake_device_allocator()
     a = alloc.allocate(700)
     ptr = a.ptr
     a.free()
