@@ -120,14 +120,8 @@ extern "C" __global__ void argmax_f32_vec_split(const float* __restrict__ x, int
     int index;
     scan_f32_vec(reinterpret_cast<const float4*>(x + (long long)b * vocab), first, end, best, index);
     reduce_and_store(best, index, part_idx + b * splits + blockIdx.x, part_val + b * splits + blockIdx.x);
-    __shared__ bool last;
-    if (threadIdx.x == 0) {
-        __threadfence();  // the candidate is visible device-wide before this CTA counts itself done
-        last = atomicAdd(counters + b, 1) == splits - 1;
-    }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();  // the other CTAs' candidates (counted before our atomic) are visible from here on
+    __shared__ int last;
+    if (!xserv::last_to_arrive(counters + b, splits, last)) return;
     best = __int_as_float(0xff800000);
     index = 0x7fffffff;
     for (int i = threadIdx.x; i < splits; i += blockDim.x) {
