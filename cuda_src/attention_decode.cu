@@ -31,6 +31,11 @@ using namespace xserv::decode;
 //   num_splits == 1: bf16 out directly; otherwise fp32 partials, and the last CTA of each (sequence, kv head) to
 //   finish (counters, reset by that CTA: graph-replay safe) merges them (combine_splits_v4, <= kV4MaxSplits).
 //   kv_len == 0: split 0 writes zeros.
+//   CLUSTER (a development form, attention_decode_v4_*_c in cuda_src/dev/): the launcher makes the num_splits
+//   (<= kV4ClusterMax) CTAs of each (sequence, kv head) one thread-block cluster; each split leaves its partial in its
+//   own shared memory and split 0 folds them through distributed shared memory (combine_splits_cluster): no global
+//   partials, counter or L2 round trips. The keys of a sequence are spread evenly over the splits at run time
+//   (cluster_chunk), since a captured graph's chunk_len is sized for the longest context of its bucket.
 //
 // Fused entry (positions != nullptr; attention_decode_rope in xserv/ops/attention/decode.py): the same kernel also
 // does qk_norm_rope_write_kv's work for a decode batch (one new token per sequence), with the same bits as that
@@ -71,6 +76,7 @@ constexpr int kV4Unroll = 4;
 constexpr int kV4TabCap = 512;
 constexpr int kV4MaxSplits = 256;  // the combine's scratch holds G * num_splits weights (the launcher's limit)
 constexpr int kV4FastCombine = 16;  // up to this many splits the combine loads everything in one round trip
+constexpr int kV4ClusterMax = 8;    // CLUSTER kernels: splits per (sequence, kv head) = CTAs per cluster (portable)
 constexpr float kV4Thresh = 8.f;
 constexpr int kV4PrefetchStages = 2;  // stages after the first STAGES - 1 that go to L2 before pdl_wait
 constexpr int kV4RowBytes = (8 + 2) * 128 * 2;  // fused: G <= 8 rotated q rows + the new K and V rows, bf16, D <= 128
@@ -91,6 +97,35 @@ __device__ __forceinline__ void bf16x8_to_float_fast(const uint4& v, float (&f)[
         f[2 * i] = __uint_as_float(w[i] << 16);
         f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
     }
+}
+
+// The fold of up to N splits' partials into one float4 column of a head's output: ls[i] the splits' log2-sum-exp2
+// values, x[i] their partial columns (i < active; split 0 holds keys, so its lse is finite). Shared by the folded
+// combine's one-round-trip path and the cluster combine, which load the same values from L2 and from the cluster's
+// shared memory: the same arithmetic in the same order, so both give the same bits.
+template <int N>
+__device__ __forceinline__ void fold_splits_column(const float (&ls)[N], const float4 (&x)[N], int active,
+                                                   __nv_bfloat16* __restrict__ dst) {
+    float mm = ls[0];
+#pragma unroll
+    for (int i = 1; i < N; ++i)
+        if (i < active) mm = fmaxf(mm, ls[i]);
+    float den = 0.f;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        if (i < active) {
+            const float w = exp2f(ls[i] - mm);
+            den += w;
+            acc.x += w * x[i].x;
+            acc.y += w * x[i].y;
+            acc.z += w * x[i].z;
+            acc.w += w * x[i].w;
+        }
+    }
+    __nv_bfloat162* d2 = reinterpret_cast<__nv_bfloat162*>(dst);
+    d2[0] = __floats2bfloat162_rn(acc.x / den, acc.y / den);
+    d2[1] = __floats2bfloat162_rn(acc.z / den, acc.w / den);
 }
 
 // The split combine of v4, folded into the split kernel (the threadfence-reduction pattern of
@@ -128,26 +163,7 @@ __device__ __forceinline__ void combine_splits_v4(int* counter, int active, long
                     x[i] = __ldcg(src + i * (D / 4));
                 }
             }
-            float mm = ls[0];  // finite: split 0 holds keys
-#pragma unroll
-            for (int i = 1; i < kV4FastCombine; ++i)
-                if (i < active) mm = fmaxf(mm, ls[i]);
-            float den = 0.f;
-            float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-            for (int i = 0; i < kV4FastCombine; ++i) {
-                if (i < active) {
-                    const float w = exp2f(ls[i] - mm);
-                    den += w;
-                    acc.x += w * x[i].x;
-                    acc.y += w * x[i].y;
-                    acc.z += w * x[i].z;
-                    acc.w += w * x[i].w;
-                }
-            }
-            __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(out + (row0 + g) * D + 4 * d4);
-            dst[0] = __floats2bfloat162_rn(acc.x / den, acc.y / den);
-            dst[1] = __floats2bfloat162_rn(acc.z / den, acc.w / den);
+            fold_splits_column<kV4FastCombine>(ls, x, active, out + (row0 + g) * D + 4 * d4);
         }
         if (threadIdx.x == 0) *counter = 0;
         return;
@@ -217,6 +233,47 @@ __device__ __forceinline__ void combine_splits_v4(int* counter, int active, long
     if (threadIdx.x == 0) *counter = 0;
 }
 
+// The split combine through the cluster's shared memory (CLUSTER kernels: the launcher makes the num_splits CTAs of
+// each (sequence, kv head) one cluster, num_splits <= kV4ClusterMax, so the cluster rank is the split). Every CTA of
+// the cluster calls it, also one whose split holds no keys. sm_part: this CTA's partial, [G][D] fp32 then G lse
+// values, written before the call by the splits that hold keys (the `active` first ones). After a cluster barrier,
+// rank 0 folds the active splits' partials, loaded from their CTAs' shared memory, into out (the same arithmetic
+// as the folded combine's one-round-trip path: the same bits); the other CTAs wait for it before they exit, since
+// it reads their shared memory. No global partials, counters or L2 round trips.
+template <int D, int G>
+__device__ __forceinline__ void combine_splits_cluster(int active, long long row0, unsigned sm_part,
+                                                       __nv_bfloat16* __restrict__ out) {
+    constexpr int NIDX = G * D / 4;  // float4 columns of the G output rows
+    cluster_arrive();
+    cluster_wait();  // every split's partial is in its CTA's shared memory
+    const unsigned rank = cluster_ctarank();
+    if (rank == 0 && active > 0) {
+        for (int idx = threadIdx.x; idx < NIDX; idx += kV4Warps * 32) {
+            const int g = idx / (D / 4), d4 = idx % (D / 4);
+            float ls[kV4ClusterMax];
+            float4 x[kV4ClusterMax];
+#pragma unroll
+            for (int i = 0; i < kV4ClusterMax; ++i) {
+                if (i < active) {
+                    ls[i] = ld_cluster_f32(map_cluster_rank(sm_part + (unsigned)(G * D + g) * 4u, i));
+                    x[i] = ld_cluster_f32x4(map_cluster_rank(sm_part + (unsigned)(g * D + 4 * d4) * 4u, i));
+                }
+            }
+            fold_splits_column<kV4ClusterMax>(ls, x, active, out + (row0 + g) * D + 4 * d4);
+        }
+    }
+    cluster_arrive();  // rank 0: done reading the other CTAs' shared memory
+    if (rank != 0) cluster_wait();
+}
+
+// CLUSTER kernels split the keys a sequence has now evenly over the cluster's splits, in multiples of one warp's
+// stage (16 keys), instead of the host's chunk_len: a captured graph fixes chunk_len for the longest context of its
+// bucket (chunk_len stays the bound: the page table is sized by it).
+__device__ __forceinline__ int cluster_chunk(int kv_len, int num_splits, int chunk_len) {
+    const int even = ((kv_len + num_splits - 1) / num_splits + 15) & ~15;
+    return min(chunk_len, max(16, even));
+}
+
 // The v4 kernel's arguments: XSERV_DECODE_ARGS (attention_decode.cuh) with writable caches, then the folded
 // combine's counters and the block-size divisor, then the fused entry's (positions == nullptr: plain attention):
 //   counters:     [num_seqs * num_kv_heads] int32, zero between calls (the last CTA of a pair resets its counter)
@@ -238,7 +295,7 @@ __device__ __forceinline__ void combine_splits_v4(int* counter, int active, long
         num_kv_heads, scale_log2, chunk_len, num_splits, out, part_o, part_lse, counters, bs_magic, bs_shift,    \
         positions, slot_mapping, cos_sin, max_pos, q_weight, k_weight, eps
 
-template <int D, int G, int STAGES>
+template <int D, int G, int STAGES, bool CLUSTER = false>
 __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS) {
     constexpr int U = kV4Unroll;
     constexpr int LPK = D / 8;         // lanes per key
@@ -261,7 +318,6 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int c = lane % LPK, sub = lane / LPK, t = lane % LPR;
     const int s = blockIdx.z, kv_head = blockIdx.y, split = blockIdx.x;
-    const int start = split * chunk_len;
     const int h0 = kv_head * G;
     const bool fused = positions != nullptr;
     const bool norm = fused && q_weight != nullptr;
@@ -276,8 +332,11 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS) {
     const int pos = fused ? positions[s] : 0;
     const int slot = fused ? slot_mapping[s] : -1;
     const int* table = block_tables + (long long)s * max_blocks_per_seq;
-    const int p0 = fast_div(start, bs_magic, bs_shift);  // pages as first slots (page * block_size)
-    const int n_cap = min(fast_div(start + chunk_len - 1, bs_magic, bs_shift) - p0 + 1, max_blocks_per_seq - p0);
+    // CLUSTER: the split's keys depend on kv_len (cluster_chunk), so the table is taken from the sequence's first
+    // page up to the last one this split can reach; the launcher guarantees they fit too.
+    const int host_start = split * chunk_len;
+    const int p0 = CLUSTER ? 0 : fast_div(host_start, bs_magic, bs_shift);  // pages as first slots (page * block_size)
+    const int n_cap = min(fast_div(host_start + chunk_len - 1, bs_magic, bs_shift) - p0 + 1, max_blocks_per_seq - p0);
     for (int i = threadIdx.x; i < n_cap; i += kV4Warps * 32)
         tab[i] = (int)((unsigned)__ldg(table + p0 + i) * (unsigned)block_size);  // -1 entries: never read
     rope16::NormWeights w;
@@ -309,6 +368,14 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS) {
         }
     };
 
+    const int chunk = CLUSTER ? cluster_chunk(kv_len, num_splits, chunk_len) : chunk_len;
+    const int start = CLUSTER ? split * chunk : host_start;
+    const int active = min(num_splits, (kv_len + chunk - 1) / chunk);  // the splits that hold keys
+    const long long row0 = (long long)s * num_q_heads + h0;
+    // CLUSTER: this split's partial (then its lse values), after the merge area in the ring (combine_splits_cluster)
+    constexpr int kMergeBytes = (kV4Warps * G * D * 4 + 2 * kV4Warps * G * 4 + 15) & ~15;
+    static_assert(kMergeBytes + (G * D + G) * 4 <= RING, "the cluster partial fits in the ring after the merge area");
+    const unsigned sm_part = smem_u32(smem_raw) + kMergeBytes;
     if (start >= kv_len) {  // no keys in this split
         xserv::pdl_wait();  // every CTA waits before it ends or writes (the chain argument in the header)
         if (kv_len == 0 && split == 0) {  // a padding row of a captured batch: a defined zero row
@@ -319,9 +386,12 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS) {
                 make_new_kv(kb, vb);
             }
         }
+        if constexpr (CLUSTER) {
+            if (num_splits > 1) combine_splits_cluster<D, G>(active, row0, sm_part, out);  // its barriers, no partial
+        }
         return;
     }
-    const int end = min(start + chunk_len, kv_len);
+    const int end = min(start + chunk, kv_len);
     // The newest key (position kv_len - 1): written by the kernel before (qk_norm_rope_write_kv) or by this one
     // (fused), so it is the one K/V load that waits for pdl_wait. Where it sits in the ring: iteration it_n of warp
     // warp_n, lanes of sub_n, chunk u_n (-1: not in this split).
@@ -586,14 +656,25 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS) {
         }
     }
     __syncthreads();
-    const long long row0 = (long long)s * num_q_heads + h0;
+    if constexpr (CLUSTER) {
+        if (num_splits > 1) {  // the partial into this CTA's shared memory (write_split_result's values), then fold
+            float* part = reinterpret_cast<float*>(smem_raw + kMergeBytes);
+            for (int idx = threadIdx.x; idx < G * D; idx += kV4Warps * 32) {
+                const int g = idx / D, d = idx % D;
+                const float3 st = merge_warp_states<D, G, kV4Warps>(sm_m, sm_l, sm_acc, g, d);
+                part[idx] = st.z / st.y;
+                if (d == 0) part[G * D + g] = st.x + log2f(st.y);
+            }
+            combine_splits_cluster<D, G>(active, row0, sm_part, out);
+            return;
+        }
+    }
     write_split_result<D, G, kV4Warps>(sm_m, sm_l, sm_acc, row0, split, num_splits, out, part_o, part_lse);
     if (num_splits == 1) return;
     // the merge area is no longer read: it holds the split weights now
     static_assert(((G * kV4MaxSplits + 3) & ~3) * 4 + kV4Warps * 32 * 16 <= RING, "combine scratch fits in the ring");
-    combine_splits_v4<D, G>(counters + (long long)s * num_kv_heads + kv_head,
-                            min(num_splits, (kv_len + chunk_len - 1) / chunk_len), row0, num_splits, part_o, part_lse,
-                            out, reinterpret_cast<float*>(smem_raw), sm_last);
+    combine_splits_v4<D, G>(counters + (long long)s * num_kv_heads + kv_head, active, row0, num_splits, part_o,
+                            part_lse, out, reinterpret_cast<float*>(smem_raw), sm_last);
 }
 
 }  // namespace

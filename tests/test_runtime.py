@@ -290,8 +290,7 @@ def fake_launches(monkeypatch):
     def launch_ex(config, func, params, extra):
         calls.append(dict(ex=True, func=int(func), grid=(config.gridDimX, config.gridDimY, config.gridDimZ),
                           block=(config.blockDimX, config.blockDimY, config.blockDimZ), smem=config.sharedMemBytes,
-                          stream=int(config.hStream), attrs=[(a.id, a.value.programmaticStreamSerializationAllowed)
-                                                             for a in config.attrs[:config.numAttrs]],
+                          stream=int(config.hStream), attrs=[_attr_value(a) for a in config.attrs[:config.numAttrs]],
                           params=_read_params(params, state["sizes"])))
         return (state["result"],)
 
@@ -304,6 +303,16 @@ def fake_launches(monkeypatch):
         return K.Kernel("fam", "kern", _FakeCore(), _FakeDevice(cc))
 
     return make, calls, state
+
+
+def _attr_value(attr):
+    """(id, value) of a recorded launch attribute: PDL's flag, a cluster's (x, y, z)."""
+    from cuda.bindings import driver
+
+    if attr.id == driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION:
+        dim = attr.value.clusterDim
+        return attr.id, (dim.x, dim.y, dim.z)
+    return attr.id, attr.value.programmaticStreamSerializationAllowed
 
 
 def _fake_tensor(ptr, shape=(4, 6), dtype=np.float32, offset=0):
@@ -452,6 +461,32 @@ def test_pdl_launch_sets_programmatic_stream_serialization(fake_launches, cc):
             assert got["ex"] and got["attrs"] == [(pss, 1)] and got["stream"] == _FakeDevice.stream_handle
         else:  # no PDL before Hopper: a plain stream-ordered launch
             assert not got["ex"]
+
+
+def test_cluster_launch_sets_the_cluster_dimension(fake_launches):
+    from cuda.bindings import driver
+
+    make, calls, _ = fake_launches
+    pss = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    cdim = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    k = make([8])
+    for pdl, cluster, want in ((False, 4, [(cdim, (4, 1, 1))]), (True, 8, [(pss, 1), (cdim, (8, 1, 1))]),
+                               (True, 1, [(pss, 1)]), (False, 4, [(cdim, (4, 1, 1))])):
+        k((8, 3, 2), 128, 0x100, smem=1024, pdl=pdl, cluster=cluster)
+        got = calls[-1]
+        assert got["ex"] and got["attrs"] == want
+        assert got["grid"] == (8, 3, 2) and got["block"] == (128, 1, 1) and got["smem"] == 1024
+        assert [int.from_bytes(p, "little") for p in got["params"]] == [0x100]
+    k(8, 128, 0x100)
+    assert not calls[-1]["ex"]  # cluster 1, no PDL: the plain launch
+    n = len(calls)
+    with pytest.raises(ValueError, match="grid x 6 is not a multiple of the cluster size 4"):
+        k(6, 128, 0x100, cluster=4)
+    with pytest.raises(ValueError, match="cluster 16: expected an int in 1..8"):
+        k(16, 128, 0x100, cluster=16)
+    with pytest.raises(ValueError, match="a cluster launch needs sm_90 or later, this device is 8.0"):
+        make([8], (8, 0))(8, 128, 0x100, cluster=2)
+    assert len(calls) == n  # no refused launch reached the driver
 
 
 def test_tensor_attributes_and_views_are_plain_values():

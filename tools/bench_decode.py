@@ -1,6 +1,7 @@
 """Decode throughput of xserv on the GPU: tokens per second at batch 1 (and other batch sizes if asked).
 
     python -m tools.bench_decode --model DIR [--context 512 --steps 256 --batch-sizes 1,8,32]
+                                 [--attention fused,pair] [--decode-kernels v4,v4c] [--rounds 2]
 
 Times the engine's decode steps after the prefill (CUDA graphs unless --no-cuda-graphs), greedy sampling on the
 device, host loop included: what a user of `xserv chat` sees. Prints the device name, tok/s and the weight bytes
@@ -31,9 +32,15 @@ def main(argv=None) -> int:
     ap.add_argument("--attention", default="fused",
                     help="comma list of fused/pair: decode attention with QK-norm/RoPE/KV write folded in, or the "
                          "two kernels (model.fused_attention), timed one after the other")
+    ap.add_argument("--decode-kernels", default="",
+                    help="comma list of decode-attention kernels (xserv.ops.attention.decode.DECODE_KERNELS, e.g. "
+                         "v4,v4c) the model runs, timed one after the other in this process (default: the shipped)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="repeat the whole list this many times (alternating A/B figures in one process)")
     args = ap.parse_args(argv)
 
     from xserv import LLM, SamplingParams
+    from xserv.ops.attention import decode
     from xserv.runtime import get_device, synchronize
 
     sizes = [int(s) for s in args.batch_sizes.split(",")]
@@ -51,13 +58,21 @@ def main(argv=None) -> int:
     print(f"device: {get_device().name}")
     print(f"model: {args.model} ({weight_bytes / 1e9:.2f} GB of weights, loaded in {llm.timings['weights_s']:.1f}s, LLM ready in {load:.1f}s), context "
           f"{args.context}, {args.steps} steps, cuda graphs {'off' if args.no_cuda_graphs else 'on'}")
-    print(f"{'batch':>6}{'ms/step':>10}{'tok/s':>12}{'tok/s/seq':>12}{'weights GB/s':>14}{'attention':>11}")
+    print(f"{'batch':>6}{'ms/step':>10}{'tok/s':>12}{'tok/s/seq':>12}{'weights GB/s':>14}{'attention':>11}"
+          f"{'kernel':>8}")
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=0.0, max_tokens=args.warmup + args.steps + 1, ignore_eos=True)
     eng = llm.engine
-    for fused, bs in [(a == "fused", bs) for a in args.attention.split(",") for bs in sizes]:
-        if fused != llm.model.fused_attention:  # captured into the graphs: capture them again
+    kernels = [k for k in args.decode_kernels.split(",") if k] or [decode.DEFAULT_DECODE]
+    for k in kernels:
+        if k not in decode.DECODE_KERNELS:
+            ap.error(f"--decode-kernels: unknown kernel {k!r}; known: {', '.join(decode.DECODE_KERNELS)}")
+    runs = [(k, a == "fused", bs) for _ in range(args.rounds) for k in kernels for a in args.attention.split(",")
+            for bs in sizes]
+    for kernel, fused, bs in runs:
+        if fused != llm.model.fused_attention or kernel != decode.DEFAULT_DECODE:  # both are in the graphs
             llm.model.fused_attention = fused
+            decode.DEFAULT_DECODE = kernel
             if not args.no_cuda_graphs:
                 eng.runner.graphs.clear()
                 eng.runner.capture_decode_graphs()
@@ -75,7 +90,7 @@ def main(argv=None) -> int:
         for s in seqs:
             eng.abort(s)
         print(f"{bs:>6}{dt * 1e3:>10.3f}{bs / dt:>12.1f}{1 / dt:>12.1f}{weight_bytes / dt / 1e9:>14.1f}"
-              f"{'fused' if fused else 'pair':>11}")
+              f"{'fused' if fused else 'pair':>11}{kernel:>8}")
     return 0
 
 

@@ -11,6 +11,7 @@ from xserv.ops import attention as A
 from xserv.ops.attention import decode as D
 from xserv.ops.attention import prefill as P
 from xserv.ops.rope import rope_cos_sin_table
+from xserv.runtime import get_device
 from xserv.runtime.compiler import kernel_source_dir
 from xserv.tensor import Tensor, bfloat16
 from xserv.testing import paged_kv_from_dense, poisoned, random_array, rel_error
@@ -221,6 +222,21 @@ def test_plan_decode_v4_page_table_and_fallbacks():
     assert D.plan_decode("v3", 4, 8, 4096, 20, 128, 4, 132)[0].variant == "v2"  # v3 needs block_size % 16 == 0
 
 
+def test_cluster_plan_fits_one_cluster_and_the_page_table():
+    """The cluster-combine kernel (v4c): at most V4_CLUSTER_MAX splits (one cluster of CTAs per sequence and kv
+    head), a chunk bound in multiples of 16 that covers the context, v4's split count where that is smaller, the
+    pages from the sequence's start to the last split's end within the shared table; longer contexts run v4."""
+    for b, hkv, n, block in [(1, 8, 1, 16), (1, 8, 17, 16), (1, 8, 520, 16), (1, 8, 2048, 16), (4, 8, 4096, 16),
+                             (64, 8, 4096, 16), (1, 2, 8000, 256), (3, 4, 1000, 8)]:
+        k, splits, chunk = D.plan_decode("v4c", b, hkv, n, block, 128, 4, 132)
+        assert k.variant == "v4c" and 1 <= splits <= D.V4_CLUSTER_MAX, (b, hkv, n, block, splits)
+        assert chunk % 16 == 0 and splits * chunk >= n and -(-splits * chunk // block) + 1 <= D.V4_TABLE_CAP
+        assert splits <= D.plan_decode("v4", b, hkv, n, block, 128, 4, 132)[1]
+    assert D.plan_decode("v4c", 64, 8, 4096, 16, 128, 4, 132)[1] == 1  # a large batch: no split, no cluster
+    assert D.plan_decode("v4c", 1, 8, 32768, 16, 128, 4, 132)[0].variant == "v4"  # pages beyond the table
+    assert D.plan_decode("v4c", 1, 8, 32768, 256, 128, 4, 132)[0].variant == "v4c"
+
+
 def test_v4_plan_few_sequences():
     """What the v4 plan guarantees: every split non-empty, chunk a multiple of 64 within v4's shared page table and
     the combine's split limit; a grid that covers every SM (more CTAs than SMs) wherever the context allows it, with
@@ -287,7 +303,7 @@ def _kernel_names(family: str) -> set[str]:
     for d, g, s in re.findall(r"^\s*XSERV_DECODE_V4_KERNEL\((\w+), (\w+), (\d)\)", src, re.M):
         names.add(f"attention_decode_v4_d{d}_g{g}_s{s}")
     for d, g in re.findall(r"^XSERV_DECODE_V4_EXPERIMENTS\((\d+), (\d)\)", src, re.M):
-        names.update(f"attention_decode_v4_d{d}_g{g}_{x}" for x in ("s3", "s4", "s2_n", "s2_p"))
+        names.update(f"attention_decode_v4_d{d}_g{g}_{x}" for x in ("s3", "s4", "s2_n", "s2_p", "s2_c"))
     for d, g in re.findall(r"^XSERV_DECODE_V3_STAGES\((\d+), (\d)\)", src, re.M):
         names.update(f"attention_decode_v3_d{d}_g{g}_s{s}" for s in (2, 3))
     for d, mt, w, qs, nbuf, ks in re.findall(
@@ -323,6 +339,7 @@ def test_host_mirrors_match_device_constants():
     v4 = _source("attention_decode")
     assert int(re.search(r"constexpr int kV4TabCap = (\d+);", v4).group(1)) == D.V4_TABLE_CAP
     assert int(re.search(r"constexpr int kV4MaxSplits = (\d+);", v4).group(1)) == D.V4_MAX_SPLITS
+    assert int(re.search(r"constexpr int kV4ClusterMax = (\d+);", v4).group(1)) == D.V4_CLUSTER_MAX
     row_bytes = re.search(r"constexpr int kV4RowBytes = ([\d ()*+]+);", v4).group(1)
     assert eval(row_bytes) == D.V4_ROW_BYTES  # a product of literals  # noqa: S307
     warps = int(re.search(r"constexpr int kV4Warps = (\d+);", v4).group(1))
@@ -633,7 +650,7 @@ def test_decode_gpu_v2_fallback_block_size_1(rng):
     assert row_error(run_decode(case, 120000), dense_expected(case)) < TOL_LONG
 
 
-def _graph_replays(rng, variant):
+def _graph_replays(rng, variant, max_kv_len=8192):
     """Split counters reset themselves: eager calls and graph replays give the same rows, call after call."""
     from xserv.runtime.graphs import CUDAGraph
 
@@ -643,7 +660,7 @@ def _graph_replays(rng, variant):
 
     def step():
         A.attention_decode(t["q"], t["k_cache"], t["v_cache"], t["kv_lens"], t["block_tables"], case["scale"],
-                           max_kv_len=8192, out=out, variant=variant)
+                           max_kv_len=max_kv_len, out=out, variant=variant)
 
     step()
     first = out.numpy()
@@ -698,8 +715,7 @@ def check_decode_rope(c, variant=None, max_kv_len=None):
     leaves qkv as it was (the two-op fallback, variant v2, rotates it in place), and agrees with the composition of
     the NumPy references (the attention in float64)."""
     out, kc, vc, qkv = run_decode_rope(c, variant=variant, max_kv_len=max_kv_len)
-    want_out, want_kc, want_vc = run_rope_then_decode(c, variant="v2" if variant == "v2" else None,
-                                                      max_kv_len=max_kv_len)
+    want_out, want_kc, want_vc = run_rope_then_decode(c, variant=variant, max_kv_len=max_kv_len)
     np.testing.assert_array_equal(u16(out), u16(want_out))
     np.testing.assert_array_equal(u16(kc), u16(want_kc))
     np.testing.assert_array_equal(u16(vc), u16(want_vc))
@@ -759,11 +775,15 @@ def test_decode_rope_gpu_bad_position_gives_nan(rng):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fused", ["spread", "pdl", "nopdl", False])
 def test_decode_rope_gpu_pdl_chain_graph(rng, monkeypatch, fused):
+    _pdl_chain_graph(rng, monkeypatch, fused)
+
+
+def _pdl_chain_graph(rng, monkeypatch, fused, variant=None):
     """The model's chain with programmatic dependent launch, captured in a CUDA graph and replayed: the qkv GEMV
     (rmsnorm_linear), then the fused op, or qk_norm_rope_write_kv then attention_decode. Before every replay qkv and
     the new tokens' cache slots are NaN (host copies before the launch), so a kernel that read either before its pdl_wait would show
     NaN. Replays give the bits of the eager run. The fused op in each of its launch settings (decode.FUSED_PDL,
-    decode.SPREAD_CTAS)."""
+    decode.SPREAD_CTAS). variant: the decode kernel of both forms."""
     from xserv.ops.gemv import rmsnorm_linear
     from xserv.ops.rope import qk_norm_rope_write_kv
     from xserv.runtime.graphs import CUDAGraph
@@ -793,11 +813,12 @@ def test_decode_rope_gpu_pdl_chain_graph(rng, monkeypatch, fused):
         rmsnorm_linear(residual, norm_w, ROPE_EPS, w_qkv, out=qkv.view(len(lens), (hq + 2 * hkv) * d))
         if fused:
             A.attention_decode_rope(qkv, t["qw"], t["kw"], t["pos"], t["cos_sin"], hq, ROPE_EPS, kc, vc, t["slots"],
-                                    t["kv_lens"], t["tables"], c["scale"], 4096, out=out)
+                                    t["kv_lens"], t["tables"], c["scale"], 4096, out=out, variant=variant)
         else:
             qk_norm_rope_write_kv(qkv, t["qw"], t["kw"], t["pos"], t["cos_sin"], hq, hkv, ROPE_EPS, kc, vc,
                                   t["slots"], pdl=True)
-            A.attention_decode(qkv, kc, vc, t["kv_lens"], t["tables"], c["scale"], 4096, out=out, num_q_heads=hq)
+            A.attention_decode(qkv, kc, vc, t["kv_lens"], t["tables"], c["scale"], 4096, out=out, num_q_heads=hq,
+                               variant=variant)
 
     poison()
     step()
@@ -862,3 +883,64 @@ def test_decode_gpu_dev_v4_experiments(rng, variant, head_dim, hq, hkv, block_si
 @pytest.mark.parametrize("variant", ["v3", "v3s3"])
 def test_decode_gpu_dev_graph_replays(rng, variant):
     _graph_replays(rng, variant)
+
+
+@dev
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim,hq,hkv,block_size", [(128, 32, 8, 16), (128, 16, 8, 48), (64, 16, 8, 16),
+                                                        (128, 16, 8, 256)])
+def test_decode_gpu_dev_v4c(rng, head_dim, hq, hkv, block_size):
+    """v4c, the split combine through a thread-block cluster's shared memory, against the float64 reference: a
+    batch where some sequences leave splits without keys (they still join the cluster's barriers) and a padding row,
+    then single sequences from 1 key to a graph bucket's worth, each planned for a longer max_kv_len (the kernel
+    spreads the keys a sequence has over the cluster, not the planned chunks)."""
+    sms = get_device().multiprocessor_count
+    lens = [0, 1, 15, 17, 65, 520, 1000, 4096]
+    assert D.plan_decode("v4c", len(lens), hkv, 4096, block_size, head_dim, hq // hkv, sms)[0].variant == "v4c"
+    case = make_case(rng, [1] * len(lens), lens, hq, hkv, head_dim, block_size)
+    assert rel_error(run_decode(case, 4096, variant="v4c"), dense_expected(case)) < TOL
+    for n, max_kv_len in ((1, 512), (16, 16), (17, 2048), (130, 4096), (520, 2048), (4000, 4000)):
+        assert D.plan_decode("v4c", 1, hkv, max_kv_len, block_size, head_dim, hq // hkv, sms)[0].variant == "v4c"
+        case = make_case(rng, [1], [n], hq, hkv, head_dim, block_size)
+        assert rel_error(run_decode(case, max_kv_len, variant="v4c"), dense_expected(case)) < TOL, n
+
+
+@dev
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq,n,max_kv_len", [(16, 520, 2048), (32, 4000, 4096), (16, 17, 512), (32, 1, 64)])
+def test_decode_gpu_dev_v4c_bits_match_v4(rng, monkeypatch, hq, n, max_kv_len):
+    """v4 with the split count and the chunk v4c computes for the sequence gives the same bits: the two folds are the
+    same arithmetic over the same partials, loaded from L2 and from the cluster's shared memory."""
+    hkv = 8
+    case = make_case(rng, [1], [n], hq, hkv, 128, 16)
+    k, splits, chunk = D.plan_decode("v4c", 1, hkv, max_kv_len, 16, 128, hq // hkv, get_device().multiprocessor_count)
+    assert k.variant == "v4c"
+    got = run_decode(case, max_kv_len, variant="v4c")
+    even = min(chunk, max(16, -(-(-(-n // splits)) // 16) * 16))  # cluster_chunk in attention_decode.cu
+    monkeypatch.setattr(D, "plan_decode", lambda *a: (D.DECODE_KERNELS["v4"], splits, even))
+    want = run_decode(case, max_kv_len, variant="v4")
+    np.testing.assert_array_equal(u16(got), u16(want))
+    assert rel_error(got, dense_expected(case)) < TOL
+
+
+@dev
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("hq,hkv", [(16, 8), (32, 8)])
+def test_decode_rope_gpu_dev_v4c(rng, head_dim, hq, hkv):
+    """The fused entry of v4c: bit-identical to qk_norm_rope_write_kv + v4c, and to the references, batch 1 and a
+    mixed batch (padding rows, a new key elsewhere, kv_len 0)."""
+    if (head_dim, hq // hkv) not in D.DECODE_KERNELS["v4c"].shapes:
+        pytest.skip("v4c is compiled for the benchmark's shapes")
+    for kv_len in (1, 65, 520, 3000):
+        check_decode_rope(rope_case(rng, [kv_len], hq, hkv, head_dim, 16), variant="v4c", max_kv_len=2048)
+    lens, kinds = [5, 700, 1, 0, 300, 64], ["new", "new", "pad", "zero", "elsewhere", "new"]
+    check_decode_rope(rope_case(rng, lens, hq, hkv, head_dim, 16, kinds=kinds), variant="v4c")
+
+
+@dev
+@pytest.mark.gpu
+def test_decode_gpu_dev_v4c_graph_replays_and_pdl_chain(rng, monkeypatch):
+    assert D.plan_decode("v4c", 4, 4, 5000, 16, 128, 4, get_device().multiprocessor_count)[0].variant == "v4c"
+    _graph_replays(rng, "v4c", max_kv_len=5000)
+    _pdl_chain_graph(rng, monkeypatch, "spread", variant="v4c")

@@ -111,10 +111,14 @@ class Kernel:
     pdl=True launches with programmatic stream serialization (Hopper and later; a plain launch before sm_90): the
     kernel may start while the previous kernel in the stream is still running, so it must call xserv::pdl_wait()
     (cuda_src/common.cuh) before reading anything an earlier kernel wrote. Works under CUDA-graph capture.
+
+    cluster=n (sm_90 and later, n <= 8) launches the grid as thread-block clusters of n CTAs along x (grid x a
+    multiple of n): the CTAs of a cluster run at the same time and share their shared memory (common.cuh's
+    cluster_* helpers).
     """
 
     __slots__ = ("family", "name", "_kernel", "_device", "_func", "_hstream", "_smem_limit", "_packers", "_last",
-                 "_param_sizes", "_pdl_supported", "_pdl_configs")
+                 "_param_sizes", "_pdl_supported", "_ex_configs")
 
     def __init__(self, family: str, name: str, core_kernel, device):
         self.family, self.name = family, name
@@ -131,9 +135,9 @@ class Kernel:
         self._last: _Packer | _NoPacker = _NoPacker()  # the signature of the last plain launch
         self._param_sizes: list[int] | None | bool = False  # False: not read yet; None: the driver cannot say
         self._pdl_supported = device.info.compute_capability[0] >= 9
-        self._pdl_configs: dict[tuple, object] = {}
+        self._ex_configs: dict[tuple, object] = {}
 
-    def __call__(self, grid, block, *args, smem: int = 0, pdl: bool = False):
+    def __call__(self, grid, block, *args, smem: int = 0, pdl: bool = False, cluster: int = 1):
         if type(grid) is int:
             gx = grid
             gy = gz = 1
@@ -146,11 +150,14 @@ class Kernel:
             bx, by, bz = _dims("block", block)
         if smem > self._smem_limit:
             self._raise_smem_limit(smem)
-        if pdl and self._pdl_supported:
+        if cluster != 1:
+            self._check_cluster(cluster, gx)
+        if (pdl and self._pdl_supported) or cluster != 1:
             packer = self._packer(args)
             try:
                 packer.pack(*args)
-                result = _cuLaunchKernelEx(self._pdl_config(gx, gy, gz, bx, by, bz, smem), self._func, packer.params, 0)
+                config = self._ex_config(gx, gy, gz, bx, by, bz, smem, pdl and self._pdl_supported, cluster)
+                result = _cuLaunchKernelEx(config, self._func, packer.params, 0)
             except Exception as exc:
                 self._raise_bad_call(exc, args, grid, block, smem)
         else:
@@ -229,22 +236,41 @@ class Kernel:
             self._param_sizes = _param_sizes(self._func)
         return self._param_sizes
 
-    def _pdl_config(self, gx, gy, gz, bx, by, bz, smem):
-        key = (gx, gy, gz, bx, by, bz, smem)
-        config = self._pdl_configs.get(key)
+    def _ex_config(self, gx, gy, gz, bx, by, bz, smem, pdl: bool, cluster: int):
+        """The cuLaunchKernelEx configuration of a launch with attributes (programmatic stream serialization, a
+        cluster dimension), built once per shape."""
+        key = (gx, gy, gz, bx, by, bz, smem, pdl, cluster)
+        config = self._ex_configs.get(key)
         if config is None:
-            attr = driver.CUlaunchAttribute()
-            attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-            attr.value.programmaticStreamSerializationAllowed = 1
+            attrs = []
+            if pdl:
+                attr = driver.CUlaunchAttribute()
+                attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+                attr.value.programmaticStreamSerializationAllowed = 1
+                attrs.append(attr)
+            if cluster != 1:
+                attr = driver.CUlaunchAttribute()
+                attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+                attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster, 1, 1
+                attrs.append(attr)
             config = driver.CUlaunchConfig()
             config.gridDimX, config.gridDimY, config.gridDimZ = gx, gy, gz
             config.blockDimX, config.blockDimY, config.blockDimZ = bx, by, bz
             config.sharedMemBytes = smem
             config.hStream = self._hstream
-            config.attrs = [attr]
-            config.numAttrs = 1
-            self._pdl_configs[key] = config
+            config.attrs = attrs
+            config.numAttrs = len(attrs)
+            self._ex_configs[key] = config
         return config
+
+    def _check_cluster(self, cluster, gx) -> None:
+        if not self._pdl_supported:  # clusters, like programmatic dependent launch, start with sm_90
+            cc = ".".join(map(str, self._device.info.compute_capability))
+            raise ValueError(f"{self.name}: a cluster launch needs sm_90 or later, this device is {cc}")
+        if type(cluster) is not int or not 1 <= cluster <= 8:
+            raise ValueError(f"{self.name}: cluster {cluster!r}: expected an int in 1..8 (CTAs per cluster along x)")
+        if gx % cluster:
+            raise ValueError(f"{self.name}: grid x {gx} is not a multiple of the cluster size {cluster}")
 
     def _raise_smem_limit(self, smem: int) -> None:
         limit = self._device.info.max_shared_memory_per_block_optin

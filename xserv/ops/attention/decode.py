@@ -27,6 +27,7 @@ from .reference import attention_decode_reference
 V4_TABLE_CAP = 512  # kV4TabCap (attention_decode.cu): page-table entries a v4 CTA keeps in shared memory
 V4_RING_STAGE_BYTES = 16384  # 4 warps x 8 chunks x 32 lanes x 16 bytes: one stage of v4's ring
 V4_MAX_SPLITS = 256  # kV4MaxSplits: the folded combine's shared scratch holds G * num_splits weights
+V4_CLUSTER_MAX = 8  # kV4ClusterMax: splits (CTAs per cluster) of the cluster-combine kernels (v4c)
 V4_ROW_BYTES = 2560  # kV4RowBytes: v4's shared rows of the fused entry (G <= 8 query rows + the new K and V, bf16)
 V4_CTA_COST_KEYS = 64  # a v4 CTA's fixed cost (prologue, merge, partials, combine) in keys streamed (H100 sweep)
 V2_CTAS_PER_SM = 4  # v2's split-KV grid aims at this many CTAs per SM
@@ -55,8 +56,10 @@ def v3_min_blocks(head_dim: int, stages: int) -> int:
 
 @dataclass(frozen=True)
 class DecodeKernel:
-    """A decode kernel family member: generation 2, 3 or 4, ring stages, name suffix, and the (head_dim, group)
-    shapes it is compiled for (None: every supported one)."""
+    """A decode kernel family member: generation 2, 3 or 4, ring stages, name suffix, the (head_dim, group) shapes
+    it is compiled for (None: every supported one), whether it is v4's production template with its fused-entry
+    arguments (the _n / _p experiments are not), and whether it combines its splits through a thread-block
+    cluster's shared memory (launched as one cluster of num_splits CTAs per (sequence, kv head))."""
 
     variant: str
     generation: int
@@ -64,6 +67,8 @@ class DecodeKernel:
     stages: int = 2
     suffix: str = ""
     shapes: frozenset | None = None
+    fused_args: bool = True
+    cluster: bool = False
 
     @property
     def dev(self) -> bool:
@@ -100,8 +105,10 @@ DECODE_KERNELS = {k.variant: k for k in (
     DecodeKernel("v3s3", 3, "dev/attention_decode_dev", stages=3),
     DecodeKernel("v4s3", 4, "dev/attention_decode_dev", stages=3, shapes=_EXPERIMENT_SHAPES),
     DecodeKernel("v4s4", 4, "dev/attention_decode_dev", stages=4, shapes=_EXPERIMENT_SHAPES),
-    DecodeKernel("v4n", 4, "dev/attention_decode_dev", suffix="_n", shapes=_EXPERIMENT_SHAPES),
-    DecodeKernel("v4p", 4, "dev/attention_decode_dev", suffix="_p", shapes=_EXPERIMENT_SHAPES),  # wrong on purpose
+    DecodeKernel("v4n", 4, "dev/attention_decode_dev", suffix="_n", shapes=_EXPERIMENT_SHAPES, fused_args=False),
+    DecodeKernel("v4p", 4, "dev/attention_decode_dev", suffix="_p", shapes=_EXPERIMENT_SHAPES,
+                 fused_args=False),  # wrong on purpose
+    DecodeKernel("v4c", 4, "dev/attention_decode_dev", suffix="_c", shapes=_EXPERIMENT_SHAPES, cluster=True),
 )}
 DEFAULT_DECODE = "v4"
 
@@ -178,6 +185,17 @@ def v4_plan(num_seqs: int, num_kv_heads: int, max_kv_len: int, multiprocessor_co
     return min(fits, key=lambda k: plans[k][2:])
 
 
+def cluster_plan(num_seqs: int, num_kv_heads: int, max_kv_len: int, multiprocessor_count: int, resident: int,
+                 max_chunk: int) -> tuple[int, int]:
+    """(num_splits, chunk_len) of a cluster-combine kernel (v4c): v4_plan's split count, at most V4_CLUSTER_MAX (the
+    CTAs of a cluster), and chunk_len the bound of the per-sequence chunk the kernel computes (cluster_chunk in
+    attention_decode.cu: the keys a sequence has spread evenly over the splits, in multiples of 16)."""
+    splits, _ = v4_plan(num_seqs, num_kv_heads, max_kv_len, multiprocessor_count, resident, max_chunk)
+    splits = min(splits, V4_CLUSTER_MAX)
+    length = max(int(max_kv_len), 1)
+    return splits, max(16, -(-(-(-length // splits)) // 16) * 16)
+
+
 @functools.lru_cache(maxsize=4096)
 def plan_decode(variant: str, num_seqs: int, num_kv_heads: int, max_kv_len: int, block_size: int, head_dim: int,
                 group: int, multiprocessor_count: int) -> tuple[DecodeKernel, int, int]:
@@ -192,6 +210,12 @@ def plan_decode(variant: str, num_seqs: int, num_kv_heads: int, max_kv_len: int,
         raise ValueError(f"variant: {variant} is compiled for (head_dim, group) in {sorted(k.shapes)} only, "
                          f"not ({head_dim}, {group})")
     sms = multiprocessor_count
+    if k.cluster:  # its page table spans the sequence's first page to the split's last
+        splits, chunk = cluster_plan(num_seqs, num_kv_heads, max_kv_len, sms, k.resident(head_dim, group),
+                                     (V4_TABLE_CAP - 1) * block_size // 64 * 64)
+        if -(-splits * chunk // block_size) + 1 <= V4_TABLE_CAP:
+            return k, splits, chunk
+        k = DECODE_KERNELS["v4"]  # a longer context: v4's plan (and its fallback)
     if k.generation == 4:
         splits, chunk = v4_plan(num_seqs, num_kv_heads, max_kv_len, sms, k.resident(head_dim, group),
                                 (V4_TABLE_CAP - 1) * block_size // 64 * 64)
@@ -297,17 +321,19 @@ def _launch(plan: tuple[DecodeKernel, int, int], q: Tensor, k_cache: Tensor, v_c
     if k.generation == 4:
         magic, shift = fast_div(block_size)
         args += [np.uint32(magic), np.int32(shift)]
-    shipped_v4 = k is DECODE_KERNELS["v4"]
-    if shipped_v4:
+    v4_template = k.generation == 4 and k.fused_args  # v4, and its dev stage counts and cluster form
+    if v4_template:
         args += v4_extra
     grid = (splits, num_kv_heads, num_seqs)
-    smem, pdl = k.smem(head_dim), shipped_v4
+    # the v4 template waits for the previous kernel itself (pdl_wait): it may start early (programmatic dependent
+    # launch)
+    smem, pdl = k.smem(head_dim), v4_template
     if fused:
         pdl = FUSED_PDL
         if SPREAD_CTAS:
             smem = spread_smem(smem, splits * num_kv_heads * num_seqs, get_device().multiprocessor_count)
-    # v4 waits for the previous kernel itself (pdl_wait): it may be launched with programmatic dependent launch
-    kernel(k.family, k.name(head_dim, group))(grid, (_THREADS, 1, 1), *args, smem=smem, pdl=pdl)
+    cluster = splits if k.cluster and splits > 1 else 1  # one cluster per (sequence, kv head): rank = split
+    kernel(k.family, k.name(head_dim, group))(grid, (_THREADS, 1, 1), *args, smem=smem, pdl=pdl, cluster=cluster)
     if k.generation == 2 and splits > 1:
         kernel(k.family, "attention_decode_combine")(
             (num_q_heads, num_seqs, 1), (head_dim, 1, 1), part_o, part_lse, kv_lens, np.int32(chunk),
@@ -375,7 +401,7 @@ def attention_decode_rope(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor
         return out
     check_aligned("cos_sin", cos_sin)
     plan = _plan(variant, num_seqs, num_kv_heads, max_kv_len, block_size, head_dim, num_q_heads // num_kv_heads)
-    if plan[0] is not DECODE_KERNELS["v4"]:  # v2 (or a dev kernel): the two ops
+    if plan[0].generation != 4 or not plan[0].fused_args:  # v2 (or a dev kernel without the entry): the two ops
         rope.qk_norm_rope_write_kv(qkv, q_weight, k_weight, positions, cos_sin, num_q_heads, num_kv_heads, eps32,
                                    k_cache, v_cache, slot_mapping, pdl=True)
         _launch(plan, qkv, k_cache, v_cache, kv_lens, block_tables, scale, out, num_q_heads, _PLAIN_V4)
