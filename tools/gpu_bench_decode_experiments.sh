@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Decode-attention experiments on the lent GPU, one call (~8 minutes on an H200): the development kernels' GPU tests,
+# then the model end to end with each decode kernel, alternating in one process (bench_decode --decode-kernels
+# --rounds), and the plain kernel's split sweep at one long sequence.
+#   bash tools/gpu_bench_decode_experiments.sh [0.6b] [8b]
+#   v4c: the split combine through a thread-block cluster (context 512); v4s3 / v4s4: 3 and 4 ring stages (32k)
+set -u
+cd "$(dirname "$0")/.."
+bash tools/gpu_session.sh env >/dev/null
+export PYTHONUNBUFFERED=1 XSERV_CACHE_DIR=/tmp/xserv-cache PYTHONPATH=/tmp/site:$PWD
+presets=("${@:-0.6b}")
+for p in "${presets[@]}"; do [ -d /tmp/model-$p ] || python3 -m tools.make_test_model --preset $p --out /tmp/model-$p --no-progress >/dev/null & done
+echo "=== dev decode tests (v4c, v4s3, v4s4)"
+XSERV_DEV_TESTS=1 timeout 300 python3 -m pytest -q -x -m gpu tests/ops/test_attention.py -k "v4c or v4_experiments" 2>&1 | tail -4
+wait
+echo "=== ceilings"; python3 -m tools.kernel_harness ceilings 2>&1 | tail -3
+for p in "${presets[@]}"; do
+  m=/tmp/model-$p
+  echo "=== $p context 512: v4 / v4c"
+  timeout 240 python3 -m tools.bench_decode --model $m --batch-sizes 1 --decode-kernels v4,v4c --rounds 2 2>&1 | tail -5
+  echo "=== $p context 32,000: v4 / v4s3 / v4s4"
+  timeout 240 python3 -m tools.bench_decode --model $m --batch-sizes 1 --context 32000 --steps 64 \
+    --decode-kernels v4,v4s3,v4s4 2>&1 | tail -4
+done
+echo "=== plain decode at one long sequence: stages x splits"
+timeout 240 python3 -m tools.sweep_decode_plan --only "1x32768 32/8" --variants v4,v4s3,v4s4 --no-rope --quick 2>&1 \
+  | grep -v "^$"
