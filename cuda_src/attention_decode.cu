@@ -2,7 +2,9 @@
 // attention.cuh), split-KV ("flash-decoding") with GQA grouping and the split combine folded in. Shared pieces and
 // the arguments: attention_decode.cuh; the fallback (v2): attention_decode_v2.cu.
 #include "attention_decode.cuh"
+#include "gemv.cuh"
 #include "rope.cuh"
+#include "tma.cuh"
 
 using namespace xserv;
 using namespace xserv::decode;
@@ -274,6 +276,98 @@ __device__ __forceinline__ int cluster_chunk(int kv_len, int num_splits, int chu
     return min(chunk_len, max(16, even));
 }
 
+// The qkv projection of one sequence folded into the decode attention (QKV kernels, a development form for small
+// models at batch 1; CLUSTER too, num_splits = the cluster's CTAs). The (G + 2) x D rows of W_qkv that a kv head
+// needs (its G q heads, its k head, its v head: three runs of consecutive rows) are divided evenly over the cluster's
+// CTAs. Each CTA bulk-copies its rows into shared memory before pdl_wait (the weights do not depend on the kernel
+// before), then stages the RMSNorm'd x row (gemv's prologue) and computes its rows' dot products in gemv_row's
+// order (the `gemv_split` warps' shares of K, each summed over the warp, added in order), so each value has the bits
+// rmsnorm_linear would write into qkv; rounded to bf16, it goes into the raw rows of every CTA of the cluster.
+struct QkvProjection {
+    const float* residual = nullptr;        // [hidden] fp32: the residual stream (written by the kernel before)
+    const __nv_bfloat16* norm_w = nullptr;  // [hidden]: the input RMSNorm's weight
+    const __nv_bfloat16* w_qkv = nullptr;   // [(num_q_heads + 2 * num_kv_heads) * D, hidden]: the packed projection
+    int hidden = 0;                         // a multiple of 8
+    int gemv_split = 1;                     // rmsnorm_linear's K split for this projection (1, 2 or 4)
+};
+
+// Thread 0, before pdl_wait: the CTA's rows of W_qkv into shared memory at w_dst (completing on mbarrier bar).
+template <int D, int G>
+__device__ __forceinline__ void qkv_issue_weights(const QkvProjection& qp, unsigned bar, unsigned w_dst, int rank,
+                                                  int cluster, int kv_head, int num_q_heads, int num_kv_heads) {
+    const int rows = (G + 2) * D / cluster, r0 = rank * rows;
+    const unsigned row_bytes = (unsigned)qp.hidden * 2u;
+    xserv::mbarrier_init(bar, 1);
+    xserv::mbarrier_init_fence();
+    xserv::mbarrier_arrive_expect_tx(bar, (unsigned)rows * row_bytes);
+    // the kv head's rows as three runs of W: [first row of the run in the kv head's order, length, first W row]
+    const int runs[3][3] = {{0, G * D, kv_head * G * D},
+                            {G * D, D, (num_q_heads + kv_head) * D},
+                            {(G + 1) * D, D, (num_q_heads + num_kv_heads + kv_head) * D}};
+#pragma unroll
+    for (int i = 0; i < 3; ++i) {
+        const int a = max(r0, runs[i][0]), b = min(r0 + rows, runs[i][0] + runs[i][1]);
+        if (a < b)
+            xserv::bulk_load_evict_first(w_dst + (unsigned)(a - r0) * row_bytes,
+                                         qp.w_qkv + (long long)(runs[i][2] + a - runs[i][0]) * qp.hidden,
+                                         (unsigned)(b - a) * row_bytes, bar);
+    }
+}
+
+// Every thread, after pdl_wait: x staged, the CTA's rows computed and written (bf16) into the raw rows
+// ([G + 2][D], at smem offset raw) of every CTA of the cluster; returns when all of them are there (cluster barrier).
+// The caller's cluster_arrive_relaxed at kernel start pairs with the first wait here (no remote write before every
+// CTA runs).
+template <int D, int G>
+__device__ __forceinline__ void qkv_rows(const QkvProjection& qp, float eps, unsigned char* smem, unsigned bar,
+                                         unsigned w_off, unsigned raw, float* scratch, int rank, int cluster) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int rows = (G + 2) * D / cluster, r0 = rank * rows, hidden = qp.hidden, chunks = hidden / 8;
+    const unsigned char* wsm = smem + w_off;
+    __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem + w_off + (unsigned)rows * hidden * 2u);
+    xserv::gemv::stage_x<1, kV4Warps * 32>(xs, hidden, scratch, qp.residual, 0, nullptr, qp.norm_w, eps, 1, hidden,
+                                           xserv::gemv::kRmsNorm);  // ends with a CTA barrier
+    xserv::mbarrier_wait(bar, 0);  // the weight rows have landed
+    cluster_wait();                // every CTA of the cluster runs (pairs with the arrive at kernel start)
+    const int split_k = qp.gemv_split;
+    for (int rb = warp * 4; rb < rows; rb += kV4Warps * 4) {  // 4 rows at a time, a warp's rows interleaved
+        float acc[4][4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+#pragma unroll
+            for (int p = 0; p < 4; ++p) acc[r][p] = 0.f;
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {
+            if (p < split_k) {
+                for (int ch = p * 32 + lane; ch < chunks; ch += 32 * split_k) {
+                    const uint4 xv = reinterpret_cast<const uint4*>(xs)[ch];
+#pragma unroll
+                    for (int r = 0; r < 4; ++r)
+                        acc[r][p] = xserv::gemv::dot8(
+                            *reinterpret_cast<const uint4*>(wsm + ((unsigned)(rb + r) * hidden + ch * 8) * 2u), xv,
+                            acc[r][p]);
+                }
+            }
+        }
+        float mine = 0.f;  // lane r < 4 keeps row rb + r
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            float v = 0.f;
+#pragma unroll
+            for (int p = 0; p < 4; ++p)
+                if (p < split_k) v += xserv::warp_sum(acc[r][p]);
+            if (lane == r) mine = v;
+        }
+        if (lane < 4) {
+            const unsigned short bits = __bfloat16_as_ushort(__float2bfloat16_rn(mine));
+            const unsigned dst = smem_u32(smem) + raw + (unsigned)(r0 + rb + lane) * 2u;
+            for (int i = 0; i < cluster; ++i) st_cluster_u16(map_cluster_rank(dst, i), bits);
+        }
+    }
+    cluster_arrive();
+    cluster_wait();  // every CTA's rows are in every CTA's raw rows
+}
+
 // The v4 kernel's arguments: XSERV_DECODE_ARGS (attention_decode.cuh) with writable caches, then the folded
 // combine's counters and the block-size divisor, then the fused entry's (positions == nullptr: plain attention):
 //   counters:     [num_seqs * num_kv_heads] int32, zero between calls (the last CTA of a pair resets its counter)
@@ -295,8 +389,9 @@ __device__ __forceinline__ int cluster_chunk(int kv_len, int num_splits, int chu
         num_kv_heads, scale_log2, chunk_len, num_splits, out, part_o, part_lse, counters, bs_magic, bs_shift,    \
         positions, slot_mapping, cos_sin, max_pos, q_weight, k_weight, eps
 
-template <int D, int G, int STAGES, bool CLUSTER = false>
-__device__ void decode_split_v4(XSERV_DECODE_V4_ARGS) {
+template <int D, int G, int STAGES, bool CLUSTER = false, bool QKV = false>
+__device__ void decode_split_v4(XSERV_DECODE_V4_ARGS, const QkvProjection& qp = QkvProjection{}) {
+    static_assert(CLUSTER || !QKV, "the folded qkv projection shares its rows through the cluster");
     constexpr int U = kV4Unroll;
     constexpr int LPK = D / 8;         // lanes per key
     constexpr int KPS = 32 / LPK;      // keys side by side in a warp
@@ -313,7 +408,12 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS) {
     // [G][D] bf16: the rotated query rows (fused), then the new key's K row and V row as the loop must see them
     const unsigned sm_rows = smem_u32(smem_raw + RING + kV4TabCap * 4 + 16);
     const unsigned sm_new_k = sm_rows + G * D * 2, sm_new_v = sm_rows + (G + 1) * D * 2;
-    require_dynamic_smem(RING + kV4TabCap * 4 + 16 + kV4RowBytes);
+    // QKV: after the plain layout, the weight copies' mbarrier and the RMS scratch, the kv head's raw q/k/v rows
+    // (bf16 [G + 2][D]), then the CTA's weight rows and the staged x row (qkv_rows)
+    constexpr unsigned kPlainEnd = RING + kV4TabCap * 4 + 16 + kV4RowBytes;
+    constexpr unsigned kQkvBar = (kPlainEnd + 127) & ~127u, kQkvRaw = kQkvBar + 32;
+    constexpr unsigned kQkvW = (kQkvRaw + kV4RowBytes + 127) & ~127u;
+    require_dynamic_smem(QKV ? kQkvW + ((unsigned)(G + 2) * D / num_splits + 1) * qp.hidden * 2u : kPlainEnd);
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int c = lane % LPK, sub = lane / LPK, t = lane % LPR;
@@ -328,6 +428,17 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS) {
     // sequence's end land in `tab` but are never used), the new token's position and slot and the norm weights go
     // out together: one round trip. The launcher guarantees the entries fit in kV4TabCap.
     xserv::pdl_launch_dependents();  // the o projection may start and load its weights (it waits for this grid)
+    if constexpr (QKV) {
+        cluster_arrive_relaxed();  // qkv_rows writes into the other CTAs' shared memory once they all run
+        if (threadIdx.x == 0)
+            qkv_issue_weights<D, G>(qp, smem_u32(smem_raw) + kQkvBar, smem_u32(smem_raw) + kQkvW, split, num_splits,
+                                    kv_head, num_q_heads, num_kv_heads);
+    }
+    auto project_qkv = [&]() {  // QKV: after pdl_wait, in every CTA (also those without keys)
+        if constexpr (QKV)
+            qkv_rows<D, G>(qp, eps, smem_raw, smem_u32(smem_raw) + kQkvBar, kQkvW, kQkvRaw,
+                           reinterpret_cast<float*>(smem_raw + kQkvBar + 16), split, num_splits);
+    };
     const int kv_len = kv_lens[s];
     const int pos = fused ? positions[s] : 0;
     const int slot = fused ? slot_mapping[s] : -1;
@@ -346,10 +457,14 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS) {
     // The new token's K and V rows, as qk_norm_rope_write_kv makes them (rope.cuh's pieces, its rounding points):
     // this lane's chunk c of each, written to the cache at `slot` by the lanes of sub 0 (slot < 0: a padding row,
     // nothing written). Every lane of the warp must call it (the norm's shuffles).
+    // The kv head's raw rows: in the packed qkv (row s: q heads h0.., its k head, its v head), or (QKV) the ones
+    // this cluster computed, in shared memory (generic pointers either way).
     const __nv_bfloat16* q_seq = q + (long long)s * q_row_stride;
+    const __nv_bfloat16* raw_rows = reinterpret_cast<const __nv_bfloat16*>(smem_raw + kQkvRaw);
+    const __nv_bfloat16* q_src = QKV ? raw_rows : q_seq + (long long)h0 * D;
+    const __nv_bfloat16* k_row = QKV ? raw_rows + G * D : q_seq + (long long)(num_q_heads + kv_head) * D;
+    const __nv_bfloat16* v_row = QKV ? raw_rows + (G + 1) * D : k_row + (long long)num_kv_heads * D;
     auto make_new_kv = [&](uint4& k_bits, uint4& v_bits) {
-        const __nv_bfloat16* k_row = q_seq + (long long)(num_q_heads + kv_head) * D;
-        const __nv_bfloat16* v_row = k_row + (long long)num_kv_heads * D;
         const uint4 raw_lo = *reinterpret_cast<const uint4*>(k_row + 8 * t);
         const uint4 raw_hi = *reinterpret_cast<const uint4*>(k_row + D / 2 + 8 * t);
         v_bits = *reinterpret_cast<const uint4*>(v_row + 8 * c);
@@ -378,6 +493,7 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS) {
     const unsigned sm_part = smem_u32(smem_raw) + kMergeBytes;
     if (start >= kv_len) {  // no keys in this split
         xserv::pdl_wait();  // every CTA waits before it ends or writes (the chain argument in the header)
+        project_qkv();
         if (kv_len == 0 && split == 0) {  // a padding row of a captured batch: a defined zero row
             for (int idx = threadIdx.x; idx < G * D; idx += kV4Warps * 32)
                 out[((long long)s * num_q_heads + h0) * D + idx] = __float2bfloat16(0.f);
@@ -464,11 +580,11 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS) {
 
     // ---- After pdl_wait: q (and the new token's rows) come from the kernel before.
     xserv::pdl_wait();
+    project_qkv();
     uint4 q_raw[G];
     if (!fused) {
 #pragma unroll
-        for (int g = 0; g < G; ++g)
-            q_raw[g] = *reinterpret_cast<const uint4*>(q_seq + (long long)(h0 + g) * D + c * 8);
+        for (int g = 0; g < G; ++g) q_raw[g] = *reinterpret_cast<const uint4*>(q_src + g * D + c * 8);
     } else {
         // q head g = warp, warp + 4, ... of the group: head norm and RoPE by this warp (rope.cuh), the bf16 row into
         // sm_rows. Every split's CTA recomputes its G rows (G x D values); qkv is not written (other CTAs still read
@@ -476,7 +592,7 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS) {
         float cv[8], sv[8];
         const bool in_range = rope16::load_cos_sin<D>(cos_sin, pos, max_pos, t, cv, sv);
         for (int g = warp; g < G; g += kV4Warps) {
-            const __nv_bfloat16* q_row = q_seq + (long long)(h0 + g) * D;
+            const __nv_bfloat16* q_row = q_src + g * D;
             float lo[8], hi[8];
             xserv::bf16x8_to_float(*reinterpret_cast<const uint4*>(q_row + 8 * t), lo);
             xserv::bf16x8_to_float(*reinterpret_cast<const uint4*>(q_row + D / 2 + 8 * t), hi);

@@ -30,8 +30,9 @@ def main(argv=None) -> int:
     ap.add_argument("--unfused", action="store_true",
                     help="small batches through the unfused ops (cuBLASLt + separate norm/activation/add kernels)")
     ap.add_argument("--attention", default="fused",
-                    help="comma list of fused/pair: decode attention with QK-norm/RoPE/KV write folded in, or the "
-                         "two kernels (model.fused_attention), timed one after the other")
+                    help="comma list of fused/pair/folded: decode attention with QK-norm/RoPE/KV write folded in, "
+                         "the two kernels (model.fused_attention), or (batch 1) the qkv projection folded in too "
+                         "(model.fold_qkv, a development kernel), timed one after the other")
     ap.add_argument("--decode-kernels", default="",
                     help="comma list of decode-attention kernels (xserv.ops.attention.decode.DECODE_KERNELS, e.g. "
                          "v4,v4c) the model runs, timed one after the other in this process (default: the shipped)")
@@ -67,11 +68,16 @@ def main(argv=None) -> int:
     for k in kernels:
         if k not in decode.DECODE_KERNELS:
             ap.error(f"--decode-kernels: unknown kernel {k!r}; known: {', '.join(decode.DECODE_KERNELS)}")
-    runs = [(k, a == "fused", bs) for _ in range(args.rounds) for k in kernels for a in args.attention.split(",")
-            for bs in sizes]
-    for kernel, fused, bs in runs:
-        if fused != llm.model.fused_attention or kernel != decode.DEFAULT_DECODE:  # both are in the graphs
-            llm.model.fused_attention = fused
+    modes = args.attention.split(",")
+    for a in modes:
+        if a not in ("fused", "pair", "folded"):
+            ap.error(f"--attention: unknown mode {a!r}; expected fused, pair or folded")
+    runs = [(k, a, bs) for _ in range(args.rounds) for k in kernels for a in modes for bs in sizes]
+    for kernel, mode, bs in runs:
+        fused, folded = mode != "pair", mode == "folded"
+        model = llm.model
+        if (fused, folded, kernel) != (model.fused_attention, model.fold_qkv, decode.DEFAULT_DECODE):  # in the graphs
+            model.fused_attention, model.fold_qkv = fused, folded
             decode.DEFAULT_DECODE = kernel
             if not args.no_cuda_graphs:
                 eng.runner.graphs.clear()
@@ -90,7 +96,7 @@ def main(argv=None) -> int:
         for s in seqs:
             eng.abort(s)
         print(f"{bs:>6}{dt * 1e3:>10.3f}{bs / dt:>12.1f}{1 / dt:>12.1f}{weight_bytes / dt / 1e9:>14.1f}"
-              f"{'fused' if fused else 'pair':>11}{kernel:>8}")
+              f"{mode:>11}{kernel:>8}")
     return 0
 
 

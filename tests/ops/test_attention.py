@@ -304,6 +304,8 @@ def _kernel_names(family: str) -> set[str]:
         names.add(f"attention_decode_v4_d{d}_g{g}_s{s}")
     for d, g in re.findall(r"^XSERV_DECODE_V4_EXPERIMENTS\((\d+), (\d)\)", src, re.M):
         names.update(f"attention_decode_v4_d{d}_g{g}_{x}" for x in ("s3", "s4", "s2_n", "s2_p", "s2_c"))
+    for d, g in re.findall(r"^XSERV_DECODE_V4Q_KERNEL\((\d+), (\d)\)", src, re.M):
+        names.add(f"attention_decode_v4_d{d}_g{g}_s2_q")
     for d, g in re.findall(r"^XSERV_DECODE_V3_STAGES\((\d+), (\d)\)", src, re.M):
         names.update(f"attention_decode_v3_d{d}_g{g}_s{s}" for s in (2, 3))
     for d, mt, w, qs, nbuf, ks in re.findall(
@@ -944,3 +946,157 @@ def test_decode_gpu_dev_v4c_graph_replays_and_pdl_chain(rng, monkeypatch):
     assert D.plan_decode("v4c", 4, 4, 5000, 16, 128, 4, get_device().multiprocessor_count)[0].variant == "v4c"
     _graph_replays(rng, "v4c", max_kv_len=5000)
     _pdl_chain_graph(rng, monkeypatch, "spread", variant="v4c")
+
+
+# ---- the qkv projection folded into decode attention (xserv.ops.attention.decode_qkv) ---------------------------
+def _folded_case(rng, kv_len, hq, hkv, d, hidden, norm=True, kind="new"):
+    """A one-sequence decode step as the model makes it: the residual stream row, the input norm and the packed
+    qkv projection's weight, and (for the references) the qkv row rmsnorm_linear's reference makes from them."""
+    from xserv.ops.gemv import rmsnorm_linear_reference
+
+    c = rope_case(rng, [kv_len], hq, hkv, d, 16, norm=norm, kinds=[kind])
+    c["residual"] = random_array(rng, (1, hidden), np.float32, mean=0.0)
+    c["norm_w"] = random_array(rng, (hidden,), bfloat16, mean=1.0, std=0.1)
+    c["w_qkv"] = random_array(rng, ((hq + 2 * hkv) * d, hidden), bfloat16, mean=0.0, std=0.03)
+    qkv = rmsnorm_linear_reference(c["residual"], c["norm_w"], ROPE_EPS, c["w_qkv"])
+    c["qkv"] = qkv.astype(bfloat16).reshape(1, hq + 2 * hkv, d)
+    return c
+
+
+def _run_folded(c, max_kv_len, folded, device="cuda"):
+    """(out, k_cache, v_cache, qkv afterwards) of rmsnorm_qkv_attention_decode on fresh copies (qkv NaN before)."""
+    from xserv.ops.attention.decode_qkv import rmsnorm_qkv_attention_decode
+
+    to = functools.partial(Tensor.from_numpy, device=device)
+    qkv = to(np.full(c["qkv"].shape, np.nan, bfloat16))
+    kc, vc = to(c["k_cache"].copy()), to(c["v_cache"].copy())
+    w = (None, None) if c["qw"] is None else (to(c["qw"]), to(c["kw"]))
+    out = poisoned((1, c["hq"], c["qkv"].shape[2]), bfloat16, device)
+    got = rmsnorm_qkv_attention_decode(to(c["residual"]), to(c["norm_w"]), ROPE_EPS, to(c["w_qkv"]), qkv, *w,
+                                       to(c["pos"]), to(c["cos_sin"]), c["hq"], kc, vc, to(c["slots"]),
+                                       to(c["kv_lens"]), to(c["tables"]), c["scale"], max_kv_len, out=out,
+                                       folded=folded)
+    assert got is out
+    return out.numpy(), kc.numpy(), vc.numpy(), qkv.numpy()
+
+
+def test_folded_qkv_plan_and_shapes():
+    from xserv.ops.attention import decode_qkv as Q
+
+    assert Q.folded_applies(1024, 16, 8, 128, "sm_90a")  # Qwen3-0.6B
+    for d, g in Q.FOLDED.shapes:
+        assert Q.FOLDED.name(d, g) in _kernel_names(Q.FOLDED.family)
+    assert not Q.folded_applies(1024, 16, 8, 128, "sm_80")
+    for hidden, hq, hkv in ((2048, 16, 8), (4096, 32, 8), (2560, 32, 8), (1024, 32, 8), (1024, 14, 8)):
+        assert not Q.folded_applies(hidden, hq, hkv, 128, "sm_90a"), (hidden, hq, hkv)  # too big, or not compiled
+    assert Q.folded_smem(128, 2, 1024) <= 227 * 1024 < Q.folded_smem(128, 2, 2048)
+    for n, block in ((1, 16), (800, 16), (4096, 16), (8064, 16), (40000, 256)):
+        splits, chunk = Q.folded_plan(n, block)
+        assert splits == D.V4_CLUSTER_MAX and chunk % 16 == 0 and splits * chunk >= n
+        assert -(-splits * chunk // block) + 1 <= D.V4_TABLE_CAP
+    assert Q.folded_plan(8065, 16) is None and Q.folded_plan(40960, 16) is None  # pages beyond v4's table
+
+
+def test_folded_qkv_cpu_is_the_two_ops(rng):
+    """On the CPU (and wherever the folded kernel does not apply) the op is rmsnorm_linear into qkv, then
+    attention_decode_rope: the same bits; bad arguments are named."""
+    from xserv.ops.attention.decode_qkv import rmsnorm_qkv_attention_decode
+    from xserv.ops.gemv import rmsnorm_linear
+
+    c = _folded_case(rng, 40, 8, 2, 64, 96)
+    out, kc, vc, qkv = _run_folded(c, 64, True, "cpu")
+    to = functools.partial(Tensor.from_numpy, device="cpu")
+    want_qkv = rmsnorm_linear(to(c["residual"]), to(c["norm_w"]), ROPE_EPS, to(c["w_qkv"])).numpy()
+    np.testing.assert_array_equal(u16(qkv.reshape(1, -1)), u16(want_qkv))
+    c2 = dict(c, qkv=want_qkv.reshape(c["qkv"].shape))
+    want_out, want_kc, want_vc, _ = run_decode_rope(c2, "cpu", max_kv_len=64)
+    for got, want in ((out, want_out), (kc, want_kc), (vc, want_vc)):
+        np.testing.assert_array_equal(u16(got), u16(want))
+    assert row_error(out, rope_expected(c)[0]) < TOL
+    call = dict(residual=to(c["residual"]), norm_weight=to(c["norm_w"]), eps=ROPE_EPS, w_qkv=to(c["w_qkv"]),
+                qkv=to(c["qkv"]), q_weight=to(c["qw"]), k_weight=to(c["kw"]), positions=to(c["pos"]),
+                cos_sin=to(c["cos_sin"]), num_q_heads=8, k_cache=to(c["k_cache"]), v_cache=to(c["v_cache"]),
+                slot_mapping=to(c["slots"]), kv_lens=to(c["kv_lens"]), block_tables=to(c["tables"]),
+                scale=c["scale"], max_kv_len=64)
+    for change, match in ((dict(w_qkv=to(c["w_qkv"][:-1])), "w_qkv"),
+                          (dict(norm_weight=to(c["norm_w"][:-1])), "norm_weight"),
+                          (dict(residual=to(np.zeros((2, 96), np.float32))), "qkv: 1 rows for the residual's 2"),
+                          (dict(residual=to(c["residual"].astype(bfloat16))), "residual"),
+                          (dict(eps=-1.0), "eps")):
+        with pytest.raises(ValueError, match=match):
+            rmsnorm_qkv_attention_decode(**{**call, **change})
+
+
+@dev
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_len,max_kv_len,kind", [(1, 2048, "new"), (17, 2048, "new"), (520, 2048, "new"),
+                                                    (3000, 4096, "new"), (64, 512, "new"), (300, 2048, "pad")])
+@pytest.mark.parametrize("norm", [True, False])
+def test_folded_qkv_gpu_dev(rng, monkeypatch, kv_len, max_kv_len, kind, norm):
+    """The folded kernel on the Qwen3-0.6B shape: the bits of rmsnorm_linear followed by attention_decode_rope with
+    the cluster combine at the folded kernel's split count (out, both caches), qkv left unwritten, and the float64
+    references; a padding row (slot -1) writes nothing."""
+    from xserv.ops.attention import decode_qkv as Q
+
+    hq, hkv, d, hidden = 16, 8, 128, 1024
+    assert Q.folded_applies(hidden, hq, hkv, d, get_device().arch)
+    c = _folded_case(rng, kv_len, hq, hkv, d, hidden, norm=norm, kind=kind)
+    out, kc, vc, qkv = _run_folded(c, max_kv_len, True)
+    assert np.all(np.isnan(qkv.astype(np.float32)))  # the folded kernel does not write the packed buffer
+    splits, chunk = Q.folded_plan(max_kv_len, 16)
+    monkeypatch.setattr(D, "plan_decode", lambda *a: (D.DECODE_KERNELS["v4c"], splits, chunk))
+    want_out, want_kc, want_vc, want_qkv = _run_folded(c, max_kv_len, False)
+    for got, want in ((out, want_out), (kc, want_kc), (vc, want_vc)):
+        np.testing.assert_array_equal(u16(got), u16(want))
+    ref_out, ref_kc, ref_vc = rope_expected(c)
+    assert row_error(out, ref_out) < TOL
+    written = ~np.isnan(ref_kc.astype(np.float32))
+    np.testing.assert_array_equal(np.isnan(kc.astype(np.float32)), ~written)  # nothing else written
+    assert rel_error(want_qkv.astype(np.float32), c["qkv"].astype(np.float32)) < 1e-2
+
+
+@dev
+@pytest.mark.gpu
+def test_folded_qkv_gpu_dev_graph_replays(rng):
+    """Captured in a CUDA graph behind a kernel that writes the residual (PDL chain: the folded kernel reads it
+    after its wait) and replayed: the bits of the eager run every time."""
+    from xserv.ops.attention.decode_qkv import rmsnorm_qkv_attention_decode
+    from xserv.ops.gemv import linear_add
+    from xserv.runtime.graphs import CUDAGraph
+
+    hq, hkv, d, hidden = 16, 8, 128, 1024
+    c = _folded_case(rng, 700, hq, hkv, d, hidden)
+    to = Tensor.from_numpy
+    residual0 = c["residual"]
+    residual, x = to(residual0), to(random_array(rng, (1, 256), bfloat16, mean=0.0))
+    w_add = to(random_array(rng, (hidden, 256), bfloat16, mean=0.0, std=0.05))
+    kc, vc = to(c["k_cache"]), to(c["v_cache"])
+    qkv = Tensor.empty((1, hq + 2 * hkv, d), bfloat16, "cuda")
+    out = Tensor.empty((1, hq, d), bfloat16, "cuda")
+    t = {n: to(c[n]) for n in ("qw", "kw", "pos", "cos_sin", "slots", "kv_lens", "tables", "norm_w", "w_qkv")}
+
+    def reset():
+        residual.copy_(residual0)
+        kc.copy_(c["k_cache"])
+        vc.copy_(c["v_cache"])
+        out.copy_(np.full(out.shape, np.nan, bfloat16))
+
+    def step():
+        linear_add(x, w_add, residual)  # the residual the folded kernel normalises comes from the kernel before
+        rmsnorm_qkv_attention_decode(residual, t["norm_w"], ROPE_EPS, t["w_qkv"], qkv, t["qw"], t["kw"], t["pos"],
+                                     t["cos_sin"], hq, kc, vc, t["slots"], t["kv_lens"], t["tables"], c["scale"],
+                                     2048, out=out)
+
+    reset()
+    step()
+    first = [a.numpy() for a in (out, kc, vc)]
+    assert np.all(np.isfinite(first[0].astype(np.float32)))
+    graph = CUDAGraph()
+    with graph.capture():
+        step()
+    for _ in range(3):
+        reset()
+        graph.replay()
+        for got, want in zip((out, kc, vc), first):
+            np.testing.assert_array_equal(u16(got.numpy()), u16(want))
+    graph.close()

@@ -301,9 +301,10 @@ def spread_smem(smem: int, ctas: int, multiprocessor_count: int) -> int:
 
 def _launch(plan: tuple[DecodeKernel, int, int], q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_lens: Tensor,
             block_tables: Tensor, scale: float, out: Tensor, num_q_heads: int, v4_extra: tuple,
-            fused: bool = False) -> None:
+            fused: bool = False, tail_args: tuple = (), smem: int | None = None) -> None:
     """Launch a planned decode kernel; v4 gets `v4_extra` (its fused-entry arguments: positions, slot_mapping,
-    cos_sin, max_pos, q_weight, k_weight, eps; _PLAIN_V4 for plain attention)."""
+    cos_sin, max_pos, q_weight, k_weight, eps; _PLAIN_V4 for plain attention), a kernel with more parameters its
+    `tail_args` after them (decode_qkv's projection), and `smem` replaces the kernel's own shared-memory size."""
     k, splits, chunk = plan
     num_seqs, _, head_dim = out.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -324,14 +325,17 @@ def _launch(plan: tuple[DecodeKernel, int, int], q: Tensor, k_cache: Tensor, v_c
     v4_template = k.generation == 4 and k.fused_args  # v4, and its dev stage counts and cluster form
     if v4_template:
         args += v4_extra
+    args += tail_args
     grid = (splits, num_kv_heads, num_seqs)
     # the v4 template waits for the previous kernel itself (pdl_wait): it may start early (programmatic dependent
     # launch)
-    smem, pdl = k.smem(head_dim), v4_template
+    pdl = v4_template
+    if smem is None:
+        smem = k.smem(head_dim)
+        if fused and SPREAD_CTAS:
+            smem = spread_smem(smem, splits * num_kv_heads * num_seqs, get_device().multiprocessor_count)
     if fused:
         pdl = FUSED_PDL
-        if SPREAD_CTAS:
-            smem = spread_smem(smem, splits * num_kv_heads * num_seqs, get_device().multiprocessor_count)
     cluster = splits if k.cluster and splits > 1 else 1  # one cluster per (sequence, kv head): rank = split
     kernel(k.family, k.name(head_dim, group))(grid, (_THREADS, 1, 1), *args, smem=smem, pdl=pdl, cluster=cluster)
     if k.generation == 2 and splits > 1:
@@ -353,20 +357,12 @@ def _rope():
     return _rope_module
 
 
-def attention_decode_rope(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor | None, positions: Tensor,
-                          cos_sin: Tensor, num_q_heads: int, eps: float, k_cache: Tensor, v_cache: Tensor,
-                          slot_mapping: Tensor, kv_lens: Tensor, block_tables: Tensor, scale: float, max_kv_len: int,
-                          out: Tensor | None = None, variant: str | None = None) -> Tensor:
-    """qk_norm_rope_write_kv (q_weight, k_weight given: Qwen3's head norms; both None: Llama) followed by
-    attention_decode, for a decode batch (one new token per sequence), in one launch with the same results:
-    qkv bf16 [B, Hq + 2 Hkv, D] packed (16-byte aligned), positions and slot_mapping int32 [B] (slot < 0: nothing
-    written), cos_sin float32 [max_pos, D] (16-byte aligned), caches, kv_lens and block_tables as attention_decode
-    (kv_len counts the new token) -> out bf16 [B, Hq, D]. The new K/V go into the cache at slot_mapping; qkv is read
-    only by the fused kernel (its q and k heads stay unrotated; the v2 fallback's two launches rotate them in place,
-    so afterwards they are unspecified). The fused kernel attends over the new key as it wrote it when slot_mapping[s]
-    is the slot the block table gives position kv_len - 1 (any batch xserv builds), else as the cache holds it there,
-    as attention_decode would. variant: as attention_decode; a plan that runs v2 (variant "v2", or block_size < 8
-    with very long contexts) runs qk_norm_rope_write_kv and attention_decode, two launches."""
+def check_decode_rope_call(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor | None, positions: Tensor,
+                           cos_sin: Tensor, num_q_heads: int, eps: float, k_cache: Tensor, v_cache: Tensor,
+                           slot_mapping: Tensor, kv_lens: Tensor, block_tables: Tensor, out: Tensor | None,
+                           variant: str | None) -> tuple[Tensor, bool, np.float32, str]:
+    """attention_decode_rope's argument checks (ValueError naming the problem): (out, allocated if None; whether
+    the head norms are given; eps as float32; the variant, DEFAULT_DECODE if None)."""
     _, block_size, num_kv_heads, head_dim = check_cache(k_cache, v_cache)
     rope = _rope()
     rope.check_packed_qkv(qkv, positions, cos_sin, num_q_heads, num_kv_heads)
@@ -390,6 +386,29 @@ def attention_decode_rope(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor
     variant = DEFAULT_DECODE if variant is None else variant
     if variant not in DECODE_KERNELS:
         raise ValueError(f"variant: unknown decode kernel {variant!r}; known: {', '.join(DECODE_KERNELS)}")
+    return out, norm, eps32, variant
+
+
+def attention_decode_rope(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor | None, positions: Tensor,
+                          cos_sin: Tensor, num_q_heads: int, eps: float, k_cache: Tensor, v_cache: Tensor,
+                          slot_mapping: Tensor, kv_lens: Tensor, block_tables: Tensor, scale: float, max_kv_len: int,
+                          out: Tensor | None = None, variant: str | None = None) -> Tensor:
+    """qk_norm_rope_write_kv (q_weight, k_weight given: Qwen3's head norms; both None: Llama) followed by
+    attention_decode, for a decode batch (one new token per sequence), in one launch with the same results:
+    qkv bf16 [B, Hq + 2 Hkv, D] packed (16-byte aligned), positions and slot_mapping int32 [B] (slot < 0: nothing
+    written), cos_sin float32 [max_pos, D] (16-byte aligned), caches, kv_lens and block_tables as attention_decode
+    (kv_len counts the new token) -> out bf16 [B, Hq, D]. The new K/V go into the cache at slot_mapping; qkv is read
+    only by the fused kernel (its q and k heads stay unrotated; the v2 fallback's two launches rotate them in place,
+    so afterwards they are unspecified). The fused kernel attends over the new key as it wrote it when slot_mapping[s]
+    is the slot the block table gives position kv_len - 1 (any batch xserv builds), else as the cache holds it there,
+    as attention_decode would. variant: as attention_decode; a plan that runs v2 (variant "v2", or block_size < 8
+    with very long contexts) runs qk_norm_rope_write_kv and attention_decode, two launches."""
+    out, norm, eps32, variant = check_decode_rope_call(qkv, q_weight, k_weight, positions, cos_sin, num_q_heads, eps,
+                                                      k_cache, v_cache, slot_mapping, kv_lens, block_tables, out,
+                                                      variant)
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    num_q_heads, num_seqs, device = int(num_q_heads), qkv.shape[0], out.device
+    rope = _rope()
     if num_seqs == 0:
         return out
     if device == "cpu":  # the composition of the references (qkv itself is left as it is)
