@@ -38,6 +38,9 @@ def main(argv=None) -> int:
                          "v4,v4c) the model runs, timed one after the other in this process (default: the shipped)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="repeat the whole list this many times (alternating A/B figures in one process)")
+    ap.add_argument("--tokens", type=int, default=0,
+                    help="after each timing, generate this many greedy tokens from one fixed prompt and say whether "
+                         "they equal the first configuration's (kernels that must not change the tokens)")
     args = ap.parse_args(argv)
 
     from xserv import LLM, SamplingParams
@@ -73,6 +76,8 @@ def main(argv=None) -> int:
         if a not in ("fused", "pair", "folded"):
             ap.error(f"--attention: unknown mode {a!r}; expected fused, pair or folded")
     runs = [(k, a, bs) for _ in range(args.rounds) for k in kernels for a in modes for bs in sizes]
+    probe = np.random.default_rng(1).integers(0, 150000, args.context).tolist()
+    first_tokens = None
     for kernel, mode, bs in runs:
         fused, folded = mode != "pair", mode == "folded"
         model = llm.model
@@ -95,9 +100,20 @@ def main(argv=None) -> int:
         dt = (time.perf_counter() - t) / args.steps
         for s in seqs:
             eng.abort(s)
+        same = ""
+        if args.tokens:
+            tokens = llm.generate([probe], SamplingParams(temperature=0.0, max_tokens=args.tokens,
+                                                          ignore_eos=True))[0].token_ids
+            first_tokens = tokens if first_tokens is None else first_tokens
+            same = f"  {args.tokens} greedy tokens " + ("as the first" if tokens == first_tokens else
+                                                         f"DIFFER from the first at {_first_diff(tokens, first_tokens)}")
         print(f"{bs:>6}{dt * 1e3:>10.3f}{bs / dt:>12.1f}{1 / dt:>12.1f}{weight_bytes / dt / 1e9:>14.1f}"
-              f"{mode:>11}{kernel:>8}")
+              f"{mode:>11}{kernel:>8}{same}")
     return 0
+
+
+def _first_diff(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 if __name__ == "__main__":

@@ -1,23 +1,25 @@
 #!/usr/bin/env bash
 # Decode-attention experiments on the lent GPU, one call (~8 minutes on an H200): the development kernels' GPU tests,
-# then the model end to end with each decode kernel, alternating in one process (bench_decode --decode-kernels
-# --rounds), and the plain kernel's split sweep at one long sequence.
+# then the model end to end with each decode path, alternating in one process (bench_decode --decode-kernels
+# --attention --rounds), greedy tokens compared across paths, and the plain kernel's split sweep at one long sequence.
 #   bash tools/gpu_bench_decode_experiments.sh [0.6b] [8b]
-#   v4c: the split combine through a thread-block cluster (context 512); v4s3 / v4s4: 3 and 4 ring stages (32k)
+#   v4c: the split combine through a thread-block cluster; folded: the qkv projection folded in too (0.6B shape);
+#   v4s3 / v4s4: 3 and 4 ring stages (for the 32k context)
 set -u
 cd "$(dirname "$0")/.."
 bash tools/gpu_session.sh env >/dev/null
 export PYTHONUNBUFFERED=1 XSERV_CACHE_DIR=/tmp/xserv-cache PYTHONPATH=/tmp/site:$PWD
 presets=("${@:-0.6b}")
 for p in "${presets[@]}"; do [ -d /tmp/model-$p ] || python3 -m tools.make_test_model --preset $p --out /tmp/model-$p --no-progress >/dev/null & done
-echo "=== dev decode tests (v4c, v4s3, v4s4)"
-XSERV_DEV_TESTS=1 timeout 300 python3 -m pytest -q -x -m gpu tests/ops/test_attention.py -k "v4c or v4_experiments" 2>&1 | tail -4
+echo "=== dev decode tests (v4c, folded qkv, v4s3, v4s4)"
+XSERV_DEV_TESTS=1 timeout 300 python3 -m pytest -q -m gpu tests/ops/test_attention.py -k "v4c or folded or v4_experiments" 2>&1 | tail -6
 wait
 echo "=== ceilings"; python3 -m tools.kernel_harness ceilings 2>&1 | tail -3
 for p in "${presets[@]}"; do
   m=/tmp/model-$p
-  echo "=== $p context 512: v4 / v4c"
-  timeout 240 python3 -m tools.bench_decode --model $m --batch-sizes 1 --decode-kernels v4,v4c --rounds 2 2>&1 | tail -5
+  echo "=== $p context 512: fused v4 / fused v4c / folded (0.6B shape only; elsewhere the two ops), greedy tokens compared"
+  timeout 300 python3 -m tools.bench_decode --model $m --batch-sizes 1 --decode-kernels v4c,v4 --attention fused,folded \
+    --rounds 2 --tokens 64 2>&1 | tail -9
   echo "=== $p context 32,000: v4 / v4s3 / v4s4"
   timeout 240 python3 -m tools.bench_decode --model $m --batch-sizes 1 --context 32000 --steps 64 \
     --decode-kernels v4,v4s3,v4s4 2>&1 | tail -4
