@@ -38,6 +38,9 @@ using namespace xserv::decode;
 //   own shared memory and split 0 folds them through distributed shared memory (combine_splits_cluster): no global
 //   partials, counter or L2 round trips. The keys of a sequence are spread evenly over the splits at run time
 //   (cluster_chunk), since a captured graph's chunk_len is sized for the longest context of its bucket.
+//   QKV (with CLUSTER, development form attention_decode_v4_*_q; xserv/ops/attention/decode_qkv.py): the qkv
+//   projection of the one sequence is folded in, its kv head's rows divided over the cluster (QkvProjection,
+//   qkv_issue_weights, qkv_rows): q, k and v come from this cluster's shared memory instead of the packed qkv.
 //
 // Fused entry (positions != nullptr; attention_decode_rope in xserv/ops/attention/decode.py): the same kernel also
 // does qk_norm_rope_write_kv's work for a decode batch (one new token per sequence), with the same bits as that
@@ -291,46 +294,49 @@ struct QkvProjection {
     int gemv_split = 1;                     // rmsnorm_linear's K split for this projection (1, 2 or 4)
 };
 
-// Thread 0, before pdl_wait: the CTA's rows of W_qkv into shared memory at w_dst (completing on mbarrier bar).
-template <int D, int G>
-__device__ __forceinline__ void qkv_issue_weights(const QkvProjection& qp, unsigned bar, unsigned w_dst, int rank,
-                                                  int cluster, int kv_head, int num_q_heads, int num_kv_heads) {
-    const int rows = (G + 2) * D / cluster, r0 = rank * rows;
-    const unsigned row_bytes = (unsigned)qp.hidden * 2u;
-    xserv::mbarrier_init(bar, 1);
-    xserv::mbarrier_init_fence();
-    xserv::mbarrier_arrive_expect_tx(bar, (unsigned)rows * row_bytes);
-    // the kv head's rows as three runs of W: [first row of the run in the kv head's order, length, first W row]
-    const int runs[3][3] = {{0, G * D, kv_head * G * D},
-                            {G * D, D, (num_q_heads + kv_head) * D},
-                            {(G + 1) * D, D, (num_q_heads + num_kv_heads + kv_head) * D}};
+// Thread 0, before pdl_wait: the CTA's rows of W_qkv (rows r0.. of the kv head's, r0 = rank * ROWS) into shared
+// memory at w_dst, in pieces of 16 rows, piece j completing on the mbarrier at bars + 8 j (so that the dot products
+// of a piece start while the later ones are still in flight). A piece never straddles two runs of W (the runs start
+// at multiples of D, the pieces at multiples of 16).
+template <int D, int G, int ROWS>
+__device__ __forceinline__ void qkv_issue_weights(const QkvProjection& qp, unsigned bars, unsigned w_dst, int rank,
+                                                  int kv_head, int num_q_heads, int num_kv_heads) {
+    constexpr int kPieces = ROWS / 16;
+    const unsigned piece_bytes = 16u * (unsigned)qp.hidden * 2u;
 #pragma unroll
-    for (int i = 0; i < 3; ++i) {
-        const int a = max(r0, runs[i][0]), b = min(r0 + rows, runs[i][0] + runs[i][1]);
-        if (a < b)
-            xserv::bulk_load_evict_first(w_dst + (unsigned)(a - r0) * row_bytes,
-                                         qp.w_qkv + (long long)(runs[i][2] + a - runs[i][0]) * qp.hidden,
-                                         (unsigned)(b - a) * row_bytes, bar);
+    for (int j = 0; j < kPieces; ++j) xserv::mbarrier_init(bars + 8u * j, 1);
+    xserv::mbarrier_init_fence();
+#pragma unroll
+    for (int j = 0; j < kPieces; ++j) {
+        const int a = rank * ROWS + 16 * j;  // the piece's first row in the kv head's order: q rows, k row, v row
+        const int w_row = a < G * D ? kv_head * G * D + a
+                          : a < (G + 1) * D ? (num_q_heads + kv_head) * D + (a - G * D)
+                                            : (num_q_heads + num_kv_heads + kv_head) * D + (a - (G + 1) * D);
+        xserv::mbarrier_arrive_expect_tx(bars + 8u * j, piece_bytes);
+        xserv::bulk_load_evict_first(w_dst + (unsigned)j * piece_bytes, qp.w_qkv + (long long)w_row * qp.hidden,
+                                     piece_bytes, bars + 8u * j);
     }
 }
 
-// Every thread, after pdl_wait: x staged, the CTA's rows computed and written (bf16) into the raw rows
-// ([G + 2][D], at smem offset raw) of every CTA of the cluster; returns when all of them are there (cluster barrier).
+// Every thread, after pdl_wait: x staged, the CTA's ROWS rows computed and written (bf16) into the raw rows
+// ([G + 2][D], at smem offset raw) of every CTA of the cluster (kV4ClusterMax CTAs); returns when all of them are
+// there (cluster barrier).
 // The caller's cluster_arrive_relaxed at kernel start pairs with the first wait here (no remote write before every
 // CTA runs).
-template <int D, int G>
-__device__ __forceinline__ void qkv_rows(const QkvProjection& qp, float eps, unsigned char* smem, unsigned bar,
-                                         unsigned w_off, unsigned raw, float* scratch, int rank, int cluster) {
+template <int D, int G, int ROWS>
+__device__ __forceinline__ void qkv_rows(const QkvProjection& qp, float eps, unsigned char* smem, unsigned bars,
+                                         unsigned w_off, unsigned raw, float* scratch, int rank) {
+    static_assert(ROWS % (kV4Warps * 4) == 0, "a CTA's rows are whole 16-row pieces");
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int rows = (G + 2) * D / cluster, r0 = rank * rows, hidden = qp.hidden, chunks = hidden / 8;
+    const int r0 = rank * ROWS, hidden = qp.hidden, chunks = hidden / 8;
     const unsigned char* wsm = smem + w_off;
-    __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem + w_off + (unsigned)rows * hidden * 2u);
+    __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem + w_off + (unsigned)ROWS * hidden * 2u);
     xserv::gemv::stage_x<1, kV4Warps * 32>(xs, hidden, scratch, qp.residual, 0, nullptr, qp.norm_w, eps, 1, hidden,
                                            xserv::gemv::kRmsNorm);  // ends with a CTA barrier
-    xserv::mbarrier_wait(bar, 0);  // the weight rows have landed
-    cluster_wait();                // every CTA of the cluster runs (pairs with the arrive at kernel start)
+    cluster_wait();  // every CTA of the cluster runs (pairs with the arrive at kernel start)
     const int split_k = qp.gemv_split;
-    for (int rb = warp * 4; rb < rows; rb += kV4Warps * 4) {  // 4 rows at a time, a warp's rows interleaved
+    for (int rb = warp * 4; rb < ROWS; rb += kV4Warps * 4) {  // 4 rows at a time: piece rb / 16, warp w's rows 4w..
+        xserv::mbarrier_wait(bars + 8u * (rb / 16), 0);  // this piece of the weight rows has landed
         float acc[4][4];
 #pragma unroll
         for (int r = 0; r < 4; ++r)
@@ -361,7 +367,8 @@ __device__ __forceinline__ void qkv_rows(const QkvProjection& qp, float eps, uns
         if (lane < 4) {
             const unsigned short bits = __bfloat16_as_ushort(__float2bfloat16_rn(mine));
             const unsigned dst = smem_u32(smem) + raw + (unsigned)(r0 + rb + lane) * 2u;
-            for (int i = 0; i < cluster; ++i) st_cluster_u16(map_cluster_rank(dst, i), bits);
+#pragma unroll
+            for (int i = 0; i < kV4ClusterMax; ++i) st_cluster_u16(map_cluster_rank(dst, i), bits);
         }
     }
     cluster_arrive();
@@ -408,12 +415,15 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS, const QkvProjection& qp = 
     // [G][D] bf16: the rotated query rows (fused), then the new key's K row and V row as the loop must see them
     const unsigned sm_rows = smem_u32(smem_raw + RING + kV4TabCap * 4 + 16);
     const unsigned sm_new_k = sm_rows + G * D * 2, sm_new_v = sm_rows + (G + 1) * D * 2;
-    // QKV: after the plain layout, the weight copies' mbarrier and the RMS scratch, the kv head's raw q/k/v rows
-    // (bf16 [G + 2][D]), then the CTA's weight rows and the staged x row (qkv_rows)
+    // QKV (one cluster of kV4ClusterMax CTAs, each kQkvRows rows of the projection): after the plain layout, the
+    // weight pieces' mbarriers and the RMS scratch, the kv head's raw q/k/v rows (bf16 [G + 2][D]), then the CTA's
+    // weight rows and the staged x row (qkv_issue_weights, qkv_rows)
+    constexpr int kQkvRows = QKV ? (G + 2) * D / kV4ClusterMax : 16;
     constexpr unsigned kPlainEnd = RING + kV4TabCap * 4 + 16 + kV4RowBytes;
-    constexpr unsigned kQkvBar = (kPlainEnd + 127) & ~127u, kQkvRaw = kQkvBar + 32;
+    constexpr unsigned kQkvBar = (kPlainEnd + 127) & ~127u;
+    constexpr unsigned kQkvScratch = kQkvBar + ((kQkvRows / 16 * 8 + 15) & ~15u), kQkvRaw = kQkvScratch + 16;
     constexpr unsigned kQkvW = (kQkvRaw + kV4RowBytes + 127) & ~127u;
-    require_dynamic_smem(QKV ? kQkvW + ((unsigned)(G + 2) * D / num_splits + 1) * qp.hidden * 2u : kPlainEnd);
+    require_dynamic_smem(QKV ? kQkvW + (kQkvRows + 1u) * qp.hidden * 2u : kPlainEnd);
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int c = lane % LPK, sub = lane / LPK, t = lane % LPR;
@@ -431,13 +441,13 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS, const QkvProjection& qp = 
     if constexpr (QKV) {
         cluster_arrive_relaxed();  // qkv_rows writes into the other CTAs' shared memory once they all run
         if (threadIdx.x == 0)
-            qkv_issue_weights<D, G>(qp, smem_u32(smem_raw) + kQkvBar, smem_u32(smem_raw) + kQkvW, split, num_splits,
-                                    kv_head, num_q_heads, num_kv_heads);
+            qkv_issue_weights<D, G, kQkvRows>(qp, smem_u32(smem_raw) + kQkvBar, smem_u32(smem_raw) + kQkvW, split,
+                                              kv_head, num_q_heads, num_kv_heads);
     }
     auto project_qkv = [&]() {  // QKV: after pdl_wait, in every CTA (also those without keys)
         if constexpr (QKV)
-            qkv_rows<D, G>(qp, eps, smem_raw, smem_u32(smem_raw) + kQkvBar, kQkvW, kQkvRaw,
-                           reinterpret_cast<float*>(smem_raw + kQkvBar + 16), split, num_splits);
+            qkv_rows<D, G, kQkvRows>(qp, eps, smem_raw, smem_u32(smem_raw) + kQkvBar, kQkvW, kQkvRaw,
+                                     reinterpret_cast<float*>(smem_raw + kQkvScratch), split);
     };
     const int kv_len = kv_lens[s];
     const int pos = fused ? positions[s] : 0;
@@ -454,9 +464,6 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS, const QkvProjection& qp = 
     if (norm) rope16::load_norm_weights<D>(w, q_weight, k_weight, t);
     __syncthreads();  // the page table is in shared memory
 
-    // The new token's K and V rows, as qk_norm_rope_write_kv makes them (rope.cuh's pieces, its rounding points):
-    // this lane's chunk c of each, written to the cache at `slot` by the lanes of sub 0 (slot < 0: a padding row,
-    // nothing written). Every lane of the warp must call it (the norm's shuffles).
     // The kv head's raw rows: in the packed qkv (row s: q heads h0.., its k head, its v head), or (QKV) the ones
     // this cluster computed, in shared memory (generic pointers either way).
     const __nv_bfloat16* q_seq = q + (long long)s * q_row_stride;
@@ -464,6 +471,9 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS, const QkvProjection& qp = 
     const __nv_bfloat16* q_src = QKV ? raw_rows : q_seq + (long long)h0 * D;
     const __nv_bfloat16* k_row = QKV ? raw_rows + G * D : q_seq + (long long)(num_q_heads + kv_head) * D;
     const __nv_bfloat16* v_row = QKV ? raw_rows + (G + 1) * D : k_row + (long long)num_kv_heads * D;
+    // The new token's K and V rows, as qk_norm_rope_write_kv makes them (rope.cuh's pieces, its rounding points):
+    // this lane's chunk c of each, written to the cache at `slot` by the lanes of sub 0 (slot < 0: a padding row,
+    // nothing written). Every lane of the warp must call it (the norm's shuffles).
     auto make_new_kv = [&](uint4& k_bits, uint4& v_bits) {
         const uint4 raw_lo = *reinterpret_cast<const uint4*>(k_row + 8 * t);
         const uint4 raw_hi = *reinterpret_cast<const uint4*>(k_row + D / 2 + 8 * t);

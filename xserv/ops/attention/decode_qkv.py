@@ -32,13 +32,13 @@ _SMEM_MAX = 227 * 1024
 
 
 def folded_smem(head_dim: int, group: int, hidden: int) -> int:
-    """Dynamic shared memory of the folded kernel (decode_split_v4 with QKV): v4's layout, then the weight copies'
-    mbarrier and the RMS scratch (32 bytes, 128-aligned), the raw q/k/v rows (kV4RowBytes), the CTA's weight rows
-    (128-aligned) and the staged x row."""
-    plain = FOLDED.smem(head_dim)
-    bar = -(-plain // 128) * 128
-    weights = -(-(bar + 32 + D.V4_ROW_BYTES) // 128) * 128
+    """Dynamic shared memory of the folded kernel (decode_split_v4 with QKV, kQkv* in attention_decode.cu): v4's
+    layout, then one mbarrier per 16-row piece of the CTA's weight rows (128-aligned) and the RMS scratch (16 bytes),
+    the raw q/k/v rows (kV4RowBytes), the CTA's weight rows (128-aligned) and the staged x row."""
     rows = (group + 2) * head_dim // D.V4_CLUSTER_MAX
+    bars = -(-FOLDED.smem(head_dim) // 128) * 128
+    raw = bars + -(-(rows // 16 * 8) // 16) * 16 + 16
+    weights = -(-(raw + D.V4_ROW_BYTES) // 128) * 128
     return weights + (rows + 1) * hidden * 2
 
 
