@@ -19,7 +19,7 @@ for p in "${presets[@]}"; do
   m=/tmp/model-$p
   echo "=== $p context 512: fused v4 / fused v4c / folded (0.6B shape only; elsewhere the two ops), greedy tokens compared"
   timeout 300 python3 -m tools.bench_decode --model $m --batch-sizes 1 --decode-kernels v4c,v4 --attention fused,folded \
-    --rounds 2 --tokens 64 2>&1 | tail -9
+    --rounds 2 --tokens 64 2>&1 | tail -12
   echo "=== $p context 32,000: v4 / v4s3 / v4s4"
   timeout 240 python3 -m tools.bench_decode --model $m --batch-sizes 1 --context 32000 --steps 64 \
     --decode-kernels v4,v4s3,v4s4 2>&1 | tail -4
