@@ -5,8 +5,10 @@ Which kernel runs: v4 (cuda_src/attention_decode.cu: v2's CUDA-core math behind 
 shared page table, split combine folded in), or
 v2 (attention_decode_v2.cu, plain loads and a separate combine kernel) where a split's pages would overflow v4's
 shared page table (a block size below 8 with a very long context). The v4 plan (`v4_plan`) balances the keys per
-SM rather than filling resident slots: few sequences get about two CTAs per SM. v3 (tensor cores) and the v4 experiments are development kernels in cuda_src/dev/, run when a test, the
-harness or tools/bench_attention.py names them. Measurements: docs/kernels/attention.md.
+SM rather than filling resident slots: few sequences get about two CTAs per SM. v3 (tensor cores) and the v4
+experiments are development kernels in cuda_src/dev/, run when a test, the harness or tools/bench_attention.py names
+them; among them v4c (the splits of a (sequence, kv head) launched as one thread-block cluster, combined through its
+shared memory; decode_qkv.py builds on it). Measurements: docs/kernels/attention.md.
 """
 from __future__ import annotations
 
