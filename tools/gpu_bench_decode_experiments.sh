@@ -24,6 +24,13 @@ for p in "${presets[@]}"; do
   timeout 240 python3 -m tools.bench_decode --model $m --batch-sizes 1 --context 32000 --steps 64 \
     --decode-kernels v4,v4s3,v4s4 2>&1 | tail -4
 done
+if [ -d /tmp/model-0.6b ]; then
+  for opts in "" "--decode-kernel v4c" "--fold-qkv"; do
+    echo "=== 0.6b one-step timeline (context 512) $opts"
+    timeout 120 python3 -m tools.profile_engine --model /tmp/model-0.6b --single-context 512 --warm 32 --steps 20 \
+      --timeline 12 $opts 2>&1 | tail -15
+  done
+fi
 echo "=== plain decode at one long sequence: stages x splits"
 timeout 240 python3 -m tools.sweep_decode_plan --only "1x32768 32/8" --variants v4,v4s3,v4s4 --no-rope --quick 2>&1 \
   | grep -v "^$"
