@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Decode-attention experiments on the lent GPU, one call (~8 minutes on an H200): the development kernels' GPU tests,
+# Decode-attention experiments on the lent GPU, one call (~10 minutes on an H200): the shipped and the development
+# kernels' GPU tests,
 # then the model end to end with each decode path, alternating in one process (bench_decode --decode-kernels
 # --attention --rounds), greedy tokens compared across paths, and the plain kernel's split sweep at one long sequence.
 #   bash tools/gpu_bench_decode_experiments.sh [0.6b] [8b]
@@ -11,6 +12,8 @@ bash tools/gpu_session.sh env >/dev/null
 export PYTHONUNBUFFERED=1 XSERV_CACHE_DIR=/tmp/xserv-cache PYTHONPATH=/tmp/site:$PWD
 presets=("${@:-0.6b}")
 for p in "${presets[@]}"; do [ -d /tmp/model-$p ] || python3 -m tools.make_test_model --preset $p --out /tmp/model-$p --no-progress >/dev/null & done
+echo "=== shipped decode, runtime and model GPU tests (the production v4 cubin changed with the shared helpers)"
+timeout 300 python3 -m pytest -q -m gpu tests/ops/test_attention.py tests/test_runtime.py tests/test_model.py 2>&1 | tail -3
 echo "=== dev decode tests (v4c, folded qkv, v4s3, v4s4)"
 XSERV_DEV_TESTS=1 timeout 300 python3 -m pytest -q -m gpu tests/ops/test_attention.py -k "v4c or folded or v4_experiments" 2>&1 | tail -6
 wait
