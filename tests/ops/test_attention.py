@@ -2,7 +2,6 @@ import functools
 import math
 import os
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -788,7 +787,6 @@ def _pdl_chain_graph(rng, monkeypatch, fused, variant=None):
     decode.SPREAD_CTAS). variant: the decode kernel of both forms."""
     from xserv.ops.gemv import rmsnorm_linear
     from xserv.ops.rope import qk_norm_rope_write_kv
-    from xserv.runtime.graphs import CUDAGraph
 
     if fused:
         monkeypatch.setattr(D, "FUSED_PDL", fused != "nopdl")
@@ -822,17 +820,25 @@ def _pdl_chain_graph(rng, monkeypatch, fused, variant=None):
             A.attention_decode(qkv, kc, vc, t["kv_lens"], t["tables"], c["scale"], 4096, out=out, num_q_heads=hq,
                                variant=variant)
 
-    poison()
+    replays_give_eager_bits(step, poison, (out, kc, vc), replays=5)
+
+
+def replays_give_eager_bits(step, reset, outputs, replays):
+    """reset() then step() eagerly (the first output all finite), then `replays` times reset() and a replay of step()
+    captured in a CUDA graph: every output bit for bit as in the eager run."""
+    from xserv.runtime.graphs import CUDAGraph
+
+    reset()
     step()
-    first = [x.numpy() for x in (out, kc, vc)]
+    first = [x.numpy() for x in outputs]
     assert np.all(np.isfinite(first[0].astype(np.float32)))
     graph = CUDAGraph()
     with graph.capture():
         step()
-    for _ in range(5):
-        poison()
+    for _ in range(replays):
+        reset()
         graph.replay()
-        for got, want in zip((out, kc, vc), first):
+        for got, want in zip(outputs, first):
             np.testing.assert_array_equal(u16(got.numpy()), u16(want))
     graph.close()
 
@@ -1062,7 +1068,6 @@ def test_folded_qkv_gpu_dev_graph_replays(rng):
     after its wait) and replayed: the bits of the eager run every time."""
     from xserv.ops.attention.decode_qkv import rmsnorm_qkv_attention_decode
     from xserv.ops.gemv import linear_add
-    from xserv.runtime.graphs import CUDAGraph
 
     hq, hkv, d, hidden = 16, 8, 128, 1024
     c = _folded_case(rng, 700, hq, hkv, d, hidden)
@@ -1087,16 +1092,4 @@ def test_folded_qkv_gpu_dev_graph_replays(rng):
                                      t["cos_sin"], hq, kc, vc, t["slots"], t["kv_lens"], t["tables"], c["scale"],
                                      2048, out=out)
 
-    reset()
-    step()
-    first = [a.numpy() for a in (out, kc, vc)]
-    assert np.all(np.isfinite(first[0].astype(np.float32)))
-    graph = CUDAGraph()
-    with graph.capture():
-        step()
-    for _ in range(3):
-        reset()
-        graph.replay()
-        for got, want in zip((out, kc, vc), first):
-            np.testing.assert_array_equal(u16(got.numpy()), u16(want))
-    graph.close()
+    replays_give_eager_bits(step, reset, (out, kc, vc), replays=3)

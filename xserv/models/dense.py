@@ -300,12 +300,16 @@ class DenseModel:
             return linear_gemv(x, weight, out=out)
         return linear(x, weight, out=out)
 
+    def _head_norms(self, layer: DenseLayer) -> tuple[Tensor | None, Tensor | None]:
+        """The q and k head-RMSNorm weights (Qwen3), or (None, None) (Llama)."""
+        return (layer.q_norm, layer.k_norm) if self.QK_NORM else (None, None)
+
     def _attention(self, i: int, layer: DenseLayer, batch, kv_cache, qkv3: Tensor, attn3: Tensor) -> None:
         """Layer i's attention block between the projections. Decode batches (one token per sequence): q/k norm,
         RoPE, the KV-cache write and attention in one kernel (qkv is only read). Prefill: q/k norm and RoPE with the
         KV-cache write (one kernel, in place on qkv), then attention."""
         hq, hkv = self.config.num_attention_heads, self.config.num_key_value_heads
-        q_norm, k_norm = (layer.q_norm, layer.k_norm) if self.QK_NORM else (None, None)
+        q_norm, k_norm = self._head_norms(layer)
         if batch.max_q_len == 1 and self.fused_attention:
             attention_decode_rope(qkv3, q_norm, k_norm, batch.positions, self.cos_sin, hq, self.eps, kv_cache.k[i],
                                   kv_cache.v[i], batch.slot_mapping, batch.kv_lens, batch.block_tables, self.scale,
@@ -334,7 +338,7 @@ class DenseModel:
         embedding(batch.input_ids, self.embed, out=residual)  # the float32 stream starts from the embeddings, exactly
         for i, layer in enumerate(self.layers):
             if self.fold_qkv and self.fused_attention:
-                q_norm, k_norm = (layer.q_norm, layer.k_norm) if self.QK_NORM else (None, None)
+                q_norm, k_norm = self._head_norms(layer)
                 rmsnorm_qkv_attention_decode(residual, layer.input_norm, self.eps, layer.qkv, qkv3, q_norm, k_norm,
                                              batch.positions, self.cos_sin, hq, kv_cache.k[i], kv_cache.v[i],
                                              batch.slot_mapping, batch.kv_lens, batch.block_tables, self.scale,

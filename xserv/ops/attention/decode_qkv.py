@@ -25,6 +25,8 @@ from ...runtime import get_device
 from ...tensor import Tensor, bfloat16, float32
 from .._checks import check_aligned, check_tensor, same_device
 from .._launch import check_alias
+from ..gemv import plan as gemv_plan
+from ..gemv import rmsnorm_linear
 from . import decode as D
 
 FOLDED = D.DecodeKernel("v4q", 4, "dev/attention_decode_dev", suffix="_q", shapes=frozenset({(128, 2)}), cluster=True)
@@ -88,21 +90,16 @@ def rmsnorm_qkv_attention_decode(residual: Tensor, norm_weight: Tensor, eps: flo
         raise ValueError(f"qkv: {qkv.shape[0]} rows for the residual's {num_seqs}")
     device = same_device(residual=residual, norm_weight=norm_weight, w_qkv=w_qkv, qkv=qkv, out=out)
     check_alias("qkv", qkv, "residual", residual, allow_identical=False)
+    if int(max_kv_len) < 1:
+        raise ValueError(f"max_kv_len: {max_kv_len} < 1")
     plan = folded_plan(max_kv_len, block_size) if num_seqs == 1 and folded and device == "cuda" else None
     if plan is None or not folded_applies(hidden, num_q_heads, num_kv_heads, head_dim, get_device().arch):
-        from ..gemv import rmsnorm_linear
-
         rmsnorm_linear(residual, norm_weight, eps32, w_qkv, out=qkv.view(num_seqs, -1))
         cluster = (head_dim, num_q_heads // num_kv_heads) in D.DECODE_KERNELS["v4c"].shapes
         return D.attention_decode_rope(qkv, q_weight, k_weight, positions, cos_sin, num_q_heads, eps32, k_cache,
                                        v_cache, slot_mapping, kv_lens, block_tables, scale, max_kv_len, out=out,
                                        variant="v4c" if cluster else None)
-    from .. import gemv
-
-    if int(max_kv_len) < 1:
-        raise ValueError(f"max_kv_len: {max_kv_len} < 1")
-    n = w_qkv.shape[0]
-    _, _, gemv_split, _ = gemv.plan(1, n, get_device().multiprocessor_count, k=hidden)
+    _, _, gemv_split, _ = gemv_plan(1, w_qkv.shape[0], get_device().multiprocessor_count, k=hidden)
     norm = q_weight is not None
     D._launch((FOLDED, *plan), residual, k_cache, v_cache, kv_lens, block_tables, scale, out, num_q_heads,
               (positions, slot_mapping, cos_sin, np.int32(cos_sin.shape[0]), q_weight if norm else 0,
