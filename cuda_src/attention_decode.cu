@@ -2,9 +2,7 @@
 // attention.cuh), split-KV ("flash-decoding") with GQA grouping and the split combine folded in. Shared pieces and
 // the arguments: attention_decode.cuh; the fallback (v2): attention_decode_v2.cu.
 #include "attention_decode.cuh"
-#include "gemv.cuh"
 #include "rope.cuh"
-#include "tma.cuh"
 
 using namespace xserv;
 using namespace xserv::decode;
@@ -33,14 +31,6 @@ using namespace xserv::decode;
 //   num_splits == 1: bf16 out directly; otherwise fp32 partials, and the last CTA of each (sequence, kv head) to
 //   finish (counters, reset by that CTA: graph-replay safe) merges them (combine_splits_v4, <= kV4MaxSplits).
 //   kv_len == 0: split 0 writes zeros.
-//   CLUSTER (a development form, attention_decode_v4_*_c in cuda_src/dev/): the launcher makes the num_splits
-//   (<= kV4ClusterMax) CTAs of each (sequence, kv head) one thread-block cluster; each split leaves its partial in its
-//   own shared memory and split 0 folds them through distributed shared memory (combine_splits_cluster): no global
-//   partials, counter or L2 round trips. The keys of a sequence are spread evenly over the splits at run time
-//   (cluster_chunk), since a captured graph's chunk_len is sized for the longest context of its bucket.
-//   QKV (with CLUSTER, development form attention_decode_v4_*_q; xserv/ops/attention/decode_qkv.py): the qkv
-//   projection of the one sequence is folded in, its kv head's rows divided over the cluster (QkvProjection,
-//   qkv_issue_weights, qkv_rows): q, k and v come from this cluster's shared memory instead of the packed qkv.
 //
 // Fused entry (positions != nullptr; attention_decode_rope in xserv/ops/attention/decode.py): the same kernel also
 // does qk_norm_rope_write_kv's work for a decode batch (one new token per sequence), with the same bits as that
@@ -81,7 +71,6 @@ constexpr int kV4Unroll = 4;
 constexpr int kV4TabCap = 512;
 constexpr int kV4MaxSplits = 256;  // the combine's scratch holds G * num_splits weights (the launcher's limit)
 constexpr int kV4FastCombine = 16;  // up to this many splits the combine loads everything in one round trip
-constexpr int kV4ClusterMax = 8;    // CLUSTER kernels: splits per (sequence, kv head) = CTAs per cluster (portable)
 constexpr float kV4Thresh = 8.f;
 constexpr int kV4PrefetchStages = 2;  // stages after the first STAGES - 1 that go to L2 before pdl_wait
 constexpr int kV4RowBytes = (8 + 2) * 128 * 2;  // fused: G <= 8 rotated q rows + the new K and V rows, bf16, D <= 128
@@ -102,35 +91,6 @@ __device__ __forceinline__ void bf16x8_to_float_fast(const uint4& v, float (&f)[
         f[2 * i] = __uint_as_float(w[i] << 16);
         f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
     }
-}
-
-// The fold of up to N splits' partials into one float4 column of a head's output: ls[i] the splits' log2-sum-exp2
-// values, x[i] their partial columns (i < active; split 0 holds keys, so its lse is finite). Shared by the folded
-// combine's one-round-trip path and the cluster combine, which load the same values from L2 and from the cluster's
-// shared memory: the same arithmetic in the same order, so both give the same bits.
-template <int N>
-__device__ __forceinline__ void fold_splits_column(const float (&ls)[N], const float4 (&x)[N], int active,
-                                                   __nv_bfloat16* __restrict__ dst) {
-    float mm = ls[0];
-#pragma unroll
-    for (int i = 1; i < N; ++i)
-        if (i < active) mm = fmaxf(mm, ls[i]);
-    float den = 0.f;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-    for (int i = 0; i < N; ++i) {
-        if (i < active) {
-            const float w = exp2f(ls[i] - mm);
-            den += w;
-            acc.x += w * x[i].x;
-            acc.y += w * x[i].y;
-            acc.z += w * x[i].z;
-            acc.w += w * x[i].w;
-        }
-    }
-    __nv_bfloat162* d2 = reinterpret_cast<__nv_bfloat162*>(dst);
-    d2[0] = __floats2bfloat162_rn(acc.x / den, acc.y / den);
-    d2[1] = __floats2bfloat162_rn(acc.z / den, acc.w / den);
 }
 
 // The split combine of v4, folded into the split kernel (the threadfence-reduction pattern of
@@ -168,7 +128,26 @@ __device__ __forceinline__ void combine_splits_v4(int* counter, int active, long
                     x[i] = __ldcg(src + i * (D / 4));
                 }
             }
-            fold_splits_column<kV4FastCombine>(ls, x, active, out + (row0 + g) * D + 4 * d4);
+            float mm = ls[0];  // finite: split 0 holds keys
+#pragma unroll
+            for (int i = 1; i < kV4FastCombine; ++i)
+                if (i < active) mm = fmaxf(mm, ls[i]);
+            float den = 0.f;
+            float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+            for (int i = 0; i < kV4FastCombine; ++i) {
+                if (i < active) {
+                    const float w = exp2f(ls[i] - mm);
+                    den += w;
+                    acc.x += w * x[i].x;
+                    acc.y += w * x[i].y;
+                    acc.z += w * x[i].z;
+                    acc.w += w * x[i].w;
+                }
+            }
+            __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(out + (row0 + g) * D + 4 * d4);
+            dst[0] = __floats2bfloat162_rn(acc.x / den, acc.y / den);
+            dst[1] = __floats2bfloat162_rn(acc.z / den, acc.w / den);
         }
         if (threadIdx.x == 0) *counter = 0;
         return;
@@ -238,143 +217,6 @@ __device__ __forceinline__ void combine_splits_v4(int* counter, int active, long
     if (threadIdx.x == 0) *counter = 0;
 }
 
-// The split combine through the cluster's shared memory (CLUSTER kernels: the launcher makes the num_splits CTAs of
-// each (sequence, kv head) one cluster, num_splits <= kV4ClusterMax, so the cluster rank is the split). Every CTA of
-// the cluster calls it, also one whose split holds no keys. sm_part: this CTA's partial, [G][D] fp32 then G lse
-// values, written before the call by the splits that hold keys (the `active` first ones). After a cluster barrier,
-// rank 0 folds the active splits' partials, loaded from their CTAs' shared memory, into out (the same arithmetic
-// as the folded combine's one-round-trip path: the same bits); the other CTAs wait for it before they exit, since
-// it reads their shared memory. No global partials, counters or L2 round trips.
-template <int D, int G>
-__device__ __forceinline__ void combine_splits_cluster(int active, long long row0, unsigned sm_part,
-                                                       __nv_bfloat16* __restrict__ out) {
-    constexpr int NIDX = G * D / 4;  // float4 columns of the G output rows
-    cluster_arrive();
-    cluster_wait();  // every split's partial is in its CTA's shared memory
-    const unsigned rank = cluster_ctarank();
-    if (rank == 0 && active > 0) {
-        for (int idx = threadIdx.x; idx < NIDX; idx += kV4Warps * 32) {
-            const int g = idx / (D / 4), d4 = idx % (D / 4);
-            float ls[kV4ClusterMax];
-            float4 x[kV4ClusterMax];
-#pragma unroll
-            for (int i = 0; i < kV4ClusterMax; ++i) {
-                if (i < active) {
-                    ls[i] = ld_cluster_f32(map_cluster_rank(sm_part + (unsigned)(G * D + g) * 4u, i));
-                    x[i] = ld_cluster_f32x4(map_cluster_rank(sm_part + (unsigned)(g * D + 4 * d4) * 4u, i));
-                }
-            }
-            fold_splits_column<kV4ClusterMax>(ls, x, active, out + (row0 + g) * D + 4 * d4);
-        }
-    }
-    cluster_arrive();  // rank 0: done reading the other CTAs' shared memory
-    if (rank != 0) cluster_wait();
-}
-
-// CLUSTER kernels split the keys a sequence has now evenly over the cluster's splits, in multiples of one warp's
-// stage (16 keys), instead of the host's chunk_len: a captured graph fixes chunk_len for the longest context of its
-// bucket (chunk_len stays the bound: the page table is sized by it).
-__device__ __forceinline__ int cluster_chunk(int kv_len, int num_splits, int chunk_len) {
-    const int even = ((kv_len + num_splits - 1) / num_splits + 15) & ~15;
-    return min(chunk_len, max(16, even));
-}
-
-// The qkv projection of one sequence folded into the decode attention (QKV kernels, a development form for small
-// models at batch 1; CLUSTER too, num_splits = the cluster's CTAs). The (G + 2) x D rows of W_qkv that a kv head
-// needs (its G q heads, its k head, its v head: three runs of consecutive rows) are divided evenly over the cluster's
-// CTAs. Each CTA bulk-copies its rows into shared memory before pdl_wait (the weights do not depend on the kernel
-// before), then stages the RMSNorm'd x row (gemv's prologue) and computes its rows' dot products in gemv_row's
-// order (the `gemv_split` warps' shares of K, each summed over the warp, added in order), so each value has the bits
-// rmsnorm_linear would write into qkv; rounded to bf16, it goes into the raw rows of every CTA of the cluster.
-struct QkvProjection {
-    const float* residual = nullptr;        // [hidden] fp32: the residual stream (written by the kernel before)
-    const __nv_bfloat16* norm_w = nullptr;  // [hidden]: the input RMSNorm's weight
-    const __nv_bfloat16* w_qkv = nullptr;   // [(num_q_heads + 2 * num_kv_heads) * D, hidden]: the packed projection
-    int hidden = 0;                         // a multiple of 8
-    int gemv_split = 1;                     // rmsnorm_linear's K split for this projection (1, 2 or 4)
-};
-
-// Thread 0, before pdl_wait: the CTA's rows of W_qkv (rows r0.. of the kv head's, r0 = rank * ROWS) into shared
-// memory at w_dst, in pieces of 16 rows, piece j completing on the mbarrier at bars + 8 j (so that the dot products
-// of a piece start while the later ones are still in flight). A piece never straddles two runs of W (the runs start
-// at multiples of D, the pieces at multiples of 16).
-template <int D, int G, int ROWS>
-__device__ __forceinline__ void qkv_issue_weights(const QkvProjection& qp, unsigned bars, unsigned w_dst, int rank,
-                                                  int kv_head, int num_q_heads, int num_kv_heads) {
-    constexpr int kPieces = ROWS / 16;
-    const unsigned piece_bytes = 16u * (unsigned)qp.hidden * 2u;
-#pragma unroll
-    for (int j = 0; j < kPieces; ++j) xserv::mbarrier_init(bars + 8u * j, 1);
-    xserv::mbarrier_init_fence();
-#pragma unroll
-    for (int j = 0; j < kPieces; ++j) {
-        const int a = rank * ROWS + 16 * j;  // the piece's first row in the kv head's order: q rows, k row, v row
-        const int w_row = a < G * D ? kv_head * G * D + a
-                          : a < (G + 1) * D ? (num_q_heads + kv_head) * D + (a - G * D)
-                                            : (num_q_heads + num_kv_heads + kv_head) * D + (a - (G + 1) * D);
-        xserv::mbarrier_arrive_expect_tx(bars + 8u * j, piece_bytes);
-        xserv::bulk_load_evict_first(w_dst + (unsigned)j * piece_bytes, qp.w_qkv + (long long)w_row * qp.hidden,
-                                     piece_bytes, bars + 8u * j);
-    }
-}
-
-// Every thread, after pdl_wait: x staged, the CTA's ROWS rows computed and written (bf16) into the raw rows
-// ([G + 2][D], at smem offset raw) of every CTA of the cluster (kV4ClusterMax CTAs); returns when all of them are
-// there (cluster barrier).
-// The caller's cluster_arrive_relaxed at kernel start pairs with the first wait here (no remote write before every
-// CTA runs).
-template <int D, int G, int ROWS>
-__device__ __forceinline__ void qkv_rows(const QkvProjection& qp, float eps, unsigned char* smem, unsigned bars,
-                                         unsigned w_off, unsigned raw, float* scratch, int rank) {
-    static_assert(ROWS % (kV4Warps * 4) == 0, "a CTA's rows are whole 16-row pieces");
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int r0 = rank * ROWS, hidden = qp.hidden, chunks = hidden / 8;
-    const unsigned char* wsm = smem + w_off;
-    __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem + w_off + (unsigned)ROWS * hidden * 2u);
-    xserv::gemv::stage_x<1, kV4Warps * 32>(xs, hidden, scratch, qp.residual, 0, nullptr, qp.norm_w, eps, 1, hidden,
-                                           xserv::gemv::kRmsNorm);  // ends with a CTA barrier
-    cluster_wait();  // every CTA of the cluster runs (pairs with the arrive at kernel start)
-    const int split_k = qp.gemv_split;
-    for (int rb = warp * 4; rb < ROWS; rb += kV4Warps * 4) {  // 4 rows at a time: piece rb / 16, warp w's rows 4w..
-        xserv::mbarrier_wait(bars + 8u * (rb / 16), 0);  // this piece of the weight rows has landed
-        float acc[4][4];
-#pragma unroll
-        for (int r = 0; r < 4; ++r)
-#pragma unroll
-            for (int p = 0; p < 4; ++p) acc[r][p] = 0.f;
-#pragma unroll
-        for (int p = 0; p < 4; ++p) {
-            if (p < split_k) {
-                for (int ch = p * 32 + lane; ch < chunks; ch += 32 * split_k) {
-                    const uint4 xv = reinterpret_cast<const uint4*>(xs)[ch];
-#pragma unroll
-                    for (int r = 0; r < 4; ++r)
-                        acc[r][p] = xserv::gemv::dot8(
-                            *reinterpret_cast<const uint4*>(wsm + ((unsigned)(rb + r) * hidden + ch * 8) * 2u), xv,
-                            acc[r][p]);
-                }
-            }
-        }
-        float mine = 0.f;  // lane r < 4 keeps row rb + r
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-            float v = 0.f;
-#pragma unroll
-            for (int p = 0; p < 4; ++p)
-                if (p < split_k) v += xserv::warp_sum(acc[r][p]);
-            if (lane == r) mine = v;
-        }
-        if (lane < 4) {
-            const unsigned short bits = __bfloat16_as_ushort(__float2bfloat16_rn(mine));
-            const unsigned dst = smem_u32(smem) + raw + (unsigned)(r0 + rb + lane) * 2u;
-#pragma unroll
-            for (int i = 0; i < kV4ClusterMax; ++i) st_cluster_u16(map_cluster_rank(dst, i), bits);
-        }
-    }
-    cluster_arrive();
-    cluster_wait();  // every CTA's rows are in every CTA's raw rows
-}
-
 // The v4 kernel's arguments: XSERV_DECODE_ARGS (attention_decode.cuh) with writable caches, then the folded
 // combine's counters and the block-size divisor, then the fused entry's (positions == nullptr: plain attention):
 //   counters:     [num_seqs * num_kv_heads] int32, zero between calls (the last CTA of a pair resets its counter)
@@ -396,9 +238,8 @@ __device__ __forceinline__ void qkv_rows(const QkvProjection& qp, float eps, uns
         num_kv_heads, scale_log2, chunk_len, num_splits, out, part_o, part_lse, counters, bs_magic, bs_shift,    \
         positions, slot_mapping, cos_sin, max_pos, q_weight, k_weight, eps
 
-template <int D, int G, int STAGES, bool CLUSTER = false, bool QKV = false>
-__device__ void decode_split_v4(XSERV_DECODE_V4_ARGS, const QkvProjection& qp = QkvProjection{}) {
-    static_assert(CLUSTER || !QKV, "the folded qkv projection shares its rows through the cluster");
+template <int D, int G, int STAGES>
+__device__ void decode_split_v4(XSERV_DECODE_V4_ARGS) {
     constexpr int U = kV4Unroll;
     constexpr int LPK = D / 8;         // lanes per key
     constexpr int KPS = 32 / LPK;      // keys side by side in a warp
@@ -415,19 +256,12 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS, const QkvProjection& qp = 
     // [G][D] bf16: the rotated query rows (fused), then the new key's K row and V row as the loop must see them
     const unsigned sm_rows = smem_u32(smem_raw + RING + kV4TabCap * 4 + 16);
     const unsigned sm_new_k = sm_rows + G * D * 2, sm_new_v = sm_rows + (G + 1) * D * 2;
-    // QKV (one cluster of kV4ClusterMax CTAs, each kQkvRows rows of the projection): after the plain layout, the
-    // weight pieces' mbarriers and the RMS scratch, the kv head's raw q/k/v rows (bf16 [G + 2][D]), then the CTA's
-    // weight rows and the staged x row (qkv_issue_weights, qkv_rows)
-    constexpr int kQkvRows = QKV ? (G + 2) * D / kV4ClusterMax : 16;
-    constexpr unsigned kPlainEnd = RING + kV4TabCap * 4 + 16 + kV4RowBytes;
-    constexpr unsigned kQkvBar = (kPlainEnd + 127) & ~127u;
-    constexpr unsigned kQkvScratch = kQkvBar + ((kQkvRows / 16 * 8 + 15) & ~15u), kQkvRaw = kQkvScratch + 16;
-    constexpr unsigned kQkvW = (kQkvRaw + kV4RowBytes + 127) & ~127u;
-    require_dynamic_smem(QKV ? kQkvW + (kQkvRows + 1u) * qp.hidden * 2u : kPlainEnd);
+    require_dynamic_smem(RING + kV4TabCap * 4 + 16 + kV4RowBytes);
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int c = lane % LPK, sub = lane / LPK, t = lane % LPR;
     const int s = blockIdx.z, kv_head = blockIdx.y, split = blockIdx.x;
+    const int start = split * chunk_len;
     const int h0 = kv_head * G;
     const bool fused = positions != nullptr;
     const bool norm = fused && q_weight != nullptr;
@@ -438,43 +272,25 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS, const QkvProjection& qp = 
     // sequence's end land in `tab` but are never used), the new token's position and slot and the norm weights go
     // out together: one round trip. The launcher guarantees the entries fit in kV4TabCap.
     xserv::pdl_launch_dependents();  // the o projection may start and load its weights (it waits for this grid)
-    if constexpr (QKV) {
-        cluster_arrive_relaxed();  // qkv_rows writes into the other CTAs' shared memory once they all run
-        if (threadIdx.x == 0)
-            qkv_issue_weights<D, G, kQkvRows>(qp, smem_u32(smem_raw) + kQkvBar, smem_u32(smem_raw) + kQkvW, split,
-                                              kv_head, num_q_heads, num_kv_heads);
-    }
-    auto project_qkv = [&]() {  // QKV: after pdl_wait, in every CTA (also those without keys)
-        if constexpr (QKV)
-            qkv_rows<D, G, kQkvRows>(qp, eps, smem_raw, smem_u32(smem_raw) + kQkvBar, kQkvW, kQkvRaw,
-                                     reinterpret_cast<float*>(smem_raw + kQkvScratch), split);
-    };
     const int kv_len = kv_lens[s];
     const int pos = fused ? positions[s] : 0;
     const int slot = fused ? slot_mapping[s] : -1;
     const int* table = block_tables + (long long)s * max_blocks_per_seq;
-    // CLUSTER: the split's keys depend on kv_len (cluster_chunk), so the table is taken from the sequence's first
-    // page up to the last one this split can reach; the launcher guarantees they fit too.
-    const int host_start = split * chunk_len;
-    const int p0 = CLUSTER ? 0 : fast_div(host_start, bs_magic, bs_shift);  // pages as first slots (page * block_size)
-    const int n_cap = min(fast_div(host_start + chunk_len - 1, bs_magic, bs_shift) - p0 + 1, max_blocks_per_seq - p0);
+    const int p0 = fast_div(start, bs_magic, bs_shift);  // pages as first slots (page * block_size)
+    const int n_cap = min(fast_div(start + chunk_len - 1, bs_magic, bs_shift) - p0 + 1, max_blocks_per_seq - p0);
     for (int i = threadIdx.x; i < n_cap; i += kV4Warps * 32)
         tab[i] = (int)((unsigned)__ldg(table + p0 + i) * (unsigned)block_size);  // -1 entries: never read
     rope16::NormWeights w;
     if (norm) rope16::load_norm_weights<D>(w, q_weight, k_weight, t);
     __syncthreads();  // the page table is in shared memory
 
-    // The kv head's raw rows: in the packed qkv (row s: q heads h0.., its k head, its v head), or (QKV) the ones
-    // this cluster computed, in shared memory (generic pointers either way).
-    const __nv_bfloat16* q_seq = q + (long long)s * q_row_stride;
-    const __nv_bfloat16* raw_rows = reinterpret_cast<const __nv_bfloat16*>(smem_raw + kQkvRaw);
-    const __nv_bfloat16* q_src = QKV ? raw_rows : q_seq + (long long)h0 * D;
-    const __nv_bfloat16* k_row = QKV ? raw_rows + G * D : q_seq + (long long)(num_q_heads + kv_head) * D;
-    const __nv_bfloat16* v_row = QKV ? raw_rows + (G + 1) * D : k_row + (long long)num_kv_heads * D;
     // The new token's K and V rows, as qk_norm_rope_write_kv makes them (rope.cuh's pieces, its rounding points):
     // this lane's chunk c of each, written to the cache at `slot` by the lanes of sub 0 (slot < 0: a padding row,
     // nothing written). Every lane of the warp must call it (the norm's shuffles).
+    const __nv_bfloat16* q_seq = q + (long long)s * q_row_stride;
     auto make_new_kv = [&](uint4& k_bits, uint4& v_bits) {
+        const __nv_bfloat16* k_row = q_seq + (long long)(num_q_heads + kv_head) * D;
+        const __nv_bfloat16* v_row = k_row + (long long)num_kv_heads * D;
         const uint4 raw_lo = *reinterpret_cast<const uint4*>(k_row + 8 * t);
         const uint4 raw_hi = *reinterpret_cast<const uint4*>(k_row + D / 2 + 8 * t);
         v_bits = *reinterpret_cast<const uint4*>(v_row + 8 * c);
@@ -493,17 +309,8 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS, const QkvProjection& qp = 
         }
     };
 
-    const int chunk = CLUSTER ? cluster_chunk(kv_len, num_splits, chunk_len) : chunk_len;
-    const int start = CLUSTER ? split * chunk : host_start;
-    const int active = min(num_splits, (kv_len + chunk - 1) / chunk);  // the splits that hold keys
-    const long long row0 = (long long)s * num_q_heads + h0;
-    // CLUSTER: this split's partial (then its lse values), after the merge area in the ring (combine_splits_cluster)
-    constexpr int kMergeBytes = (kV4Warps * G * D * 4 + 2 * kV4Warps * G * 4 + 15) & ~15;
-    static_assert(kMergeBytes + (G * D + G) * 4 <= RING, "the cluster partial fits in the ring after the merge area");
-    const unsigned sm_part = smem_u32(smem_raw) + kMergeBytes;
     if (start >= kv_len) {  // no keys in this split
         xserv::pdl_wait();  // every CTA waits before it ends or writes (the chain argument in the header)
-        project_qkv();
         if (kv_len == 0 && split == 0) {  // a padding row of a captured batch: a defined zero row
             for (int idx = threadIdx.x; idx < G * D; idx += kV4Warps * 32)
                 out[((long long)s * num_q_heads + h0) * D + idx] = __float2bfloat16(0.f);
@@ -512,12 +319,9 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS, const QkvProjection& qp = 
                 make_new_kv(kb, vb);
             }
         }
-        if constexpr (CLUSTER) {
-            if (num_splits > 1) combine_splits_cluster<D, G>(active, row0, sm_part, out);  // its barriers, no partial
-        }
         return;
     }
-    const int end = min(start + chunk, kv_len);
+    const int end = min(start + chunk_len, kv_len);
     // The newest key (position kv_len - 1): written by the kernel before (qk_norm_rope_write_kv) or by this one
     // (fused), so it is the one K/V load that waits for pdl_wait. Where it sits in the ring: iteration it_n of warp
     // warp_n, lanes of sub_n, chunk u_n (-1: not in this split).
@@ -590,11 +394,11 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS, const QkvProjection& qp = 
 
     // ---- After pdl_wait: q (and the new token's rows) come from the kernel before.
     xserv::pdl_wait();
-    project_qkv();
     uint4 q_raw[G];
     if (!fused) {
 #pragma unroll
-        for (int g = 0; g < G; ++g) q_raw[g] = *reinterpret_cast<const uint4*>(q_src + g * D + c * 8);
+        for (int g = 0; g < G; ++g)
+            q_raw[g] = *reinterpret_cast<const uint4*>(q_seq + (long long)(h0 + g) * D + c * 8);
     } else {
         // q head g = warp, warp + 4, ... of the group: head norm and RoPE by this warp (rope.cuh), the bf16 row into
         // sm_rows. Every split's CTA recomputes its G rows (G x D values); qkv is not written (other CTAs still read
@@ -602,7 +406,7 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS, const QkvProjection& qp = 
         float cv[8], sv[8];
         const bool in_range = rope16::load_cos_sin<D>(cos_sin, pos, max_pos, t, cv, sv);
         for (int g = warp; g < G; g += kV4Warps) {
-            const __nv_bfloat16* q_row = q_src + g * D;
+            const __nv_bfloat16* q_row = q_seq + (long long)(h0 + g) * D;
             float lo[8], hi[8];
             xserv::bf16x8_to_float(*reinterpret_cast<const uint4*>(q_row + 8 * t), lo);
             xserv::bf16x8_to_float(*reinterpret_cast<const uint4*>(q_row + D / 2 + 8 * t), hi);
@@ -782,25 +586,14 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS, const QkvProjection& qp = 
         }
     }
     __syncthreads();
-    if constexpr (CLUSTER) {
-        if (num_splits > 1) {  // the partial into this CTA's shared memory (write_split_result's values), then fold
-            float* part = reinterpret_cast<float*>(smem_raw + kMergeBytes);
-            for (int idx = threadIdx.x; idx < G * D; idx += kV4Warps * 32) {
-                const int g = idx / D, d = idx % D;
-                const float3 st = merge_warp_states<D, G, kV4Warps>(sm_m, sm_l, sm_acc, g, d);
-                part[idx] = st.z / st.y;
-                if (d == 0) part[G * D + g] = st.x + log2f(st.y);
-            }
-            combine_splits_cluster<D, G>(active, row0, sm_part, out);
-            return;
-        }
-    }
+    const long long row0 = (long long)s * num_q_heads + h0;
     write_split_result<D, G, kV4Warps>(sm_m, sm_l, sm_acc, row0, split, num_splits, out, part_o, part_lse);
     if (num_splits == 1) return;
     // the merge area is no longer read: it holds the split weights now
     static_assert(((G * kV4MaxSplits + 3) & ~3) * 4 + kV4Warps * 32 * 16 <= RING, "combine scratch fits in the ring");
-    combine_splits_v4<D, G>(counters + (long long)s * num_kv_heads + kv_head, active, row0, num_splits, part_o,
-                            part_lse, out, reinterpret_cast<float*>(smem_raw), sm_last);
+    combine_splits_v4<D, G>(counters + (long long)s * num_kv_heads + kv_head,
+                            min(num_splits, (kv_len + chunk_len - 1) / chunk_len), row0, num_splits, part_o, part_lse,
+                            out, reinterpret_cast<float*>(smem_raw), sm_last);
 }
 
 }  // namespace

@@ -44,28 +44,9 @@ __device__ __forceinline__ void merge_state(float& m, float& l, float (&acc)[8],
     m = m_new;
 }
 
-// Merge the WARPS per-warp online-softmax states of head g (shared memory, flat: m, l [WARPS][G], acc
-// [WARPS][G][D]) at dimension d: the split's state (x: max, y: sum, z: unnormalised output). Its output value is
-// z / y, its log2-sum-exp2 x + log2f(y).
-template <int D, int G, int WARPS>
-__device__ __forceinline__ float3 merge_warp_states(const float* sm_m, const float* sm_l, const float* sm_acc, int g,
-                                                    int d) {
-    float mm = neg_inf();
-#pragma unroll
-    for (int w = 0; w < WARPS; ++w) mm = fmaxf(mm, sm_m[w * G + g]);  // finite: warp 0 saw key `start`
-    float ll = 0.f, aa = 0.f;
-#pragma unroll
-    for (int w = 0; w < WARPS; ++w) {
-        const float wgt = exp2f(sm_m[w * G + g] - mm);  // 0 for a warp that saw no key
-        ll += sm_l[w * G + g] * wgt;
-        aa += sm_acc[(w * G + g) * D + d] * wgt;
-    }
-    return make_float3(mm, ll, aa);
-}
-
-// The end of every split kernel: merge the CTA's per-warp states of its G heads (merge_warp_states) and write the
-// normalised bf16 output (num_splits == 1) or the fp32 partial and the log2-sum-exp2 of this split.
-// row0 = s * num_q_heads + first head of the group.
+// The end of every split kernel: merge the WARPS per-warp online-softmax states of the CTA's G heads (shared
+// memory, flat: m, l [WARPS][G], acc [WARPS][G][D]) and write the normalised bf16 output (num_splits == 1) or the
+// fp32 partial and the log2-sum-exp2 of this split. row0 = s * num_q_heads + first head of the group.
 template <int D, int G, int WARPS>
 __device__ __forceinline__ void write_split_result(const float* sm_m, const float* sm_l, const float* sm_acc,
                                                    long long row0, int split, int num_splits,
@@ -73,13 +54,22 @@ __device__ __forceinline__ void write_split_result(const float* sm_m, const floa
                                                    float* __restrict__ part_lse) {
     for (int idx = threadIdx.x; idx < G * D; idx += WARPS * 32) {
         const int g = idx / D, d = idx % D;
-        const float3 st = merge_warp_states<D, G, WARPS>(sm_m, sm_l, sm_acc, g, d);  // (mm, ll, aa)
+        float mm = neg_inf();
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) mm = fmaxf(mm, sm_m[w * G + g]);  // finite: warp 0 saw key `start`
+        float ll = 0.f, aa = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            const float wgt = exp2f(sm_m[w * G + g] - mm);  // 0 for a warp that saw no key
+            ll += sm_l[w * G + g] * wgt;
+            aa += sm_acc[(w * G + g) * D + d] * wgt;
+        }
         const long long row = row0 + g;
         if (num_splits == 1) {
-            out[row * D + d] = __float2bfloat16(st.z / st.y);
+            out[row * D + d] = __float2bfloat16(aa / ll);
         } else {
-            part_o[(row * num_splits + split) * D + d] = st.z / st.y;
-            if (d == 0) part_lse[row * num_splits + split] = st.x + log2f(st.y);
+            part_o[(row * num_splits + split) * D + d] = aa / ll;
+            if (d == 0) part_lse[row * num_splits + split] = mm + log2f(ll);
         }
     }
 }

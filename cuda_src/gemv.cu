@@ -34,21 +34,114 @@
 //
 // Programmatic dependent launch: the weights do not depend on the previous kernel, so each lane loads its first
 // weights into registers before pdl_wait(); the x staging comes after the wait, pdl_launch_dependents() after it.
+// gemv_row's prefetch_l2 (set for the o projection after a short-context decode attention, a kernel that leaves
+// HBM idle for several microseconds): before pdl_wait the CTA also asks L2 for all of its tiles' weight rows, so
+// they stream in while the kernel before still runs.
 //
 // Requirements (the launcher checks): K % 8 == 0, W and x rows 16-byte aligned (x_stride a multiple of 8 bf16 /
 // 4 fp32 values), dynamic shared memory for the reduction buffers and the staged x.
-#include "gemv.cuh"
-
-using namespace xserv::gemv;
+#include "norm.cuh"
+#include "tma.cuh"
 
 namespace {
 
+enum Prologue : int { kBf16 = 0, kRmsNorm = 1, kSiluMul = 2 };
 enum Epilogue : int { kStoreBf16 = 0, kStoreF32 = 1, kAddResidual = 2, kSiluMulBf16 = 3 };
+
+// A weight load that should not displace x or the staged rows in L1: W is read exactly once.
+__device__ __forceinline__ uint4 load_weight(const __nv_bfloat16* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
 
 __device__ __forceinline__ void store_out(void* out, long long o, float v, int epilogue) {
     if (epilogue == kStoreBf16) static_cast<__nv_bfloat16*>(out)[o] = __float2bfloat16_rn(v);
     else if (epilogue == kStoreF32) static_cast<float*>(out)[o] = v;
     else static_cast<float*>(out)[o] += xserv::round_bf16(v);
+}
+
+// silu(g) = g / (1 + 2^(-g * log2 e)) with ex2.approx and an IEEE division, exactly as activation.ptx.
+__device__ __forceinline__ float silu(float g) {
+    float e;
+    asm("ex2.approx.f32 %0, %1;" : "=f"(e) : "f"(-g * 1.4426950408889634f));
+    return __fdiv_rn(g, 1.f + e);
+}
+
+// Stage the m transformed x rows in shared memory (bf16 [m][K]). Every thread of the CTA takes part.
+template <int M, int THREADS>
+__device__ __forceinline__ void stage_x(__nv_bfloat16* xs, int KS, float* scratch, const void* x, long long x_stride,
+                                        const int* x_rows, const __nv_bfloat16* norm_w, float eps, int m, int K,
+                                        int prologue) {
+    constexpr int kThreads = THREADS, kWarps = THREADS / 32;
+    const int chunks = K / 8;
+    if (prologue == kRmsNorm) {
+        // Pass 1: each row's sum of squares (per-thread partials, then warp and CTA sums in a fixed order).
+        float ss[M];
+#pragma unroll
+        for (int i = 0; i < M; ++i) ss[i] = 0.f;
+#pragma unroll
+        for (int i = 0; i < M; ++i) {
+            if (i < m) {
+                const float* row = static_cast<const float*>(x) + (long long)(x_rows ? x_rows[i] : i) * x_stride;
+                for (int c = threadIdx.x; c < chunks; c += kThreads) {
+                    float v[8];
+                    xserv::load8(row + c * 8, v);
+                    ss[i] += v[0] * v[0] + v[1] * v[1] + v[2] * v[2] + v[3] * v[3] + v[4] * v[4] + v[5] * v[5] +
+                             v[6] * v[6] + v[7] * v[7];
+                }
+            }
+        }
+        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+        for (int i = 0; i < M; ++i) {
+            const float s = xserv::warp_sum(ss[i]);
+            if (lane == 0) scratch[i * kWarps + warp] = s;
+        }
+        __syncthreads();
+        // Pass 2: x = bf16(w * (r * inv)), re-reading the row (L1/L2 hits).
+#pragma unroll
+        for (int i = 0; i < M; ++i) {
+            if (i < m) {
+                float total = 0.f;
+#pragma unroll
+                for (int w = 0; w < kWarps; ++w) total += scratch[i * kWarps + w];
+                const float inv = xserv::rms_inv(total, K, eps);
+                const float* row = static_cast<const float*>(x) + (long long)(x_rows ? x_rows[i] : i) * x_stride;
+                for (int c = threadIdx.x; c < chunks; c += kThreads) {
+                    float v[8], w[8];
+                    xserv::load8(row + c * 8, v);
+                    xserv::load8(norm_w + c * 8, w);
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) v[j] = w[j] * (v[j] * inv);
+                    xserv::store8(xs + (long long)i * KS + c * 8, v);
+                }
+            }
+        }
+    } else if (prologue == kSiluMul) {
+        // One flat loop over (row, chunk) so that a thread's loads are independent (in flight together).
+#pragma unroll 4
+        for (int e = threadIdx.x; e < m * chunks; e += kThreads) {
+            const int i = e / chunks, c = e - i * chunks;
+            const __nv_bfloat16* row = static_cast<const __nv_bfloat16*>(x) + (long long)(x_rows ? x_rows[i] : i) * x_stride;
+            float g[8], u[8];
+            xserv::load8(row + c * 8, g);
+            xserv::load8(row + K + c * 8, u);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) g[j] = xserv::round_bf16(silu(g[j])) * u[j];
+            xserv::store8(xs + (long long)i * KS + c * 8, g);
+        }
+    } else {
+#pragma unroll 4
+        for (int e = threadIdx.x; e < m * chunks; e += kThreads) {
+            const int i = e / chunks, c = e - i * chunks;
+            const __nv_bfloat16* row = static_cast<const __nv_bfloat16*>(x) + (long long)(x_rows ? x_rows[i] : i) * x_stride;
+            reinterpret_cast<uint4*>(xs + (long long)i * KS)[c] = reinterpret_cast<const uint4*>(row)[c];
+        }
+    }
+    __syncthreads();
 }
 
 // ---- gemv_row: one x row on the CUDA cores -----------------------------------------------------------------------
@@ -57,6 +150,16 @@ namespace row {
 constexpr int kWarps = 4, kThreads = kWarps * 32;
 constexpr int kRows = 4;  // weight rows per row group
 constexpr int kU = 4;     // 16-byte chunks per row a lane keeps in flight
+
+__device__ __forceinline__ float dot8(const uint4& w, const uint4& x, float acc) {
+    const unsigned wv[4] = {w.x, w.y, w.z, w.w}, xv[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {  // bf16 -> fp32 is a shift (low half) or a mask (high half)
+        acc = fmaf(__uint_as_float(wv[j] << 16), __uint_as_float(xv[j] << 16), acc);
+        acc = fmaf(__uint_as_float(wv[j] & 0xffff0000u), __uint_as_float(xv[j] & 0xffff0000u), acc);
+    }
+    return acc;
+}
 
 __device__ __forceinline__ void load_step(uint4 (&w)[kU][kRows], const __nv_bfloat16* const (&wrow)[kRows], int c,
                                           int stride, int chunks) {
@@ -76,7 +179,7 @@ __device__ __forceinline__ void fma_step(float (&acc)[kRows], const uint4 (&w)[k
         if (cu < chunks) {
             const uint4 xv = reinterpret_cast<const uint4*>(xs)[cu];
 #pragma unroll
-            for (int r = 0; r < kRows; ++r) acc[r] = xserv::gemv::dot8(w[u][r], xv, acc[r]);
+            for (int r = 0; r < kRows; ++r) acc[r] = dot8(w[u][r], xv, acc[r]);
         }
     }
 }
@@ -87,7 +190,8 @@ __device__ __forceinline__ void fma_step(float (&acc)[kRows], const uint4 (&w)[k
 // both sums; N is then W's 2I rows and the tiles cover the I activations.
 __device__ __forceinline__ void gemv(const void* x, long long x_stride, const int* x_rows,
                                      const __nv_bfloat16* norm_w, float eps, const __nv_bfloat16* __restrict__ W,
-                                     void* out, int N, int K, int split, int prologue, int epilogue) {
+                                     void* out, int N, int K, int split, int prologue, int epilogue,
+                                     int prefetch_l2) {
     extern __shared__ __align__(16) float smem[];
     float (*partial)[kRows] = reinterpret_cast<float (*)[kRows]>(smem);
     float* scratch = smem + kWarps * kRows;
@@ -115,6 +219,17 @@ __device__ __forceinline__ void gemv(const void* x, long long x_stride, const in
         const __nv_bfloat16* wrow[kRows];
         rows_of(blockIdx.x, wrow);
         load_step(w0, wrow, first, stride, chunks);
+    }
+    if (prefetch_l2 && !paired) {  // a tile's rows are contiguous in W: 16 KB pieces spread over the CTA's threads
+        constexpr long long kPiece = 16384;
+        const long long tile_bytes = (long long)kRows * groups_per_tile * K * 2, total = (long long)N * K * 2;
+        const long long pieces = (tile_bytes + kPiece - 1) / kPiece;
+        for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x)
+            for (long long p = threadIdx.x; p < pieces; p += kThreads) {
+                const long long at = tile * tile_bytes + p * kPiece;
+                if (at < total)
+                    xserv::bulk_prefetch_l2(reinterpret_cast<const char*>(W) + at, (unsigned)min(kPiece, total - at));
+            }
     }
     xserv::pdl_wait();
     stage_x<1, kThreads>(xs, K, scratch, x, x_stride, x_rows, norm_w, eps, 1, K, prologue);
@@ -309,11 +424,12 @@ __device__ __forceinline__ void gemv(const void* x, long long x_stride, const in
 
 // x: see the prologues above; x_rows: int32 [m] or null; norm_w: bf16 [K] (kRmsNorm) or null; W: bf16 [N, K];
 // out: [m, out_stride] (bf16 / fp32, or the fp32 residual for kAddResidual). grid: persistent (<= tiles).
-// gemv_row: m = 1, block 128, dynamic shared memory (4 * 4 + 4) * 4 + K * 2 bytes.
+// gemv_row: m = 1, block 128, dynamic shared memory (4 * 4 + 4) * 4 + K * 2 bytes; prefetch_l2 0 or 1 (see the
+// header; ignored with kSiluMulBf16).
 extern "C" __global__ void __launch_bounds__(row::kThreads) gemv_row(
     const void* x, long long x_stride, const int* x_rows, const __nv_bfloat16* norm_w, float eps,
-    const __nv_bfloat16* W, void* out, int N, int K, int split, int prologue, int epilogue) {
-    row::gemv(x, x_stride, x_rows, norm_w, eps, W, out, N, K, split, prologue, epilogue);
+    const __nv_bfloat16* W, void* out, int N, int K, int split, int prologue, int epilogue, int prefetch_l2) {
+    row::gemv(x, x_stride, x_rows, norm_w, eps, W, out, N, K, split, prologue, epilogue, prefetch_l2);
 }
 
 // gemv_mma_m<M>: m <= M, block 256, dynamic shared memory (8 * 32 * 4 * NT + M * 8) * 4 + m * (K + 32) * 2 bytes.

@@ -40,18 +40,10 @@ __device__ __forceinline__ void mbarrier_wait(unsigned bar, unsigned parity) {
         "r"(parity)
         : "memory");
 }
-// Copy `bytes` contiguous bytes from global memory to shared memory `dst` (both 16-byte aligned, `bytes` a
-// multiple of 16) without a tensor map; they complete on mbarrier `bar` as a TMA copy's do. evict_first: the
-// source is read once (streamed weights), so its lines should be the first L2 gives up.
-__device__ __forceinline__ void bulk_load_evict_first(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
-    asm volatile(
-        "{\n"
-        ".reg .b64 policy;\n"
-        "createpolicy.fractional.L2::evict_first.b64 policy, 1.0;\n"
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], policy;\n"
-        "}\n" ::"r"(dst),
-        "l"(src), "r"(bytes), "r"(bar)
-        : "memory");
+// Ask L2 to fetch `bytes` contiguous bytes of global memory (16-byte aligned, a multiple of 16) ahead of their use;
+// nothing waits for it and no registers or shared memory hold the bytes.
+__device__ __forceinline__ void bulk_prefetch_l2(const void* src, unsigned bytes) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
 }
 // Copy the box at coordinates (c0, c1, c2) (innermost first) of a 3-D tensor map to shared memory `dst`; its bytes
 // complete on mbarrier `bar`. `tensor_map` is the generic address of a CUtensorMap in global memory.

@@ -1,7 +1,8 @@
 """Decode throughput of xserv on the GPU: tokens per second at batch 1 (and other batch sizes if asked).
 
     python -m tools.bench_decode --model DIR [--context 512 --steps 256 --batch-sizes 1,8,32]
-                                 [--attention fused,pair] [--decode-kernels v4,v4c] [--rounds 2]
+                                 [--attention fused,pair] [--decode-kernels v4,v4s4] [--rounds 2]
+                                 [--decode-splits plan,32,47,64] [--o-prefetch 0,4096] [--tokens 32]
 
 Times the engine's decode steps after the prefill (CUDA graphs unless --no-cuda-graphs), greedy sampling on the
 device, host loop included: what a user of `xserv chat` sees. Prints the device name, tok/s and the weight bytes
@@ -30,12 +31,17 @@ def main(argv=None) -> int:
     ap.add_argument("--unfused", action="store_true",
                     help="small batches through the unfused ops (cuBLASLt + separate norm/activation/add kernels)")
     ap.add_argument("--attention", default="fused",
-                    help="comma list of fused/pair/folded: decode attention with QK-norm/RoPE/KV write folded in, "
-                         "the two kernels (model.fused_attention), or (batch 1) the qkv projection folded in too "
-                         "(model.fold_qkv, a development kernel), timed one after the other")
+                    help="comma list of fused/pair: decode attention with QK-norm/RoPE/KV write folded in, or the "
+                         "two kernels (model.fused_attention), timed one after the other")
     ap.add_argument("--decode-kernels", default="",
                     help="comma list of decode-attention kernels (xserv.ops.attention.decode.DECODE_KERNELS, e.g. "
-                         "v4,v4c) the model runs, timed one after the other in this process (default: the shipped)")
+                         "v4,v4s4) the model runs, timed one after the other in this process (default: the shipped)")
+    ap.add_argument("--decode-splits", default="plan",
+                    help="comma list of split counts forced on the v4 decode-attention plan (plan: the shipped "
+                         "v4_plan), timed one after the other: a plan experiment in the model's chain")
+    ap.add_argument("--o-prefetch", default="",
+                    help="comma list of model.o_prefetch_max_kv values (the o projection pulls its weights into L2 "
+                         "during decode attention up to this context; 0: off), timed one after the other")
     ap.add_argument("--rounds", type=int, default=1,
                     help="repeat the whole list this many times (alternating A/B figures in one process)")
     ap.add_argument("--tokens", type=int, default=0,
@@ -63,7 +69,7 @@ def main(argv=None) -> int:
     print(f"model: {args.model} ({weight_bytes / 1e9:.2f} GB of weights, loaded in {llm.timings['weights_s']:.1f}s, LLM ready in {load:.1f}s), context "
           f"{args.context}, {args.steps} steps, cuda graphs {'off' if args.no_cuda_graphs else 'on'}")
     print(f"{'batch':>6}{'ms/step':>10}{'tok/s':>12}{'tok/s/seq':>12}{'weights GB/s':>14}{'attention':>11}"
-          f"{'kernel':>8}")
+          f"{'kernel':>8}{'splits':>7}{'o prefetch':>11}")
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=0.0, max_tokens=args.warmup + args.steps + 1, ignore_eos=True)
     eng = llm.engine
@@ -73,16 +79,25 @@ def main(argv=None) -> int:
             ap.error(f"--decode-kernels: unknown kernel {k!r}; known: {', '.join(decode.DECODE_KERNELS)}")
     modes = args.attention.split(",")
     for a in modes:
-        if a not in ("fused", "pair", "folded"):
-            ap.error(f"--attention: unknown mode {a!r}; expected fused, pair or folded")
-    runs = [(k, a, bs) for _ in range(args.rounds) for k in kernels for a in modes for bs in sizes]
+        if a not in ("fused", "pair"):
+            ap.error(f"--attention: unknown mode {a!r}; expected fused or pair")
+    try:
+        split_list = [None if x == "plan" else int(x) for x in args.decode_splits.split(",")]
+    except ValueError:
+        ap.error(f"--decode-splits: expected a comma list of integers or 'plan', got {args.decode_splits!r}")
+    shipped_plan, forced = decode.plan_decode, None
+    decode.plan_decode = lambda *a: _forced_plan(shipped_plan, forced, *a)
+    prefetches = [int(x) for x in args.o_prefetch.split(",") if x] or [llm.model.o_prefetch_max_kv]
+    runs = [(k, a, sp, pf, bs) for _ in range(args.rounds) for k in kernels for a in modes for sp in split_list
+            for pf in prefetches for bs in sizes]
     probe = np.random.default_rng(1).integers(0, 150000, args.context).tolist()
     first_tokens = None
-    for kernel, mode, bs in runs:
-        fused, folded = mode != "pair", mode == "folded"
+    for kernel, mode, splits, prefetch, bs in runs:
+        fused = mode == "fused"
         model = llm.model
-        if (fused, folded, kernel) != (model.fused_attention, model.fold_qkv, decode.DEFAULT_DECODE):  # in the graphs
-            model.fused_attention, model.fold_qkv = fused, folded
+        if (fused, kernel, splits, prefetch) != (model.fused_attention, decode.DEFAULT_DECODE, forced,
+                                                 model.o_prefetch_max_kv):  # in the graphs
+            model.fused_attention, model.o_prefetch_max_kv, forced = fused, prefetch, splits
             decode.DEFAULT_DECODE = kernel
             if not args.no_cuda_graphs:
                 eng.runner.graphs.clear()
@@ -108,8 +123,22 @@ def main(argv=None) -> int:
             same = f"  {args.tokens} greedy tokens " + ("as the first" if tokens == first_tokens else
                                                          f"DIFFER from the first at {_first_diff(tokens, first_tokens)}")
         print(f"{bs:>6}{dt * 1e3:>10.3f}{bs / dt:>12.1f}{1 / dt:>12.1f}{weight_bytes / dt / 1e9:>14.1f}"
-              f"{mode:>11}{kernel:>8}{same}")
+              f"{mode:>11}{kernel:>8}{splits or 'plan':>7}{prefetch:>11}{same}")
     return 0
+
+
+def _forced_plan(shipped, splits, variant, num_seqs, num_kv_heads, max_kv_len, block_size, head_dim, group, sms):
+    """The shipped plan_decode, with `splits` forced on a v4-generation plan (chunk a multiple of 64 keys, as
+    v4_plan makes them) where its pages fit the kernel's shared page table; None: the shipped plan."""
+    from xserv.ops.attention import decode
+
+    k, n, chunk = shipped(variant, num_seqs, num_kv_heads, max_kv_len, block_size, head_dim, group, sms)
+    if splits is None or k.generation != 4:
+        return k, n, chunk
+    forced_chunk = -(-(-(-max_kv_len // splits)) // 64) * 64
+    if -(-forced_chunk // block_size) + 1 > decode.V4_TABLE_CAP:
+        return k, n, chunk
+    return k, -(-max_kv_len // forced_chunk), forced_chunk
 
 
 def _first_diff(a: list[int], b: list[int]) -> int:

@@ -5,7 +5,7 @@ and the device name. GPU machine only (needs torch).
 
     python -m tools.profile_engine --model DIR [--warm 300 --steps 50 --temperature 0]
     python -m tools.profile_engine --model DIR --single-context 512 --warm 32 --steps 20 --timeline 16
-                                   [--decode-kernel v4c] [--fold-qkv]
+                                   [--decode-kernel v4s4] [--o-prefetch-max-kv 4096]
 
 --single-context runs one request of that many prompt tokens instead (batch-1 decode); --timeline K prints K
 consecutive kernels of one recorded step with their start, duration and the gap before each (with programmatic
@@ -33,8 +33,9 @@ def main(argv=None) -> int:
     ap.add_argument("--timeline", type=int, default=0, help="print this many consecutive kernels of one step")
     ap.add_argument("--decode-kernel", default="",
                     help="the decode-attention kernel the model runs (xserv.ops.attention.decode.DECODE_KERNELS)")
-    ap.add_argument("--fold-qkv", action="store_true",
-                    help="the one-token forward's qkv projection folded into decode attention (model.fold_qkv)")
+    ap.add_argument("--o-prefetch-max-kv", type=int, default=None,
+                    help="model.o_prefetch_max_kv: up to this context the o projection pulls its weights into L2 "
+                         "during decode attention (0: never)")
     args = ap.parse_args(argv)
 
     import torch
@@ -46,14 +47,15 @@ def main(argv=None) -> int:
 
     max_len = max(2048, args.single_context + args.warm + args.steps + 8)
     llm = LLM(args.model, device="cuda", max_model_len=max_len, progress=False)
-    if args.decode_kernel or args.fold_qkv:  # both are captured into the decode graphs: capture them again
+    if args.decode_kernel or args.o_prefetch_max_kv is not None:  # both are in the decode graphs: capture again
         from xserv.ops.attention import decode
 
         if args.decode_kernel:
             if args.decode_kernel not in decode.DECODE_KERNELS:
                 ap.error(f"--decode-kernel: unknown kernel {args.decode_kernel!r}")
             decode.DEFAULT_DECODE = args.decode_kernel
-        llm.model.fold_qkv = args.fold_qkv
+        if args.o_prefetch_max_kv is not None:
+            llm.model.o_prefetch_max_kv = args.o_prefetch_max_kv
         if llm.engine.runner.graphs:
             llm.engine.runner.graphs.clear()
             llm.engine.runner.capture_decode_graphs()

@@ -3,8 +3,7 @@
 // includes; measured in docs/kernels/attention.md ("v3 decode", "v4 decode").
 //   v3: tensor-core decode (mma.sync), per-lane cp.async staging; never the default (v4 is faster everywhere).
 //   v4 experiments: 3 / 4 stages (the production template), _n (v2's butterfly reduce instead of the transpose-
-//   reduce), _p (a load-only probe with a wrong result on purpose: the memory ceiling of the loading scheme), _c
-//   (the split combine through a thread-block cluster's shared memory) and _q (_c with the qkv projection folded in).
+//   reduce) and _p (a load-only probe with a wrong result on purpose: the memory ceiling of the loading scheme).
 #include "../attention_decode.cu"
 
 // =================================================================================================================
@@ -531,28 +530,10 @@ __device__ void decode_split_v4_exp(const __nv_bfloat16* __restrict__ q, long lo
                                                        unsigned bs_magic, int bs_shift) {                         \
         decode_split_v4_exp<D, G, S, TR, PROBE>(XSERV_DECODE_PASS, counters, bs_magic, bs_shift);                \
     }
-// _c: the production kernel with CLUSTER (combine_splits_cluster in attention_decode.cu): launched as one cluster
-// per (sequence, kv head), the split combine goes through distributed shared memory instead of global partials.
-#define XSERV_DECODE_V4C_KERNEL(D, G)                                                                            \
-    extern "C" __global__ void __launch_bounds__(128, XSERV_V4_MINB(G))                                          \
-        attention_decode_v4_d##D##_g##G##_s2_c(XSERV_DECODE_V4_ARGS) {                                          \
-        decode_split_v4<D, G, 2, true>(XSERV_DECODE_V4_PASS);                                                    \
-    }
-// _q: CLUSTER and QKV (qkv_rows in attention_decode.cu): the qkv projection of the one sequence folded in, its rows
-// divided over the cluster; 1 CTA per SM (the weight rows take most of the shared memory). The 0.6B shape only.
-#define XSERV_DECODE_V4Q_KERNEL(D, G)                                                                            \
-    extern "C" __global__ void __launch_bounds__(128, 1) attention_decode_v4_d##D##_g##G##_s2_q(                 \
-        XSERV_DECODE_V4_ARGS, const float* __restrict__ residual, const __nv_bfloat16* __restrict__ norm_w,     \
-        const __nv_bfloat16* __restrict__ w_qkv, int hidden, int gemv_split) {                                   \
-        decode_split_v4<D, G, 2, true, true>(XSERV_DECODE_V4_PASS,                                               \
-                                             QkvProjection{residual, norm_w, w_qkv, hidden, gemv_split});        \
-    }
-XSERV_DECODE_V4Q_KERNEL(128, 2)
 // the benchmark's (head_dim, group) shapes only
 #define XSERV_DECODE_V4_EXPERIMENTS(D, G)          \
     XSERV_DECODE_V4_KERNEL(D, G, 3)                \
     XSERV_DECODE_V4_KERNEL(D, G, 4)                \
-    XSERV_DECODE_V4C_KERNEL(D, G)                  \
     XSERV_DECODE_V4_EXP_KERNEL(D, G, 2, _n, false, false) \
     XSERV_DECODE_V4_EXP_KERNEL(D, G, 2, _p, false, true)
 XSERV_DECODE_V4_EXPERIMENTS(128, 4)

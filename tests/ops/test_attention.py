@@ -10,7 +10,6 @@ from xserv.ops import attention as A
 from xserv.ops.attention import decode as D
 from xserv.ops.attention import prefill as P
 from xserv.ops.rope import rope_cos_sin_table
-from xserv.runtime import get_device
 from xserv.runtime.compiler import kernel_source_dir
 from xserv.tensor import Tensor, bfloat16
 from xserv.testing import paged_kv_from_dense, poisoned, random_array, rel_error
@@ -221,21 +220,6 @@ def test_plan_decode_v4_page_table_and_fallbacks():
     assert D.plan_decode("v3", 4, 8, 4096, 20, 128, 4, 132)[0].variant == "v2"  # v3 needs block_size % 16 == 0
 
 
-def test_cluster_plan_fits_one_cluster_and_the_page_table():
-    """The cluster-combine kernel (v4c): at most V4_CLUSTER_MAX splits (one cluster of CTAs per sequence and kv
-    head), a chunk bound in multiples of 16 that covers the context, v4's split count where that is smaller, the
-    pages from the sequence's start to the last split's end within the shared table; longer contexts run v4."""
-    for b, hkv, n, block in [(1, 8, 1, 16), (1, 8, 17, 16), (1, 8, 520, 16), (1, 8, 2048, 16), (4, 8, 4096, 16),
-                             (64, 8, 4096, 16), (1, 2, 8000, 256), (3, 4, 1000, 8)]:
-        k, splits, chunk = D.plan_decode("v4c", b, hkv, n, block, 128, 4, 132)
-        assert k.variant == "v4c" and 1 <= splits <= D.V4_CLUSTER_MAX, (b, hkv, n, block, splits)
-        assert chunk % 16 == 0 and splits * chunk >= n and -(-splits * chunk // block) + 1 <= D.V4_TABLE_CAP
-        assert splits <= D.plan_decode("v4", b, hkv, n, block, 128, 4, 132)[1]
-    assert D.plan_decode("v4c", 64, 8, 4096, 16, 128, 4, 132)[1] == 1  # a large batch: no split, no cluster
-    assert D.plan_decode("v4c", 1, 8, 32768, 16, 128, 4, 132)[0].variant == "v4"  # pages beyond the table
-    assert D.plan_decode("v4c", 1, 8, 32768, 256, 128, 4, 132)[0].variant == "v4c"
-
-
 def test_v4_plan_few_sequences():
     """What the v4 plan guarantees: every split non-empty, chunk a multiple of 64 within v4's shared page table and
     the combine's split limit; a grid that covers every SM (more CTAs than SMs) wherever the context allows it, with
@@ -302,9 +286,7 @@ def _kernel_names(family: str) -> set[str]:
     for d, g, s in re.findall(r"^\s*XSERV_DECODE_V4_KERNEL\((\w+), (\w+), (\d)\)", src, re.M):
         names.add(f"attention_decode_v4_d{d}_g{g}_s{s}")
     for d, g in re.findall(r"^XSERV_DECODE_V4_EXPERIMENTS\((\d+), (\d)\)", src, re.M):
-        names.update(f"attention_decode_v4_d{d}_g{g}_{x}" for x in ("s3", "s4", "s2_n", "s2_p", "s2_c"))
-    for d, g in re.findall(r"^XSERV_DECODE_V4Q_KERNEL\((\d+), (\d)\)", src, re.M):
-        names.add(f"attention_decode_v4_d{d}_g{g}_s2_q")
+        names.update(f"attention_decode_v4_d{d}_g{g}_{x}" for x in ("s3", "s4", "s2_n", "s2_p"))
     for d, g in re.findall(r"^XSERV_DECODE_V3_STAGES\((\d+), (\d)\)", src, re.M):
         names.update(f"attention_decode_v3_d{d}_g{g}_s{s}" for s in (2, 3))
     for d, mt, w, qs, nbuf, ks in re.findall(
@@ -340,7 +322,6 @@ def test_host_mirrors_match_device_constants():
     v4 = _source("attention_decode")
     assert int(re.search(r"constexpr int kV4TabCap = (\d+);", v4).group(1)) == D.V4_TABLE_CAP
     assert int(re.search(r"constexpr int kV4MaxSplits = (\d+);", v4).group(1)) == D.V4_MAX_SPLITS
-    assert int(re.search(r"constexpr int kV4ClusterMax = (\d+);", v4).group(1)) == D.V4_CLUSTER_MAX
     row_bytes = re.search(r"constexpr int kV4RowBytes = ([\d ()*+]+);", v4).group(1)
     assert eval(row_bytes) == D.V4_ROW_BYTES  # a product of literals  # noqa: S307
     warps = int(re.search(r"constexpr int kV4Warps = (\d+);", v4).group(1))
@@ -651,7 +632,7 @@ def test_decode_gpu_v2_fallback_block_size_1(rng):
     assert row_error(run_decode(case, 120000), dense_expected(case)) < TOL_LONG
 
 
-def _graph_replays(rng, variant, max_kv_len=8192):
+def _graph_replays(rng, variant):
     """Split counters reset themselves: eager calls and graph replays give the same rows, call after call."""
     from xserv.runtime.graphs import CUDAGraph
 
@@ -661,7 +642,7 @@ def _graph_replays(rng, variant, max_kv_len=8192):
 
     def step():
         A.attention_decode(t["q"], t["k_cache"], t["v_cache"], t["kv_lens"], t["block_tables"], case["scale"],
-                           max_kv_len=max_kv_len, out=out, variant=variant)
+                           max_kv_len=8192, out=out, variant=variant)
 
     step()
     first = out.numpy()
@@ -716,7 +697,8 @@ def check_decode_rope(c, variant=None, max_kv_len=None):
     leaves qkv as it was (the two-op fallback, variant v2, rotates it in place), and agrees with the composition of
     the NumPy references (the attention in float64)."""
     out, kc, vc, qkv = run_decode_rope(c, variant=variant, max_kv_len=max_kv_len)
-    want_out, want_kc, want_vc = run_rope_then_decode(c, variant=variant, max_kv_len=max_kv_len)
+    want_out, want_kc, want_vc = run_rope_then_decode(c, variant="v2" if variant == "v2" else None,
+                                                      max_kv_len=max_kv_len)
     np.testing.assert_array_equal(u16(out), u16(want_out))
     np.testing.assert_array_equal(u16(kc), u16(want_kc))
     np.testing.assert_array_equal(u16(vc), u16(want_vc))
@@ -776,17 +758,14 @@ def test_decode_rope_gpu_bad_position_gives_nan(rng):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fused", ["spread", "pdl", "nopdl", False])
 def test_decode_rope_gpu_pdl_chain_graph(rng, monkeypatch, fused):
-    _pdl_chain_graph(rng, monkeypatch, fused)
-
-
-def _pdl_chain_graph(rng, monkeypatch, fused, variant=None):
     """The model's chain with programmatic dependent launch, captured in a CUDA graph and replayed: the qkv GEMV
     (rmsnorm_linear), then the fused op, or qk_norm_rope_write_kv then attention_decode. Before every replay qkv and
     the new tokens' cache slots are NaN (host copies before the launch), so a kernel that read either before its pdl_wait would show
     NaN. Replays give the bits of the eager run. The fused op in each of its launch settings (decode.FUSED_PDL,
-    decode.SPREAD_CTAS). variant: the decode kernel of both forms."""
+    decode.SPREAD_CTAS)."""
     from xserv.ops.gemv import rmsnorm_linear
     from xserv.ops.rope import qk_norm_rope_write_kv
+    from xserv.runtime.graphs import CUDAGraph
 
     if fused:
         monkeypatch.setattr(D, "FUSED_PDL", fused != "nopdl")
@@ -813,32 +792,23 @@ def _pdl_chain_graph(rng, monkeypatch, fused, variant=None):
         rmsnorm_linear(residual, norm_w, ROPE_EPS, w_qkv, out=qkv.view(len(lens), (hq + 2 * hkv) * d))
         if fused:
             A.attention_decode_rope(qkv, t["qw"], t["kw"], t["pos"], t["cos_sin"], hq, ROPE_EPS, kc, vc, t["slots"],
-                                    t["kv_lens"], t["tables"], c["scale"], 4096, out=out, variant=variant)
+                                    t["kv_lens"], t["tables"], c["scale"], 4096, out=out)
         else:
             qk_norm_rope_write_kv(qkv, t["qw"], t["kw"], t["pos"], t["cos_sin"], hq, hkv, ROPE_EPS, kc, vc,
                                   t["slots"], pdl=True)
-            A.attention_decode(qkv, kc, vc, t["kv_lens"], t["tables"], c["scale"], 4096, out=out, num_q_heads=hq,
-                               variant=variant)
+            A.attention_decode(qkv, kc, vc, t["kv_lens"], t["tables"], c["scale"], 4096, out=out, num_q_heads=hq)
 
-    replays_give_eager_bits(step, poison, (out, kc, vc), replays=5)
-
-
-def replays_give_eager_bits(step, reset, outputs, replays):
-    """reset() then step() eagerly (the first output all finite), then `replays` times reset() and a replay of step()
-    captured in a CUDA graph: every output bit for bit as in the eager run."""
-    from xserv.runtime.graphs import CUDAGraph
-
-    reset()
+    poison()
     step()
-    first = [x.numpy() for x in outputs]
+    first = [x.numpy() for x in (out, kc, vc)]
     assert np.all(np.isfinite(first[0].astype(np.float32)))
     graph = CUDAGraph()
     with graph.capture():
         step()
-    for _ in range(replays):
-        reset()
+    for _ in range(5):
+        poison()
         graph.replay()
-        for got, want in zip(outputs, first):
+        for got, want in zip((out, kc, vc), first):
             np.testing.assert_array_equal(u16(got.numpy()), u16(want))
     graph.close()
 
@@ -891,205 +861,3 @@ def test_decode_gpu_dev_v4_experiments(rng, variant, head_dim, hq, hkv, block_si
 @pytest.mark.parametrize("variant", ["v3", "v3s3"])
 def test_decode_gpu_dev_graph_replays(rng, variant):
     _graph_replays(rng, variant)
-
-
-@dev
-@pytest.mark.gpu
-@pytest.mark.parametrize("head_dim,hq,hkv,block_size", [(128, 32, 8, 16), (128, 16, 8, 48), (64, 16, 8, 16),
-                                                        (128, 16, 8, 256)])
-def test_decode_gpu_dev_v4c(rng, head_dim, hq, hkv, block_size):
-    """v4c, the split combine through a thread-block cluster's shared memory, against the float64 reference: a
-    batch where some sequences leave splits without keys (they still join the cluster's barriers) and a padding row,
-    then single sequences from 1 key to a graph bucket's worth, each planned for a longer max_kv_len (the kernel
-    spreads the keys a sequence has over the cluster, not the planned chunks)."""
-    sms = get_device().multiprocessor_count
-    lens = [0, 1, 15, 17, 65, 520, 1000, 4096]
-    assert D.plan_decode("v4c", len(lens), hkv, 4096, block_size, head_dim, hq // hkv, sms)[0].variant == "v4c"
-    case = make_case(rng, [1] * len(lens), lens, hq, hkv, head_dim, block_size)
-    assert rel_error(run_decode(case, 4096, variant="v4c"), dense_expected(case)) < TOL
-    for n, max_kv_len in ((1, 512), (16, 16), (17, 2048), (130, 4096), (520, 2048), (4000, 4000)):
-        assert D.plan_decode("v4c", 1, hkv, max_kv_len, block_size, head_dim, hq // hkv, sms)[0].variant == "v4c"
-        case = make_case(rng, [1], [n], hq, hkv, head_dim, block_size)
-        assert rel_error(run_decode(case, max_kv_len, variant="v4c"), dense_expected(case)) < TOL, n
-
-
-@dev
-@pytest.mark.gpu
-@pytest.mark.parametrize("hq,n,max_kv_len", [(16, 520, 2048), (32, 4000, 4096), (16, 17, 512), (32, 1, 64)])
-def test_decode_gpu_dev_v4c_bits_match_v4(rng, monkeypatch, hq, n, max_kv_len):
-    """v4 with the split count and the chunk v4c computes for the sequence gives the same bits: the two folds are the
-    same arithmetic over the same partials, loaded from L2 and from the cluster's shared memory."""
-    hkv = 8
-    case = make_case(rng, [1], [n], hq, hkv, 128, 16)
-    k, splits, chunk = D.plan_decode("v4c", 1, hkv, max_kv_len, 16, 128, hq // hkv, get_device().multiprocessor_count)
-    assert k.variant == "v4c"
-    got = run_decode(case, max_kv_len, variant="v4c")
-    even = min(chunk, max(16, -(-(-(-n // splits)) // 16) * 16))  # cluster_chunk in attention_decode.cu
-    monkeypatch.setattr(D, "plan_decode", lambda *a: (D.DECODE_KERNELS["v4"], splits, even))
-    want = run_decode(case, max_kv_len, variant="v4")
-    np.testing.assert_array_equal(u16(got), u16(want))
-    assert rel_error(got, dense_expected(case)) < TOL
-
-
-@dev
-@pytest.mark.gpu
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("hq,hkv", [(16, 8), (32, 8)])
-def test_decode_rope_gpu_dev_v4c(rng, head_dim, hq, hkv):
-    """The fused entry of v4c: bit-identical to qk_norm_rope_write_kv + v4c, and to the references, batch 1 and a
-    mixed batch (padding rows, a new key elsewhere, kv_len 0)."""
-    if (head_dim, hq // hkv) not in D.DECODE_KERNELS["v4c"].shapes:
-        pytest.skip("v4c is compiled for the benchmark's shapes")
-    for kv_len in (1, 65, 520, 3000):
-        check_decode_rope(rope_case(rng, [kv_len], hq, hkv, head_dim, 16), variant="v4c", max_kv_len=2048)
-    lens, kinds = [5, 700, 1, 0, 300, 64], ["new", "new", "pad", "zero", "elsewhere", "new"]
-    check_decode_rope(rope_case(rng, lens, hq, hkv, head_dim, 16, kinds=kinds), variant="v4c")
-
-
-@dev
-@pytest.mark.gpu
-def test_decode_gpu_dev_v4c_graph_replays_and_pdl_chain(rng, monkeypatch):
-    assert D.plan_decode("v4c", 4, 4, 5000, 16, 128, 4, get_device().multiprocessor_count)[0].variant == "v4c"
-    _graph_replays(rng, "v4c", max_kv_len=5000)
-    _pdl_chain_graph(rng, monkeypatch, "spread", variant="v4c")
-
-
-# ---- the qkv projection folded into decode attention (xserv.ops.attention.decode_qkv) ---------------------------
-def _folded_case(rng, kv_len, hq, hkv, d, hidden, norm=True, kind="new"):
-    """A one-sequence decode step as the model makes it: the residual stream row, the input norm and the packed
-    qkv projection's weight, and (for the references) the qkv row rmsnorm_linear's reference makes from them."""
-    from xserv.ops.gemv import rmsnorm_linear_reference
-
-    c = rope_case(rng, [kv_len], hq, hkv, d, 16, norm=norm, kinds=[kind])
-    c["residual"] = random_array(rng, (1, hidden), np.float32, mean=0.0)
-    c["norm_w"] = random_array(rng, (hidden,), bfloat16, mean=1.0, std=0.1)
-    c["w_qkv"] = random_array(rng, ((hq + 2 * hkv) * d, hidden), bfloat16, mean=0.0, std=0.03)
-    qkv = rmsnorm_linear_reference(c["residual"], c["norm_w"], ROPE_EPS, c["w_qkv"])
-    c["qkv"] = qkv.astype(bfloat16).reshape(1, hq + 2 * hkv, d)
-    return c
-
-
-def _run_folded(c, max_kv_len, folded, device="cuda"):
-    """(out, k_cache, v_cache, qkv afterwards) of rmsnorm_qkv_attention_decode on fresh copies (qkv NaN before)."""
-    from xserv.ops.attention.decode_qkv import rmsnorm_qkv_attention_decode
-
-    to = functools.partial(Tensor.from_numpy, device=device)
-    qkv = to(np.full(c["qkv"].shape, np.nan, bfloat16))
-    kc, vc = to(c["k_cache"].copy()), to(c["v_cache"].copy())
-    w = (None, None) if c["qw"] is None else (to(c["qw"]), to(c["kw"]))
-    out = poisoned((1, c["hq"], c["qkv"].shape[2]), bfloat16, device)
-    got = rmsnorm_qkv_attention_decode(to(c["residual"]), to(c["norm_w"]), ROPE_EPS, to(c["w_qkv"]), qkv, *w,
-                                       to(c["pos"]), to(c["cos_sin"]), c["hq"], kc, vc, to(c["slots"]),
-                                       to(c["kv_lens"]), to(c["tables"]), c["scale"], max_kv_len, out=out,
-                                       folded=folded)
-    assert got is out
-    return out.numpy(), kc.numpy(), vc.numpy(), qkv.numpy()
-
-
-def test_folded_qkv_plan_and_shapes():
-    from xserv.ops.attention import decode_qkv as Q
-
-    assert Q.folded_applies(1024, 16, 8, 128, "sm_90a")  # Qwen3-0.6B
-    for d, g in Q.FOLDED.shapes:
-        assert Q.FOLDED.name(d, g) in _kernel_names(Q.FOLDED.family)
-    assert not Q.folded_applies(1024, 16, 8, 128, "sm_80")
-    for hidden, hq, hkv in ((2048, 16, 8), (4096, 32, 8), (2560, 32, 8), (1024, 32, 8), (1024, 14, 8)):
-        assert not Q.folded_applies(hidden, hq, hkv, 128, "sm_90a"), (hidden, hq, hkv)  # too big, or not compiled
-    assert Q.folded_smem(128, 2, 1024) <= 227 * 1024 < Q.folded_smem(128, 2, 2048)
-    for n, block in ((1, 16), (800, 16), (4096, 16), (8064, 16), (40000, 256)):
-        splits, chunk = Q.folded_plan(n, block)
-        assert splits == D.V4_CLUSTER_MAX and chunk % 16 == 0 and splits * chunk >= n
-        assert -(-splits * chunk // block) + 1 <= D.V4_TABLE_CAP
-    assert Q.folded_plan(8065, 16) is None and Q.folded_plan(40960, 16) is None  # pages beyond v4's table
-
-
-def test_folded_qkv_cpu_is_the_two_ops(rng):
-    """On the CPU (and wherever the folded kernel does not apply) the op is rmsnorm_linear into qkv, then
-    attention_decode_rope: the same bits; bad arguments are named."""
-    from xserv.ops.attention.decode_qkv import rmsnorm_qkv_attention_decode
-    from xserv.ops.gemv import rmsnorm_linear
-
-    c = _folded_case(rng, 40, 8, 2, 64, 96)
-    out, kc, vc, qkv = _run_folded(c, 64, True, "cpu")
-    to = functools.partial(Tensor.from_numpy, device="cpu")
-    want_qkv = rmsnorm_linear(to(c["residual"]), to(c["norm_w"]), ROPE_EPS, to(c["w_qkv"])).numpy()
-    np.testing.assert_array_equal(u16(qkv.reshape(1, -1)), u16(want_qkv))
-    c2 = dict(c, qkv=want_qkv.reshape(c["qkv"].shape))
-    want_out, want_kc, want_vc, _ = run_decode_rope(c2, "cpu", max_kv_len=64)
-    for got, want in ((out, want_out), (kc, want_kc), (vc, want_vc)):
-        np.testing.assert_array_equal(u16(got), u16(want))
-    assert row_error(out, rope_expected(c)[0]) < TOL
-    call = dict(residual=to(c["residual"]), norm_weight=to(c["norm_w"]), eps=ROPE_EPS, w_qkv=to(c["w_qkv"]),
-                qkv=to(c["qkv"]), q_weight=to(c["qw"]), k_weight=to(c["kw"]), positions=to(c["pos"]),
-                cos_sin=to(c["cos_sin"]), num_q_heads=8, k_cache=to(c["k_cache"]), v_cache=to(c["v_cache"]),
-                slot_mapping=to(c["slots"]), kv_lens=to(c["kv_lens"]), block_tables=to(c["tables"]),
-                scale=c["scale"], max_kv_len=64)
-    for change, match in ((dict(w_qkv=to(c["w_qkv"][:-1])), "w_qkv"),
-                          (dict(norm_weight=to(c["norm_w"][:-1])), "norm_weight"),
-                          (dict(residual=to(np.zeros((2, 96), np.float32))), "qkv: 1 rows for the residual's 2"),
-                          (dict(residual=to(c["residual"].astype(bfloat16))), "residual"),
-                          (dict(eps=-1.0), "eps")):
-        with pytest.raises(ValueError, match=match):
-            rmsnorm_qkv_attention_decode(**{**call, **change})
-
-
-@dev
-@pytest.mark.gpu
-@pytest.mark.parametrize("kv_len,max_kv_len,kind", [(1, 2048, "new"), (17, 2048, "new"), (520, 2048, "new"),
-                                                    (3000, 4096, "new"), (64, 512, "new"), (300, 2048, "pad")])
-@pytest.mark.parametrize("norm", [True, False])
-def test_folded_qkv_gpu_dev(rng, monkeypatch, kv_len, max_kv_len, kind, norm):
-    """The folded kernel on the Qwen3-0.6B shape: the bits of rmsnorm_linear followed by attention_decode_rope with
-    the cluster combine at the folded kernel's split count (out, both caches), qkv left unwritten, and the float64
-    references; a padding row (slot -1) writes nothing."""
-    from xserv.ops.attention import decode_qkv as Q
-
-    hq, hkv, d, hidden = 16, 8, 128, 1024
-    assert Q.folded_applies(hidden, hq, hkv, d, get_device().arch)
-    c = _folded_case(rng, kv_len, hq, hkv, d, hidden, norm=norm, kind=kind)
-    out, kc, vc, qkv = _run_folded(c, max_kv_len, True)
-    assert np.all(np.isnan(qkv.astype(np.float32)))  # the folded kernel does not write the packed buffer
-    splits, chunk = Q.folded_plan(max_kv_len, 16)
-    monkeypatch.setattr(D, "plan_decode", lambda *a: (D.DECODE_KERNELS["v4c"], splits, chunk))
-    want_out, want_kc, want_vc, want_qkv = _run_folded(c, max_kv_len, False)
-    for got, want in ((out, want_out), (kc, want_kc), (vc, want_vc)):
-        np.testing.assert_array_equal(u16(got), u16(want))
-    ref_out, ref_kc, ref_vc = rope_expected(c)
-    assert row_error(out, ref_out) < TOL
-    written = ~np.isnan(ref_kc.astype(np.float32))
-    np.testing.assert_array_equal(np.isnan(kc.astype(np.float32)), ~written)  # nothing else written
-    assert rel_error(want_qkv.astype(np.float32), c["qkv"].astype(np.float32)) < 1e-2
-
-
-@dev
-@pytest.mark.gpu
-def test_folded_qkv_gpu_dev_graph_replays(rng):
-    """Captured in a CUDA graph behind a kernel that writes the residual (PDL chain: the folded kernel reads it
-    after its wait) and replayed: the bits of the eager run every time."""
-    from xserv.ops.attention.decode_qkv import rmsnorm_qkv_attention_decode
-    from xserv.ops.gemv import linear_add
-
-    hq, hkv, d, hidden = 16, 8, 128, 1024
-    c = _folded_case(rng, 700, hq, hkv, d, hidden)
-    to = Tensor.from_numpy
-    residual0 = c["residual"]
-    residual, x = to(residual0), to(random_array(rng, (1, 256), bfloat16, mean=0.0))
-    w_add = to(random_array(rng, (hidden, 256), bfloat16, mean=0.0, std=0.05))
-    kc, vc = to(c["k_cache"]), to(c["v_cache"])
-    qkv = Tensor.empty((1, hq + 2 * hkv, d), bfloat16, "cuda")
-    out = Tensor.empty((1, hq, d), bfloat16, "cuda")
-    t = {n: to(c[n]) for n in ("qw", "kw", "pos", "cos_sin", "slots", "kv_lens", "tables", "norm_w", "w_qkv")}
-
-    def reset():
-        residual.copy_(residual0)
-        kc.copy_(c["k_cache"])
-        vc.copy_(c["v_cache"])
-        out.copy_(np.full(out.shape, np.nan, bfloat16))
-
-    def step():
-        linear_add(x, w_add, residual)  # the residual the folded kernel normalises comes from the kernel before
-        rmsnorm_qkv_attention_decode(residual, t["norm_w"], ROPE_EPS, t["w_qkv"], qkv, t["qw"], t["kw"], t["pos"],
-                                     t["cos_sin"], hq, kc, vc, t["slots"], t["kv_lens"], t["tables"], c["scale"],
-                                     2048, out=out)
-
-    replays_give_eager_bits(step, reset, (out, kc, vc), replays=3)

@@ -19,7 +19,6 @@ import numpy as np
 
 from ..ops.activation import silu_and_mul
 from ..ops.attention import attention_decode, attention_decode_rope, attention_prefill
-from ..ops.attention.decode_qkv import rmsnorm_qkv_attention_decode
 from ..ops.embedding import embedding
 from ..ops.gemv import (gemv_supported, linear_add, linear_gemv, prefer_gemv, rmsnorm_linear,
                         rmsnorm_linear_silu_mul)
@@ -149,9 +148,9 @@ class DenseModel:
         self.max_positions = int(max_positions or config.context_length)
         self.fused_gemv = True  # small forwards take the fused GEMV path (False: the unfused ops, for comparison)
         self.fused_attention = True  # decode: QK-norm/RoPE/KV write inside attention (False: the two kernels)
-        # One-token forward: the qkv projection folded into decode attention where that kernel applies
-        # (xserv.ops.attention.decode_qkv; a development kernel, off by default)
-        self.fold_qkv = False
+        # Decode steps whose longest context is at most this many keys: the o projection pulls its weights into L2
+        # while the attention before it runs (gemv prefetch_l2; 0: never)
+        self.o_prefetch_max_kv = 0
         table = rope_cos_sin_table(config.head_dim, self.max_positions, config.rope_theta, config.rope_scaling)
         self.cos_sin = Tensor.from_numpy(np.ascontiguousarray(table, np.float32), device)
 
@@ -336,17 +335,11 @@ class DenseModel:
         qkv, attn, act = ws.qkv[:t], ws.attn[:t], ws.act[:t]
         qkv3, attn3 = qkv.view(t, hq + 2 * hkv, d), attn.view(t, hq, d)
         embedding(batch.input_ids, self.embed, out=residual)  # the float32 stream starts from the embeddings, exactly
+        prefetch_o = batch.max_q_len == 1 and batch.max_kv_len <= self.o_prefetch_max_kv
         for i, layer in enumerate(self.layers):
-            if self.fold_qkv and self.fused_attention:
-                q_norm, k_norm = self._head_norms(layer)
-                rmsnorm_qkv_attention_decode(residual, layer.input_norm, self.eps, layer.qkv, qkv3, q_norm, k_norm,
-                                             batch.positions, self.cos_sin, hq, kv_cache.k[i], kv_cache.v[i],
-                                             batch.slot_mapping, batch.kv_lens, batch.block_tables, self.scale,
-                                             batch.max_kv_len, out=attn3)
-            else:
-                rmsnorm_linear(residual, layer.input_norm, self.eps, layer.qkv, out=qkv)
-                self._attention(i, layer, batch, kv_cache, qkv3, attn3)
-            linear_add(attn, layer.o_proj, residual)
+            rmsnorm_linear(residual, layer.input_norm, self.eps, layer.qkv, out=qkv)
+            self._attention(i, layer, batch, kv_cache, qkv3, attn3)
+            linear_add(attn, layer.o_proj, residual, prefetch_l2=prefetch_o)
             rmsnorm_linear_silu_mul(residual, layer.post_norm, self.eps, layer.gate_up, out=act)
             linear_add(act, layer.down, residual)
         return rmsnorm_linear(residual, self.final_norm, self.eps, self.lm_head, out=ws.logits[:n],

@@ -174,10 +174,12 @@ def rmsnorm_linear_silu_mul(residual: Tensor, norm_weight: Tensor, eps: float, g
     return out
 
 
-def linear_add(x: Tensor, weight: Tensor, residual: Tensor) -> Tensor:
-    """residual fp32 [m, N] += bf16(x bf16 [m, K] @ weight^T). Returns residual."""
+def linear_add(x: Tensor, weight: Tensor, residual: Tensor, prefetch_l2: bool = False) -> Tensor:
+    """residual fp32 [m, N] += bf16(x bf16 [m, K] @ weight^T). Returns residual. prefetch_l2 (a hint, one row on
+    the GPU): before waiting for the kernel before, pull all of weight into L2 (worth it after a kernel that leaves
+    HBM idle, such as a short-context decode attention)."""
     check_tensor("x", x, dtype=bfloat16, ndim=2)
-    return _add_into_residual("x", x, x.shape[1], "bf16", linear_reference, weight, residual)
+    return _add_into_residual("x", x, x.shape[1], "bf16", linear_reference, weight, residual, prefetch_l2)
 
 
 def silu_mul_linear_add(gate_up: Tensor, weight: Tensor, residual: Tensor) -> Tensor:
@@ -190,7 +192,7 @@ def silu_mul_linear_add(gate_up: Tensor, weight: Tensor, residual: Tensor) -> Te
 
 
 def _add_into_residual(name: str, x: Tensor, k: int, prologue: str, reference, weight: Tensor,
-                       residual: Tensor) -> Tensor:
+                       residual: Tensor, prefetch_l2: bool = False) -> Tensor:
     """The residual-add epilogue ops: x (checked by the caller) gives the K = k input of the projection."""
     m = x.shape[0]
     n = _check_weight(weight, k)
@@ -201,7 +203,7 @@ def _add_into_residual(name: str, x: Tensor, k: int, prologue: str, reference, w
     if device == "cpu":
         residual.array[...] = add_rounded(residual.array, reference(x.array, weight.array))
         return residual
-    _launch(prologue, x, x.shape[1], None, None, 0.0, weight, residual, _EPILOGUE["add"], m, n, k)
+    _launch(prologue, x, x.shape[1], None, None, 0.0, weight, residual, _EPILOGUE["add"], m, n, k, prefetch_l2)
     return residual
 
 
@@ -233,7 +235,7 @@ def plan(m: int, n: int, multiprocessor_count: int, paired: bool = False, k: int
 
 
 def _launch(prologue: str, x: Tensor, x_stride: int, rows: Tensor | None, norm_weight: Tensor | None, eps32,
-            weight: Tensor, out: Tensor, epilogue: int, m: int, n: int, k: int) -> None:
+            weight: Tensor, out: Tensor, epilogue: int, m: int, n: int, k: int, prefetch_l2: bool = False) -> None:
     if m == 0 or n == 0:
         return
     if not aligned(x, weight) or (x_stride * x.dtype.itemsize) % 16:
@@ -243,8 +245,9 @@ def _launch(prologue: str, x: Tensor, x_stride: int, rows: Tensor | None, norm_w
     x_rows = rows if rows is not None else 0  # a null pointer: rows 0..m-1
     norm = norm_weight if norm_weight is not None else 0
     modes = (np.int32(split), np.int32(_PROLOGUE[prologue]), np.int32(epilogue))
-    if m == 1:  # gemv_row(x, x_stride, x_rows, norm_w, eps, W, out, N, K, split, prologue, epilogue)
-        args = (x, np.int64(x_stride), x_rows, norm, np.float32(eps32), weight, out, np.int32(n), np.int32(k), *modes)
+    if m == 1:  # gemv_row(x, x_stride, x_rows, norm_w, eps, W, out, N, K, split, prologue, epilogue, prefetch_l2)
+        args = (x, np.int64(x_stride), x_rows, norm, np.float32(eps32), weight, out, np.int32(n), np.int32(k), *modes,
+                np.int32(prefetch_l2 and not paired))
     else:  # gemv_mma_m*(x, x_stride, x_rows, norm_w, eps, W, out, out_stride, m, N, K, split, prologue, epilogue)
         args = (x, np.int64(x_stride), x_rows, norm, np.float32(eps32), weight, out, np.int64(out.shape[1]),
                 np.int32(m), np.int32(n), np.int32(k), *modes)

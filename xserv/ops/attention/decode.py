@@ -7,8 +7,7 @@ v2 (attention_decode_v2.cu, plain loads and a separate combine kernel) where a s
 shared page table (a block size below 8 with a very long context). The v4 plan (`v4_plan`) balances the keys per
 SM rather than filling resident slots: few sequences get about two CTAs per SM. v3 (tensor cores) and the v4
 experiments are development kernels in cuda_src/dev/, run when a test, the harness or tools/bench_attention.py names
-them; among them v4c (the splits of a (sequence, kv head) launched as one thread-block cluster, combined through its
-shared memory; decode_qkv.py builds on it). Measurements: docs/kernels/attention.md.
+them. Measurements: docs/kernels/attention.md.
 """
 from __future__ import annotations
 
@@ -29,7 +28,6 @@ from .reference import attention_decode_reference
 V4_TABLE_CAP = 512  # kV4TabCap (attention_decode.cu): page-table entries a v4 CTA keeps in shared memory
 V4_RING_STAGE_BYTES = 16384  # 4 warps x 8 chunks x 32 lanes x 16 bytes: one stage of v4's ring
 V4_MAX_SPLITS = 256  # kV4MaxSplits: the folded combine's shared scratch holds G * num_splits weights
-V4_CLUSTER_MAX = 8  # kV4ClusterMax: splits (CTAs per cluster) of the cluster-combine kernels (v4c)
 V4_ROW_BYTES = 2560  # kV4RowBytes: v4's shared rows of the fused entry (G <= 8 query rows + the new K and V, bf16)
 V4_CTA_COST_KEYS = 64  # a v4 CTA's fixed cost (prologue, merge, partials, combine) in keys streamed (H100 sweep)
 V2_CTAS_PER_SM = 4  # v2's split-KV grid aims at this many CTAs per SM
@@ -59,9 +57,8 @@ def v3_min_blocks(head_dim: int, stages: int) -> int:
 @dataclass(frozen=True)
 class DecodeKernel:
     """A decode kernel family member: generation 2, 3 or 4, ring stages, name suffix, the (head_dim, group) shapes
-    it is compiled for (None: every supported one), whether it is v4's production template with its fused-entry
-    arguments (the _n / _p experiments are not), and whether it combines its splits through a thread-block
-    cluster's shared memory (launched as one cluster of num_splits CTAs per (sequence, kv head))."""
+    it is compiled for (None: every supported one), and whether it is v4's production template with its fused-entry
+    arguments (the _n / _p experiments are not)."""
 
     variant: str
     generation: int
@@ -70,7 +67,6 @@ class DecodeKernel:
     suffix: str = ""
     shapes: frozenset | None = None
     fused_args: bool = True
-    cluster: bool = False
 
     @property
     def dev(self) -> bool:
@@ -110,7 +106,6 @@ DECODE_KERNELS = {k.variant: k for k in (
     DecodeKernel("v4n", 4, "dev/attention_decode_dev", suffix="_n", shapes=_EXPERIMENT_SHAPES, fused_args=False),
     DecodeKernel("v4p", 4, "dev/attention_decode_dev", suffix="_p", shapes=_EXPERIMENT_SHAPES,
                  fused_args=False),  # wrong on purpose
-    DecodeKernel("v4c", 4, "dev/attention_decode_dev", suffix="_c", shapes=_EXPERIMENT_SHAPES, cluster=True),
 )}
 DEFAULT_DECODE = "v4"
 
@@ -187,17 +182,6 @@ def v4_plan(num_seqs: int, num_kv_heads: int, max_kv_len: int, multiprocessor_co
     return min(fits, key=lambda k: plans[k][2:])
 
 
-def cluster_plan(num_seqs: int, num_kv_heads: int, max_kv_len: int, multiprocessor_count: int, resident: int,
-                 max_chunk: int) -> tuple[int, int]:
-    """(num_splits, chunk_len) of a cluster-combine kernel (v4c): v4_plan's split count, at most V4_CLUSTER_MAX (the
-    CTAs of a cluster), and chunk_len the bound of the per-sequence chunk the kernel computes (cluster_chunk in
-    attention_decode.cu: the keys a sequence has spread evenly over the splits, in multiples of 16)."""
-    splits, _ = v4_plan(num_seqs, num_kv_heads, max_kv_len, multiprocessor_count, resident, max_chunk)
-    splits = min(splits, V4_CLUSTER_MAX)
-    length = max(int(max_kv_len), 1)
-    return splits, max(16, -(-(-(-length // splits)) // 16) * 16)
-
-
 @functools.lru_cache(maxsize=4096)
 def plan_decode(variant: str, num_seqs: int, num_kv_heads: int, max_kv_len: int, block_size: int, head_dim: int,
                 group: int, multiprocessor_count: int) -> tuple[DecodeKernel, int, int]:
@@ -212,12 +196,6 @@ def plan_decode(variant: str, num_seqs: int, num_kv_heads: int, max_kv_len: int,
         raise ValueError(f"variant: {variant} is compiled for (head_dim, group) in {sorted(k.shapes)} only, "
                          f"not ({head_dim}, {group})")
     sms = multiprocessor_count
-    if k.cluster:  # its page table spans the sequence's first page to the split's last
-        splits, chunk = cluster_plan(num_seqs, num_kv_heads, max_kv_len, sms, k.resident(head_dim, group),
-                                     (V4_TABLE_CAP - 1) * block_size // 64 * 64)
-        if -(-splits * chunk // block_size) + 1 <= V4_TABLE_CAP:
-            return k, splits, chunk
-        k = DECODE_KERNELS["v4"]  # a longer context: v4's plan (and its fallback)
     if k.generation == 4:
         splits, chunk = v4_plan(num_seqs, num_kv_heads, max_kv_len, sms, k.resident(head_dim, group),
                                 (V4_TABLE_CAP - 1) * block_size // 64 * 64)
@@ -303,10 +281,9 @@ def spread_smem(smem: int, ctas: int, multiprocessor_count: int) -> int:
 
 def _launch(plan: tuple[DecodeKernel, int, int], q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_lens: Tensor,
             block_tables: Tensor, scale: float, out: Tensor, num_q_heads: int, v4_extra: tuple,
-            fused: bool = False, tail_args: tuple = (), smem: int | None = None) -> None:
+            fused: bool = False) -> None:
     """Launch a planned decode kernel; v4 gets `v4_extra` (its fused-entry arguments: positions, slot_mapping,
-    cos_sin, max_pos, q_weight, k_weight, eps; _PLAIN_V4 for plain attention), a kernel with more parameters its
-    `tail_args` after them (decode_qkv's projection), and `smem` replaces the kernel's own shared-memory size."""
+    cos_sin, max_pos, q_weight, k_weight, eps; _PLAIN_V4 for plain attention)."""
     k, splits, chunk = plan
     num_seqs, _, head_dim = out.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -324,22 +301,17 @@ def _launch(plan: tuple[DecodeKernel, int, int], q: Tensor, k_cache: Tensor, v_c
     if k.generation == 4:
         magic, shift = fast_div(block_size)
         args += [np.uint32(magic), np.int32(shift)]
-    v4_template = k.generation == 4 and k.fused_args  # v4, and its dev stage counts and cluster form
+    v4_template = k.generation == 4 and k.fused_args  # v4 and its dev stage counts
     if v4_template:
         args += v4_extra
-    args += tail_args
     grid = (splits, num_kv_heads, num_seqs)
-    # the v4 template waits for the previous kernel itself (pdl_wait): it may start early (programmatic dependent
-    # launch)
-    pdl = v4_template
-    if smem is None:
-        smem = k.smem(head_dim)
-        if fused and SPREAD_CTAS:
-            smem = spread_smem(smem, splits * num_kv_heads * num_seqs, get_device().multiprocessor_count)
+    smem, pdl = k.smem(head_dim), v4_template
     if fused:
         pdl = FUSED_PDL
-    cluster = splits if k.cluster and splits > 1 else 1  # one cluster per (sequence, kv head): rank = split
-    kernel(k.family, k.name(head_dim, group))(grid, (_THREADS, 1, 1), *args, smem=smem, pdl=pdl, cluster=cluster)
+        if SPREAD_CTAS:
+            smem = spread_smem(smem, splits * num_kv_heads * num_seqs, get_device().multiprocessor_count)
+    # v4 waits for the previous kernel itself (pdl_wait): it may be launched with programmatic dependent launch
+    kernel(k.family, k.name(head_dim, group))(grid, (_THREADS, 1, 1), *args, smem=smem, pdl=pdl)
     if k.generation == 2 and splits > 1:
         kernel(k.family, "attention_decode_combine")(
             (num_q_heads, num_seqs, 1), (head_dim, 1, 1), part_o, part_lse, kv_lens, np.int32(chunk),
@@ -359,12 +331,20 @@ def _rope():
     return _rope_module
 
 
-def check_decode_rope_call(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor | None, positions: Tensor,
-                           cos_sin: Tensor, num_q_heads: int, eps: float, k_cache: Tensor, v_cache: Tensor,
-                           slot_mapping: Tensor, kv_lens: Tensor, block_tables: Tensor, out: Tensor | None,
-                           variant: str | None) -> tuple[Tensor, bool, np.float32, str]:
-    """attention_decode_rope's argument checks (ValueError naming the problem): (out, allocated if None; whether
-    the head norms are given; eps as float32; the variant, DEFAULT_DECODE if None)."""
+def attention_decode_rope(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor | None, positions: Tensor,
+                          cos_sin: Tensor, num_q_heads: int, eps: float, k_cache: Tensor, v_cache: Tensor,
+                          slot_mapping: Tensor, kv_lens: Tensor, block_tables: Tensor, scale: float, max_kv_len: int,
+                          out: Tensor | None = None, variant: str | None = None) -> Tensor:
+    """qk_norm_rope_write_kv (q_weight, k_weight given: Qwen3's head norms; both None: Llama) followed by
+    attention_decode, for a decode batch (one new token per sequence), in one launch with the same results:
+    qkv bf16 [B, Hq + 2 Hkv, D] packed (16-byte aligned), positions and slot_mapping int32 [B] (slot < 0: nothing
+    written), cos_sin float32 [max_pos, D] (16-byte aligned), caches, kv_lens and block_tables as attention_decode
+    (kv_len counts the new token) -> out bf16 [B, Hq, D]. The new K/V go into the cache at slot_mapping; qkv is read
+    only by the fused kernel (its q and k heads stay unrotated; the v2 fallback's two launches rotate them in place,
+    so afterwards they are unspecified). The fused kernel attends over the new key as it wrote it when slot_mapping[s]
+    is the slot the block table gives position kv_len - 1 (any batch xserv builds), else as the cache holds it there,
+    as attention_decode would. variant: as attention_decode; a plan that runs v2 (variant "v2", or block_size < 8
+    with very long contexts) runs qk_norm_rope_write_kv and attention_decode, two launches."""
     _, block_size, num_kv_heads, head_dim = check_cache(k_cache, v_cache)
     rope = _rope()
     rope.check_packed_qkv(qkv, positions, cos_sin, num_q_heads, num_kv_heads)
@@ -388,29 +368,6 @@ def check_decode_rope_call(qkv: Tensor, q_weight: Tensor | None, k_weight: Tenso
     variant = DEFAULT_DECODE if variant is None else variant
     if variant not in DECODE_KERNELS:
         raise ValueError(f"variant: unknown decode kernel {variant!r}; known: {', '.join(DECODE_KERNELS)}")
-    return out, norm, eps32, variant
-
-
-def attention_decode_rope(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor | None, positions: Tensor,
-                          cos_sin: Tensor, num_q_heads: int, eps: float, k_cache: Tensor, v_cache: Tensor,
-                          slot_mapping: Tensor, kv_lens: Tensor, block_tables: Tensor, scale: float, max_kv_len: int,
-                          out: Tensor | None = None, variant: str | None = None) -> Tensor:
-    """qk_norm_rope_write_kv (q_weight, k_weight given: Qwen3's head norms; both None: Llama) followed by
-    attention_decode, for a decode batch (one new token per sequence), in one launch with the same results:
-    qkv bf16 [B, Hq + 2 Hkv, D] packed (16-byte aligned), positions and slot_mapping int32 [B] (slot < 0: nothing
-    written), cos_sin float32 [max_pos, D] (16-byte aligned), caches, kv_lens and block_tables as attention_decode
-    (kv_len counts the new token) -> out bf16 [B, Hq, D]. The new K/V go into the cache at slot_mapping; qkv is read
-    only by the fused kernel (its q and k heads stay unrotated; the v2 fallback's two launches rotate them in place,
-    so afterwards they are unspecified). The fused kernel attends over the new key as it wrote it when slot_mapping[s]
-    is the slot the block table gives position kv_len - 1 (any batch xserv builds), else as the cache holds it there,
-    as attention_decode would. variant: as attention_decode; a plan that runs v2 (variant "v2", or block_size < 8
-    with very long contexts) runs qk_norm_rope_write_kv and attention_decode, two launches."""
-    out, norm, eps32, variant = check_decode_rope_call(qkv, q_weight, k_weight, positions, cos_sin, num_q_heads, eps,
-                                                      k_cache, v_cache, slot_mapping, kv_lens, block_tables, out,
-                                                      variant)
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
-    num_q_heads, num_seqs, device = int(num_q_heads), qkv.shape[0], out.device
-    rope = _rope()
     if num_seqs == 0:
         return out
     if device == "cpu":  # the composition of the references (qkv itself is left as it is)
