@@ -94,48 +94,6 @@ __device__ __forceinline__ bool last_to_arrive(int* counter, int total, int& las
     return last;
 }
 
-// Thread-block clusters (sm_90): the CTAs of a cluster run at the same time on one GPC and can read and write each
-// other's shared memory (distributed shared memory). cluster_arrive / cluster_wait are the two halves of a
-// cluster-wide barrier (every thread of every CTA of the cluster arrives; release / acquire: shared-memory writes
-// made before the arrive are visible to reads after the wait); a CTA must not touch another's shared memory before
-// that CTA has started (one barrier first) nor exit while others still access its own (one barrier last).
-// map_cluster_rank gives the address of the same shared variable in CTA `rank` of the cluster, for ld_cluster_* /
-// st_cluster_* accesses. The caller guarantees sm_90 (these kernels are launched with a cluster dimension only
-// there).
-__device__ __forceinline__ unsigned cluster_ctarank() {
-    unsigned r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-}
-__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
-// An arrive that orders nothing: at kernel start, so that a later cluster_wait() returns once every CTA of the cluster
-// runs (a CTA must not touch another's shared memory before that CTA has started).
-__device__ __forceinline__ void cluster_arrive_relaxed() {
-    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
-__device__ __forceinline__ unsigned map_cluster_rank(unsigned smem_addr, unsigned rank) {
-    unsigned r;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(smem_addr), "r"(rank));
-    return r;
-}
-__device__ __forceinline__ float ld_cluster_f32(unsigned cluster_addr) {
-    float v;
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(cluster_addr) : "memory");
-    return v;
-}
-__device__ __forceinline__ void st_cluster_u16(unsigned cluster_addr, unsigned short v) {
-    asm volatile("st.shared::cluster.u16 [%0], %1;" ::"r"(cluster_addr), "h"(v) : "memory");
-}
-__device__ __forceinline__ float4 ld_cluster_f32x4(unsigned cluster_addr) {
-    float4 v;
-    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
-                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-                 : "r"(cluster_addr)
-                 : "memory");
-    return v;
-}
-
 // Programmatic dependent launch (Hopper). A kernel launched with the programmatic-stream-serialization attribute
 // (Kernel(..., pdl=True)) may start while the kernel before it in the stream is still running. It must call
 // pdl_wait() before its first read of anything an earlier kernel wrote (work that depends only on weights may come

@@ -34,9 +34,9 @@
 //
 // Programmatic dependent launch: the weights do not depend on the previous kernel, so each lane loads its first
 // weights into registers before pdl_wait(); the x staging comes after the wait, pdl_launch_dependents() after it.
-// gemv_row's prefetch_l2 (set for the o projection after a short-context decode attention, a kernel that leaves
-// HBM idle for several microseconds): before pdl_wait the CTA also asks L2 for all of its tiles' weight rows, so
-// they stream in while the kernel before still runs.
+// gemv_row's prefetch_l2: before pdl_wait the CTA also asks L2 for all of its tiles' weight rows, so they stream in
+// while the kernel before still runs (worth it where that kernel leaves HBM idle, as a short-context decode
+// attention does for the o projection after it; docs/kernels/gemv.md "v8").
 //
 // Requirements (the launcher checks): K % 8 == 0, W and x rows 16-byte aligned (x_stride a multiple of 8 bf16 /
 // 4 fp32 values), dynamic shared memory for the reduction buffers and the staged x.
@@ -220,15 +220,17 @@ __device__ __forceinline__ void gemv(const void* x, long long x_stride, const in
         rows_of(blockIdx.x, wrow);
         load_step(w0, wrow, first, stride, chunks);
     }
-    if (prefetch_l2 && !paired) {  // a tile's rows are contiguous in W: 16 KB pieces spread over the CTA's threads
-        constexpr long long kPiece = 16384;
-        const long long tile_bytes = (long long)kRows * groups_per_tile * K * 2, total = (long long)N * K * 2;
-        const long long pieces = (tile_bytes + kPiece - 1) / kPiece;
+    if (prefetch_l2) {  // a tile's rows are one run of W (two when paired: its gate rows, then their up rows)
+        constexpr long long kPiece = 16384;  // bytes per prefetch, the pieces spread over the CTA's threads
+        const long long run_bytes = (long long)kRows * groups_out * K * 2, block_end = (long long)outputs * K * 2;
+        const long long pieces = (run_bytes + kPiece - 1) / kPiece;
+        const char* w_bytes = reinterpret_cast<const char*>(W);
         for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x)
-            for (long long p = threadIdx.x; p < pieces; p += kThreads) {
-                const long long at = tile * tile_bytes + p * kPiece;
-                if (at < total)
-                    xserv::bulk_prefetch_l2(reinterpret_cast<const char*>(W) + at, (unsigned)min(kPiece, total - at));
+            for (long long p = threadIdx.x; p < (paired ? 2 : 1) * pieces; p += kThreads) {
+                const long long at = tile * run_bytes + p % pieces * kPiece;  // within the gate (or only) block
+                if (at < block_end)
+                    xserv::bulk_prefetch_l2(w_bytes + p / pieces * block_end + at,
+                                            (unsigned)min(kPiece, block_end - at));
             }
     }
     xserv::pdl_wait();
@@ -424,8 +426,8 @@ __device__ __forceinline__ void gemv(const void* x, long long x_stride, const in
 
 // x: see the prologues above; x_rows: int32 [m] or null; norm_w: bf16 [K] (kRmsNorm) or null; W: bf16 [N, K];
 // out: [m, out_stride] (bf16 / fp32, or the fp32 residual for kAddResidual). grid: persistent (<= tiles).
-// gemv_row: m = 1, block 128, dynamic shared memory (4 * 4 + 4) * 4 + K * 2 bytes; prefetch_l2 0 or 1 (see the
-// header; ignored with kSiluMulBf16).
+// gemv_row: m = 1, block 128, dynamic shared memory (4 * 4 + 4) * 4 + K * 2 bytes; prefetch_l2 0 or 1 (see
+// the header).
 extern "C" __global__ void __launch_bounds__(row::kThreads) gemv_row(
     const void* x, long long x_stride, const int* x_rows, const __nv_bfloat16* norm_w, float eps,
     const __nv_bfloat16* W, void* out, int N, int K, int split, int prologue, int epilogue, int prefetch_l2) {

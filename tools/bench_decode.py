@@ -2,7 +2,7 @@
 
     python -m tools.bench_decode --model DIR [--context 512 --steps 256 --batch-sizes 1,8,32]
                                  [--attention fused,pair] [--decode-kernels v4,v4s4] [--rounds 2]
-                                 [--decode-splits plan,32,47,64] [--o-prefetch 0,4096] [--tokens 32]
+                                 [--decode-splits plan,32,47,64] [--prefetch none,o,o+gate_up+down] [--tokens 32]
 
 Times the engine's decode steps after the prefill (CUDA graphs unless --no-cuda-graphs), greedy sampling on the
 device, host loop included: what a user of `xserv chat` sees. Prints the device name, tok/s and the weight bytes
@@ -39,9 +39,12 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-splits", default="plan",
                     help="comma list of split counts forced on the v4 decode-attention plan (plan: the shipped "
                          "v4_plan), timed one after the other: a plan experiment in the model's chain")
-    ap.add_argument("--o-prefetch", default="",
-                    help="comma list of model.o_prefetch_max_kv values (the o projection pulls its weights into L2 "
-                         "during decode attention up to this context; 0: off), timed one after the other")
+    ap.add_argument("--prefetch", default="",
+                    help="comma list of model.prefetch_projections sets, names joined by + (qkv, o, gate_up, down; "
+                         "none: the empty set): the projections that pull their weights into L2 before waiting for "
+                         "the kernel before, timed one after the other (default: the model's)")
+    ap.add_argument("--prefetch-max-kv", type=int, default=None,
+                    help="model.prefetch_max_kv: the longest context at which the prefetch applies")
     ap.add_argument("--rounds", type=int, default=1,
                     help="repeat the whole list this many times (alternating A/B figures in one process)")
     ap.add_argument("--tokens", type=int, default=0,
@@ -69,7 +72,7 @@ def main(argv=None) -> int:
     print(f"model: {args.model} ({weight_bytes / 1e9:.2f} GB of weights, loaded in {llm.timings['weights_s']:.1f}s, LLM ready in {load:.1f}s), context "
           f"{args.context}, {args.steps} steps, cuda graphs {'off' if args.no_cuda_graphs else 'on'}")
     print(f"{'batch':>6}{'ms/step':>10}{'tok/s':>12}{'tok/s/seq':>12}{'weights GB/s':>14}{'attention':>11}"
-          f"{'kernel':>8}{'splits':>7}{'o prefetch':>11}")
+          f"{'kernel':>8}{'splits':>7}  {'L2 prefetch':<16}")
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=0.0, max_tokens=args.warmup + args.steps + 1, ignore_eos=True)
     eng = llm.engine
@@ -87,7 +90,14 @@ def main(argv=None) -> int:
         ap.error(f"--decode-splits: expected a comma list of integers or 'plan', got {args.decode_splits!r}")
     shipped_plan, forced = decode.plan_decode, None
     decode.plan_decode = lambda *a: _forced_plan(shipped_plan, forced, *a)
-    prefetches = [int(x) for x in args.o_prefetch.split(",") if x] or [llm.model.o_prefetch_max_kv]
+    if args.prefetch_max_kv is not None:
+        llm.model.prefetch_max_kv = args.prefetch_max_kv
+    prefetches = [frozenset() if x == "none" else frozenset(x.split("+")) for x in args.prefetch.split(",") if x]
+    for pf in prefetches:
+        if not pf <= set(llm.model.PROJECTIONS):
+            ap.error(f"--prefetch: unknown projection in {'+'.join(sorted(pf))}; "
+                     f"known: {', '.join(llm.model.PROJECTIONS)}")
+    prefetches = prefetches or [llm.model.prefetch_projections]
     runs = [(k, a, sp, pf, bs) for _ in range(args.rounds) for k in kernels for a in modes for sp in split_list
             for pf in prefetches for bs in sizes]
     probe = np.random.default_rng(1).integers(0, 150000, args.context).tolist()
@@ -96,8 +106,8 @@ def main(argv=None) -> int:
         fused = mode == "fused"
         model = llm.model
         if (fused, kernel, splits, prefetch) != (model.fused_attention, decode.DEFAULT_DECODE, forced,
-                                                 model.o_prefetch_max_kv):  # in the graphs
-            model.fused_attention, model.o_prefetch_max_kv, forced = fused, prefetch, splits
+                                                 model.prefetch_projections):  # in the graphs
+            model.fused_attention, model.prefetch_projections, forced = fused, prefetch, splits
             decode.DEFAULT_DECODE = kernel
             if not args.no_cuda_graphs:
                 eng.runner.graphs.clear()
@@ -123,7 +133,7 @@ def main(argv=None) -> int:
             same = f"  {args.tokens} greedy tokens " + ("as the first" if tokens == first_tokens else
                                                          f"DIFFER from the first at {_first_diff(tokens, first_tokens)}")
         print(f"{bs:>6}{dt * 1e3:>10.3f}{bs / dt:>12.1f}{1 / dt:>12.1f}{weight_bytes / dt / 1e9:>14.1f}"
-              f"{mode:>11}{kernel:>8}{splits or 'plan':>7}{prefetch:>11}{same}")
+              f"{mode:>11}{kernel:>8}{splits or 'plan':>7}  {'+'.join(sorted(prefetch)) or 'none':<16}{same}")
     return 0
 
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Batch-1 decode experiments on the lent GPU in one call (about 5 minutes on an H200; a call is at most 10): the
-# GEMV and decode/model GPU tests, the ceilings, then the model end to end with and without the o projection's L2
-# prefetch (model.o_prefetch_max_kv; gemv_row prefetch_l2), alternating in one process, greedy tokens compared, at
-# a 512-token and a 32,000-token context, 0.6B and 8B, and one-step timelines of both forms (0.6B and 8B).
+# GEMV and decode/model GPU tests, the ceilings, then the model end to end with and without the projections' L2
+# prefetch (model.prefetch_projections; gemv_row prefetch_l2; docs/kernels/gemv.md "v8"), alternating in one
+# process, greedy tokens compared, at a 512-token and a 32,000-token context, 0.6B and 8B, and one-step timelines.
 #   bash tools/gpu_bench_decode_experiments.sh              # from the checkout, .whl/ beside it (README)
 #   SKIP_TESTS=1 bash tools/gpu_bench_decode_experiments.sh 0.6b
 # Run from a copy made with `git archive` (e.g. .clean/), the wheels are taken from the checkout above it.
@@ -23,15 +23,16 @@ wait
 echo "=== ceilings"; python3 -m tools.kernel_harness ceilings 2>&1 | tail -3
 for p in "${presets[@]}"; do
   m=/tmp/model-$p
-  echo "=== $p context 512: o prefetch off / on (up to 4096 keys), greedy tokens compared"
-  timeout 150 python3 -m tools.bench_decode --model $m --o-prefetch 0,4096 --rounds 3 --tokens 32 2>&1 \
-    | grep -v "loading\|^$" | tail -7
-  echo "=== $p context 32,000: o prefetch off / on (up to 65536 keys)"
-  timeout 150 python3 -m tools.bench_decode --model $m --context 32000 --steps 64 --o-prefetch 0,65536 --rounds 2 \
-    2>&1 | grep -v "loading\|^$" | tail -5
-  for pf in 0 4096; do
-    echo "=== $p one-step timeline (context 512), o prefetch up to $pf keys"
+  sets=none,o,o+gate_up+down,qkv+o+gate_up+down
+  echo "=== $p context 512: L2 prefetch sets $sets, greedy tokens compared (they must not change)"
+  timeout 150 python3 -m tools.bench_decode --model $m --prefetch $sets --rounds 2 --tokens 32 2>&1 \
+    | grep -v "loading\|^$" | tail -9
+  echo "=== $p context 32,000: none / o / all, prefetch applied up to 65536 keys"
+  timeout 150 python3 -m tools.bench_decode --model $m --context 32000 --steps 64 --prefetch none,o,qkv+o+gate_up+down \
+    --prefetch-max-kv 65536 2>&1 | grep -v "loading\|^$" | tail -4
+  for pf in none o; do
+    echo "=== $p one-step timeline (context 512), L2 prefetch: $pf"
     timeout 100 python3 -m tools.profile_engine --model $m --single-context 512 --warm 32 --steps 20 --timeline 12 \
-      --o-prefetch-max-kv $pf 2>&1 | tail -14
+      --prefetch $pf 2>&1 | tail -14
   done
 done

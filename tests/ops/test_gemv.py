@@ -202,6 +202,21 @@ def test_cuda_linear_add_prefetch_l2_same_bits(rng, m, n, k):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("i,k", [(3072, 1024), (1001, 1000), (12288, 64)])
+def test_cuda_prefetch_l2_same_bits_norm_prologues(rng, i, k):
+    """prefetch_l2 on the RMSNorm-prologue projections: rmsnorm_linear (qkv) and the paired gate/up tiles of
+    rmsnorm_linear_silu_mul (two runs of W per tile) give the bits of the plain calls."""
+    residual = Tensor.from_numpy(random_array(rng, (1, k), np.float32, mean=0.0, std=3.0))
+    norm_w = Tensor.from_numpy(random_array(rng, (k,), bfloat16, mean=1.0, std=0.1))
+    w = Tensor.from_numpy(weights(rng, 2 * i, k))
+    for op in (rmsnorm_linear, rmsnorm_linear_silu_mul):
+        got = op(residual, norm_w, EPS, w, out=poisoned((1, 2 * i if op is rmsnorm_linear else i), bfloat16),
+                 prefetch_l2=True)
+        want = op(residual, norm_w, EPS, w)
+        np.testing.assert_array_equal(got.numpy().view(np.uint16), want.numpy().view(np.uint16))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("i,k", [(3072, 1024), (1001, 1000), (37, 520), (12288, 64), (5, 3072)])
 def test_cuda_rmsnorm_linear_silu_mul(rng, i, k):
     """The gate/up projection with the activation in its epilogue: I not a multiple of a tile's 4 or 8 outputs,

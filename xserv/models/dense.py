@@ -148,11 +148,27 @@ class DenseModel:
         self.max_positions = int(max_positions or config.context_length)
         self.fused_gemv = True  # small forwards take the fused GEMV path (False: the unfused ops, for comparison)
         self.fused_attention = True  # decode: QK-norm/RoPE/KV write inside attention (False: the two kernels)
-        # Decode steps whose longest context is at most this many keys: the o projection pulls its weights into L2
-        # while the attention before it runs (gemv prefetch_l2; 0: never)
-        self.o_prefetch_max_kv = 0
+        # One-token steps whose longest context is at most prefetch_max_kv keys: the projections named in
+        # prefetch_projections pull their weights into L2 before they wait for the kernel before (gemv prefetch_l2:
+        # the o projection during the attention, which leaves HBM idle at short contexts). None until measured.
+        self._prefetch: frozenset[str] = frozenset()
+        self.prefetch_max_kv = 4096
         table = rope_cos_sin_table(config.head_dim, self.max_positions, config.rope_theta, config.rope_scaling)
         self.cos_sin = Tensor.from_numpy(np.ascontiguousarray(table, np.float32), device)
+
+    PROJECTIONS = ("qkv", "o", "gate_up", "down")
+
+    @property
+    def prefetch_projections(self) -> frozenset[str]:
+        return self._prefetch
+
+    @prefetch_projections.setter
+    def prefetch_projections(self, names) -> None:
+        names = frozenset(names)
+        if not names <= set(self.PROJECTIONS):
+            raise ValueError(f"prefetch_projections: unknown {sorted(names - set(self.PROJECTIONS))}; "
+                             f"expected names among {', '.join(self.PROJECTIONS)}")
+        self._prefetch = names
 
     @property
     def kv_layout(self) -> KVLayout:
@@ -335,12 +351,13 @@ class DenseModel:
         qkv, attn, act = ws.qkv[:t], ws.attn[:t], ws.act[:t]
         qkv3, attn3 = qkv.view(t, hq + 2 * hkv, d), attn.view(t, hq, d)
         embedding(batch.input_ids, self.embed, out=residual)  # the float32 stream starts from the embeddings, exactly
-        prefetch_o = batch.max_q_len == 1 and batch.max_kv_len <= self.o_prefetch_max_kv
+        pf = self._prefetch if batch.max_q_len == 1 and batch.max_kv_len <= self.prefetch_max_kv else ()
         for i, layer in enumerate(self.layers):
-            rmsnorm_linear(residual, layer.input_norm, self.eps, layer.qkv, out=qkv)
+            rmsnorm_linear(residual, layer.input_norm, self.eps, layer.qkv, out=qkv, prefetch_l2="qkv" in pf)
             self._attention(i, layer, batch, kv_cache, qkv3, attn3)
-            linear_add(attn, layer.o_proj, residual, prefetch_l2=prefetch_o)
-            rmsnorm_linear_silu_mul(residual, layer.post_norm, self.eps, layer.gate_up, out=act)
-            linear_add(act, layer.down, residual)
+            linear_add(attn, layer.o_proj, residual, prefetch_l2="o" in pf)
+            rmsnorm_linear_silu_mul(residual, layer.post_norm, self.eps, layer.gate_up, out=act,
+                                    prefetch_l2="gate_up" in pf)
+            linear_add(act, layer.down, residual, prefetch_l2="down" in pf)
         return rmsnorm_linear(residual, self.final_norm, self.eps, self.lm_head, out=ws.logits[:n],
                               rows=batch.logits_indices)
