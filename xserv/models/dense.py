@@ -150,7 +150,7 @@ class DenseModel:
         self.fused_attention = True  # decode: QK-norm/RoPE/KV write inside attention (False: the two kernels)
         # One-token steps whose longest context is at most prefetch_max_kv keys: the projections named in
         # prefetch_projections pull their weights into L2 before they wait for the kernel before (gemv prefetch_l2:
-        # the o projection during the attention, which leaves HBM idle at short contexts). None until measured.
+        # the o projection during the attention, which leaves HBM idle at short contexts). Empty (off) until measured.
         self._prefetch: frozenset[str] = frozenset()
         self.prefetch_max_kv = 4096
         table = rope_cos_sin_table(config.head_dim, self.max_positions, config.rope_theta, config.rope_scaling)
