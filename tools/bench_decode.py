@@ -92,12 +92,14 @@ def main(argv=None) -> int:
     decode.plan_decode = lambda *a: _forced_plan(shipped_plan, forced, *a)
     if args.prefetch_max_kv is not None:
         llm.model.prefetch_max_kv = args.prefetch_max_kv
-    prefetches = [frozenset() if x == "none" else frozenset(x.split("+")) for x in args.prefetch.split(",") if x]
-    for pf in prefetches:
-        if not pf <= set(llm.model.PROJECTIONS):
-            ap.error(f"--prefetch: unknown projection in {'+'.join(sorted(pf))}; "
-                     f"known: {', '.join(llm.model.PROJECTIONS)}")
-    prefetches = prefetches or [llm.model.prefetch_projections]
+    shipped_prefetch = llm.model.prefetch_projections
+    prefetches = [prefetch_set(x) for x in args.prefetch.split(",") if x] or [shipped_prefetch]
+    try:
+        for pf in prefetches:
+            llm.model.prefetch_projections = pf  # names checked here; the runs below set each again
+    except ValueError as exc:
+        ap.error(f"--prefetch: {exc}")
+    llm.model.prefetch_projections = shipped_prefetch
     runs = [(k, a, sp, pf, bs) for _ in range(args.rounds) for k in kernels for a in modes for sp in split_list
             for pf in prefetches for bs in sizes]
     probe = np.random.default_rng(1).integers(0, 150000, args.context).tolist()
@@ -135,6 +137,11 @@ def main(argv=None) -> int:
         print(f"{bs:>6}{dt * 1e3:>10.3f}{bs / dt:>12.1f}{1 / dt:>12.1f}{weight_bytes / dt / 1e9:>14.1f}"
               f"{mode:>11}{kernel:>8}{splits or 'plan':>7}  {'+'.join(sorted(prefetch)) or 'none':<16}{same}")
     return 0
+
+
+def prefetch_set(text: str) -> frozenset[str]:
+    """A --prefetch value: projection names joined by + ("none": the empty set)."""
+    return frozenset() if text == "none" else frozenset(text.split("+"))
 
 
 def _forced_plan(shipped, splits, variant, num_seqs, num_kv_heads, max_kv_len, block_size, head_dim, group, sms):

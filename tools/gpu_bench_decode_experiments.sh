@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Batch-1 decode experiments on the lent GPU in one call (about 5 minutes on an H200; a call is at most 10): the
 # GEMV and decode/model GPU tests, the ceilings, then the model end to end with and without the projections' L2
-# prefetch (model.prefetch_projections; gemv_row prefetch_l2; docs/kernels/gemv.md "v8"), alternating in one
+# prefetch (model.prefetch_projections; gemv_row_prefetch; docs/kernels/gemv.md "v8"), alternating in one
 # process, greedy tokens compared, at a 512-token and a 32,000-token context, 0.6B and 8B, and one-step timelines.
 #   bash tools/gpu_bench_decode_experiments.sh              # from the checkout, .whl/ beside it (README)
 #   SKIP_TESTS=1 bash tools/gpu_bench_decode_experiments.sh 0.6b

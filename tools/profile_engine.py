@@ -41,6 +41,7 @@ def main(argv=None) -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    from tools.bench_decode import prefetch_set
     from xserv import LLM, SamplingParams
     from xserv.bench.throughput import make_workload
     from xserv.runtime import get_device, synchronize
@@ -56,7 +57,7 @@ def main(argv=None) -> int:
             decode.DEFAULT_DECODE = args.decode_kernel
         if args.prefetch is not None:
             try:
-                llm.model.prefetch_projections = () if args.prefetch == "none" else args.prefetch.split("+")
+                llm.model.prefetch_projections = prefetch_set(args.prefetch)
             except ValueError as exc:
                 ap.error(f"--prefetch: {exc}")
         if llm.engine.runner.graphs:

@@ -249,9 +249,9 @@ def _launch(prologue: str, x: Tensor, x_stride: int, rows: Tensor | None, norm_w
     x_rows = rows if rows is not None else 0  # a null pointer: rows 0..m-1
     norm = norm_weight if norm_weight is not None else 0
     modes = (np.int32(split), np.int32(_PROLOGUE[prologue]), np.int32(epilogue))
-    if m == 1:  # gemv_row(x, x_stride, x_rows, norm_w, eps, W, out, N, K, split, prologue, epilogue, prefetch_l2)
-        args = (x, np.int64(x_stride), x_rows, norm, np.float32(eps32), weight, out, np.int32(n), np.int32(k), *modes,
-                np.int32(prefetch_l2))
+    if m == 1:  # gemv_row[_prefetch](x, x_stride, x_rows, norm_w, eps, W, out, N, K, split, prologue, epilogue)
+        name = "gemv_row_prefetch" if prefetch_l2 else name
+        args = (x, np.int64(x_stride), x_rows, norm, np.float32(eps32), weight, out, np.int32(n), np.int32(k), *modes)
     else:  # gemv_mma_m*(x, x_stride, x_rows, norm_w, eps, W, out, out_stride, m, N, K, split, prologue, epilogue)
         args = (x, np.int64(x_stride), x_rows, norm, np.float32(eps32), weight, out, np.int64(out.shape[1]),
                 np.int32(m), np.int32(n), np.int32(k), *modes)

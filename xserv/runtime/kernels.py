@@ -113,9 +113,9 @@ class Kernel:
     (cuda_src/common.cuh) before reading anything an earlier kernel wrote. Works under CUDA-graph capture.
 
     cluster=n (sm_90 and later, n <= 8) launches the grid as thread-block clusters of n CTAs along x (grid x a
-    multiple of n): the CTAs of a cluster run at the same time and can read and write each
-    other's shared memory (PTX mapa / ld.shared::cluster / barrier.cluster; a cluster decode kernel that used them,
-    v4c, is in the history: docs/kernels/attention.md).
+    multiple of n): the CTAs of a cluster run at the same time and can read and write each other's shared memory
+    (PTX mapa / ld.shared::cluster / barrier.cluster; v4c, a decode kernel that used them, is in the history:
+    docs/kernels/attention.md).
     """
 
     __slots__ = ("family", "name", "_kernel", "_device", "_func", "_hstream", "_smem_limit", "_packers", "_last",
