@@ -34,14 +34,10 @@
 //
 // Programmatic dependent launch: the weights do not depend on the previous kernel, so each lane loads its first
 // weights into registers before pdl_wait(); the x staging comes after the wait, pdl_launch_dependents() after it.
-// gemv_row_prefetch (gemv_row otherwise): before pdl_wait the CTA also asks L2 for all of its tiles' weight rows, so
-// they stream in while the kernel before still runs (worth it where that kernel leaves HBM idle, as a short-context
-// decode attention does for the o projection after it; docs/kernels/gemv.md "v8").
 //
 // Requirements (the launcher checks): K % 8 == 0, W and x rows 16-byte aligned (x_stride a multiple of 8 bf16 /
 // 4 fp32 values), dynamic shared memory for the reduction buffers and the staged x.
 #include "norm.cuh"
-#include "tma.cuh"
 
 namespace {
 
@@ -188,7 +184,6 @@ __device__ __forceinline__ void fma_step(float (&acc)[kRows], const uint4 (&w)[k
 // kSiluMulBf16 pairs the row groups of a tile (split <= 2, so a tile holds an even number of them): slot 2p takes
 // gate rows j0..j0+3 (rows j of W), slot 2p + 1 the matching up rows (rows I + j), and the gate slot's lanes combine
 // both sums; N is then W's 2I rows and the tiles cover the I activations.
-template <bool PREFETCH_L2>
 __device__ __forceinline__ void gemv(const void* x, long long x_stride, const int* x_rows,
                                      const __nv_bfloat16* norm_w, float eps, const __nv_bfloat16* __restrict__ W,
                                      void* out, int N, int K, int split, int prologue, int epilogue) {
@@ -219,19 +214,6 @@ __device__ __forceinline__ void gemv(const void* x, long long x_stride, const in
         const __nv_bfloat16* wrow[kRows];
         rows_of(blockIdx.x, wrow);
         load_step(w0, wrow, first, stride, chunks);
-    }
-    if constexpr (PREFETCH_L2) {  // a tile's rows are one run of W (two when paired: its gate rows, then their up rows)
-        constexpr long long kPiece = 16384;  // bytes per prefetch, the pieces spread over the CTA's threads
-        const long long run_bytes = (long long)kRows * groups_out * K * 2, block_end = (long long)outputs * K * 2;
-        const long long pieces = (run_bytes + kPiece - 1) / kPiece;
-        const char* w_bytes = reinterpret_cast<const char*>(W);
-        for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x)
-            for (long long p = threadIdx.x; p < (paired ? 2 : 1) * pieces; p += kThreads) {
-                const long long at = tile * run_bytes + p % pieces * kPiece;  // within the gate (or only) block
-                if (at < block_end)
-                    xserv::bulk_prefetch_l2(w_bytes + p / pieces * block_end + at,
-                                            (unsigned)min(kPiece, block_end - at));
-            }
     }
     xserv::pdl_wait();
     stage_x<1, kThreads>(xs, K, scratch, x, x_stride, x_rows, norm_w, eps, 1, K, prologue);
@@ -426,17 +408,11 @@ __device__ __forceinline__ void gemv(const void* x, long long x_stride, const in
 
 // x: see the prologues above; x_rows: int32 [m] or null; norm_w: bf16 [K] (kRmsNorm) or null; W: bf16 [N, K];
 // out: [m, out_stride] (bf16 / fp32, or the fp32 residual for kAddResidual). grid: persistent (<= tiles).
-// gemv_row: m = 1, block 128, dynamic shared memory (4 * 4 + 4) * 4 + K * 2 bytes; gemv_row_prefetch the same with
-// the L2 prefetch of its weights (see the header).
+// gemv_row: m = 1, block 128, dynamic shared memory (4 * 4 + 4) * 4 + K * 2 bytes.
 extern "C" __global__ void __launch_bounds__(row::kThreads) gemv_row(
     const void* x, long long x_stride, const int* x_rows, const __nv_bfloat16* norm_w, float eps,
     const __nv_bfloat16* W, void* out, int N, int K, int split, int prologue, int epilogue) {
-    row::gemv<false>(x, x_stride, x_rows, norm_w, eps, W, out, N, K, split, prologue, epilogue);
-}
-extern "C" __global__ void __launch_bounds__(row::kThreads) gemv_row_prefetch(
-    const void* x, long long x_stride, const int* x_rows, const __nv_bfloat16* norm_w, float eps,
-    const __nv_bfloat16* W, void* out, int N, int K, int split, int prologue, int epilogue) {
-    row::gemv<true>(x, x_stride, x_rows, norm_w, eps, W, out, N, K, split, prologue, epilogue);
+    row::gemv(x, x_stride, x_rows, norm_w, eps, W, out, N, K, split, prologue, epilogue);
 }
 
 // gemv_mma_m<M>: m <= M, block 256, dynamic shared memory (8 * 32 * 4 * NT + M * 8) * 4 + m * (K + 32) * 2 bytes.

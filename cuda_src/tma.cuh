@@ -40,11 +40,6 @@ __device__ __forceinline__ void mbarrier_wait(unsigned bar, unsigned parity) {
         "r"(parity)
         : "memory");
 }
-// Ask L2 to fetch `bytes` contiguous bytes of global memory (16-byte aligned, a multiple of 16) ahead of their use;
-// nothing waits for it and no registers or shared memory hold the bytes.
-__device__ __forceinline__ void bulk_prefetch_l2(const void* src, unsigned bytes) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
-}
 // Copy the box at coordinates (c0, c1, c2) (innermost first) of a 3-D tensor map to shared memory `dst`; its bytes
 // complete on mbarrier `bar`. `tensor_map` is the generic address of a CUtensorMap in global memory.
 __device__ __forceinline__ void tma_load_3d(unsigned dst, const void* tensor_map, unsigned bar, int c0, int c1, int c2) {

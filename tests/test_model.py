@@ -69,16 +69,6 @@ def test_loads_tiny_with_fused_weights(tiny_model_dir):  # noqa: F811
     assert model.weight_bytes() == reader.total_bytes
 
 
-def test_prefetch_projections_names_the_unknown_one(tiny_model_dir):  # noqa: F811
-    model = load(tiny_model_dir)
-    assert model.prefetch_projections == frozenset()  # off until measured (docs/kernels/gemv.md, v8)
-    model.prefetch_projections = ("o", "gate_up")
-    assert model.prefetch_projections == {"o", "gate_up"}
-    with pytest.raises(ValueError, match=r"prefetch_projections: unknown \['gateup'\]; expected names among qkv, o"):
-        model.prefetch_projections = ("o", "gateup")
-    assert model.prefetch_projections == {"o", "gate_up"}  # unchanged by the refused value
-
-
 def test_loads_llama(models, folders):
     model = models["llama"]
     c = model.config
@@ -253,8 +243,7 @@ def test_cuda_model_matches_numpy_and_reference(models, folders, arch, rng):
 def test_cuda_fused_small_forwards_match_unfused(models, folders, arch, rng):
     """One-token forwards take the fused GEMV path (norm / SiLU / residual add folded into the projections); the
     same steps through the unfused ops (cuBLASLt) give the same logits up to fp32 summation order, and the same
-    greedy token wherever the top two logits are not a near tie; with every projection's L2 prefetch on, the same
-    bits as without. A one-token prompt, then decode steps."""
+    greedy token wherever the top two logits are not a near tie. A one-token prompt, then decode steps."""
     from xserv.engine.kv_cache import KVCache as Cache
 
     gpu = load(folders[arch], "cuda")
@@ -263,19 +252,16 @@ def test_cuda_fused_small_forwards_match_unfused(models, folders, arch, rng):
     table = [5, 1, 7]
     steps = [[SeqChunk(seq[j:j + 1], j, table, "last")] for j in range(len(seq))]
     logits = {}
-    for fused, attention, prefetch in ((True, True, ()), (True, False, ()), (False, True, ()),
-                                       (True, True, gpu.PROJECTIONS)):
-        gpu.fused_gemv, gpu.fused_attention, gpu.prefetch_projections = fused, attention, prefetch
+    for fused, attention in ((True, True), (True, False), (False, True)):
+        gpu.fused_gemv, gpu.fused_attention = fused, attention
         cache = Cache(KVCacheSpec(*gpu.kv_layout, BLOCK), 16, "cuda", gpu.dtype)
         assert gpu.fused_forward_ok(1, 1) == fused and not gpu.fused_forward_ok(2, 2)
-        logits[fused, attention, bool(prefetch)] = [
-            gpu.forward(make_batch(chunks, BLOCK, "cuda"), cache).numpy().copy() for chunks in steps]
-    gpu.fused_gemv, gpu.fused_attention, gpu.prefetch_projections = True, True, ()
-    for got, want, prefetched in zip(logits[True, True, False], logits[True, False, False],
-                                     logits[True, True, True]):  # attention_decode_rope is bit-identical
+        logits[fused, attention] = [gpu.forward(make_batch(chunks, BLOCK, "cuda"), cache).numpy().copy()
+                                    for chunks in steps]
+    gpu.fused_gemv, gpu.fused_attention = True, True
+    for got, want in zip(logits[True, True], logits[True, False]):  # attention_decode_rope is bit-identical
         np.testing.assert_array_equal(got, want)
-        np.testing.assert_array_equal(prefetched, got)  # the prefetch is a hint
-    for got, want in zip(logits[True, True, False], logits[False, True, False]):
+    for got, want in zip(logits[True, True], logits[False, True]):
         assert np.all(np.isfinite(got))
         assert rel_err_rows(got, want).max() < 1e-2
         top2 = np.sort(want, axis=1)[:, -2:]

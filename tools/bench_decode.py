@@ -2,7 +2,7 @@
 
     python -m tools.bench_decode --model DIR [--context 512 --steps 256 --batch-sizes 1,8,32]
                                  [--attention fused,pair] [--decode-kernels v4,v4s4] [--rounds 2]
-                                 [--decode-splits plan,32,47,64] [--prefetch none,o,o+gate_up+down] [--tokens 32]
+                                 [--decode-splits plan,32,47,64] [--tokens 32]
 
 Times the engine's decode steps after the prefill (CUDA graphs unless --no-cuda-graphs), greedy sampling on the
 device, host loop included: what a user of `xserv chat` sees. Prints the device name, tok/s and the weight bytes
@@ -39,12 +39,6 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-splits", default="plan",
                     help="comma list of split counts forced on the v4 decode-attention plan (plan: the shipped "
                          "v4_plan), timed one after the other: a plan experiment in the model's chain")
-    ap.add_argument("--prefetch", default="",
-                    help="comma list of model.prefetch_projections sets, names joined by + (qkv, o, gate_up, down; "
-                         "none: the empty set): the projections that pull their weights into L2 before waiting for "
-                         "the kernel before, timed one after the other (default: the model's)")
-    ap.add_argument("--prefetch-max-kv", type=int, default=None,
-                    help="model.prefetch_max_kv: the longest context at which the prefetch applies")
     ap.add_argument("--rounds", type=int, default=1,
                     help="repeat the whole list this many times (alternating A/B figures in one process)")
     ap.add_argument("--tokens", type=int, default=0,
@@ -72,7 +66,7 @@ def main(argv=None) -> int:
     print(f"model: {args.model} ({weight_bytes / 1e9:.2f} GB of weights, loaded in {llm.timings['weights_s']:.1f}s, LLM ready in {load:.1f}s), context "
           f"{args.context}, {args.steps} steps, cuda graphs {'off' if args.no_cuda_graphs else 'on'}")
     print(f"{'batch':>6}{'ms/step':>10}{'tok/s':>12}{'tok/s/seq':>12}{'weights GB/s':>14}{'attention':>11}"
-          f"{'kernel':>8}{'splits':>7}  {'L2 prefetch':<16}")
+          f"{'kernel':>8}{'splits':>7}")
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=0.0, max_tokens=args.warmup + args.steps + 1, ignore_eos=True)
     eng = llm.engine
@@ -90,26 +84,15 @@ def main(argv=None) -> int:
         ap.error(f"--decode-splits: expected a comma list of integers or 'plan', got {args.decode_splits!r}")
     shipped_plan, forced = decode.plan_decode, None
     decode.plan_decode = lambda *a: _forced_plan(shipped_plan, forced, *a)
-    if args.prefetch_max_kv is not None:
-        llm.model.prefetch_max_kv = args.prefetch_max_kv
-    shipped_prefetch = llm.model.prefetch_projections
-    prefetches = [prefetch_set(x) for x in args.prefetch.split(",") if x] or [shipped_prefetch]
-    try:
-        for pf in prefetches:
-            llm.model.prefetch_projections = pf  # names checked here; the runs below set each again
-    except ValueError as exc:
-        ap.error(f"--prefetch: {exc}")
-    llm.model.prefetch_projections = shipped_prefetch
-    runs = [(k, a, sp, pf, bs) for _ in range(args.rounds) for k in kernels for a in modes for sp in split_list
-            for pf in prefetches for bs in sizes]
+    runs = [(k, a, sp, bs) for _ in range(args.rounds) for k in kernels for a in modes for sp in split_list
+            for bs in sizes]
     probe = np.random.default_rng(1).integers(0, 150000, args.context).tolist()
     first_tokens = None
-    for kernel, mode, splits, prefetch, bs in runs:
+    for kernel, mode, splits, bs in runs:
         fused = mode == "fused"
         model = llm.model
-        if (fused, kernel, splits, prefetch) != (model.fused_attention, decode.DEFAULT_DECODE, forced,
-                                                 model.prefetch_projections):  # in the graphs
-            model.fused_attention, model.prefetch_projections, forced = fused, prefetch, splits
+        if (fused, kernel, splits) != (model.fused_attention, decode.DEFAULT_DECODE, forced):  # in the graphs
+            model.fused_attention, forced = fused, splits
             decode.DEFAULT_DECODE = kernel
             if not args.no_cuda_graphs:
                 eng.runner.graphs.clear()
@@ -128,20 +111,16 @@ def main(argv=None) -> int:
         for s in seqs:
             eng.abort(s)
         same = ""
-        if args.tokens:
+        if args.tokens:  # prefilled afresh each time: a prefix-cache hit would run the prompt's end another way
+            eng.blocks.reset_prefix_cache()
             tokens = llm.generate([probe], SamplingParams(temperature=0.0, max_tokens=args.tokens,
                                                           ignore_eos=True))[0].token_ids
             first_tokens = tokens if first_tokens is None else first_tokens
             same = f"  {args.tokens} greedy tokens " + ("as the first" if tokens == first_tokens else
                                                          f"DIFFER from the first at {_first_diff(tokens, first_tokens)}")
         print(f"{bs:>6}{dt * 1e3:>10.3f}{bs / dt:>12.1f}{1 / dt:>12.1f}{weight_bytes / dt / 1e9:>14.1f}"
-              f"{mode:>11}{kernel:>8}{splits or 'plan':>7}  {'+'.join(sorted(prefetch)) or 'none':<16}{same}")
+              f"{mode:>11}{kernel:>8}{splits or 'plan':>7}{same}")
     return 0
-
-
-def prefetch_set(text: str) -> frozenset[str]:
-    """A --prefetch value: projection names joined by + ("none": the empty set)."""
-    return frozenset() if text == "none" else frozenset(text.split("+"))
 
 
 def _forced_plan(shipped, splits, variant, num_seqs, num_kv_heads, max_kv_len, block_size, head_dim, group, sms):

@@ -5,7 +5,7 @@ and the device name. GPU machine only (needs torch).
 
     python -m tools.profile_engine --model DIR [--warm 300 --steps 50 --temperature 0]
     python -m tools.profile_engine --model DIR --single-context 512 --warm 32 --steps 20 --timeline 16
-                                   [--decode-kernel v4s4] [--prefetch o+gate_up]
+                                   [--decode-kernel v4s4]
 
 --single-context runs one request of that many prompt tokens instead (batch-1 decode); --timeline K prints K
 consecutive kernels of one recorded step with their start, duration and the gap before each (with programmatic
@@ -33,33 +33,23 @@ def main(argv=None) -> int:
     ap.add_argument("--timeline", type=int, default=0, help="print this many consecutive kernels of one step")
     ap.add_argument("--decode-kernel", default="",
                     help="the decode-attention kernel the model runs (xserv.ops.attention.decode.DECODE_KERNELS)")
-    ap.add_argument("--prefetch", default=None,
-                    help="model.prefetch_projections, names joined by + (qkv, o, gate_up, down; none): the "
-                         "projections that pull their weights into L2 before waiting for the kernel before")
     args = ap.parse_args(argv)
 
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from tools.bench_decode import prefetch_set
     from xserv import LLM, SamplingParams
     from xserv.bench.throughput import make_workload
     from xserv.runtime import get_device, synchronize
 
     max_len = max(2048, args.single_context + args.warm + args.steps + 8)
     llm = LLM(args.model, device="cuda", max_model_len=max_len, progress=False)
-    if args.decode_kernel or args.prefetch is not None:  # both are in the decode graphs: capture them again
+    if args.decode_kernel:  # the kernel is in the decode graphs: capture them again
         from xserv.ops.attention import decode
 
-        if args.decode_kernel:
-            if args.decode_kernel not in decode.DECODE_KERNELS:
-                ap.error(f"--decode-kernel: unknown kernel {args.decode_kernel!r}")
-            decode.DEFAULT_DECODE = args.decode_kernel
-        if args.prefetch is not None:
-            try:
-                llm.model.prefetch_projections = prefetch_set(args.prefetch)
-            except ValueError as exc:
-                ap.error(f"--prefetch: {exc}")
+        if args.decode_kernel not in decode.DECODE_KERNELS:
+            ap.error(f"--decode-kernel: unknown kernel {args.decode_kernel!r}")
+        decode.DEFAULT_DECODE = args.decode_kernel
         if llm.engine.runner.graphs:
             llm.engine.runner.graphs.clear()
             llm.engine.runner.capture_decode_graphs()

@@ -148,27 +148,8 @@ class DenseModel:
         self.max_positions = int(max_positions or config.context_length)
         self.fused_gemv = True  # small forwards take the fused GEMV path (False: the unfused ops, for comparison)
         self.fused_attention = True  # decode: QK-norm/RoPE/KV write inside attention (False: the two kernels)
-        # One-token steps whose longest context is at most prefetch_max_kv keys: the projections named in
-        # prefetch_projections pull their weights into L2 before they wait for the kernel before (gemv prefetch_l2:
-        # the o projection during the attention, which leaves HBM idle at short contexts). Empty (off) until measured.
-        self._prefetch: frozenset[str] = frozenset()
-        self.prefetch_max_kv = 4096
         table = rope_cos_sin_table(config.head_dim, self.max_positions, config.rope_theta, config.rope_scaling)
         self.cos_sin = Tensor.from_numpy(np.ascontiguousarray(table, np.float32), device)
-
-    PROJECTIONS = ("qkv", "o", "gate_up", "down")
-
-    @property
-    def prefetch_projections(self) -> frozenset[str]:
-        return self._prefetch
-
-    @prefetch_projections.setter
-    def prefetch_projections(self, names) -> None:
-        names = frozenset(names)
-        if not names <= set(self.PROJECTIONS):
-            raise ValueError(f"prefetch_projections: unknown {sorted(names - set(self.PROJECTIONS))}; "
-                             f"expected names among {', '.join(self.PROJECTIONS)}")
-        self._prefetch = names
 
     @property
     def kv_layout(self) -> KVLayout:
@@ -315,16 +296,12 @@ class DenseModel:
             return linear_gemv(x, weight, out=out)
         return linear(x, weight, out=out)
 
-    def _head_norms(self, layer: DenseLayer) -> tuple[Tensor | None, Tensor | None]:
-        """The q and k head-RMSNorm weights (Qwen3), or (None, None) (Llama)."""
-        return (layer.q_norm, layer.k_norm) if self.QK_NORM else (None, None)
-
     def _attention(self, i: int, layer: DenseLayer, batch, kv_cache, qkv3: Tensor, attn3: Tensor) -> None:
         """Layer i's attention block between the projections. Decode batches (one token per sequence): q/k norm,
         RoPE, the KV-cache write and attention in one kernel (qkv is only read). Prefill: q/k norm and RoPE with the
         KV-cache write (one kernel, in place on qkv), then attention."""
         hq, hkv = self.config.num_attention_heads, self.config.num_key_value_heads
-        q_norm, k_norm = self._head_norms(layer)
+        q_norm, k_norm = (layer.q_norm, layer.k_norm) if self.QK_NORM else (None, None)
         if batch.max_q_len == 1 and self.fused_attention:
             attention_decode_rope(qkv3, q_norm, k_norm, batch.positions, self.cos_sin, hq, self.eps, kv_cache.k[i],
                                   kv_cache.v[i], batch.slot_mapping, batch.kv_lens, batch.block_tables, self.scale,
@@ -351,13 +328,11 @@ class DenseModel:
         qkv, attn, act = ws.qkv[:t], ws.attn[:t], ws.act[:t]
         qkv3, attn3 = qkv.view(t, hq + 2 * hkv, d), attn.view(t, hq, d)
         embedding(batch.input_ids, self.embed, out=residual)  # the float32 stream starts from the embeddings, exactly
-        pf = self._prefetch if batch.max_q_len == 1 and batch.max_kv_len <= self.prefetch_max_kv else ()
         for i, layer in enumerate(self.layers):
-            rmsnorm_linear(residual, layer.input_norm, self.eps, layer.qkv, out=qkv, prefetch_l2="qkv" in pf)
+            rmsnorm_linear(residual, layer.input_norm, self.eps, layer.qkv, out=qkv)
             self._attention(i, layer, batch, kv_cache, qkv3, attn3)
-            linear_add(attn, layer.o_proj, residual, prefetch_l2="o" in pf)
-            rmsnorm_linear_silu_mul(residual, layer.post_norm, self.eps, layer.gate_up, out=act,
-                                    prefetch_l2="gate_up" in pf)
-            linear_add(act, layer.down, residual, prefetch_l2="down" in pf)
+            linear_add(attn, layer.o_proj, residual)
+            rmsnorm_linear_silu_mul(residual, layer.post_norm, self.eps, layer.gate_up, out=act)
+            linear_add(act, layer.down, residual)
         return rmsnorm_linear(residual, self.final_norm, self.eps, self.lm_head, out=ws.logits[:n],
                               rows=batch.logits_indices)

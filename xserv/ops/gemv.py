@@ -119,10 +119,9 @@ def linear_gemv(x: Tensor, weight: Tensor, out: Tensor | None = None, out_dtype=
 
 
 def rmsnorm_linear(residual: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, out: Tensor | None = None,
-                   rows: Tensor | None = None, out_dtype=None, prefetch_l2: bool = False) -> Tensor:
+                   rows: Tensor | None = None, out_dtype=None) -> Tensor:
     """rmsnorm(residual[rows]) @ weight^T -> out [m, N] (bf16 or float32): residual fp32 [T, K] (the decoder's
-    stream), rows int32 [m] picking residual rows (default: all T), norm_weight bf16 [K]. prefetch_l2: see
-    linear_add."""
+    stream), rows int32 [m] picking residual rows (default: all T), norm_weight bf16 [K]."""
     check_tensor("residual", residual, dtype=float32, ndim=2)
     k = residual.shape[1]
     check_tensor("norm_weight", norm_weight, dtype=bfloat16, shape=(k,))
@@ -144,17 +143,15 @@ def rmsnorm_linear(residual: Tensor, norm_weight: Tensor, eps: float, weight: Te
         out.array[...] = rmsnorm_linear_reference(residual.array, norm_weight.array, eps32, weight.array,
                                                   idx).astype(out.dtype)
         return out
-    _launch("rmsnorm", residual, k, rows, norm_weight, eps32, weight, out, _EPILOGUE[out.dtype], m, n, k,
-            prefetch_l2)
+    _launch("rmsnorm", residual, k, rows, norm_weight, eps32, weight, out, _EPILOGUE[out.dtype], m, n, k)
     return out
 
 
 def rmsnorm_linear_silu_mul(residual: Tensor, norm_weight: Tensor, eps: float, gate_up_weight: Tensor,
-                            out: Tensor | None = None, prefetch_l2: bool = False) -> Tensor:
+                            out: Tensor | None = None) -> Tensor:
     """silu_and_mul(bf16(rmsnorm(residual) @ gate_up_weight^T)) -> out bf16 [1, I]: residual fp32 [1, K] (one row:
     the one-token decode step), gate_up_weight bf16 [2I, K] (gate rows, then up rows). The activation is computed
-    in the projection's epilogue, once per step (the down projection then takes it as a plain bf16 input).
-    prefetch_l2: see linear_add."""
+    in the projection's epilogue, once per step (the down projection then takes it as a plain bf16 input)."""
     check_tensor("residual", residual, dtype=float32, ndim=2)
     m, k = residual.shape
     check_tensor("norm_weight", norm_weight, dtype=bfloat16, shape=(k,))
@@ -173,17 +170,14 @@ def rmsnorm_linear_silu_mul(residual: Tensor, norm_weight: Tensor, eps: float, g
         out.array[...] = rmsnorm_linear_silu_mul_reference(residual.array, norm_weight.array, eps32,
                                                            gate_up_weight.array)
         return out
-    _launch("rmsnorm", residual, k, None, norm_weight, eps32, gate_up_weight, out, _EPILOGUE["silu_mul"], m, n, k,
-            prefetch_l2)
+    _launch("rmsnorm", residual, k, None, norm_weight, eps32, gate_up_weight, out, _EPILOGUE["silu_mul"], m, n, k)
     return out
 
 
-def linear_add(x: Tensor, weight: Tensor, residual: Tensor, prefetch_l2: bool = False) -> Tensor:
-    """residual fp32 [m, N] += bf16(x bf16 [m, K] @ weight^T). Returns residual. prefetch_l2 (a hint, taken by the
-    one-row GPU kernel): before waiting for the kernel before, pull all of weight into L2 (worth it where that kernel
-    leaves HBM idle, as a short-context decode attention does; same results either way)."""
+def linear_add(x: Tensor, weight: Tensor, residual: Tensor) -> Tensor:
+    """residual fp32 [m, N] += bf16(x bf16 [m, K] @ weight^T). Returns residual."""
     check_tensor("x", x, dtype=bfloat16, ndim=2)
-    return _add_into_residual("x", x, x.shape[1], "bf16", linear_reference, weight, residual, prefetch_l2)
+    return _add_into_residual("x", x, x.shape[1], "bf16", linear_reference, weight, residual)
 
 
 def silu_mul_linear_add(gate_up: Tensor, weight: Tensor, residual: Tensor) -> Tensor:
@@ -196,7 +190,7 @@ def silu_mul_linear_add(gate_up: Tensor, weight: Tensor, residual: Tensor) -> Te
 
 
 def _add_into_residual(name: str, x: Tensor, k: int, prologue: str, reference, weight: Tensor,
-                       residual: Tensor, prefetch_l2: bool = False) -> Tensor:
+                       residual: Tensor) -> Tensor:
     """The residual-add epilogue ops: x (checked by the caller) gives the K = k input of the projection."""
     m = x.shape[0]
     n = _check_weight(weight, k)
@@ -207,7 +201,7 @@ def _add_into_residual(name: str, x: Tensor, k: int, prologue: str, reference, w
     if device == "cpu":
         residual.array[...] = add_rounded(residual.array, reference(x.array, weight.array))
         return residual
-    _launch(prologue, x, x.shape[1], None, None, 0.0, weight, residual, _EPILOGUE["add"], m, n, k, prefetch_l2)
+    _launch(prologue, x, x.shape[1], None, None, 0.0, weight, residual, _EPILOGUE["add"], m, n, k)
     return residual
 
 
@@ -239,7 +233,7 @@ def plan(m: int, n: int, multiprocessor_count: int, paired: bool = False, k: int
 
 
 def _launch(prologue: str, x: Tensor, x_stride: int, rows: Tensor | None, norm_weight: Tensor | None, eps32,
-            weight: Tensor, out: Tensor, epilogue: int, m: int, n: int, k: int, prefetch_l2: bool = False) -> None:
+            weight: Tensor, out: Tensor, epilogue: int, m: int, n: int, k: int) -> None:
     if m == 0 or n == 0:
         return
     if not aligned(x, weight) or (x_stride * x.dtype.itemsize) % 16:
@@ -249,8 +243,7 @@ def _launch(prologue: str, x: Tensor, x_stride: int, rows: Tensor | None, norm_w
     x_rows = rows if rows is not None else 0  # a null pointer: rows 0..m-1
     norm = norm_weight if norm_weight is not None else 0
     modes = (np.int32(split), np.int32(_PROLOGUE[prologue]), np.int32(epilogue))
-    if m == 1:  # gemv_row[_prefetch](x, x_stride, x_rows, norm_w, eps, W, out, N, K, split, prologue, epilogue)
-        name = "gemv_row_prefetch" if prefetch_l2 else name
+    if m == 1:  # gemv_row(x, x_stride, x_rows, norm_w, eps, W, out, N, K, split, prologue, epilogue)
         args = (x, np.int64(x_stride), x_rows, norm, np.float32(eps32), weight, out, np.int32(n), np.int32(k), *modes)
     else:  # gemv_mma_m*(x, x_stride, x_rows, norm_w, eps, W, out, out_stride, m, N, K, split, prologue, epilogue)
         args = (x, np.int64(x_stride), x_rows, norm, np.float32(eps32), weight, out, np.int64(out.shape[1]),
