@@ -638,3 +638,29 @@ def test_pdl_launch_in_a_captured_graph(rng):
         buf.copy_(np.full(n, np.nan, np.float32))
         stale.replay()
         assert np.isnan(out.numpy()).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pdl", [False, True])
+def test_sync_bench_chain_orders_the_data(pdl):
+    """tools/bench_sync's kernel chain (each step reads a neighbour's value from the step before) gives the values
+    the chain implies, with and without programmatic dependent launch: the boundary it times is a real hand-off."""
+    from tools.bench_sync import chain
+    from xserv.runtime import get_device
+
+    _, ok = chain(2 * get_device().multiprocessor_count, steps=8, pdl=pdl, replays=3)
+    assert ok
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", [0, 1, 2, 3])
+@pytest.mark.parametrize("per_sm", [None, 1, 2])
+def test_sync_bench_barriers_order_the_data(form, per_sm):
+    """Every grid-barrier form of tools/bench_sync orders the data: no CTA reads its neighbour's slot before the
+    neighbour wrote it that round (37 CTAs: a partial group of the two-level form)."""
+    from tools.bench_sync import barrier
+    from xserv.runtime import get_device
+
+    grid = 37 if per_sm is None else per_sm * get_device().multiprocessor_count
+    _, errors = barrier(grid, form, rounds=400, repeats=1)
+    assert errors == 0

@@ -1,0 +1,104 @@
+"""What a hand-off between dependent steps costs on this GPU: a kernel boundary inside a CUDA graph (with and
+without programmatic dependent launch) against a software grid barrier inside one persistent kernel (four forms).
+The step is tiny (CTA b reads what CTA b + 1 wrote in the step before), so the figures are the hand-off itself:
+what a persistent batch-1 decode kernel would pay per dependent phase instead of a kernel boundary (issue 11;
+docs/kernels/gemv.md). Kernels: cuda_src/dev/sync_bench.cu. Prints the device name. GPU only.
+
+    python -m tools.bench_sync [--grids 132,264] [--rounds 2000] [--steps 64]
+
+Grids default to one and two CTAs per SM (the GEMVs run two); every CTA of a barrier launch must be resident.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+FAMILY = "dev/sync_bench"
+FORMS = {0: "atomic counter, polled", 1: "red.release counter, polled", 2: "last arriver releases a flag",
+         3: "two-level counters, flag"}
+_LINE, _GROUP = 32, 8  # as in sync_bench.cu
+
+
+def chain(grid: int, steps: int, pdl: bool, replays: int = 20) -> tuple[float, bool]:
+    """A CUDA graph of `steps` dependent sync_chain_step launches of `grid` CTAs, replayed: (median us per step,
+    whether every value came out as the chain implies)."""
+    from xserv.runtime import kernel
+    from xserv.runtime.graphs import CUDAGraph
+    from xserv.runtime.timing import EventTimer
+    from xserv.tensor import Tensor, int32
+
+    step = kernel(FAMILY, "sync_chain_step")
+    bufs = [Tensor.zeros((grid,), int32), Tensor.zeros((grid,), int32)]
+    graph = CUDAGraph()
+    with graph.capture():
+        for i in range(steps):
+            step(grid, 128, bufs[i % 2], bufs[(i + 1) % 2], pdl=pdl)
+    timer = EventTimer()
+    times = [timer.time_ms(graph.replay) for _ in range(replays)]
+    graph.close()
+    # Every step adds one to a neighbour's value and the buffers alternate, so after `replays` replays of an even
+    # chain each value in the buffer the last step wrote is replays * steps.
+    ok = steps % 2 == 0 and bool((bufs[0].numpy() == replays * steps).all())
+    return statistics.median(times) * 1e3 / steps, ok
+
+
+def barrier(grid: int, form: int, rounds: int, repeats: int = 5) -> tuple[float, int]:
+    """sync_grid_barrier with `rounds` rounds against 0 rounds (the launch): (median us per barrier, the
+    mismatches counted over every launch)."""
+    from xserv.runtime import kernel
+    from xserv.runtime.timing import EventTimer
+    from xserv.tensor import Tensor, int32
+
+    k = kernel(FAMILY, "sync_grid_barrier")
+    data = Tensor.zeros((2 * grid,), int32)
+    sync = Tensor.zeros((_LINE * (2 + -(-grid // _GROUP)),), int32)
+    errors = Tensor.zeros((1,), int32)
+    zeros = np.zeros(sync.shape, np.int32)
+    timer = EventTimer()
+
+    def launch_ms(n: int) -> float:
+        sync.copy_(zeros)
+        data.copy_(np.zeros(data.shape, np.int32))
+        return timer.time_ms(lambda: k(grid, 128, data, sync, errors, np.int32(n), np.int32(form)))
+
+    launch_ms(rounds)  # warm-up
+    full = statistics.median(launch_ms(rounds) for _ in range(repeats))
+    empty = statistics.median(launch_ms(0) for _ in range(repeats))
+    return (full - empty) * 1e3 / rounds, int(errors.numpy()[0])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--grids", default="", help="comma list of CTA counts (default: 1 and 2 per SM)")
+    ap.add_argument("--rounds", type=int, default=2000, help="barriers per persistent launch")
+    ap.add_argument("--steps", type=int, default=64, help="kernels per graph (even)")
+    args = ap.parse_args(argv)
+    if args.steps < 2 or args.steps % 2:
+        ap.error("--steps: an even number of at least 2")
+
+    from xserv.runtime import get_device
+
+    dev = get_device()
+    sms = dev.multiprocessor_count
+    grids = [int(g) for g in args.grids.split(",") if g] or [sms, 2 * sms]
+    print(f"device: {dev.name} ({sms} SMs); a dependent step of 128-thread CTAs, us per hand-off (median)")
+    for grid in grids:
+        for pdl in (False, True):
+            us, ok = chain(grid, args.steps, pdl)
+            print(f"  grid {grid:4d}  kernel boundary in a graph, {'with' if pdl else 'without'} PDL: {us:6.2f} us"
+                  f"{'' if ok else '  WRONG VALUES'}")
+        for form, name in FORMS.items():
+            us, errors = barrier(grid, form, args.rounds)
+            print(f"  grid {grid:4d}  grid barrier {form} ({name}): {us:6.2f} us"
+                  f"{'' if errors == 0 else f'  {errors} MISMATCHES'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
