@@ -641,26 +641,31 @@ def test_pdl_launch_in_a_captured_graph(rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pdl", [False, True])
-def test_sync_bench_chain_orders_the_data(pdl):
+@pytest.mark.parametrize("pdl,loads,padded", [(False, 0, False), (True, 0, False), (True, 16, True)])
+def test_sync_bench_chain_orders_the_data(pdl, loads, padded):
     """tools/bench_sync's kernel chain (each step reads a neighbour's value from the step before) gives the values
-    the chain implies, with and without programmatic dependent launch: the boundary it times is a real hand-off."""
-    from tools.bench_sync import chain
+    the chain implies, with and without programmatic dependent launch, pre-wait loads and shared-memory padding:
+    the boundary it times is a real hand-off."""
+    from tools.bench_sync import _padding, chain
     from xserv.runtime import get_device
 
-    _, ok = chain(2 * get_device().multiprocessor_count, steps=8, pdl=pdl, replays=3)
+    dev = get_device()
+    grid = 2 * dev.multiprocessor_count
+    _, ok = chain(grid, steps=8, pdl=pdl, replays=3, loads=loads, smem=_padding(dev, grid) if padded else 0)
     assert ok
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("form", [0, 1, 2, 3])
-@pytest.mark.parametrize("per_sm", [None, 1, 2])
-def test_sync_bench_barriers_order_the_data(form, per_sm):
+@pytest.mark.parametrize("per_sm,loads", [(None, 0), (1, 0), (2, 0), (2, 16)])
+def test_sync_bench_barriers_order_the_data(form, per_sm, loads):
     """Every grid-barrier form of tools/bench_sync orders the data: no CTA reads its neighbour's slot before the
-    neighbour wrote it that round (37 CTAs: a partial group of the two-level form)."""
+    neighbour wrote it that round (37 CTAs: a partial group of the two-level form; with loads in flight across it,
+    from all warps or all but the arriving one)."""
     from tools.bench_sync import barrier
     from xserv.runtime import get_device
 
     grid = 37 if per_sm is None else per_sm * get_device().multiprocessor_count
-    _, errors = barrier(grid, form, rounds=400, repeats=1)
-    assert errors == 0
+    for warp0_loads in ((True, False) if loads else (True,)):
+        _, errors = barrier(grid, form, rounds=400, repeats=1, loads=loads, warp0_loads=warp0_loads)
+        assert errors == 0
