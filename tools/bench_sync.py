@@ -27,16 +27,16 @@ WEIGHT_CHUNKS = 1 << 26  # 1 GiB of 16-byte chunks: the loads' source, far large
 _LINE, _GROUP = 32, 8  # as in sync_bench.cu
 
 
-_weights = {}
+_WEIGHT_BUFFERS = {}
 
 
 def _weights(chunks: int):
     """A buffer of `chunks` 16-byte chunks (a power of two), made once per size: the loads' source."""
     from xserv.tensor import Tensor, uint8
 
-    if chunks not in _weights:
-        _weights[chunks] = Tensor.zeros((chunks * 16,), uint8)
-    return _weights[chunks]
+    if chunks not in _WEIGHT_BUFFERS:
+        _WEIGHT_BUFFERS[chunks] = Tensor.zeros((chunks * 16,), uint8)
+    return _WEIGHT_BUFFERS[chunks]
 
 
 def chain(grid: int, steps: int, pdl: bool, replays: int = 20, loads: int = 0, smem: int = 0) -> tuple[float, bool]:
