@@ -184,11 +184,6 @@ __device__ __forceinline__ void fma_step(float (&acc)[kRows], const uint4 (&w)[k
 // kSiluMulBf16 pairs the row groups of a tile (split <= 2, so a tile holds an even number of them): slot 2p takes
 // gate rows j0..j0+3 (rows j of W), slot 2p + 1 the matching up rows (rows I + j), and the gate slot's lanes combine
 // both sums; N is then W's 2I rows and the tiles cover the I activations.
-// PIPELINED: each next tile's first chunk step is loaded at the end of the current tile's k-loop, so it is in flight
-// through the current tile's reduction and store (else after them). Same arithmetic, so the same bits; it pays
-// where a CTA runs many short tiles (lm_head at K = 1024) and costs registers (and the compiler's overlap of a
-// step's loads with the previous step's math) on long ones (docs/kernels/gemv.md, v6 and v9).
-template <bool PIPELINED>
 __device__ __forceinline__ void gemv(const void* x, long long x_stride, const int* x_rows,
                                      const __nv_bfloat16* norm_w, float eps, const __nv_bfloat16* __restrict__ W,
                                      void* out, int N, int K, int split, int prologue, int epilogue) {
@@ -231,7 +226,7 @@ __device__ __forceinline__ void gemv(const void* x, long long x_stride, const in
 #pragma unroll
         for (int r = 0; r < kRows; ++r) acc[r] = 0.f;
         int c = first;
-        if (PIPELINED || tile == blockIdx.x) {  // w0: this tile's first chunk step, loaded before the wait or ahead
+        if (tile == blockIdx.x) {
             fma_step(acc, w0, xs, c, stride, chunks);
             c += stride * kU;
         }
@@ -239,13 +234,6 @@ __device__ __forceinline__ void gemv(const void* x, long long x_stride, const in
             uint4 w[kU][kRows];
             load_step(w, wrow, c, stride, chunks);
             fma_step(acc, w, xs, c, stride, chunks);
-        }
-        if constexpr (PIPELINED) {
-            if (tile + gridDim.x < num_tiles) {  // the next tile's first step, in flight through this one's reduction
-                const __nv_bfloat16* next[kRows];
-                rows_of(tile + gridDim.x, next);
-                load_step(w0, next, first, stride, chunks);
-            }
         }
         // Sum the lanes of each warp, then the `split` warps of the row group in warp order.
 #pragma unroll
@@ -420,18 +408,11 @@ __device__ __forceinline__ void gemv(const void* x, long long x_stride, const in
 
 // x: see the prologues above; x_rows: int32 [m] or null; norm_w: bf16 [K] (kRmsNorm) or null; W: bf16 [N, K];
 // out: [m, out_stride] (bf16 / fp32, or the fp32 residual for kAddResidual). grid: persistent (<= tiles).
-// gemv_row: m = 1, block 128, dynamic shared memory (4 * 4 + 4) * 4 + K * 2 bytes; gemv_row_pipelined the same
-// with each next tile's first loads issued ahead (see row::gemv).
+// gemv_row: m = 1, block 128, dynamic shared memory (4 * 4 + 4) * 4 + K * 2 bytes.
 extern "C" __global__ void __launch_bounds__(row::kThreads) gemv_row(
     const void* x, long long x_stride, const int* x_rows, const __nv_bfloat16* norm_w, float eps,
     const __nv_bfloat16* W, void* out, int N, int K, int split, int prologue, int epilogue) {
-    row::gemv<false>(x, x_stride, x_rows, norm_w, eps, W, out, N, K, split, prologue, epilogue);
-}
-
-extern "C" __global__ void __launch_bounds__(row::kThreads) gemv_row_pipelined(
-    const void* x, long long x_stride, const int* x_rows, const __nv_bfloat16* norm_w, float eps,
-    const __nv_bfloat16* W, void* out, int N, int K, int split, int prologue, int epilogue) {
-    row::gemv<true>(x, x_stride, x_rows, norm_w, eps, W, out, N, K, split, prologue, epilogue);
+    row::gemv(x, x_stride, x_rows, norm_w, eps, W, out, N, K, split, prologue, epilogue);
 }
 
 // gemv_mma_m<M>: m <= M, block 256, dynamic shared memory (8 * 32 * 4 * NT + M * 8) * 4 + m * (K + 32) * 2 bytes.

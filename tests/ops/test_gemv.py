@@ -123,11 +123,6 @@ def test_plan_splits_fill_the_sms():
     assert name == "gemv_mma_m8" and split == 2 and grid == 132 * CTAS_PER_SM < 151936 / 64
     # the SiLU-and-mul epilogue pairs two row groups per tile: at most 2 warps share K
     assert plan(1, 1024, 132, paired=True)[2] == 2 and plan(1, 24576, 132, paired=True)[2] == 1
-    # one row, several tiles per CTA, short rows: the pipelined kernel (lm_head of the 0.6B); long rows or one tile
-    # per CTA: the plain one
-    assert plan(1, 151936, 132, k=1024)[0] == "gemv_row_pipelined"
-    assert plan(1, 6144, 132, paired=True, k=1024)[0] == "gemv_row_pipelined"
-    assert plan(1, 151936, 132, k=4096)[0] == "gemv_row" and plan(1, 1024, 132, k=1024)[0] == "gemv_row"
 
 
 # ---- GPU: the kernels against the references ---------------------------------------------------------------------
@@ -200,37 +195,6 @@ def test_cuda_rmsnorm_linear_silu_mul(rng, i, k):
     rmsnorm_linear_silu_mul(Tensor.from_numpy(residual), Tensor.from_numpy(norm_w), EPS, Tensor.from_numpy(w),
                             out=out)
     close(out.numpy(), rmsnorm_linear_silu_mul_reference(residual, norm_w, EPS, w))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("n,k", [(20000, 1024), (4096, 1024), (9001, 1000), (70001, 64)])
-def test_cuda_pipelined_row_kernel_same_bits(rng, monkeypatch, n, k):
-    """gemv_row_pipelined only issues each next tile's first loads earlier: every one-row op gives the plain
-    gemv_row's bits (several tiles per CTA, a partial last tile, K not a multiple of 32, paired gate/up tiles)."""
-    import xserv.ops.gemv as gemv_mod
-    from xserv.runtime import get_device
-
-    assert plan(1, n, get_device().multiprocessor_count, k=k)[0] == "gemv_row_pipelined"
-    x = Tensor.from_numpy(random_array(rng, (1, k), bfloat16, mean=0.0))
-    residual = random_array(rng, (1, k), np.float32, mean=0.0, std=3.0)
-    res_in = random_array(rng, (1, n), np.float32, mean=0.0, std=0.1)
-    norm_w = Tensor.from_numpy(random_array(rng, (k,), bfloat16, mean=1.0, std=0.1))
-    w = Tensor.from_numpy(weights(rng, 2 * (n // 2), k))
-
-    def run_all():
-        acc = Tensor.from_numpy(res_in[:, :2 * (n // 2)])
-        linear_add(x, w, acc)
-        return [linear_gemv(x, w).numpy().view(np.uint16),
-                rmsnorm_linear(Tensor.from_numpy(residual), norm_w, EPS, w).numpy().view(np.uint16),
-                rmsnorm_linear_silu_mul(Tensor.from_numpy(residual), norm_w, EPS, w).numpy().view(np.uint16),
-                acc.numpy()]
-
-    pipelined = run_all()
-    monkeypatch.setattr(gemv_mod, "PIPELINE_MAX_K", 0)
-    plain = run_all()
-    for got, want in zip(pipelined, plain):
-        np.testing.assert_array_equal(got, want)
-    close(pipelined[0].view(bfloat16), linear_reference(x.numpy(), w.numpy()))
 
 
 @pytest.mark.gpu

@@ -35,10 +35,6 @@ _MMA_WARPS, _MMA_ROWS, _MMA_PAD = 8, 16, 32  # gemv_mma_m8 / _m16
 SMEM_LIMIT = 112 * 1024
 # At most 2 CTAs per SM: enough loads in flight for the bandwidth, and each CTA stages x (once) the fewest times.
 CTAS_PER_SM = 2
-# One row, several tiles per CTA and K at most this: gemv_row_pipelined (each next tile's first loads in flight
-# through the current tile's reduction; same bits). Measured on an H200 (docs/kernels/gemv.md, v9): it pays on short
-# rows (0.6B lm_head, qkv, gate/up at K = 1024) and lost on the 8B's K = 4096 (fewer registers, less overlap).
-PIPELINE_MAX_K = 1024
 _PROLOGUE = {"bf16": 0, "rmsnorm": 1, "silu_mul": 2}
 _EPILOGUE = {bfloat16: 0, float32: 1, "add": 2, "silu_mul": 3}
 
@@ -214,8 +210,7 @@ def plan(m: int, n: int, multiprocessor_count: int, paired: bool = False, k: int
     """(kernel, threads, split, grid): split = warps sharing a row group's K (the fewest that give every SM two
     tiles and keep the last round of tiles >= 90% full), grid = the tiles, at most CTAS_PER_SM per multiprocessor
     (each CTA stages x once, then loops over its tiles). paired (the SiLU-and-mul epilogue, one row): a tile pairs
-    gate and up row groups, so split <= 2. One row with several tiles per CTA and k <= PIPELINE_MAX_K: the
-    pipelined gemv_row."""
+    gate and up row groups, so split <= 2."""
     if m == 1:
         name, warps, rows = "gemv_row", _ROW_WARPS, _ROW_ROWS
     else:
@@ -234,8 +229,6 @@ def plan(m: int, n: int, multiprocessor_count: int, paired: bool = False, k: int
     while (split < max_split and tiles(split) / (slots * cdiv(tiles(split), slots)) < 0.9
            and k >= 2 * split * step_k):
         split *= 2
-    if m == 1 and tiles(split) > slots and k <= PIPELINE_MAX_K:
-        name = "gemv_row_pipelined"
     return name, warps * 32, split, min(tiles(split), slots)
 
 
