@@ -99,23 +99,23 @@ __device__ __forceinline__ void bf16x8_to_float_fast(const uint4& v, float (&f)[
 // counter (graph replays reuse it). It is the kernel's serial tail when a few sequences are split many ways (64
 // partials of 4 heads x 128 dims = 64 KB of L2 reads by one CTA at 1 x 32k), so the lse values are read once, every
 // thread keeps 8 partial rows in flight (16 measured no faster at 32 splits and 1.3 us slower at 8, whose loads then
-// all fall into the loop's remainder), and where G * D / 4 < 128 threads the splits are spread over PARTS thread
-// groups whose sums are added in a fixed order (deterministic). sm: shared scratch of G * active + 128 * 4 floats;
-// sm_last: a shared int.
-template <int D, int G>
+// all fall into the loop's remainder), and where G * D / 4 < W * 32 threads the splits are spread over PARTS thread
+// groups whose sums are added in a fixed order (deterministic). sm: shared scratch of G * active + W * 32 * 4
+// floats; sm_last: a shared int. W: warps per CTA (decode_split_v4's).
+template <int D, int G, int W>
 __device__ __forceinline__ void combine_splits_v4(int* counter, int active, long long row0, int num_splits,
                                                   const float* __restrict__ part_o,
                                                   const float* __restrict__ part_lse,
                                                   __nv_bfloat16* __restrict__ out, float* sm, int& sm_last) {
     constexpr int NIDX = G * D / 4;                      // float4 columns of the G output rows
-    constexpr int PARTS = NIDX >= kV4Warps * 32 ? 1 : (kV4Warps * 32) / NIDX;
+    constexpr int PARTS = NIDX >= W * 32 ? 1 : (W * 32) / NIDX;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (!last_to_arrive(counter, active, sm_last)) return;
     if (active <= kV4FastCombine) {
         // Few splits (short contexts): one round trip to L2 instead of two. Each thread takes a float4 column of a
         // head and loads that head's lse values with the column's partials, all at once; the threads of a head
         // compute the same weights in the same order.
-        for (int idx = threadIdx.x; idx < NIDX; idx += kV4Warps * 32) {
+        for (int idx = threadIdx.x; idx < NIDX; idx += W * 32) {
             const int g = idx / (D / 4), d4 = idx % (D / 4);
             const float* lse = part_lse + (row0 + g) * num_splits;
             const float4* src = reinterpret_cast<const float4*>(part_o + (row0 + g) * num_splits * D) + d4;
@@ -156,7 +156,7 @@ __device__ __forceinline__ void combine_splits_v4(int* counter, int active, long
     float4* sm_red = reinterpret_cast<float4*>(sm + ((G * active + 3) & ~3));  // [PARTS][NIDX] partial sums
     // split weights 2^(lse_i - M) / sum per head, one warp per head; the lse values are read from L2 once (into
     // sm_w, which each lane then rewrites in place: only its own entries)
-    for (int g = warp; g < G; g += kV4Warps) {
+    for (int g = warp; g < G; g += W) {
         const float* lse = part_lse + (row0 + g) * num_splits;
         float* w = sm_w + g * active;
         float mm = neg_inf();
@@ -174,7 +174,7 @@ __device__ __forceinline__ void combine_splits_v4(int* counter, int active, long
         for (int i = lane; i < active; i += 32) w[i] /= den;
     }
     __syncthreads();  // all heads' weights are in shared memory
-    for (int t = threadIdx.x; t < NIDX * PARTS; t += kV4Warps * 32) {
+    for (int t = threadIdx.x; t < NIDX * PARTS; t += W * 32) {
         const int idx = t % NIDX, part = t / NIDX;
         const int g = idx / (D / 4), d4 = idx % (D / 4);
         const float4* src = reinterpret_cast<const float4*>(part_o + (row0 + g) * num_splits * D) + d4;
@@ -198,7 +198,7 @@ __device__ __forceinline__ void combine_splits_v4(int* counter, int active, long
     }
     if constexpr (PARTS > 1) {
         __syncthreads();  // every group's sums are in shared memory
-        for (int idx = threadIdx.x; idx < NIDX; idx += kV4Warps * 32) {
+        for (int idx = threadIdx.x; idx < NIDX; idx += W * 32) {
             float4 acc = sm_red[idx];
 #pragma unroll
             for (int p = 1; p < PARTS; ++p) {
@@ -238,17 +238,18 @@ __device__ __forceinline__ void combine_splits_v4(int* counter, int active, long
         num_kv_heads, scale_log2, chunk_len, num_splits, out, part_o, part_lse, counters, bs_magic, bs_shift,    \
         positions, slot_mapping, cos_sin, max_pos, q_weight, k_weight, eps
 
-template <int D, int G, int STAGES>
+// W: warps per CTA (the production kernels: kV4Warps; the dev file's wide CTAs more).
+template <int D, int G, int STAGES, int W = kV4Warps>
 __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS) {
     constexpr int U = kV4Unroll;
     constexpr int LPK = D / 8;         // lanes per key
     constexpr int KPS = 32 / LPK;      // keys side by side in a warp
     constexpr int KPI = KPS * U;       // keys per warp and stage
-    constexpr int CI = kV4Warps * KPI; // keys per CTA and stage
+    constexpr int CI = W * KPI;        // keys per CTA and stage
     constexpr int NCH = 2 * U;         // 16-byte chunks per lane and stage (K then V)
     constexpr int LPR = D / 16;        // lanes per head row in rope.cuh's layout
-    constexpr int RING = kV4Warps * STAGES * NCH * 32 * 16;
-    static_assert(kV4Warps * G * D * 4 + 2 * kV4Warps * G * 4 <= RING, "merge area fits in the ring");
+    constexpr int RING = W * STAGES * NCH * 32 * 16;
+    static_assert(W * G * D * 4 + 2 * W * G * 4 <= RING, "merge area fits in the ring");
     static_assert((G + 2) * D * 2 <= kV4RowBytes, "the fused rows fit their shared area");
     extern __shared__ __align__(16) unsigned char smem_raw[];
     int* tab = reinterpret_cast<int*>(smem_raw + RING);
@@ -265,7 +266,7 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS) {
     const int h0 = kv_head * G;
     const bool fused = positions != nullptr;
     const bool norm = fused && q_weight != nullptr;
-    constexpr int kNewWarp = G % kV4Warps;  // the warp that makes the new key's rows (the next in the q heads' turn)
+    constexpr int kNewWarp = G % W;  // the warp that makes the new key's rows (the next in the q heads' turn)
 
     // ---- Before pdl_wait: only what no kernel of this decode step writes (see the header). kv_len, the split's
     // page-table entries (for a full chunk, within the table row, before kv_len is known: entries past the
@@ -278,7 +279,7 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS) {
     const int* table = block_tables + (long long)s * max_blocks_per_seq;
     const int p0 = fast_div(start, bs_magic, bs_shift);  // pages as first slots (page * block_size)
     const int n_cap = min(fast_div(start + chunk_len - 1, bs_magic, bs_shift) - p0 + 1, max_blocks_per_seq - p0);
-    for (int i = threadIdx.x; i < n_cap; i += kV4Warps * 32)
+    for (int i = threadIdx.x; i < n_cap; i += W * 32)
         tab[i] = (int)((unsigned)__ldg(table + p0 + i) * (unsigned)block_size);  // -1 entries: never read
     rope16::NormWeights w;
     if (norm) rope16::load_norm_weights<D>(w, q_weight, k_weight, t);
@@ -312,7 +313,7 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS) {
     if (start >= kv_len) {  // no keys in this split
         xserv::pdl_wait();  // every CTA waits before it ends or writes (the chain argument in the header)
         if (kv_len == 0 && split == 0) {  // a padding row of a captured batch: a defined zero row
-            for (int idx = threadIdx.x; idx < G * D; idx += kV4Warps * 32)
+            for (int idx = threadIdx.x; idx < G * D; idx += W * 32)
                 out[((long long)s * num_q_heads + h0) * D + idx] = __float2bfloat16(0.f);
             if (fused && slot >= 0 && warp == kNewWarp) {  // no key to attend to, but the new K/V still go in
                 uint4 kb, vb;
@@ -405,7 +406,7 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS) {
         // the raw q).
         float cv[8], sv[8];
         const bool in_range = rope16::load_cos_sin<D>(cos_sin, pos, max_pos, t, cv, sv);
-        for (int g = warp; g < G; g += kV4Warps) {
+        for (int g = warp; g < G; g += W) {
             const __nv_bfloat16* q_row = q_seq + (long long)(h0 + g) * D;
             float lo[8], hi[8];
             xserv::bf16x8_to_float(*reinterpret_cast<const uint4*>(q_row + 8 * t), lo);
@@ -571,9 +572,9 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS) {
         }
     }
     __syncthreads();  // every warp is past its last ring read: the ring becomes the merge area
-    float* sm_acc = reinterpret_cast<float*>(smem_raw);  // [kV4Warps][G][D]
-    float* sm_m = sm_acc + kV4Warps * G * D;             // [kV4Warps][G]
-    float* sm_l = sm_m + kV4Warps * G;                   // [kV4Warps][G]
+    float* sm_acc = reinterpret_cast<float*>(smem_raw);  // [W][G][D]
+    float* sm_m = sm_acc + W * G * D;                    // [W][G]
+    float* sm_l = sm_m + W * G;                          // [W][G]
     if (sub == 0) {
 #pragma unroll
         for (int g = 0; g < G; ++g) {
@@ -587,11 +588,11 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS) {
     }
     __syncthreads();
     const long long row0 = (long long)s * num_q_heads + h0;
-    write_split_result<D, G, kV4Warps>(sm_m, sm_l, sm_acc, row0, split, num_splits, out, part_o, part_lse);
+    write_split_result<D, G, W>(sm_m, sm_l, sm_acc, row0, split, num_splits, out, part_o, part_lse);
     if (num_splits == 1) return;
     // the merge area is no longer read: it holds the split weights now
-    static_assert(((G * kV4MaxSplits + 3) & ~3) * 4 + kV4Warps * 32 * 16 <= RING, "combine scratch fits in the ring");
-    combine_splits_v4<D, G>(counters + (long long)s * num_kv_heads + kv_head,
+    static_assert(((G * kV4MaxSplits + 3) & ~3) * 4 + W * 32 * 16 <= RING, "combine scratch fits in the ring");
+    combine_splits_v4<D, G, W>(counters + (long long)s * num_kv_heads + kv_head,
                             min(num_splits, (kv_len + chunk_len - 1) / chunk_len), row0, num_splits, part_o, part_lse,
                             out, reinterpret_cast<float*>(smem_raw), sm_last);
 }

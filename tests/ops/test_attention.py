@@ -286,7 +286,7 @@ def _kernel_names(family: str) -> set[str]:
     for d, g, s in re.findall(r"^\s*XSERV_DECODE_V4_KERNEL\((\w+), (\w+), (\d)\)", src, re.M):
         names.add(f"attention_decode_v4_d{d}_g{g}_s{s}")
     for d, g in re.findall(r"^XSERV_DECODE_V4_EXPERIMENTS\((\d+), (\d)\)", src, re.M):
-        names.update(f"attention_decode_v4_d{d}_g{g}_{x}" for x in ("s3", "s4", "s2_n", "s2_p"))
+        names.update(f"attention_decode_v4_d{d}_g{g}_{x}" for x in ("s3", "s4", "s2_n", "s2_p", "s2_w8", "s2_w16"))
     for d, g in re.findall(r"^XSERV_DECODE_V3_STAGES\((\d+), (\d)\)", src, re.M):
         names.update(f"attention_decode_v3_d{d}_g{g}_s{s}" for s in (2, 3))
     for d, mt, w, qs, nbuf, ks in re.findall(
@@ -326,7 +326,7 @@ def test_host_mirrors_match_device_constants():
     assert eval(row_bytes) == D.V4_ROW_BYTES  # a product of literals  # noqa: S307
     warps = int(re.search(r"constexpr int kV4Warps = (\d+);", v4).group(1))
     unroll = int(re.search(r"constexpr int kV4Unroll = (\d+);", v4).group(1))
-    assert warps * (2 * unroll) * 32 * 16 == D.V4_RING_STAGE_BYTES and warps * 32 == D._THREADS
+    assert warps * (2 * unroll) * 32 * 16 == D.V4_RING_STAGE_BYTES and warps == D.DECODE_KERNELS["v4"].warps
     minb = re.search(r"#define XSERV_V4_MINB\(G\) \(\(G\) <= (\d+) \? (\d+) : (\d+)\)", v4).groups()
     for g in range(1, 9):
         assert D.v4_min_blocks(g) == (int(minb[1]) if g <= int(minb[0]) else int(minb[2]))
@@ -697,8 +697,7 @@ def check_decode_rope(c, variant=None, max_kv_len=None):
     leaves qkv as it was (the two-op fallback, variant v2, rotates it in place), and agrees with the composition of
     the NumPy references (the attention in float64)."""
     out, kc, vc, qkv = run_decode_rope(c, variant=variant, max_kv_len=max_kv_len)
-    want_out, want_kc, want_vc = run_rope_then_decode(c, variant="v2" if variant == "v2" else None,
-                                                      max_kv_len=max_kv_len)
+    want_out, want_kc, want_vc = run_rope_then_decode(c, variant=variant, max_kv_len=max_kv_len)
     np.testing.assert_array_equal(u16(out), u16(want_out))
     np.testing.assert_array_equal(u16(kc), u16(want_kc))
     np.testing.assert_array_equal(u16(vc), u16(want_vc))
@@ -849,11 +848,31 @@ def test_decode_gpu_dev_v3(rng, variant, head_dim, hq, hkv, block_size, packed):
 
 @dev
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["v4s3", "v4s4", "v4n"])
+@pytest.mark.parametrize("variant", ["v4s3", "v4s4", "v4n", "v4w8", "v4w16"])
 @pytest.mark.parametrize("head_dim,hq,hkv,block_size", [(128, 32, 8, 16), (128, 16, 8, 48), (64, 16, 8, 8)])
 def test_decode_gpu_dev_v4_experiments(rng, variant, head_dim, hq, hkv, block_size):
     case = make_case(rng, [1] * 7, [0, 1, 15, 17, 65, 1000, 4096], hq, hkv, head_dim, block_size)
     assert rel_error(run_decode(case, 4096, variant=variant), dense_expected(case)) < TOL
+
+
+@dev
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["v4w8", "v4w16"])
+@pytest.mark.parametrize("head_dim,hq,hkv", [(128, 16, 8), (128, 32, 8), (64, 16, 8)])
+@pytest.mark.parametrize("one_split", [False, True])
+def test_decode_rope_gpu_dev_wide(rng, monkeypatch, variant, head_dim, hq, hkv, one_split):
+    """The wide-CTA experiments (8 and 16 warps): the fused entry is bit-identical to its two-op form and near the
+    references, with the plan's splits and with one split over up to 2,000 keys (what a short context would run)."""
+    if one_split:
+        shipped = D.plan_decode
+
+        def one(variant, num_seqs, num_kv_heads, max_kv_len, *rest):
+            k, _, _ = shipped(variant, num_seqs, num_kv_heads, max_kv_len, *rest)
+            return k, 1, -(-max_kv_len // 64) * 64
+
+        monkeypatch.setattr(D, "plan_decode", one)
+    lens, kinds = [1, 17, 65, 520, 1000, 2000, 0], ["new"] * 6 + ["zero"]
+    check_decode_rope(rope_case(rng, lens, hq, hkv, head_dim, 16, kinds=kinds), variant=variant)
 
 
 @dev

@@ -41,7 +41,6 @@ _SM_SMEM_TOTAL, _CTA_SMEM_RESERVED, _CTA_SMEM_MAX = 228 * 1024, 1024, 227 * 1024
 # docs/kernels/attention.md ("QK-norm + RoPE + KV write folded into decode v4").
 FUSED_PDL = True
 SPREAD_CTAS = True
-_THREADS = 128
 
 
 def v4_min_blocks(group: int) -> int:
@@ -57,8 +56,8 @@ def v3_min_blocks(head_dim: int, stages: int) -> int:
 @dataclass(frozen=True)
 class DecodeKernel:
     """A decode kernel family member: generation 2, 3 or 4, ring stages, name suffix, the (head_dim, group) shapes
-    it is compiled for (None: every supported one), and whether it is v4's production template with its fused-entry
-    arguments (the _n / _p experiments are not)."""
+    it is compiled for (None: every supported one), whether it is v4's production template with its fused-entry
+    arguments (the _n / _p experiments are not), and its warps per CTA (v4's wide-CTA experiments: 8, 16)."""
 
     variant: str
     generation: int
@@ -67,6 +66,7 @@ class DecodeKernel:
     suffix: str = ""
     shapes: frozenset | None = None
     fused_args: bool = True
+    warps: int = 4
 
     @property
     def dev(self) -> bool:
@@ -80,16 +80,17 @@ class DecodeKernel:
     def smem(self, head_dim: int) -> int:
         """Dynamic shared memory: v4's ring + page table + a flag + the fused entry's rows; v3's per-warp staging + a
         flag; v2 none."""
-        if self.generation == 4:
-            return self.stages * V4_RING_STAGE_BYTES + V4_TABLE_CAP * 4 + 16 + V4_ROW_BYTES
+        if self.generation == 4:  # a ring stage per warp: V4_RING_STAGE_BYTES is 4 warps' stage
+            return self.stages * V4_RING_STAGE_BYTES * self.warps // 4 + V4_TABLE_CAP * 4 + 16 + V4_ROW_BYTES
         if self.generation == 3:
             return 4 * self.stages * head_dim * 64 + 16
         return 0
 
     def resident(self, head_dim: int, group: int) -> int:
         """CTAs resident per SM (sizes the split-KV grid): launch bounds and shared memory."""
-        if self.generation == 4:
-            return min(v4_min_blocks(group), _SM_SMEM // (self.smem(head_dim) + 1024))
+        if self.generation == 4:  # the wide CTAs' launch bounds: 16 / warps (attention_decode_dev.cu)
+            bound = v4_min_blocks(group) if self.warps == 4 else 16 // self.warps
+            return min(bound, _SM_SMEM // (self.smem(head_dim) + 1024))
         if self.generation == 3:
             return v3_min_blocks(head_dim, self.stages)
         return V2_CTAS_PER_SM
@@ -106,6 +107,8 @@ DECODE_KERNELS = {k.variant: k for k in (
     DecodeKernel("v4n", 4, "dev/attention_decode_dev", suffix="_n", shapes=_EXPERIMENT_SHAPES, fused_args=False),
     DecodeKernel("v4p", 4, "dev/attention_decode_dev", suffix="_p", shapes=_EXPERIMENT_SHAPES,
                  fused_args=False),  # wrong on purpose
+    DecodeKernel("v4w8", 4, "dev/attention_decode_dev", suffix="_w8", shapes=_EXPERIMENT_SHAPES, warps=8),
+    DecodeKernel("v4w16", 4, "dev/attention_decode_dev", suffix="_w16", shapes=_EXPERIMENT_SHAPES, warps=16),
 )}
 DEFAULT_DECODE = "v4"
 
@@ -311,7 +314,7 @@ def _launch(plan: tuple[DecodeKernel, int, int], q: Tensor, k_cache: Tensor, v_c
         if SPREAD_CTAS:
             smem = spread_smem(smem, splits * num_kv_heads * num_seqs, get_device().multiprocessor_count)
     # v4 waits for the previous kernel itself (pdl_wait): it may be launched with programmatic dependent launch
-    kernel(k.family, k.name(head_dim, group))(grid, (_THREADS, 1, 1), *args, smem=smem, pdl=pdl)
+    kernel(k.family, k.name(head_dim, group))(grid, (32 * k.warps, 1, 1), *args, smem=smem, pdl=pdl)
     if k.generation == 2 and splits > 1:
         kernel(k.family, "attention_decode_combine")(
             (num_q_heads, num_seqs, 1), (head_dim, 1, 1), part_o, part_lse, kv_lens, np.int32(chunk),
