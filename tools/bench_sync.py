@@ -103,12 +103,20 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.steps < 2 or args.steps % 2:
         ap.error("--steps: an even number of at least 2")
+    if args.rounds < 4:
+        ap.error("--rounds: at least 4 (the runs with loads take a quarter of them)")
+    try:
+        grids = [int(g) for g in args.grids.split(",") if g]
+    except ValueError:
+        ap.error(f"--grids: expected a comma list of CTA counts, got {args.grids!r}")
 
     from xserv.runtime import get_device
 
     dev = get_device()
     sms = dev.multiprocessor_count
-    grids = [int(g) for g in args.grids.split(",") if g] or [sms, 2 * sms]
+    grids = grids or [sms, 2 * sms]
+    if any(not 1 <= g <= 16 * sms for g in grids):  # a barrier grid that is not all resident would hang
+        ap.error(f"--grids: each between 1 and {16 * sms} (16 CTAs of 128 threads per SM, all resident)")
     print(f"device: {dev.name} ({sms} SMs); a dependent step of 128-thread CTAs, us per hand-off (median)")
     for grid in grids:
         for pdl in (False, True):
