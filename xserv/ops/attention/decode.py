@@ -88,8 +88,8 @@ class DecodeKernel:
 
     def resident(self, head_dim: int, group: int) -> int:
         """CTAs resident per SM (sizes the split-KV grid): launch bounds and shared memory."""
-        if self.generation == 4:  # the wide CTAs' launch bounds: 16 / warps (attention_decode_dev.cu)
-            bound = v4_min_blocks(group) if self.warps == 4 else 16 // self.warps
+        if self.generation == 4:  # launch bounds: the 4-warp CTAs' count scaled by 4 / warps (16 / W for G <= 4)
+            bound = v4_min_blocks(group) * 4 // self.warps
             return min(bound, _SM_SMEM // (self.smem(head_dim) + 1024))
         if self.generation == 3:
             return v3_min_blocks(head_dim, self.stages)
