@@ -11,8 +11,8 @@ using namespace xserv::decode;
 // v4: v2's CUDA-core math, fed by a per-lane cp.async ring and a per-CTA page table in shared memory, with the
 // split combine folded into the kernel.
 //
-// attention_decode_v4_d{D}_g{G}_s{STAGES}: grid (num_splits, Hkv, num_seqs), block 128 (4 warps), dynamic
-// shared memory STAGES * 16 KB (the ring) + kV4TabCap * 4 (page table) + 16 + kV4RowBytes (the fused rows). STAGES = 2
+// attention_decode_v4_d{D}_g{G}_s{STAGES}[_w8]: grid (num_splits, Hkv, num_seqs), block 128 (4 warps; _w8: 256, for
+// grids of at most one CTA per SM), dynamic shared memory STAGES * 16 KB per 4 warps (the ring) + kV4TabCap * 4 (page table) + 16 + kV4RowBytes (the fused rows). STAGES = 2
 // ships (measured best on an H200: docs/kernels/attention.md, "v4 decode"; and on an H100 for the few-sequence plans
 // of about 2 CTAs per SM, where a third stage was 1-3% slower: "few sequences"); 3 and 4 stages are in cuda_src/dev/.
 //   Key layout as v2: D/8 lanes share a key (one 16-byte chunk of its K and V row each), 32/(D/8) keys side by side,
@@ -36,8 +36,8 @@ using namespace xserv::decode;
 // does qk_norm_rope_write_kv's work for a decode batch (one new token per sequence), with the same bits as that
 // kernel followed by the plain one. q is the packed qkv, read only. Every split's CTA makes its G query rows itself
 // (q head RMSNorm when q_weight is given, RoPE at positions[s]; rope.cuh's pieces, so the same rounding points: the
-// rotated row rounded to bf16 as qkv would hold it); head g by warp g % 4, through shared memory. The CTA whose split
-// holds position kv_len - 1 makes the new token's K row (norm, RoPE) and V row (copied) in warp G % 4, writes them
+// rotated row rounded to bf16 as qkv would hold it); head g by warp g % W, through shared memory. The CTA whose split
+// holds position kv_len - 1 makes the new token's K row (norm, RoPE) and V row (copied) in warp G % W, writes them
 // to the cache at slot_mapping[s] (< 0: nothing) and puts the same bits into its ring slot for that key when the
 // loop gets there (no store-then-reload through global memory). If that slot is not where the page table puts position
 // kv_len - 1 (not in a batch that xserv builds) or is -1 (a padding row), the key is read from the cache instead, as
@@ -238,7 +238,7 @@ __device__ __forceinline__ void combine_splits_v4(int* counter, int active, long
         num_kv_heads, scale_log2, chunk_len, num_splits, out, part_o, part_lse, counters, bs_magic, bs_shift,    \
         positions, slot_mapping, cos_sin, max_pos, q_weight, k_weight, eps
 
-// W: warps per CTA (the production kernels: kV4Warps; the dev file's wide CTAs more).
+// W: warps per CTA (kV4Warps; the wide kernels 8, the dev file's 16).
 template <int D, int G, int STAGES, int W = kV4Warps>
 __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS) {
     constexpr int U = kV4Unroll;
@@ -401,7 +401,7 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS) {
         for (int g = 0; g < G; ++g)
             q_raw[g] = *reinterpret_cast<const uint4*>(q_seq + (long long)(h0 + g) * D + c * 8);
     } else {
-        // q head g = warp, warp + 4, ... of the group: head norm and RoPE by this warp (rope.cuh), the bf16 row into
+        // q head g = warp, warp + W, ... of the group: head norm and RoPE by this warp (rope.cuh), the bf16 row into
         // sm_rows. Every split's CTA recomputes its G rows (G x D values); qkv is not written (other CTAs still read
         // the raw q).
         float cv[8], sv[8];
@@ -608,7 +608,18 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS) {
         decode_split_v4<D, G, S>(XSERV_DECODE_V4_PASS);                                                          \
     }
 
-// 2 stages, for every head_dim and group size.
+// Wide CTAs: the same kernel with W warps (W * 32 threads, a ring of W warps' stages), 16 / W CTAs per SM (the 4-warp
+// kernel's register budget). The plan (plan_decode in xserv/ops/attention/decode.py) runs the 8-warp form where its
+// grid has at most one CTA per SM (a short context at small batch): each split's keys then go out in one stage of 8
+// warps instead of two of 4, twice the bytes in flight per SM (measured on an H200 at batch 1, context 512: +0.8% on
+// a 0.6B-shaped step, +0.5% on an 8B-shaped one; docs/kernels/attention.md, "Wide CTAs for short contexts").
+#define XSERV_DECODE_V4_WIDE_KERNEL(D, G, S, W)                                                                  \
+    extern "C" __global__ void __launch_bounds__(W * 32, 16 / W)                                                 \
+        attention_decode_v4_d##D##_g##G##_s##S##_w##W(XSERV_DECODE_V4_ARGS) {                                  \
+        decode_split_v4<D, G, S, W>(XSERV_DECODE_V4_PASS);                                                       \
+    }
+
+// 2 stages, for every head_dim and group size; 8 warps for the groups of at most 4 (the 16 / W bound holds there).
 XSERV_DECODE_V4_KERNEL(64, 1, 2)
 XSERV_DECODE_V4_KERNEL(64, 2, 2)
 XSERV_DECODE_V4_KERNEL(64, 3, 2)
@@ -625,4 +636,11 @@ XSERV_DECODE_V4_KERNEL(128, 5, 2)
 XSERV_DECODE_V4_KERNEL(128, 6, 2)
 XSERV_DECODE_V4_KERNEL(128, 7, 2)
 XSERV_DECODE_V4_KERNEL(128, 8, 2)
-
+XSERV_DECODE_V4_WIDE_KERNEL(64, 1, 2, 8)
+XSERV_DECODE_V4_WIDE_KERNEL(64, 2, 2, 8)
+XSERV_DECODE_V4_WIDE_KERNEL(64, 3, 2, 8)
+XSERV_DECODE_V4_WIDE_KERNEL(64, 4, 2, 8)
+XSERV_DECODE_V4_WIDE_KERNEL(128, 1, 2, 8)
+XSERV_DECODE_V4_WIDE_KERNEL(128, 2, 2, 8)
+XSERV_DECODE_V4_WIDE_KERNEL(128, 3, 2, 8)
+XSERV_DECODE_V4_WIDE_KERNEL(128, 4, 2, 8)

@@ -530,22 +530,14 @@ __device__ void decode_split_v4_exp(const __nv_bfloat16* __restrict__ q, long lo
                                                        unsigned bs_magic, int bs_shift) {                         \
         decode_split_v4_exp<D, G, S, TR, PROBE>(XSERV_DECODE_PASS, counters, bs_magic, bs_shift);                \
     }
-// Wide CTAs: the production v4 template with W warps (W * 32 threads, a ring of W warps' stages), so that one split
-// of a short context keeps as many keys in flight as 4-warp splits did and needs no split combine (issue 11: the
-// combine's hand-off and L2 round trip were ~2 us of the 0.6B's ~6.4 us attention at 512 keys). For G <= 4 (the
-// 4-warp kernel's 4 CTAs per SM become 16 / W).
-#define XSERV_DECODE_V4_WIDE_KERNEL(D, G, S, W)                                                                  \
-    extern "C" __global__ void __launch_bounds__(W * 32, 16 / W)                                                 \
-        attention_decode_v4_d##D##_g##G##_s##S##_w##W(XSERV_DECODE_V4_ARGS) {                                  \
-        decode_split_v4<D, G, S, W>(XSERV_DECODE_V4_PASS);                                                       \
-    }
+// 16-warp CTAs (XSERV_DECODE_V4_WIDE_KERNEL of attention_decode.cu; the 8-warp ones ship there): one split per kv
+// head of a short context with no split combine lost (docs/kernels/attention.md, "Wide CTAs for short contexts").
 // the benchmark's (head_dim, group) shapes only
 #define XSERV_DECODE_V4_EXPERIMENTS(D, G)          \
     XSERV_DECODE_V4_KERNEL(D, G, 3)                \
     XSERV_DECODE_V4_KERNEL(D, G, 4)                \
     XSERV_DECODE_V4_EXP_KERNEL(D, G, 2, _n, false, false) \
     XSERV_DECODE_V4_EXP_KERNEL(D, G, 2, _p, false, true) \
-    XSERV_DECODE_V4_WIDE_KERNEL(D, G, 2, 8)        \
     XSERV_DECODE_V4_WIDE_KERNEL(D, G, 2, 16)
 XSERV_DECODE_V4_EXPERIMENTS(128, 4)
 XSERV_DECODE_V4_EXPERIMENTS(128, 2)

@@ -231,7 +231,10 @@ def test_v4_plan_few_sequences():
                     for block in (16, 256, 8):
                         k, splits, chunk = D.plan_decode("v4", b, hkv, n, block, 128, 4, sms)
                         ctas = b * hkv * splits
-                        assert k.variant == "v4" and chunk % 64 == 0, (b, hkv, n, block)
+                        assert chunk % 64 == 0, (b, hkv, n, block)
+                        assert k.variant == ("v4w8" if ctas <= sms else "v4"), (sms, b, hkv, n, block)
+                        assert D.plan_decode("v4w4", b, hkv, n, block, 128, 4, sms) == (D.DECODE_KERNELS["v4w4"],
+                                                                                          splits, chunk)
                         assert (splits - 1) * chunk < n <= splits * chunk  # every split holds keys
                         assert splits <= D.V4_MAX_SPLITS and -(-chunk // block) + 1 <= D.V4_TABLE_CAP
                         most = b * hkv * min(D.V4_MAX_SPLITS, -(-n // 64))  # CTAs with 64-key splits
@@ -243,9 +246,26 @@ def test_v4_plan_few_sequences():
                             per_sm = -(-ctas // sms) * chunk  # keys on the busiest SM
                             assert per_sm <= 1.15 * b * hkv * n / sms + 256, (sms, b, hkv, n, splits)
     # the measured points (H100, docs/kernels/attention.md "few sequences")
-    assert D.plan_decode("v4", 1, 8, 32768, 16, 128, 4, 132)[1:] == (32, 1024)
-    assert D.plan_decode("v4", 1, 8, 512, 16, 128, 4, 132)[1:] == (8, 64)
+    assert D.plan_decode("v4", 1, 8, 32768, 16, 128, 4, 132) == (D.DECODE_KERNELS["v4"], 32, 1024)
+    assert D.plan_decode("v4", 1, 8, 512, 16, 128, 4, 132) == (D.DECODE_KERNELS["v4w8"], 8, 64)
     assert D.plan_decode("v4", 64, 8, 4096, 16, 128, 4, 132) == (D.DECODE_KERNELS["v4"], 1, 4096)
+
+
+def test_v4_plan_wide_ctas():
+    """v4 runs its 8-warp CTAs exactly where the grid has at most one CTA per SM and the group is at most 4 (the
+    launch bound 16 / 8 CTAs per SM holds there), with the 4-warp plan's splits; the forced forms keep their own."""
+    wide, narrow = D.DECODE_KERNELS["v4w8"], D.DECODE_KERNELS["v4"]
+    assert (wide.warps, wide.resident(128, 4), narrow.resident(128, 4)) == (8, 2, 4)
+    assert wide.smem(128) - narrow.smem(128) == 2 * D.V4_RING_STAGE_BYTES  # a ring stage per warp
+    for group, d in [(1, 64), (2, 128), (3, 128), (4, 64), (4, 128)]:
+        assert D.plan_decode("v4", 1, 8, 512, 16, d, group, 132)[0] is wide
+        assert D.plan_decode("v4", 2, 8, 4096, 16, d, group, 132)[0] is narrow  # 2 x 8 x 9 CTAs > 132
+    for group in (5, 8):  # G > 4: the 8-warp CTA would need 2 x 256 threads of 128 registers; not compiled
+        assert D.plan_decode("v4", 1, 8, 512, 16, 128, group, 132)[0] is narrow
+    assert D.plan_decode("v4", 1, 8, 512, 16, 128, 2, 60)[0] is narrow  # 8 x 8 CTAs on 60 SMs
+    assert D.plan_decode("v4w8", 64, 8, 4096, 16, 128, 2, 132)[0] is wide  # asked for: at any grid
+    with pytest.raises(ValueError, match="v4w8 is compiled"):
+        D.plan_decode("v4w8", 1, 8, 512, 16, 128, 8, 132)
 
 
 def test_spread_smem():
@@ -286,7 +306,9 @@ def _kernel_names(family: str) -> set[str]:
     for d, g, s in re.findall(r"^\s*XSERV_DECODE_V4_KERNEL\((\w+), (\w+), (\d)\)", src, re.M):
         names.add(f"attention_decode_v4_d{d}_g{g}_s{s}")
     for d, g in re.findall(r"^XSERV_DECODE_V4_EXPERIMENTS\((\d+), (\d)\)", src, re.M):
-        names.update(f"attention_decode_v4_d{d}_g{g}_{x}" for x in ("s3", "s4", "s2_n", "s2_p", "s2_w8", "s2_w16"))
+        names.update(f"attention_decode_v4_d{d}_g{g}_{x}" for x in ("s3", "s4", "s2_n", "s2_p", "s2_w16"))
+    for d, g, s, w in re.findall(r"^XSERV_DECODE_V4_WIDE_KERNEL\((\d+), (\d), (\d), (\d+)\)", src, re.M):
+        names.add(f"attention_decode_v4_d{d}_g{g}_s{s}_w{w}")
     for d, g in re.findall(r"^XSERV_DECODE_V3_STAGES\((\d+), (\d)\)", src, re.M):
         names.update(f"attention_decode_v3_d{d}_g{g}_s{s}" for s in (2, 3))
     for d, mt, w, qs, nbuf, ks in re.findall(
@@ -313,7 +335,7 @@ def test_launch_tables_name_instantiated_kernels():
         shapes = k.shapes or {(d, g) for d in A.HEAD_DIMS for g in range(1, A.MAX_GQA_GROUP + 1)}
         for d, g in shapes:
             assert k.name(d, g) in _kernel_names(k.family), (variant, k.name(d, g))
-        assert k.dev == (variant not in ("v4", "v2")), variant
+        assert k.dev == (variant not in ("v4", "v4w4", "v4w8", "v2")), variant
     assert "attention_decode_combine" in _kernel_names(A.DECODE_KERNELS["v2"].family)
 
 
@@ -597,16 +619,18 @@ DECODE_LENS = [0, 1, 15, 16, 17, 63, 65, 200, 1000, 3000, 4096]  # around the 16
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["v4", "v2"])
+@pytest.mark.parametrize("variant", ["v4", "v4w8", "v2"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("hq,hkv,block_size,packed", DECODE_SHAPES)
 def test_decode_gpu(rng, variant, head_dim, hq, hkv, block_size, packed):
+    if variant == "v4w8" and hq // hkv > 4:
+        pytest.skip("8-warp CTAs are compiled for groups of at most 4")
     case = make_case(rng, [1] * len(DECODE_LENS), DECODE_LENS, hq, hkv, head_dim, block_size, packed=packed)
     assert rel_error(run_decode(case, 4096, variant=variant), dense_expected(case)) < TOL
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["v4", "v2"])
+@pytest.mark.parametrize("variant", ["v4", "v4w4", "v4w8", "v2"])
 @pytest.mark.parametrize("num_seqs", [1, 3])
 def test_decode_gpu_long(rng, variant, num_seqs):
     case = make_case(rng, [1] * num_seqs, LONG_DECODE[:num_seqs], 32, 8, 128, 16)
@@ -614,7 +638,7 @@ def test_decode_gpu_long(rng, variant, num_seqs):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["v4", "v2"])
+@pytest.mark.parametrize("variant", ["v4", "v4w8", "v2"])
 def test_decode_gpu_long_catches_planted_bugs(rng, variant):
     case = make_case(rng, [1] * 3, LONG_DECODE, 32, 8, 128, 16)
     expected = dense_expected(case)
@@ -660,7 +684,7 @@ def _graph_replays(rng, variant):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["v4"])
+@pytest.mark.parametrize("variant", ["v4", "v4w8"])
 def test_decode_gpu_graph_replays(rng, variant):
     _graph_replays(rng, variant)
 
@@ -848,21 +872,16 @@ def test_decode_gpu_dev_v3(rng, variant, head_dim, hq, hkv, block_size, packed):
 
 @dev
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["v4s3", "v4s4", "v4n", "v4w8", "v4w16"])
+@pytest.mark.parametrize("variant", ["v4s3", "v4s4", "v4n", "v4w16"])
 @pytest.mark.parametrize("head_dim,hq,hkv,block_size", [(128, 32, 8, 16), (128, 16, 8, 48), (64, 16, 8, 8)])
 def test_decode_gpu_dev_v4_experiments(rng, variant, head_dim, hq, hkv, block_size):
     case = make_case(rng, [1] * 7, [0, 1, 15, 17, 65, 1000, 4096], hq, hkv, head_dim, block_size)
     assert rel_error(run_decode(case, 4096, variant=variant), dense_expected(case)) < TOL
 
 
-@dev
-@pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["v4w8", "v4w16"])
-@pytest.mark.parametrize("head_dim,hq,hkv", [(128, 16, 8), (128, 32, 8), (64, 16, 8)])
-@pytest.mark.parametrize("one_split", [False, True])
-def test_decode_rope_gpu_dev_wide(rng, monkeypatch, variant, head_dim, hq, hkv, one_split):
-    """The wide-CTA experiments (8 and 16 warps): the fused entry is bit-identical to its two-op form and near the
-    references, with the plan's splits and with one split over up to 2,000 keys (what a short context would run)."""
+def _check_wide(rng, monkeypatch, variant, head_dim, hq, hkv, one_split):
+    """Wide CTAs (8 and 16 warps): the fused entry is bit-identical to its two-op form and near the references,
+    with the plan's splits and with one split over up to 2,000 keys (each CTA many stages of its ring)."""
     if one_split:
         shipped = D.plan_decode
 
@@ -873,6 +892,21 @@ def test_decode_rope_gpu_dev_wide(rng, monkeypatch, variant, head_dim, hq, hkv, 
         monkeypatch.setattr(D, "plan_decode", one)
     lens, kinds = [1, 17, 65, 520, 1000, 2000, 0], ["new"] * 6 + ["zero"]
     check_decode_rope(rope_case(rng, lens, hq, hkv, head_dim, 16, kinds=kinds), variant=variant)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim,hq,hkv", [(128, 16, 8), (128, 32, 8), (64, 16, 8), (128, 8, 8), (64, 12, 4)])
+@pytest.mark.parametrize("one_split", [False, True])
+def test_decode_rope_gpu_wide(rng, monkeypatch, head_dim, hq, hkv, one_split):
+    _check_wide(rng, monkeypatch, "v4w8", head_dim, hq, hkv, one_split)
+
+
+@dev
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim,hq,hkv", [(128, 16, 8), (128, 32, 8), (64, 16, 8)])
+@pytest.mark.parametrize("one_split", [False, True])
+def test_decode_rope_gpu_dev_wide(rng, monkeypatch, head_dim, hq, hkv, one_split):
+    _check_wide(rng, monkeypatch, "v4w16", head_dim, hq, hkv, one_split)
 
 
 @dev

@@ -57,7 +57,8 @@ def v3_min_blocks(head_dim: int, stages: int) -> int:
 class DecodeKernel:
     """A decode kernel family member: generation 2, 3 or 4, ring stages, name suffix, the (head_dim, group) shapes
     it is compiled for (None: every supported one), whether it is v4's production template with its fused-entry
-    arguments (the _n / _p experiments are not), and its warps per CTA (v4's wide-CTA experiments: 8, 16)."""
+    arguments (the _n / _p experiments are not), its warps per CTA (8 for v4w8, 16 for the v4w16 experiment), and
+    `wide`: the variant the plan runs instead where its grid has at most one CTA per SM (v4 -> v4w8)."""
 
     variant: str
     generation: int
@@ -67,6 +68,7 @@ class DecodeKernel:
     shapes: frozenset | None = None
     fused_args: bool = True
     warps: int = 4
+    wide: str | None = None
 
     @property
     def dev(self) -> bool:
@@ -97,8 +99,11 @@ class DecodeKernel:
 
 
 _EXPERIMENT_SHAPES = frozenset({(128, 4), (128, 2), (64, 2)})  # the benchmark's (head_dim, group)
+_WIDE_SHAPES = frozenset((d, g) for d in (64, 128) for g in (1, 2, 3, 4))  # 8 warps: 16 / 8 CTAs per SM for G <= 4
 DECODE_KERNELS = {k.variant: k for k in (
-    DecodeKernel("v4", 4, "attention_decode"),
+    DecodeKernel("v4", 4, "attention_decode", wide="v4w8"),
+    DecodeKernel("v4w4", 4, "attention_decode"),  # v4 with 4-warp CTAs at every grid (for A/B runs)
+    DecodeKernel("v4w8", 4, "attention_decode", suffix="_w8", shapes=_WIDE_SHAPES, warps=8),
     DecodeKernel("v2", 2, "attention_decode_v2"),
     DecodeKernel("v3", 3, "dev/attention_decode_dev"),
     DecodeKernel("v3s3", 3, "dev/attention_decode_dev", stages=3),
@@ -107,7 +112,6 @@ DECODE_KERNELS = {k.variant: k for k in (
     DecodeKernel("v4n", 4, "dev/attention_decode_dev", suffix="_n", shapes=_EXPERIMENT_SHAPES, fused_args=False),
     DecodeKernel("v4p", 4, "dev/attention_decode_dev", suffix="_p", shapes=_EXPERIMENT_SHAPES,
                  fused_args=False),  # wrong on purpose
-    DecodeKernel("v4w8", 4, "dev/attention_decode_dev", suffix="_w8", shapes=_EXPERIMENT_SHAPES, warps=8),
     DecodeKernel("v4w16", 4, "dev/attention_decode_dev", suffix="_w16", shapes=_EXPERIMENT_SHAPES, warps=16),
 )}
 DEFAULT_DECODE = "v4"
@@ -189,8 +193,10 @@ def v4_plan(num_seqs: int, num_kv_heads: int, max_kv_len: int, multiprocessor_co
 def plan_decode(variant: str, num_seqs: int, num_kv_heads: int, max_kv_len: int, block_size: int, head_dim: int,
                 group: int, multiprocessor_count: int) -> tuple[DecodeKernel, int, int]:
     """(kernel, num_splits, chunk_len) for `variant` on this shape, with the fallbacks applied: v4 (and the v4
-    experiments) plan with v4_plan and run v2 where a split would overflow the shared page table; v3 needs
-    block_size % 16 == 0, else v2. Cached: an eager call pays the
+    experiments) plan with v4_plan and run v2 where a split would overflow the shared page table; v4 itself runs
+    its 8-warp CTAs (v4w8) where the planned grid has at most one CTA per SM and the group is at most 4 (a short
+    context at small batch: twice the keys in flight per SM; docs/kernels/attention.md, "Wide CTAs for short
+    contexts"); v3 needs block_size % 16 == 0, else v2. Cached: an eager call pays the
     search once per shape (it took 100-200 us of host time at 1 x 32k-128k, more than the kernel)."""
     k = DECODE_KERNELS.get(variant)
     if k is None:
@@ -203,6 +209,9 @@ def plan_decode(variant: str, num_seqs: int, num_kv_heads: int, max_kv_len: int,
         splits, chunk = v4_plan(num_seqs, num_kv_heads, max_kv_len, sms, k.resident(head_dim, group),
                                 (V4_TABLE_CAP - 1) * block_size // 64 * 64)
         if -(-chunk // block_size) + 1 <= V4_TABLE_CAP:  # the split's pages fit the shared page table
+            wide = DECODE_KERNELS.get(k.wide)
+            if wide is not None and (head_dim, group) in wide.shapes and num_seqs * num_kv_heads * splits <= sms:
+                k = wide  # the same plan (one CTA per SM either way), each CTA twice the warps
             return k, splits, chunk
         k = DECODE_KERNELS["v2"]
     elif k.generation == 3:
