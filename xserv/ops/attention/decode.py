@@ -58,7 +58,7 @@ class DecodeKernel:
     """A decode kernel family member: generation 2, 3 or 4, ring stages, name suffix, the (head_dim, group) shapes
     it is compiled for (None: every supported one), whether it is v4's production template with its fused-entry
     arguments (the _n / _p experiments are not), its warps per CTA (8 for v4w8, 16 for the v4w16 experiment), and
-    `wide`: the variant the plan runs instead where its grid has at most one CTA per SM (v4 -> v4w8)."""
+    `wide`: the variant the plan runs instead where its grid is one wave of that variant's CTAs (v4 -> v4w8)."""
 
     variant: str
     generation: int
@@ -194,9 +194,8 @@ def plan_decode(variant: str, num_seqs: int, num_kv_heads: int, max_kv_len: int,
                 group: int, multiprocessor_count: int) -> tuple[DecodeKernel, int, int]:
     """(kernel, num_splits, chunk_len) for `variant` on this shape, with the fallbacks applied: v4 (and the v4
     experiments) plan with v4_plan and run v2 where a split would overflow the shared page table; v4 itself runs
-    its 8-warp CTAs (v4w8) where the planned grid has at most one CTA per SM and the group is at most 4 (a short
-    context at small batch: twice the keys in flight per SM; docs/kernels/attention.md, "Wide CTAs for short
-    contexts"); v3 needs block_size % 16 == 0, else v2. Cached: an eager call pays the
+    its 8-warp CTAs (v4w8) where the planned grid is one wave of them (at most 2 per SM) and the group is at most 4
+    (few sequences: each CTA's keys go out in half the stages; docs/kernels/attention.md, "Wide CTAs"); v3 needs block_size % 16 == 0, else v2. Cached: an eager call pays the
     search once per shape (it took 100-200 us of host time at 1 x 32k-128k, more than the kernel)."""
     k = DECODE_KERNELS.get(variant)
     if k is None:
@@ -210,8 +209,9 @@ def plan_decode(variant: str, num_seqs: int, num_kv_heads: int, max_kv_len: int,
                                 (V4_TABLE_CAP - 1) * block_size // 64 * 64)
         if -(-chunk // block_size) + 1 <= V4_TABLE_CAP:  # the split's pages fit the shared page table
             wide = DECODE_KERNELS.get(k.wide)
-            if wide is not None and (head_dim, group) in wide.shapes and num_seqs * num_kv_heads * splits <= sms:
-                k = wide  # the same plan (one CTA per SM either way), each CTA twice the warps
+            if (wide is not None and (head_dim, group) in wide.shapes
+                    and num_seqs * num_kv_heads * splits <= wide.resident(head_dim, group) * sms):
+                k = wide  # the same plan, each CTA twice the warps: still one wave
             return k, splits, chunk
         k = DECODE_KERNELS["v2"]
     elif k.generation == 3:
