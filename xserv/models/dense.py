@@ -34,9 +34,6 @@ WEIGHT_DTYPE = {"cuda": bfloat16, "cpu": bfloat16}
 # The residual stream between layers stays in float32: rounding it to bf16 twice per layer (as transformers does
 # in bf16) put the 8B-shaped model's logits 6e-2 (relative L2) away from transformers' float32 logits.
 RESIDUAL_DTYPE = float32
-# Experiment: the one-token path launches the o projection with programmatic dependent launch (its CTAs placed, and
-# loading weights, while the attention runs) only where the step's longest context is at most this many keys.
-O_EARLY_MAX_KV = 1 << 62
 
 
 @dataclass
@@ -334,7 +331,7 @@ class DenseModel:
         for i, layer in enumerate(self.layers):
             rmsnorm_linear(residual, layer.input_norm, self.eps, layer.qkv, out=qkv)
             self._attention(i, layer, batch, kv_cache, qkv3, attn3)
-            linear_add(attn, layer.o_proj, residual, early=batch.max_kv_len <= O_EARLY_MAX_KV)
+            linear_add(attn, layer.o_proj, residual)
             rmsnorm_linear_silu_mul(residual, layer.post_norm, self.eps, layer.gate_up, out=act)
             linear_add(act, layer.down, residual)
         return rmsnorm_linear(residual, self.final_norm, self.eps, self.lm_head, out=ws.logits[:n],

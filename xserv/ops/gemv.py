@@ -174,11 +174,10 @@ def rmsnorm_linear_silu_mul(residual: Tensor, norm_weight: Tensor, eps: float, g
     return out
 
 
-def linear_add(x: Tensor, weight: Tensor, residual: Tensor, early: bool = True) -> Tensor:
-    """residual fp32 [m, N] += bf16(x bf16 [m, K] @ weight^T). Returns residual. early=False: launched without
-    programmatic dependent launch (its CTAs are placed only once the kernel before has completed)."""
+def linear_add(x: Tensor, weight: Tensor, residual: Tensor) -> Tensor:
+    """residual fp32 [m, N] += bf16(x bf16 [m, K] @ weight^T). Returns residual."""
     check_tensor("x", x, dtype=bfloat16, ndim=2)
-    return _add_into_residual("x", x, x.shape[1], "bf16", linear_reference, weight, residual, early)
+    return _add_into_residual("x", x, x.shape[1], "bf16", linear_reference, weight, residual)
 
 
 def silu_mul_linear_add(gate_up: Tensor, weight: Tensor, residual: Tensor) -> Tensor:
@@ -191,7 +190,7 @@ def silu_mul_linear_add(gate_up: Tensor, weight: Tensor, residual: Tensor) -> Te
 
 
 def _add_into_residual(name: str, x: Tensor, k: int, prologue: str, reference, weight: Tensor,
-                       residual: Tensor, early: bool = True) -> Tensor:
+                       residual: Tensor) -> Tensor:
     """The residual-add epilogue ops: x (checked by the caller) gives the K = k input of the projection."""
     m = x.shape[0]
     n = _check_weight(weight, k)
@@ -202,7 +201,7 @@ def _add_into_residual(name: str, x: Tensor, k: int, prologue: str, reference, w
     if device == "cpu":
         residual.array[...] = add_rounded(residual.array, reference(x.array, weight.array))
         return residual
-    _launch(prologue, x, x.shape[1], None, None, 0.0, weight, residual, _EPILOGUE["add"], m, n, k, early)
+    _launch(prologue, x, x.shape[1], None, None, 0.0, weight, residual, _EPILOGUE["add"], m, n, k)
     return residual
 
 
@@ -234,7 +233,7 @@ def plan(m: int, n: int, multiprocessor_count: int, paired: bool = False, k: int
 
 
 def _launch(prologue: str, x: Tensor, x_stride: int, rows: Tensor | None, norm_weight: Tensor | None, eps32,
-            weight: Tensor, out: Tensor, epilogue: int, m: int, n: int, k: int, early: bool = True) -> None:
+            weight: Tensor, out: Tensor, epilogue: int, m: int, n: int, k: int) -> None:
     if m == 0 or n == 0:
         return
     if not aligned(x, weight) or (x_stride * x.dtype.itemsize) % 16:
@@ -249,4 +248,4 @@ def _launch(prologue: str, x: Tensor, x_stride: int, rows: Tensor | None, norm_w
     else:  # gemv_mma_m*(x, x_stride, x_rows, norm_w, eps, W, out, out_stride, m, N, K, split, prologue, epilogue)
         args = (x, np.int64(x_stride), x_rows, norm, np.float32(eps32), weight, out, np.int64(out.shape[1]),
                 np.int32(m), np.int32(n), np.int32(k), *modes)
-    kernel("gemv", name)(grid, threads, *args, smem=_smem(m, k), pdl=early)
+    kernel("gemv", name)(grid, threads, *args, smem=_smem(m, k), pdl=True)

@@ -41,7 +41,6 @@ _SM_SMEM_TOTAL, _CTA_SMEM_RESERVED, _CTA_SMEM_MAX = 228 * 1024, 1024, 227 * 1024
 # docs/kernels/attention.md ("QK-norm + RoPE + KV write folded into decode v4").
 FUSED_PDL = True
 SPREAD_CTAS = True
-FILL_SMS = False  # experiment: the fused entry's CTAs take an SM's whole shared memory (spread_smem(fill=True))
 
 
 def v4_min_blocks(group: int) -> int:
@@ -284,13 +283,10 @@ def _plan(variant: str, num_seqs: int, num_kv_heads: int, max_kv_len: int, block
     return k, splits, chunk
 
 
-def spread_smem(smem: int, ctas: int, multiprocessor_count: int, fill: bool = False) -> int:
+def spread_smem(smem: int, ctas: int, multiprocessor_count: int) -> int:
     """Dynamic shared memory (>= smem) with which an SM holds at most ceil(ctas / SMs) CTAs of a grid (sm_90: 228 KB
-    per SM, 1 KB reserved per CTA, 227 KB per CTA at most). fill: that many take all of the SM's shared memory, so
-    that no other kernel's CTA is placed beside them."""
+    per SM, 1 KB reserved per CTA, 227 KB per CTA at most)."""
     cap = -(-max(ctas, 1) // max(multiprocessor_count, 1))
-    if fill:
-        return max(smem, min((_SM_SMEM_TOTAL // cap - _CTA_SMEM_RESERVED) // 16 * 16, _CTA_SMEM_MAX))
     fits_one_more = _SM_SMEM_TOTAL // (cap + 1) - _CTA_SMEM_RESERVED  # (cap + 1) CTAs of this much would fit
     return min(max(smem, -(-(fits_one_more + 1) // 16) * 16), max(smem, _CTA_SMEM_MAX))
 
@@ -325,7 +321,7 @@ def _launch(plan: tuple[DecodeKernel, int, int], q: Tensor, k_cache: Tensor, v_c
     if fused:
         pdl = FUSED_PDL
         if SPREAD_CTAS:
-            smem = spread_smem(smem, splits * num_kv_heads * num_seqs, get_device().multiprocessor_count, FILL_SMS)
+            smem = spread_smem(smem, splits * num_kv_heads * num_seqs, get_device().multiprocessor_count)
     # v4 waits for the previous kernel itself (pdl_wait): it may be launched with programmatic dependent launch
     kernel(k.family, k.name(head_dim, group))(grid, (32 * k.warps, 1, 1), *args, smem=smem, pdl=pdl)
     if k.generation == 2 and splits > 1:
