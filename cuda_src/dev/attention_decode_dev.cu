@@ -532,15 +532,13 @@ __device__ void decode_split_v4_exp(const __nv_bfloat16* __restrict__ q, long lo
     }
 // 16-warp CTAs (XSERV_DECODE_V4_WIDE_KERNEL of attention_decode.cu; the 8-warp ones ship there): one split per kv
 // head of a short context with no split combine lost (docs/kernels/attention.md, "Wide CTAs for short contexts").
-// 8-warp CTAs with a 3-stage ring (96 KB: still 2 CTAs per SM): more bytes in flight for the long few-sequence grids.
 // the benchmark's (head_dim, group) shapes only
 #define XSERV_DECODE_V4_EXPERIMENTS(D, G)          \
     XSERV_DECODE_V4_KERNEL(D, G, 3)                \
     XSERV_DECODE_V4_KERNEL(D, G, 4)                \
     XSERV_DECODE_V4_EXP_KERNEL(D, G, 2, _n, false, false) \
     XSERV_DECODE_V4_EXP_KERNEL(D, G, 2, _p, false, true) \
-    XSERV_DECODE_V4_WIDE_KERNEL(D, G, 2, 16)       \
-    XSERV_DECODE_V4_WIDE_KERNEL(D, G, 3, 8)
+    XSERV_DECODE_V4_WIDE_KERNEL(D, G, 2, 16)
 XSERV_DECODE_V4_EXPERIMENTS(128, 4)
 XSERV_DECODE_V4_EXPERIMENTS(128, 2)
 XSERV_DECODE_V4_EXPERIMENTS(64, 2)

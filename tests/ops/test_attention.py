@@ -307,7 +307,7 @@ def _kernel_names(family: str) -> set[str]:
     for d, g, s in re.findall(r"^\s*XSERV_DECODE_V4_KERNEL\((\w+), (\w+), (\d)\)", src, re.M):
         names.add(f"attention_decode_v4_d{d}_g{g}_s{s}")
     for d, g in re.findall(r"^XSERV_DECODE_V4_EXPERIMENTS\((\d+), (\d)\)", src, re.M):
-        names.update(f"attention_decode_v4_d{d}_g{g}_{x}" for x in ("s3", "s4", "s2_n", "s2_p", "s2_w16", "s3_w8"))
+        names.update(f"attention_decode_v4_d{d}_g{g}_{x}" for x in ("s3", "s4", "s2_n", "s2_p", "s2_w16"))
     for d, g, s, w in re.findall(r"^XSERV_DECODE_V4_WIDE_KERNEL\((\d+), (\d), (\d), (\d+)\)", src, re.M):
         names.add(f"attention_decode_v4_d{d}_g{g}_s{s}_w{w}")
     for d, g in re.findall(r"^XSERV_DECODE_V3_STAGES\((\d+), (\d)\)", src, re.M):
@@ -873,7 +873,7 @@ def test_decode_gpu_dev_v3(rng, variant, head_dim, hq, hkv, block_size, packed):
 
 @dev
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["v4s3", "v4s4", "v4n", "v4w16", "v4s3w8"])
+@pytest.mark.parametrize("variant", ["v4s3", "v4s4", "v4n", "v4w16"])
 @pytest.mark.parametrize("head_dim,hq,hkv,block_size", [(128, 32, 8, 16), (128, 16, 8, 48), (64, 16, 8, 8)])
 def test_decode_gpu_dev_v4_experiments(rng, variant, head_dim, hq, hkv, block_size):
     case = make_case(rng, [1] * 7, [0, 1, 15, 17, 65, 1000, 4096], hq, hkv, head_dim, block_size)
@@ -906,9 +906,8 @@ def test_decode_rope_gpu_wide(rng, monkeypatch, head_dim, hq, hkv, one_split):
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim,hq,hkv", [(128, 16, 8), (128, 32, 8), (64, 16, 8)])
 @pytest.mark.parametrize("one_split", [False, True])
-@pytest.mark.parametrize("variant", ["v4w16", "v4s3w8"])
-def test_decode_rope_gpu_dev_wide(rng, monkeypatch, variant, head_dim, hq, hkv, one_split):
-    _check_wide(rng, monkeypatch, variant, head_dim, hq, hkv, one_split)
+def test_decode_rope_gpu_dev_wide(rng, monkeypatch, head_dim, hq, hkv, one_split):
+    _check_wide(rng, monkeypatch, "v4w16", head_dim, hq, hkv, one_split)
 
 
 @dev

@@ -113,7 +113,6 @@ DECODE_KERNELS = {k.variant: k for k in (
     DecodeKernel("v4p", 4, "dev/attention_decode_dev", suffix="_p", shapes=_EXPERIMENT_SHAPES,
                  fused_args=False),  # wrong on purpose
     DecodeKernel("v4w16", 4, "dev/attention_decode_dev", suffix="_w16", shapes=_EXPERIMENT_SHAPES, warps=16),
-    DecodeKernel("v4s3w8", 4, "dev/attention_decode_dev", stages=3, suffix="_w8", shapes=_EXPERIMENT_SHAPES, warps=8),
 )}
 DEFAULT_DECODE = "v4"
 
