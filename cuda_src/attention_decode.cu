@@ -12,7 +12,8 @@ using namespace xserv::decode;
 // split combine folded into the kernel.
 //
 // attention_decode_v4_d{D}_g{G}_s{STAGES}[_w8]: grid (num_splits, Hkv, num_seqs), block 128 (4 warps; _w8: 256, for
-// grids of at most one CTA per SM), dynamic shared memory STAGES * 16 KB per 4 warps (the ring) + kV4TabCap * 4 (page table) + 16 + kV4RowBytes (the fused rows). STAGES = 2
+// grids of at most 2 CTAs per SM), dynamic shared memory STAGES * 16 KB per 4 warps (the ring) + kV4TabCap * 4 (page
+// table) + 16 + kV4RowBytes (the fused rows). STAGES = 2
 // ships (measured best on an H200: docs/kernels/attention.md, "v4 decode"; and on an H100 for the few-sequence plans
 // of about 2 CTAs per SM, where a third stage was 1-3% slower: "few sequences"); 3 and 4 stages are in cuda_src/dev/.
 //   Key layout as v2: D/8 lanes share a key (one 16-byte chunk of its K and V row each), 32/(D/8) keys side by side,
@@ -610,9 +611,9 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS) {
 
 // Wide CTAs: the same kernel with W warps (W * 32 threads, a ring of W warps' stages), 16 / W CTAs per SM (the 4-warp
 // kernel's register budget). The plan (plan_decode in xserv/ops/attention/decode.py) runs the 8-warp form where its
-// grid has at most one CTA per SM (a short context at small batch): each split's keys then go out in one stage of 8
-// warps instead of two of 4, twice the bytes in flight per SM (measured on an H200 at batch 1, context 512: +0.8% on
-// a 0.6B-shaped step, +0.5% on an 8B-shaped one; docs/kernels/attention.md, "Wide CTAs for short contexts").
+// grid is one wave of them (at most 2 per SM: few sequences, at any context): the same splits, each CTA's keys in
+// half the stages, twice the bytes in flight per SM. Measured on an H200 (docs/kernels/attention.md, "Wide CTAs"):
+// plain 1 x 32k 60% -> 89% of copy bandwidth; batch-1 steps +0.4% to +2.0%.
 #define XSERV_DECODE_V4_WIDE_KERNEL(D, G, S, W)                                                                  \
     extern "C" __global__ void __launch_bounds__(W * 32, 16 / W)                                                 \
         attention_decode_v4_d##D##_g##G##_s##S##_w##W(XSERV_DECODE_V4_ARGS) {                                  \

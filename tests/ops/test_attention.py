@@ -262,7 +262,7 @@ def test_v4_plan_wide_ctas():
         assert D.plan_decode("v4", 1, 8, 512, 16, d, group, 132)[0] is wide
         assert D.plan_decode("v4", 1, 8, 32768, 16, d, group, 132)[0] is wide  # 8 x 32 CTAs <= 2 x 132
         assert D.plan_decode("v4", 64, 8, 512, 16, d, group, 132)[0] is narrow  # 512 CTAs
-    for group in (5, 8):  # G > 4: the 8-warp CTA would need 2 x 256 threads of 128 registers; not compiled
+    for group in (5, 8):  # G > 4 needs 167-246 registers: two 8-warp CTAs would not fit an SM; not compiled
         assert D.plan_decode("v4", 1, 8, 512, 16, 128, group, 132)[0] is narrow
     assert D.plan_decode("v4w8", 64, 8, 4096, 16, 128, 2, 132)[0] is wide  # asked for: at any grid
     with pytest.raises(ValueError, match="v4w8 is compiled"):

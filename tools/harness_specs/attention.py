@@ -292,8 +292,8 @@ SPECS = [
         bytes_moved=_decode_bytes, torch_peer=_decode_torch, shape_help="BxHQxHKVxLKVxD[xBLOCK]"),
     OpSpec(
         name="attention_decode_rope", family="attention_decode",
-        kernels=("attention_decode_v4_d128_g4_s2", "attention_decode_v4_d128_g2_s2", "attention_decode_v4_d128_g4_s2_w8",
-                 "attention_decode_v4_d128_g2_s2_w8"),
+        kernels=("attention_decode_v4_d128_g4_s2", "attention_decode_v4_d128_g2_s2",
+                 "attention_decode_v4_d128_g4_s2_w8", "attention_decode_v4_d128_g2_s2_w8"),
         make_inputs=_decode_rope_inputs, run=_decode_rope_run, reference=_decode_rope_reference, tolerance=1e-2,
         check_shapes=[(1, 4, 4, 1, 64), (5, 32, 8, 1000, 128), (3, 16, 2, 4097, 64, 256), (1, 40, 8, 32768, 128),
                       (2, 16, 8, 520, 128, 8)],

@@ -5,7 +5,8 @@ Which kernel runs: v4 (cuda_src/attention_decode.cu: v2's CUDA-core math behind 
 shared page table, split combine folded in), or
 v2 (attention_decode_v2.cu, plain loads and a separate combine kernel) where a split's pages would overflow v4's
 shared page table (a block size below 8 with a very long context). The v4 plan (`v4_plan`) balances the keys per
-SM rather than filling resident slots: few sequences get about two CTAs per SM. v3 (tensor cores) and the v4
+SM rather than filling resident slots: few sequences get about two CTAs per SM, and there (where the group is at
+most 4) v4 runs 8-warp CTAs (v4w8), twice the bytes in flight per SM. v3 (tensor cores) and the v4
 experiments are development kernels in cuda_src/dev/, run when a test, the harness or tools/bench_attention.py names
 them. Measurements: docs/kernels/attention.md.
 """
@@ -195,8 +196,9 @@ def plan_decode(variant: str, num_seqs: int, num_kv_heads: int, max_kv_len: int,
     """(kernel, num_splits, chunk_len) for `variant` on this shape, with the fallbacks applied: v4 (and the v4
     experiments) plan with v4_plan and run v2 where a split would overflow the shared page table; v4 itself runs
     its 8-warp CTAs (v4w8) where the planned grid is one wave of them (at most 2 per SM) and the group is at most 4
-    (few sequences: each CTA's keys go out in half the stages; docs/kernels/attention.md, "Wide CTAs"); v3 needs block_size % 16 == 0, else v2. Cached: an eager call pays the
-    search once per shape (it took 100-200 us of host time at 1 x 32k-128k, more than the kernel)."""
+    (few sequences: each CTA's keys go out in half the stages; docs/kernels/attention.md, "Wide CTAs"); v3 needs
+    block_size % 16 == 0, else v2. Cached: an eager call pays the search once per shape (it took 100-200 us of host
+    time at 1 x 32k-128k, more than the kernel)."""
     k = DECODE_KERNELS.get(variant)
     if k is None:
         raise ValueError(f"variant: unknown decode kernel {variant!r}; known: {', '.join(DECODE_KERNELS)}")
