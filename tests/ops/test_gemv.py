@@ -11,7 +11,7 @@ from xserv.ops.gemv import (CTAS_PER_SM, add_rounded, gemv_supported, linear_add
                             silu_mul_linear_add, silu_mul_linear_reference, MAX_M)
 from xserv.ops.linear import linear, linear_reference
 from xserv.ops.rmsnorm import fused_add_rmsnorm
-from xserv.tensor import Tensor, bfloat16, float32, int32
+from xserv.tensor import Tensor, bfloat16, float32
 from xserv.testing import poisoned, random_array, rel_error
 
 EPS = 1e-6
