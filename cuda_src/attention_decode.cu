@@ -11,8 +11,8 @@ using namespace xserv::decode;
 // v4: v2's CUDA-core math, fed by a per-lane cp.async ring and a per-CTA page table in shared memory, with the
 // split combine folded into the kernel.
 //
-// attention_decode_v4_d{D}_g{G}_s{STAGES}[_w8]: grid (num_splits, Hkv, num_seqs), block 128 (4 warps; _w8: 256, for
-// grids of at most 2 CTAs per SM), dynamic shared memory STAGES * 16 KB per 4 warps (the ring) + kV4TabCap * 4 (page
+// attention_decode_v4_d{D}_g{G}_s{STAGES}[_w8]: grid (num_splits, Hkv * R, num_seqs), block 128 (4 warps; _w8: 256,
+// for grids of at most 2 CTAs per SM), dynamic shared memory STAGES * 16 KB per 4 warps (the ring) + kV4TabCap * 4 (page
 // table) + 16 + kV4RowBytes (the fused rows). STAGES = 2
 // ships (measured best on an H200: docs/kernels/attention.md, "v4 decode"; and on an H100 for the few-sequence plans
 // of about 2 CTAs per SM, where a third stage was 1-3% slower: "few sequences"); 3 and 4 stages are in cuda_src/dev/.
@@ -32,6 +32,10 @@ using namespace xserv::decode;
 //   num_splits == 1: bf16 out directly; otherwise fp32 partials, and the last CTA of each (sequence, kv head) to
 //   finish (counters, reset by that CTA: graph-replay safe) merges them (combine_splits_v4, <= kV4MaxSplits).
 //   kv_len == 0: split 0 writes zeros.
+//   Query-head subgroups (R = num_q_heads / (Hkv * G) > 1): a kv head's R * G query heads run as R CTAs of G heads
+//   each (blockIdx.y = kv_head * R + r), which read the same K/V (the second read mostly from L2). The plan does this
+//   for groups above 4 in few-sequence grids, so that they run the 8-warp CTAs, whose registers hold at most 4 query
+//   rows; the first subgroup writes the fused entry's new K/V row.
 //
 // Fused entry (positions != nullptr; attention_decode_rope in xserv/ops/attention/decode.py): the same kernel also
 // does qk_norm_rope_write_kv's work for a decode batch (one new token per sequence), with the same bits as that
@@ -220,7 +224,7 @@ __device__ __forceinline__ void combine_splits_v4(int* counter, int active, long
 
 // The v4 kernel's arguments: XSERV_DECODE_ARGS (attention_decode.cuh) with writable caches, then the folded
 // combine's counters and the block-size divisor, then the fused entry's (positions == nullptr: plain attention):
-//   counters:     [num_seqs * num_kv_heads] int32, zero between calls (the last CTA of a pair resets its counter)
+//   counters:     [num_seqs * gridDim.y] int32, zero between calls (the last CTA of a pair resets its counter)
 //   positions:    [num_seqs] int32, the new token's position (RoPE), or nullptr: q is rotated, K/V are in the cache
 //   slot_mapping: [num_seqs] int32, where the new token's K/V go (< 0: a padding row, nothing written)
 //   cos_sin:      [max_pos, D] fp32, 16-byte aligned
@@ -262,9 +266,12 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS) {
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int c = lane % LPK, sub = lane / LPK, t = lane % LPR;
-    const int s = blockIdx.z, kv_head = blockIdx.y, split = blockIdx.x;
+    // blockIdx.y: one of the R = num_q_heads / (num_kv_heads * G) subgroups of G query heads of a kv head (R > 1:
+    // the launcher split a group too large for the wide CTAs' registers into R CTAs that read the same K/V).
+    const int subgroups = num_q_heads / (num_kv_heads * G);
+    const int s = blockIdx.z, kv_head = blockIdx.y / subgroups, split = blockIdx.x;
     const int start = split * chunk_len;
-    const int h0 = kv_head * G;
+    const int h0 = blockIdx.y * G;
     const bool fused = positions != nullptr;
     const bool norm = fused && q_weight != nullptr;
     constexpr int kNewWarp = G % W;  // the warp that makes the new key's rows (the next in the q heads' turn)
@@ -304,7 +311,7 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS) {
         rope16::rope_apply(lo, hi, in_range, cv, sv);
         const uint4 out_lo = rope16::float8_to_bf16_bits(lo), out_hi = rope16::float8_to_bf16_bits(hi);
         k_bits = c < LPR ? out_lo : out_hi;  // chunk c: elements [8c, 8c + 8)
-        if (sub == 0 && slot >= 0) {
+        if (sub == 0 && slot >= 0 && blockIdx.y == kv_head * subgroups) {  // one subgroup writes the cache row
             const long long row = ((long long)slot * num_kv_heads + kv_head) * D + 8 * c;
             *reinterpret_cast<uint4*>(k_cache + row) = k_bits;
             *reinterpret_cast<uint4*>(v_cache + row) = v_bits;
@@ -593,7 +600,7 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS) {
     if (num_splits == 1) return;
     // the merge area is no longer read: it holds the split weights now
     static_assert(((G * kV4MaxSplits + 3) & ~3) * 4 + W * 32 * 16 <= RING, "combine scratch fits in the ring");
-    combine_splits_v4<D, G, W>(counters + (long long)s * num_kv_heads + kv_head,
+    combine_splits_v4<D, G, W>(counters + (long long)s * gridDim.y + blockIdx.y,
                             min(num_splits, (kv_len + chunk_len - 1) / chunk_len), row0, num_splits, part_o, part_lse,
                             out, reinterpret_cast<float*>(smem_raw), sm_last);
 }

@@ -3,13 +3,14 @@
     python -m tools.kernel_harness list
     python -m tools.kernel_harness compile [--arch sm_90a] [--dev]  # no GPU needed; --dev: cuda_src/dev/ too
     python -m tools.kernel_harness check OP [--shapes 8192x4096,1x128] [--seed N] [--variant NAME]
-    python -m tools.kernel_harness bench OP [--shapes ...] [--vs torch] [--variant NAME]
+    python -m tools.kernel_harness bench OP [--shapes ...] [--vs torch] [--variant NAME] [--graph]
     python -m tools.kernel_harness ceilings                          # copy bandwidth and a large cuBLAS GEMM
 
 `check` draws fresh random inputs, poisons the outputs, runs the CUDA op and compares it with the op's NumPy
 reference in float64 (relative L2 error). `bench` times the op with CUDA events (warm-up, median, rotating
 input sets larger than L2) and reports GB/s or TFLOP/s against the device's own ceilings measured in the same
-run; `--vs torch` also times the PyTorch equivalent and prints the ratio. `--variant` picks one of an op's kernels
+run; `--vs torch` also times the PyTorch equivalent and prints the ratio. `--graph` times both in CUDA-graph
+replays instead (GPU time without the host's per-call launch work, as the engine's decode step runs). `--variant` picks one of an op's kernels
 (the attention ops' PREFILL_KERNELS / DECODE_KERNELS names, development kernels in cuda_src/dev/ included).
 """
 from __future__ import annotations
@@ -20,7 +21,8 @@ import time
 
 import numpy as np
 
-from tools._bench_util import copy_bandwidth_gbs, gemm_tflops, to_device, torch_inputs, torch_median
+from tools._bench_util import (copy_bandwidth_gbs, gemm_tflops, to_device, torch_graph_median, torch_inputs,
+                               torch_median)
 
 
 def _specs():
@@ -136,10 +138,11 @@ def cmd_ceilings(args) -> int:
     return 0
 
 
-def _time_torch(fn, sets) -> float:
+def _time_torch(fn, sets, graph: bool = False) -> float:
     import torch
 
-    return torch_median(torch, [lambda s=s: fn(s) for s in sets])
+    fns = [lambda s=s: fn(s) for s in sets]
+    return torch_graph_median(torch, fns) if graph else torch_median(torch, fns)
 
 
 def _with_variant(inputs: dict, args) -> dict:
@@ -149,7 +152,7 @@ def _with_variant(inputs: dict, args) -> dict:
 
 def cmd_bench(args) -> int:
     from xserv.runtime import get_device
-    from xserv.runtime.timing import benchmark
+    from xserv.runtime.timing import benchmark, benchmark_graph
     from xserv.testing import no_poisoning
 
     specs = _specs()
@@ -159,6 +162,8 @@ def cmd_bench(args) -> int:
     tflops = gemm_tflops()
     print(f"device: {dev.name} ({dev.arch}, {dev.multiprocessor_count} SMs, L2 {dev.info.l2_cache_bytes >> 20} MiB)")
     print(f"ceilings measured now: copy {copy_gbs:.0f} GB/s (read+write), cuBLAS bf16 GEMM 8192^3 {tflops:.0f} TFLOP/s")
+    print("timing: " + ("CUDA-graph replays of 20 calls (GPU time)" if args.graph else
+                        "eager calls, 10 back to back per event pair (host launch work included where it is longer)"))
     rng = np.random.default_rng(args.seed)
     vs_torch = args.vs == "torch"
     if vs_torch:
@@ -179,8 +184,17 @@ def cmd_bench(args) -> int:
             n_sets = max(1, min(8, (3 * dev.info.l2_cache_bytes) // max(per_set, 1) + 1))
             sets = [to_device(_with_variant(inputs, args))] + [
                 to_device(_with_variant(spec.make_inputs(rng, shape), args)) for _ in range(n_sets - 1)]
+            fns = [lambda s=s: spec.run(s) for s in sets]
             with no_poisoning():
-                ms = benchmark([lambda s=s: spec.run(s) for s in sets], warmup=5, iters=args.iters)
+                if args.graph:
+                    try:
+                        ms = benchmark_graph(fns, calls=20, iters=args.iters)
+                    except Exception as exc:  # an op that syncs with the host cannot be captured
+                        print(f"{name:24s} {'x'.join(map(str, shape)):22s} (not capturable: {type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0][:80]})")
+                        continue
+                else:
+                    ms = benchmark(fns, warmup=5, iters=args.iters)
             us = ms * 1e3
             row = f"{name:24s} {'x'.join(map(str, shape)):22s} {us:9.1f}"
             if spec.bytes_moved:
@@ -195,7 +209,7 @@ def cmd_bench(args) -> int:
                 row += f" {'':8s} {'':6s}"
             if vs_torch and spec.torch_peer:
                 tsets = [torch_inputs(spec.make_inputs(rng, shape)) for _ in range(n_sets)]
-                tms = _time_torch(spec.torch_peer, tsets)
+                tms = _time_torch(spec.torch_peer, tsets, args.graph)
                 row += f" {tms * 1e3:9.1f} {tms / ms:7.2f}x"
             print(row)
     return 0
@@ -221,6 +235,8 @@ def main(argv=None) -> int:
         if name == "bench":
             s.add_argument("--vs", choices=["torch"], help="also time the PyTorch equivalent")
             s.add_argument("--iters", type=int, default=30)
+            s.add_argument("--graph", action="store_true",
+                           help="time CUDA-graph replays (GPU time) instead of eager calls, the PyTorch peer too")
     sub.add_parser("ceilings", help="measure copy bandwidth and a large cuBLAS GEMM")
     args = p.parse_args(argv)
     try:

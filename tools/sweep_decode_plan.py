@@ -35,6 +35,15 @@ CONFIGS = [  # (label, B, HQ, HKV, LKV, D, block)
     ("1x131072 16/8", 1, 16, 8, 131072, 128, 16),
     ("1x32768 40/8 (G5)", 1, 40, 8, 32768, 128, 16),
     ("1x32768 64/8 (G8)", 1, 64, 8, 32768, 128, 16),
+    ("1x512 64/8 (G8)", 1, 64, 8, 512, 128, 16),
+    ("1x1024 64/8 (G8)", 1, 64, 8, 1024, 128, 16),
+    ("1x2048 64/8 (G8)", 1, 64, 8, 2048, 128, 16),
+    ("1x4096 64/8 (G8)", 1, 64, 8, 4096, 128, 16),
+    ("1x8192 64/8 (G8)", 1, 64, 8, 8192, 128, 16),
+    ("4x512 64/8 (G8)", 4, 64, 8, 512, 128, 16),
+    ("1x2048 48/8 (G6)", 1, 48, 8, 2048, 128, 16),
+    ("1x131072 64/8 (G8)", 1, 64, 8, 131072, 128, 16),
+    ("4x8192 64/8 (G8)", 4, 64, 8, 8192, 128, 16),
     ("1x32768 16/8 d64", 1, 16, 8, 32768, 64, 16),
     ("2x32768 32/8", 2, 32, 8, 32768, 128, 16),
     ("4x32768 32/8", 4, 32, 8, 32768, 128, 16),
@@ -103,7 +112,8 @@ def main(argv=None) -> int:
         if forced:
             splits, chunk = forced["plan"]
             k = D.DECODE_KERNELS[variant]
-        used["kernel"] = k.variant
+        used["kernel"] = k.variant + (f"/{k.subgroups}" if k.subgroups > 1 else "")
+        used["subgroups"] = k.subgroups
         return k, splits, chunk
 
     D.plan_decode = plan
@@ -120,7 +130,8 @@ def main(argv=None) -> int:
         del sets_np
         outs = [Tensor.empty((b, hq, d), bfloat16) for _ in sets]
         default = planner("v4", b, hkv, lkv, block, d, hq // hkv, sms)
-        print(f"  ({label}: plan_decode picks {default[0].variant}, {default[1]} x {default[2]})")
+        print(f"  ({label}: plan_decode picks {default[0].variant}, {default[1]} x {default[2]}"
+              + (f", {default[0].subgroups} query-head subgroups" if default[0].subgroups > 1 else "") + ")")
         t0 = sets[0]
 
         def call(t, o, var):
@@ -150,7 +161,7 @@ def main(argv=None) -> int:
                 gbs = nbytes / ms / 1e6
                 tag = "plan" if forced_plan is None else ""
                 ran = f"{var}/{used['kernel']}"
-                print(f"{label:22s} {ran:9s} {splits:6d} {chunk:6d} {splits * b * hkv:5d} {ms * 1e3:8.1f} "
+                print(f"{label:22s} {ran:9s} {splits:6d} {chunk:6d} {splits * b * hkv * used['subgroups']:5d} {ms * 1e3:8.1f} "
                       f"{gbs:6.0f} {100 * gbs / copy:5.0f}% {tag}" + (f"  DIFF {diff:.1e}" if diff > 1e-2 else ""))
         forced.clear()
         del sets, outs

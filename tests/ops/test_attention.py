@@ -262,11 +262,36 @@ def test_v4_plan_wide_ctas():
         assert D.plan_decode("v4", 1, 8, 512, 16, d, group, 132)[0] is wide
         assert D.plan_decode("v4", 1, 8, 32768, 16, d, group, 132)[0] is wide  # 8 x 32 CTAs <= 2 x 132
         assert D.plan_decode("v4", 64, 8, 512, 16, d, group, 132)[0] is narrow  # 512 CTAs
-    for group in (5, 8):  # G > 4 needs 167-246 registers: two 8-warp CTAs would not fit an SM; not compiled
-        assert D.plan_decode("v4", 1, 8, 512, 16, 128, group, 132)[0] is narrow
+    for group in (5, 7):  # G > 4 needs 167-246 registers: two 8-warp CTAs would not fit an SM; not compiled
+        assert D.plan_decode("v4", 1, 8, 512, 16, 128, group, 132)[0] is narrow  # (nor split: 5 or 7 subgroups)
     assert D.plan_decode("v4w8", 64, 8, 4096, 16, 128, 2, 132)[0] is wide  # asked for: at any grid
     with pytest.raises(ValueError, match="v4w8 is compiled"):
         D.plan_decode("v4w8", 1, 8, 512, 16, 128, 8, 132)
+
+
+def test_v4_plan_subgroups():
+    """Groups of 6 and 8 query heads run as 2 subgroups of 3 and 4 in 8-warp CTAs where that grid (twice the heads)
+    is one wave of them and its splits are short (<= SUBGROUP_MAX_CHUNK keys), planned as for twice the kv heads;
+    elsewhere (long splits, batch 64) the whole group in 4-warp CTAs; the kernel names and the forced variants
+    follow."""
+    narrow = D.DECODE_KERNELS["v4"]
+    assert D.SUBGROUP_MAX_CHUNK == 512
+    for group in (6, 8):
+        for b, n in ((1, 512), (1, 8192), (2, 4096), (4, 512)):
+            k, splits, chunk = D.plan_decode("v4", b, 8, n, 16, 128, group, 132)
+            assert (k.variant, k.subgroups, k.warps) == ("v4w8", 2, 8), (group, b, n)
+            assert (splits, chunk) == D.v4_plan(b, 16, n, 132, narrow.resident(128, group // 2),
+                                                (D.V4_TABLE_CAP - 1) * 16 // 64 * 64)
+            assert b * 16 * splits <= 2 * 132 and chunk <= 512  # one wave of 8-warp CTAs, short splits
+            assert k.name(128, group) == f"attention_decode_v4_d128_g{group // 2}_s2_w8"
+        for b, n in ((1, 16384), (1, 32768), (4, 8192), (64, 4096)):  # splits of 1024+ keys as 2 subgroups
+            assert D.plan_decode("v4", b, 8, n, 16, 128, group, 132)[0] is narrow, (b, n)
+        assert narrow.name(128, group) == f"attention_decode_v4_d128_g{group}_s2"
+        assert D.plan_decode("v4w4", 1, 8, 32768, 16, 128, group, 132)[0] is D.DECODE_KERNELS["v4w4"]
+    assert D.plan_decode("v4", 1, 8, 8192, 16, 128, 8, 132)[1:] == (16, 512)  # a measured point
+    assert D.plan_decode("v4", 1, 8, 8192, 16, 64, 8, 132)[0].subgroups == 2  # head_dim 64 as well
+    for group in (1, 2, 3, 4):
+        assert D.plan_decode("v4", 1, 8, 32768, 16, 128, group, 132)[0].subgroups == 1
 
 
 def test_spread_smem():
@@ -657,13 +682,13 @@ def test_decode_gpu_v2_fallback_block_size_1(rng):
     assert row_error(run_decode(case, 120000), dense_expected(case)) < TOL_LONG
 
 
-def _graph_replays(rng, variant):
+def _graph_replays(rng, variant, hq=16, hkv=4):
     """Split counters reset themselves: eager calls and graph replays give the same rows, call after call."""
     from xserv.runtime.graphs import CUDAGraph
 
-    case = make_case(rng, [1] * 4, [5000, 0, 77, 1], 16, 4, 128, 16)
+    case = make_case(rng, [1] * 4, [5000, 0, 77, 1], hq, hkv, 128, 16)
     t = on("cuda", case)
-    out = poisoned((4, 16, 128), bfloat16)
+    out = poisoned((4, hq, 128), bfloat16)
 
     def step():
         A.attention_decode(t["q"], t["k_cache"], t["v_cache"], t["kv_lens"], t["block_tables"], case["scale"],
@@ -678,7 +703,7 @@ def _graph_replays(rng, variant):
     with graph.capture():
         step()
     for _ in range(3):
-        out.copy_(np.full((4, 16, 128), np.nan, bfloat16))
+        out.copy_(np.full((4, hq, 128), np.nan, bfloat16))
         graph.replay()
         assert np.array_equal(out.numpy().view(np.uint16), first.view(np.uint16))
     graph.close()
@@ -688,6 +713,33 @@ def _graph_replays(rng, variant):
 @pytest.mark.parametrize("variant", ["v4", "v4w8"])
 def test_decode_gpu_graph_replays(rng, variant):
     _graph_replays(rng, variant)
+
+
+@pytest.mark.gpu
+def test_decode_gpu_graph_replays_subgroups(rng):
+    from xserv.runtime import get_device
+
+    assert D.plan_decode("v4", 4, 2, 8192, 16, 128, 8, get_device().multiprocessor_count)[0].subgroups == 2
+    _graph_replays(rng, "v4", hq=16, hkv=2)  # G = 8: two subgroups, a counter each
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq", [48, 64])
+@pytest.mark.parametrize("lens", [[8192], [4096, 5], [300]])
+def test_decode_gpu_subgroups(rng, hq, lens):
+    """Groups of 6 and 8 split into 2 query-head subgroups (8-warp CTAs) at few sequences: near the float64
+    reference, and a misplaced page or a 2% scale error fails the same check."""
+    from xserv.runtime import get_device
+
+    longest = max(lens)
+    sms = get_device().multiprocessor_count
+    assert D.plan_decode("v4", len(lens), 8, longest, 16, 128, hq // 8, sms)[0].subgroups == 2
+    case = make_case(rng, [1] * len(lens), lens, hq, 8, 128, 16)
+    expected = dense_expected(case)
+    assert row_error(run_decode(case, longest), expected) < TOL_LONG
+    if longest >= 4096:
+        assert row_error(run_decode(case, longest, tables=misplace_page(case, 0, 100, 200)), expected) > TOL_LONG
+        assert row_error(run_decode(case, longest, scale=case["scale"] * 1.02), expected) > TOL_LONG
 
 
 @pytest.mark.gpu
@@ -749,7 +801,7 @@ def test_decode_rope_gpu(rng, norm, head_dim, hq, hkv, block_size):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("hq,hkv", [(16, 8), (32, 8), (14, 2), (64, 8)])
+@pytest.mark.parametrize("hq,hkv", [(16, 8), (32, 8), (14, 2), (64, 8), (48, 8)])
 @pytest.mark.parametrize("kv_len", [1, 2, 64, 65, 520, 1000, 4096, 4097, 20000])
 def test_decode_rope_gpu_one_sequence(rng, head_dim, hq, hkv, kv_len):
     """Batch 1, as the engine's one-request decode: from one split to many, the new key in the stage that goes out

@@ -6,12 +6,14 @@ shared page table, split combine folded in), or
 v2 (attention_decode_v2.cu, plain loads and a separate combine kernel) where a split's pages would overflow v4's
 shared page table (a block size below 8 with a very long context). The v4 plan (`v4_plan`) balances the keys per
 SM rather than filling resident slots: few sequences get about two CTAs per SM, and there (where the group is at
-most 4) v4 runs 8-warp CTAs (v4w8), twice the bytes in flight per SM. v3 (tensor cores) and the v4
+most 4, or splits into subgroups of at most 4 query heads) v4 runs 8-warp CTAs (v4w8), twice the bytes in flight
+per SM. v3 (tensor cores) and the v4
 experiments are development kernels in cuda_src/dev/, run when a test, the harness or tools/bench_attention.py names
 them. Measurements: docs/kernels/attention.md.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -42,6 +44,15 @@ _SM_SMEM_TOTAL, _CTA_SMEM_RESERVED, _CTA_SMEM_MAX = 228 * 1024, 1024, 227 * 1024
 # docs/kernels/attention.md ("QK-norm + RoPE + KV write folded into decode v4").
 FUSED_PDL = True
 SPREAD_CTAS = True
+# Query-head subgroups: a group of more than 4 query heads per kv head (Qwen3-32B: 64/8) does not fit the 8-warp
+# CTAs' registers, so in the grids where those run (few sequences) the plan may split it into R subgroups of at most
+# 4 heads, R CTAs that read the same K/V (DecodeKernel.subgroups). Each subgroup loads and converts every key again
+# (from L2), so this pays only where a CTA's keys are few and its latency dominates: splits of at most
+# SUBGROUP_MAX_CHUNK keys. At most MAX_SUBGROUPS (groups of 6 and 8; 5 and 7 stay whole). Measured on an H200
+# (docs/kernels/attention.md, "Query-head subgroups"): G = 8, 1 x 512 9.4 -> 6.7 us, 1 x 8192 23.0 -> 21.4 us;
+# 1 x 32768 (2048-key splits) 59.3 -> 62.9 us, a loss.
+MAX_SUBGROUPS = 2
+SUBGROUP_MAX_CHUNK = 512
 
 
 def v4_min_blocks(group: int) -> int:
@@ -59,7 +70,9 @@ class DecodeKernel:
     """A decode kernel family member: generation 2, 3 or 4, ring stages, name suffix, the (head_dim, group) shapes
     it is compiled for (None: every supported one), whether it is v4's production template with its fused-entry
     arguments (the _n / _p experiments are not), its warps per CTA (8 for v4w8, 16 for the v4w16 experiment), and
-    `wide`: the variant the plan runs instead where its grid is one wave of that variant's CTAs (v4 -> v4w8)."""
+    `wide`: the variant the plan runs instead where its grid is one wave of that variant's CTAs (v4 -> v4w8), and
+    `subgroups` (set by the plan, not in DECODE_KERNELS): R CTAs per (sequence, kv head, split), each over group / R
+    of the kv head's query heads."""
 
     variant: str
     generation: int
@@ -70,12 +83,15 @@ class DecodeKernel:
     fused_args: bool = True
     warps: int = 4
     wide: str | None = None
+    subgroups: int = 1
 
     @property
     def dev(self) -> bool:
         return self.family.startswith("dev/")
 
     def name(self, head_dim: int, group: int) -> str:
+        """The kernel for `group` query heads per kv head (each CTA runs group / subgroups of them)."""
+        group //= self.subgroups
         if self.generation == 2:
             return f"attention_decode_d{head_dim}_g{group}"
         return f"attention_decode_v{self.generation}_d{head_dim}_g{group}_s{self.stages}{self.suffix}"
@@ -196,7 +212,9 @@ def plan_decode(variant: str, num_seqs: int, num_kv_heads: int, max_kv_len: int,
     """(kernel, num_splits, chunk_len) for `variant` on this shape, with the fallbacks applied: v4 (and the v4
     experiments) plan with v4_plan and run v2 where a split would overflow the shared page table; v4 itself runs
     its 8-warp CTAs (v4w8) where the planned grid is one wave of them (at most 2 per SM) and the group is at most 4
-    (few sequences: each CTA's keys go out in half the stages; docs/kernels/attention.md, "Wide CTAs"); v3 needs
+    (few sequences: each CTA's keys go out in half the stages; docs/kernels/attention.md, "Wide CTAs"), a larger
+    group split into query-head subgroups of at most 4 where that makes such a grid of short splits
+    (DecodeKernel.subgroups; groups of 6 and 8, MAX_SUBGROUPS, SUBGROUP_MAX_CHUNK); v3 needs
     block_size % 16 == 0, else v2. Cached: an eager call pays the search once per shape (it took 100-200 us of host
     time at 1 x 32k-128k, more than the kernel)."""
     k = DECODE_KERNELS.get(variant)
@@ -207,14 +225,20 @@ def plan_decode(variant: str, num_seqs: int, num_kv_heads: int, max_kv_len: int,
                          f"not ({head_dim}, {group})")
     sms = multiprocessor_count
     if k.generation == 4:
-        splits, chunk = v4_plan(num_seqs, num_kv_heads, max_kv_len, sms, k.resident(head_dim, group),
-                                (V4_TABLE_CAP - 1) * block_size // 64 * 64)
-        if -(-chunk // block_size) + 1 <= V4_TABLE_CAP:  # the split's pages fit the shared page table
-            wide = DECODE_KERNELS.get(k.wide)
-            if (wide is not None and (head_dim, group) in wide.shapes
-                    and num_seqs * num_kv_heads * splits <= wide.resident(head_dim, group) * sms):
-                k = wide  # the same plan, each CTA twice the warps: still one wave
-            return k, splits, chunk
+        max_chunk = (V4_TABLE_CAP - 1) * block_size // 64 * 64
+        wide = DECODE_KERNELS.get(k.wide)
+        for r in _subgroup_counts(group, head_dim, wide):
+            g, heads = group // r, num_kv_heads * r
+            splits, chunk = v4_plan(num_seqs, heads, max_kv_len, sms, k.resident(head_dim, g), max_chunk)
+            if -(-chunk // block_size) + 1 > V4_TABLE_CAP:  # the split's pages overflow the shared page table
+                continue
+            if (wide is not None and (head_dim, g) in wide.shapes
+                    and num_seqs * heads * splits <= wide.resident(head_dim, g) * sms
+                    and (r == 1 or chunk <= SUBGROUP_MAX_CHUNK)):
+                # the same plan, each CTA twice the warps: still one wave
+                return (wide if r == 1 else dataclasses.replace(wide, subgroups=r)), splits, chunk
+            if r == 1:
+                return k, splits, chunk
         k = DECODE_KERNELS["v2"]
     elif k.generation == 3:
         if block_size % 16 == 0:
@@ -223,6 +247,15 @@ def plan_decode(variant: str, num_seqs: int, num_kv_heads: int, max_kv_len: int,
         k = DECODE_KERNELS["v2"]
     splits, chunk = decode_plan(num_seqs, num_kv_heads, max_kv_len, sms, k.resident(head_dim, group))
     return k, splits, chunk
+
+
+def _subgroup_counts(group: int, head_dim: int, wide: DecodeKernel | None) -> list[int]:
+    """The query-head subgroup counts plan_decode tries, in order: the fewest (<= MAX_SUBGROUPS) that bring a group
+    within the wide kernels' shapes, then 1 (the whole group in one CTA)."""
+    if wide is None or (head_dim, group) in wide.shapes:
+        return [1]
+    split = [r for r in range(2, MAX_SUBGROUPS + 1) if group % r == 0 and (head_dim, group // r) in wide.shapes]
+    return split[:1] + [1]
 
 
 def _workspace(nbytes: int) -> Tensor:
@@ -302,6 +335,7 @@ def _launch(plan: tuple[DecodeKernel, int, int], q: Tensor, k_cache: Tensor, v_c
     num_seqs, _, head_dim = out.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
+    heads = num_kv_heads * k.subgroups  # grid rows: one per query-head subgroup of each kv head
     part_o = part_lse = out  # unused by the kernels when splits == 1
     if splits > 1:
         rows = num_seqs * num_q_heads * splits
@@ -311,19 +345,19 @@ def _launch(plan: tuple[DecodeKernel, int, int], q: Tensor, k_cache: Tensor, v_c
             np.int32(block_tables.shape[1]), np.int32(block_size), np.int32(num_q_heads), np.int32(num_kv_heads),
             np.float32(scale * math.log2(math.e)), np.int32(chunk), np.int32(splits), out, part_o, part_lse]
     if k.generation >= 3:  # the split combine is folded in: the last CTA of a (sequence, kv head) merges
-        args.append(_counter_workspace(num_seqs * num_kv_heads))
+        args.append(_counter_workspace(num_seqs * heads))
     if k.generation == 4:
         magic, shift = fast_div(block_size)
         args += [np.uint32(magic), np.int32(shift)]
     v4_template = k.generation == 4 and k.fused_args  # v4 and its dev stage counts
     if v4_template:
         args += v4_extra
-    grid = (splits, num_kv_heads, num_seqs)
+    grid = (splits, heads, num_seqs)
     smem, pdl = k.smem(head_dim), v4_template
     if fused:
         pdl = FUSED_PDL
         if SPREAD_CTAS:
-            smem = spread_smem(smem, splits * num_kv_heads * num_seqs, get_device().multiprocessor_count)
+            smem = spread_smem(smem, splits * heads * num_seqs, get_device().multiprocessor_count)
     # v4 waits for the previous kernel itself (pdl_wait): it may be launched with programmatic dependent launch
     kernel(k.family, k.name(head_dim, group))(grid, (32 * k.warps, 1, 1), *args, smem=smem, pdl=pdl)
     if k.generation == 2 and splits > 1:
