@@ -11,7 +11,8 @@ using namespace xserv::decode;
 // v4: v2's CUDA-core math, fed by a per-lane cp.async ring and a per-CTA page table in shared memory, with the
 // split combine folded into the kernel.
 //
-// attention_decode_v4_d{D}_g{G}_s{STAGES}[_w8]: grid (num_splits, Hkv * R, num_seqs), block 128 (4 warps; _w8: 256,
+// attention_decode_v4_d{D}_g{G}_s{STAGES}[_w8]: grid (num_splits, Hkv * R, num_seqs) (R = 1 or 2: query-head
+// subgroups, below), block 128 (4 warps; _w8: 256,
 // for grids of at most 2 CTAs per SM), dynamic shared memory STAGES * 16 KB per 4 warps (the ring) + kV4TabCap * 4 (page
 // table) + 16 + kV4RowBytes (the fused rows). STAGES = 2
 // ships (measured best on an H200: docs/kernels/attention.md, "v4 decode"; and on an H100 for the few-sequence plans
@@ -32,10 +33,11 @@ using namespace xserv::decode;
 //   num_splits == 1: bf16 out directly; otherwise fp32 partials, and the last CTA of each (sequence, kv head) to
 //   finish (counters, reset by that CTA: graph-replay safe) merges them (combine_splits_v4, <= kV4MaxSplits).
 //   kv_len == 0: split 0 writes zeros.
-//   Query-head subgroups (R = num_q_heads / (Hkv * G) > 1): a kv head's R * G query heads run as R CTAs of G heads
-//   each (blockIdx.y = kv_head * R + r), which read the same K/V (the second read mostly from L2). The plan does this
-//   for groups above 4 in few-sequence grids, so that they run the 8-warp CTAs, whose registers hold at most 4 query
-//   rows; the first subgroup writes the fused entry's new K/V row.
+//   Query-head subgroups (_w8_r2: R = 2): a kv head's 2 G query heads run as 2 CTAs of G heads each (blockIdx.y =
+//   kv_head * 2 + r), which read the same K/V (the second read mostly from L2). The plan does this for groups of 6
+//   and 8 in few-sequence grids of short splits, so that they run the 8-warp CTAs, whose registers hold at most 4
+//   query rows; the first subgroup writes the fused entry's new K/V row. A template parameter, so that the R = 1
+//   kernels carry no index arithmetic for it.
 //
 // Fused entry (positions != nullptr; attention_decode_rope in xserv/ops/attention/decode.py): the same kernel also
 // does qk_norm_rope_write_kv's work for a decode batch (one new token per sequence), with the same bits as that
@@ -224,7 +226,7 @@ __device__ __forceinline__ void combine_splits_v4(int* counter, int active, long
 
 // The v4 kernel's arguments: XSERV_DECODE_ARGS (attention_decode.cuh) with writable caches, then the folded
 // combine's counters and the block-size divisor, then the fused entry's (positions == nullptr: plain attention):
-//   counters:     [num_seqs * gridDim.y] int32, zero between calls (the last CTA of a pair resets its counter)
+//   counters:     [num_seqs * num_kv_heads * R] int32, zero between calls (the last CTA of a pair resets it)
 //   positions:    [num_seqs] int32, the new token's position (RoPE), or nullptr: q is rotated, K/V are in the cache
 //   slot_mapping: [num_seqs] int32, where the new token's K/V go (< 0: a padding row, nothing written)
 //   cos_sin:      [max_pos, D] fp32, 16-byte aligned
@@ -243,8 +245,8 @@ __device__ __forceinline__ void combine_splits_v4(int* counter, int active, long
         num_kv_heads, scale_log2, chunk_len, num_splits, out, part_o, part_lse, counters, bs_magic, bs_shift,    \
         positions, slot_mapping, cos_sin, max_pos, q_weight, k_weight, eps
 
-// W: warps per CTA (kV4Warps; the wide kernels 8, the dev file's 16).
-template <int D, int G, int STAGES, int W = kV4Warps>
+// W: warps per CTA (kV4Warps; the wide kernels 8, the dev file's 16). R: query-head subgroups (1 or 2, below).
+template <int D, int G, int STAGES, int W = kV4Warps, int R = 1>
 __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS) {
     constexpr int U = kV4Unroll;
     constexpr int LPK = D / 8;         // lanes per key
@@ -266,10 +268,9 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS) {
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int c = lane % LPK, sub = lane / LPK, t = lane % LPR;
-    // blockIdx.y: one of the R = num_q_heads / (num_kv_heads * G) subgroups of G query heads of a kv head (R > 1:
-    // the launcher split a group too large for the wide CTAs' registers into R CTAs that read the same K/V).
-    const int subgroups = num_q_heads / (num_kv_heads * G);
-    const int s = blockIdx.z, kv_head = blockIdx.y / subgroups, split = blockIdx.x;
+    // blockIdx.y: subgroup blockIdx.y % R of kv head blockIdx.y / R (R = 1: the kv head itself).
+    static_assert(R == 1 || R == 2, "one or two query-head subgroups");
+    const int s = blockIdx.z, kv_head = blockIdx.y / R, split = blockIdx.x;
     const int start = split * chunk_len;
     const int h0 = blockIdx.y * G;
     const bool fused = positions != nullptr;
@@ -311,7 +312,7 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS) {
         rope16::rope_apply(lo, hi, in_range, cv, sv);
         const uint4 out_lo = rope16::float8_to_bf16_bits(lo), out_hi = rope16::float8_to_bf16_bits(hi);
         k_bits = c < LPR ? out_lo : out_hi;  // chunk c: elements [8c, 8c + 8)
-        if (sub == 0 && slot >= 0 && blockIdx.y == kv_head * subgroups) {  // one subgroup writes the cache row
+        if (sub == 0 && slot >= 0 && blockIdx.y % R == 0) {  // (the first query-head subgroup writes it)
             const long long row = ((long long)slot * num_kv_heads + kv_head) * D + 8 * c;
             *reinterpret_cast<uint4*>(k_cache + row) = k_bits;
             *reinterpret_cast<uint4*>(v_cache + row) = v_bits;
@@ -600,7 +601,7 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS) {
     if (num_splits == 1) return;
     // the merge area is no longer read: it holds the split weights now
     static_assert(((G * kV4MaxSplits + 3) & ~3) * 4 + W * 32 * 16 <= RING, "combine scratch fits in the ring");
-    combine_splits_v4<D, G, W>(counters + (long long)s * gridDim.y + blockIdx.y,
+    combine_splits_v4<D, G, W>(counters + ((long long)s * num_kv_heads + kv_head) * R + blockIdx.y % R,
                             min(num_splits, (kv_len + chunk_len - 1) / chunk_len), row0, num_splits, part_o, part_lse,
                             out, reinterpret_cast<float*>(smem_raw), sm_last);
 }
@@ -625,6 +626,12 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS) {
     extern "C" __global__ void __launch_bounds__(W * 32, 16 / W)                                                 \
         attention_decode_v4_d##D##_g##G##_s##S##_w##W(XSERV_DECODE_V4_ARGS) {                                  \
         decode_split_v4<D, G, S, W>(XSERV_DECODE_V4_PASS);                                                       \
+    }
+// The same with 2 query-head subgroups per kv head (groups of 2 G; decode.py's MAX_SUBGROUPS).
+#define XSERV_DECODE_V4_WIDE_SUBGROUPS_KERNEL(D, G, S, W)                                                        \
+    extern "C" __global__ void __launch_bounds__(W * 32, 16 / W)                                                 \
+        attention_decode_v4_d##D##_g##G##_s##S##_w##W##_r2(XSERV_DECODE_V4_ARGS) {                             \
+        decode_split_v4<D, G, S, W, 2>(XSERV_DECODE_V4_PASS);                                                    \
     }
 
 // 2 stages, for every head_dim and group size; 8 warps for the groups of at most 4 (the 16 / W bound holds there).
@@ -652,3 +659,8 @@ XSERV_DECODE_V4_WIDE_KERNEL(128, 1, 2, 8)
 XSERV_DECODE_V4_WIDE_KERNEL(128, 2, 2, 8)
 XSERV_DECODE_V4_WIDE_KERNEL(128, 3, 2, 8)
 XSERV_DECODE_V4_WIDE_KERNEL(128, 4, 2, 8)
+// groups of 6 and 8 as 2 subgroups (Qwen3-32B's 64/8 heads)
+XSERV_DECODE_V4_WIDE_SUBGROUPS_KERNEL(64, 3, 2, 8)
+XSERV_DECODE_V4_WIDE_SUBGROUPS_KERNEL(64, 4, 2, 8)
+XSERV_DECODE_V4_WIDE_SUBGROUPS_KERNEL(128, 3, 2, 8)
+XSERV_DECODE_V4_WIDE_SUBGROUPS_KERNEL(128, 4, 2, 8)

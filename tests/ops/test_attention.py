@@ -1,3 +1,4 @@
+import dataclasses
 import functools
 import math
 import os
@@ -283,7 +284,7 @@ def test_v4_plan_subgroups():
             assert (splits, chunk) == D.v4_plan(b, 16, n, 132, narrow.resident(128, group // 2),
                                                 (D.V4_TABLE_CAP - 1) * 16 // 64 * 64)
             assert b * 16 * splits <= 2 * 132 and chunk <= 512  # one wave of 8-warp CTAs, short splits
-            assert k.name(128, group) == f"attention_decode_v4_d128_g{group // 2}_s2_w8"
+            assert k.name(128, group) == f"attention_decode_v4_d128_g{group // 2}_s2_w8_r2"
         for b, n in ((1, 16384), (1, 32768), (4, 8192), (64, 4096)):  # splits of 1024+ keys as 2 subgroups
             assert D.plan_decode("v4", b, 8, n, 16, 128, group, 132)[0] is narrow, (b, n)
         assert narrow.name(128, group) == f"attention_decode_v4_d128_g{group}_s2"
@@ -335,6 +336,8 @@ def _kernel_names(family: str) -> set[str]:
         names.update(f"attention_decode_v4_d{d}_g{g}_{x}" for x in ("s3", "s4", "s2_n", "s2_p", "s2_w16"))
     for d, g, s, w in re.findall(r"^XSERV_DECODE_V4_WIDE_KERNEL\((\d+), (\d), (\d), (\d+)\)", src, re.M):
         names.add(f"attention_decode_v4_d{d}_g{g}_s{s}_w{w}")
+    for d, g, s, w in re.findall(r"^XSERV_DECODE_V4_WIDE_SUBGROUPS_KERNEL\((\d+), (\d), (\d), (\d+)\)", src, re.M):
+        names.add(f"attention_decode_v4_d{d}_g{g}_s{s}_w{w}_r2")
     for d, g in re.findall(r"^XSERV_DECODE_V3_STAGES\((\d+), (\d)\)", src, re.M):
         names.update(f"attention_decode_v3_d{d}_g{g}_s{s}" for s in (2, 3))
     for d, mt, w, qs, nbuf, ks in re.findall(
@@ -362,6 +365,12 @@ def test_launch_tables_name_instantiated_kernels():
         for d, g in shapes:
             assert k.name(d, g) in _kernel_names(k.family), (variant, k.name(d, g))
         assert k.dev == (variant not in ("v4", "v4w4", "v4w8", "v2")), variant
+    wide = A.DECODE_KERNELS["v4w8"]
+    for d in A.HEAD_DIMS:  # the query-head subgroup kernels the plan can pick
+        for group in range(1, A.MAX_GQA_GROUP + 1):
+            for r in D._subgroup_counts(group, d, wide)[:-1]:  # (the last is 1: the whole group)
+                name = dataclasses.replace(wide, subgroups=r).name(d, group)
+                assert name in _kernel_names(wide.family), name
     assert "attention_decode_combine" in _kernel_names(A.DECODE_KERNELS["v2"].family)
 
 

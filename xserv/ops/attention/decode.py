@@ -48,7 +48,7 @@ SPREAD_CTAS = True
 # CTAs' registers, so in the grids where those run (few sequences) the plan may split it into R subgroups of at most
 # 4 heads, R CTAs that read the same K/V (DecodeKernel.subgroups). Each subgroup loads and converts every key again
 # (from L2), so this pays only where a CTA's keys are few and its latency dominates: splits of at most
-# SUBGROUP_MAX_CHUNK keys. At most MAX_SUBGROUPS (groups of 6 and 8; 5 and 7 stay whole). Measured on an H200
+# SUBGROUP_MAX_CHUNK keys. At most MAX_SUBGROUPS (groups of 6 and 8; 5 and 7 stay whole): the _w8_r2 kernels. Measured on an H200
 # (docs/kernels/attention.md, "Query-head subgroups"): G = 8, 1 x 512 9.4 -> 6.7 us, 1 x 8192 23.0 -> 21.4 us;
 # 1 x 32768 (2048-key splits) 59.3 -> 62.9 us, a loss.
 MAX_SUBGROUPS = 2
@@ -90,11 +90,12 @@ class DecodeKernel:
         return self.family.startswith("dev/")
 
     def name(self, head_dim: int, group: int) -> str:
-        """The kernel for `group` query heads per kv head (each CTA runs group / subgroups of them)."""
-        group //= self.subgroups
+        """The kernel for `group` query heads per kv head (each CTA runs group / subgroups of them: _r2)."""
         if self.generation == 2:
             return f"attention_decode_d{head_dim}_g{group}"
-        return f"attention_decode_v{self.generation}_d{head_dim}_g{group}_s{self.stages}{self.suffix}"
+        sub = f"_r{self.subgroups}" if self.subgroups > 1 else ""
+        return (f"attention_decode_v{self.generation}_d{head_dim}_g{group // self.subgroups}_s{self.stages}"
+                f"{self.suffix}{sub}")
 
     def smem(self, head_dim: int) -> int:
         """Dynamic shared memory: v4's ring + page table + a flag + the fused entry's rows; v3's per-warp staging + a
