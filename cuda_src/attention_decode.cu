@@ -11,8 +11,8 @@ using namespace xserv::decode;
 // v4: v2's CUDA-core math, fed by a per-lane cp.async ring and a per-CTA page table in shared memory, with the
 // split combine folded into the kernel.
 //
-// attention_decode_v4_d{D}_g{G}_s{STAGES}[_w8]: grid (num_splits, Hkv * R, num_seqs) (R = 1 or 2: query-head
-// subgroups, below), block 128 (4 warps; _w8: 256,
+// attention_decode_v4_d{D}_g{G}_s{STAGES}[_w8]: grid (num_splits, Hkv * R, num_seqs) (R: query-head subgroups,
+// below), block 128 (4 warps; _w8: 256,
 // for grids of at most 2 CTAs per SM), dynamic shared memory STAGES * 16 KB per 4 warps (the ring) + kV4TabCap * 4 (page
 // table) + 16 + kV4RowBytes (the fused rows). STAGES = 2
 // ships (measured best on an H200: docs/kernels/attention.md, "v4 decode"; and on an H100 for the few-sequence plans
@@ -33,9 +33,9 @@ using namespace xserv::decode;
 //   num_splits == 1: bf16 out directly; otherwise fp32 partials, and the last CTA of each (sequence, kv head) to
 //   finish (counters, reset by that CTA: graph-replay safe) merges them (combine_splits_v4, <= kV4MaxSplits).
 //   kv_len == 0: split 0 writes zeros.
-//   Query-head subgroups (_w8_r2: R = 2): a kv head's 2 G query heads run as 2 CTAs of G heads each (blockIdx.y =
-//   kv_head * 2 + r), which read the same K/V (the second read mostly from L2). The plan does this for groups of 6
-//   and 8 in few-sequence grids of short splits, so that they run the 8-warp CTAs, whose registers hold at most 4
+//   Query-head subgroups (_w8_r{R}): a kv head's R G query heads run as R CTAs of G heads each (blockIdx.y =
+//   kv_head * R + r), which read the same K/V (the later reads mostly from L2). The plan does this for groups of 5,
+//   6 and 8 in few-sequence grids of short splits, so that they run the 8-warp CTAs, whose registers hold at most 4
 //   query rows; the first subgroup writes the fused entry's new K/V row. A template parameter, so that the R = 1
 //   kernels carry no index arithmetic for it.
 //
@@ -245,7 +245,7 @@ __device__ __forceinline__ void combine_splits_v4(int* counter, int active, long
         num_kv_heads, scale_log2, chunk_len, num_splits, out, part_o, part_lse, counters, bs_magic, bs_shift,    \
         positions, slot_mapping, cos_sin, max_pos, q_weight, k_weight, eps
 
-// W: warps per CTA (kV4Warps; the wide kernels 8, the dev file's 16). R: query-head subgroups (1 or 2, below).
+// W: warps per CTA (kV4Warps; the wide kernels 8, the dev file's 16). R: query-head subgroups (below).
 template <int D, int G, int STAGES, int W = kV4Warps, int R = 1>
 __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS) {
     constexpr int U = kV4Unroll;
@@ -269,7 +269,6 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int c = lane % LPK, sub = lane / LPK, t = lane % LPR;
     // blockIdx.y: subgroup blockIdx.y % R of kv head blockIdx.y / R (R = 1: the kv head itself).
-    static_assert(R == 1 || R == 2, "one or two query-head subgroups");
     const int s = blockIdx.z, kv_head = blockIdx.y / R, split = blockIdx.x;
     const int start = split * chunk_len;
     const int h0 = blockIdx.y * G;
@@ -627,11 +626,11 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS) {
         attention_decode_v4_d##D##_g##G##_s##S##_w##W(XSERV_DECODE_V4_ARGS) {                                  \
         decode_split_v4<D, G, S, W>(XSERV_DECODE_V4_PASS);                                                       \
     }
-// The same with 2 query-head subgroups per kv head (groups of 2 G; decode.py's MAX_SUBGROUPS).
-#define XSERV_DECODE_V4_WIDE_SUBGROUPS_KERNEL(D, G, S, W)                                                        \
+// The same with R query-head subgroups per kv head (groups of R G; decode.py's _subgroup_counts).
+#define XSERV_DECODE_V4_WIDE_SUBGROUPS_KERNEL(D, G, S, W, R)                                                     \
     extern "C" __global__ void __launch_bounds__(W * 32, 16 / W)                                                 \
-        attention_decode_v4_d##D##_g##G##_s##S##_w##W##_r2(XSERV_DECODE_V4_ARGS) {                             \
-        decode_split_v4<D, G, S, W, 2>(XSERV_DECODE_V4_PASS);                                                    \
+        attention_decode_v4_d##D##_g##G##_s##S##_w##W##_r##R(XSERV_DECODE_V4_ARGS) {                           \
+        decode_split_v4<D, G, S, W, R>(XSERV_DECODE_V4_PASS);                                                    \
     }
 
 // 2 stages, for every head_dim and group size; 8 warps for the groups of at most 4 (the 16 / W bound holds there).
@@ -659,8 +658,10 @@ XSERV_DECODE_V4_WIDE_KERNEL(128, 1, 2, 8)
 XSERV_DECODE_V4_WIDE_KERNEL(128, 2, 2, 8)
 XSERV_DECODE_V4_WIDE_KERNEL(128, 3, 2, 8)
 XSERV_DECODE_V4_WIDE_KERNEL(128, 4, 2, 8)
-// groups of 6 and 8 as 2 subgroups (Qwen3-32B's 64/8 heads)
-XSERV_DECODE_V4_WIDE_SUBGROUPS_KERNEL(64, 3, 2, 8)
-XSERV_DECODE_V4_WIDE_SUBGROUPS_KERNEL(64, 4, 2, 8)
-XSERV_DECODE_V4_WIDE_SUBGROUPS_KERNEL(128, 3, 2, 8)
-XSERV_DECODE_V4_WIDE_SUBGROUPS_KERNEL(128, 4, 2, 8)
+// groups of 6 and 8 as 2 subgroups (Qwen3-32B's 64/8 heads), groups of 5 as 5 of one (Qwen3-14B's 40/8)
+XSERV_DECODE_V4_WIDE_SUBGROUPS_KERNEL(64, 3, 2, 8, 2)
+XSERV_DECODE_V4_WIDE_SUBGROUPS_KERNEL(64, 4, 2, 8, 2)
+XSERV_DECODE_V4_WIDE_SUBGROUPS_KERNEL(128, 3, 2, 8, 2)
+XSERV_DECODE_V4_WIDE_SUBGROUPS_KERNEL(128, 4, 2, 8, 2)
+XSERV_DECODE_V4_WIDE_SUBGROUPS_KERNEL(64, 1, 2, 8, 5)
+XSERV_DECODE_V4_WIDE_SUBGROUPS_KERNEL(128, 1, 2, 8, 5)

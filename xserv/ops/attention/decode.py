@@ -44,14 +44,14 @@ _SM_SMEM_TOTAL, _CTA_SMEM_RESERVED, _CTA_SMEM_MAX = 228 * 1024, 1024, 227 * 1024
 # docs/kernels/attention.md ("QK-norm + RoPE + KV write folded into decode v4").
 FUSED_PDL = True
 SPREAD_CTAS = True
-# Query-head subgroups: a group of more than 4 query heads per kv head (Qwen3-32B: 64/8) does not fit the 8-warp
-# CTAs' registers, so in the grids where those run (few sequences) the plan may split it into R subgroups of at most
-# 4 heads, R CTAs that read the same K/V (DecodeKernel.subgroups). Each subgroup loads and converts every key again
-# (from L2), so this pays only where a CTA's keys are few and its latency dominates: splits of at most
-# SUBGROUP_MAX_CHUNK keys. At most MAX_SUBGROUPS (groups of 6 and 8; 5 and 7 stay whole): the _w8_r2 kernels. Measured on an H200
-# (docs/kernels/attention.md, "Query-head subgroups"): G = 8, 1 x 512 9.4 -> 6.7 us, 1 x 8192 23.0 -> 21.4 us;
-# 1 x 32768 (2048-key splits) 59.3 -> 62.9 us, a loss.
-MAX_SUBGROUPS = 2
+# Query-head subgroups: a group of more than 4 query heads per kv head (Qwen3-14B: 40/8, 32B: 64/8) does not fit the
+# 8-warp CTAs' registers, so in the grids where those run (few sequences) the plan may split it into R subgroups of
+# at most 4 heads, R CTAs that read the same K/V (DecodeKernel.subgroups). Each subgroup loads and converts every key
+# again (from L2), so this pays only where a CTA's keys are few and its latency dominates: splits of at most
+# SUBGROUP_MAX_CHUNK keys. At most MAX_SUBGROUPS (groups of 5, 6 and 8; 7 stays whole): the _w8_r{R} kernels.
+# Measured on an H200 (docs/kernels/attention.md, "Query-head subgroups"): G = 8, 1 x 512 9.3 -> 6.4 us, 1 x 8192
+# 22.8 -> 20.7 us; 1 x 32768 (2048-key splits) 59.3 -> 62.9 us, a loss.
+MAX_SUBGROUPS = 5
 SUBGROUP_MAX_CHUNK = 512
 
 
@@ -90,7 +90,7 @@ class DecodeKernel:
         return self.family.startswith("dev/")
 
     def name(self, head_dim: int, group: int) -> str:
-        """The kernel for `group` query heads per kv head (each CTA runs group / subgroups of them: _r2)."""
+        """The kernel for `group` query heads per kv head (each CTA runs group / subgroups of them: _r{R})."""
         if self.generation == 2:
             return f"attention_decode_d{head_dim}_g{group}"
         sub = f"_r{self.subgroups}" if self.subgroups > 1 else ""
@@ -215,7 +215,7 @@ def plan_decode(variant: str, num_seqs: int, num_kv_heads: int, max_kv_len: int,
     its 8-warp CTAs (v4w8) where the planned grid is one wave of them (at most 2 per SM) and the group is at most 4
     (few sequences: each CTA's keys go out in half the stages; docs/kernels/attention.md, "Wide CTAs"), a larger
     group split into query-head subgroups of at most 4 where that makes such a grid of short splits
-    (DecodeKernel.subgroups; groups of 6 and 8, MAX_SUBGROUPS, SUBGROUP_MAX_CHUNK); v3 needs
+    (DecodeKernel.subgroups; groups of 5, 6 and 8, MAX_SUBGROUPS, SUBGROUP_MAX_CHUNK); v3 needs
     block_size % 16 == 0, else v2. Cached: an eager call pays the search once per shape (it took 100-200 us of host
     time at 1 x 32k-128k, more than the kernel)."""
     k = DECODE_KERNELS.get(variant)
