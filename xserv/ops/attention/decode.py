@@ -50,7 +50,7 @@ SPREAD_CTAS = True
 # again (from L2), so this pays only where a CTA's keys are few and its latency dominates: splits of at most
 # SUBGROUP_MAX_CHUNK keys. At most MAX_SUBGROUPS (groups of 5, 6 and 8; 7 stays whole): the _w8_r{R} kernels.
 # Measured on an H200 (docs/kernels/attention.md, "Query-head subgroups"): G = 8, 1 x 512 9.3 -> 6.4 us, 1 x 8192
-# 22.8 -> 20.7 us; 1 x 32768 (2048-key splits) 59.3 -> 62.9 us, a loss.
+# 22.8 -> 20.7 us; 1 x 32768 (2048-key splits) 59.3 -> 62.9 us, a loss; G = 5, 1 x 512 7.5 -> 5.3 us.
 MAX_SUBGROUPS = 5
 SUBGROUP_MAX_CHUNK = 512
 
