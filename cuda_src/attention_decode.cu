@@ -11,10 +11,9 @@ using namespace xserv::decode;
 // v4: v2's CUDA-core math, fed by a per-lane cp.async ring and a per-CTA page table in shared memory, with the
 // split combine folded into the kernel.
 //
-// attention_decode_v4_d{D}_g{G}_s{STAGES}[_w8]: grid (num_splits, Hkv * R, num_seqs) (R: query-head subgroups,
-// below), block 128 (4 warps; _w8: 256,
-// for grids of at most 2 CTAs per SM), dynamic shared memory STAGES * 16 KB per 4 warps (the ring) + kV4TabCap * 4 (page
-// table) + 16 + kV4RowBytes (the fused rows). STAGES = 2
+// attention_decode_v4_d{D}_g{G}_s{STAGES}[_w8[_r{R}]]: grid (num_splits, Hkv * R, num_seqs) (R: query-head
+// subgroups, below), block 128 (4 warps; _w8: 256, for grids of at most 2 CTAs per SM), dynamic shared memory
+// STAGES * 16 KB per 4 warps (the ring) + kV4TabCap * 4 (page table) + 16 + kV4RowBytes (the fused rows). STAGES = 2
 // ships (measured best on an H200: docs/kernels/attention.md, "v4 decode"; and on an H100 for the few-sequence plans
 // of about 2 CTAs per SM, where a third stage was 1-3% slower: "few sequences"); 3 and 4 stages are in cuda_src/dev/.
 //   Key layout as v2: D/8 lanes share a key (one 16-byte chunk of its K and V row each), 32/(D/8) keys side by side,

@@ -164,8 +164,8 @@ def main(argv=None) -> int:
                 diff = np.linalg.norm(o.numpy().astype(np.float64) - ref) / np.linalg.norm(ref)
                 gbs = nbytes / ms / 1e6
                 tag = "plan" if forced_plan is None else ""
-                ran = f"{var}/{used['kernel']}"
-                print(f"{label:22s} {ran:9s} {splits:6d} {chunk:6d} {splits * b * hkv * used['subgroups']:5d} {ms * 1e3:8.1f} "
+                ran, ctas = f"{var}/{used['kernel']}", splits * b * hkv * used["subgroups"]
+                print(f"{label:22s} {ran:9s} {splits:6d} {chunk:6d} {ctas:5d} {ms * 1e3:8.1f} "
                       f"{gbs:6.0f} {100 * gbs / copy:5.0f}% {tag}" + (f"  DIFF {diff:.1e}" if diff > 1e-2 else ""))
         forced.clear()
         del sets, outs

@@ -236,7 +236,7 @@ def plan_decode(variant: str, num_seqs: int, num_kv_heads: int, max_kv_len: int,
             if (wide is not None and (head_dim, g) in wide.shapes
                     and num_seqs * heads * splits <= wide.resident(head_dim, g) * sms
                     and (r == 1 or chunk <= SUBGROUP_MAX_CHUNK)):
-                # the same plan, each CTA twice the warps: still one wave
+                # the same plan (for R x the kv heads), each CTA twice the warps: still one wave
                 return (wide if r == 1 else dataclasses.replace(wide, subgroups=r)), splits, chunk
             if r == 1:
                 return k, splits, chunk
