@@ -28,7 +28,8 @@
 //   gemv_mma_m8/16  2..16 x rows, tensor cores (mma.sync m16n8k16; see "the tensor-core GEMV" below), so 2 and 16
 //                   rows cost about the same: a CTA of 8 warps; a row group is 16 weight rows.
 // In both, the prologue stages the transformed x rows in shared memory once per CTA and the CTA then loops over
-// tiles (a persistent grid of at most 2 CTAs per SM). A tile is (warps / split) row groups; the `split` warps of
+// tiles (a persistent grid of at most 2 CTAs per SM); the mma kernel may deal K out to several CTAs ("K slices"
+// below) so that a CTA stages only part of x. A tile is (warps / split) row groups; the `split` warps of
 // a row group divide K between them and add their partial sums through shared memory in a fixed order, so
 // results do not depend on timing.
 //
@@ -66,14 +67,17 @@ __device__ __forceinline__ float silu(float g) {
     return __fdiv_rn(g, 1.f + e);
 }
 
-// Stage the m transformed x rows in shared memory (bf16 [m][K]). Every thread of the CTA takes part.
+// Stage the columns [k0, k0 + KL) of the m transformed x rows in shared memory (bf16 [m][KL], row stride KS).
+// K is the whole row (the RMS mean is over all of it; the up half of [gate | up] starts at K). Every thread of the
+// CTA takes part.
 template <int M, int THREADS>
 __device__ __forceinline__ void stage_x(__nv_bfloat16* xs, int KS, float* scratch, const void* x, long long x_stride,
                                         const int* x_rows, const __nv_bfloat16* norm_w, float eps, int m, int K,
-                                        int prologue) {
+                                        int k0, int KL, int prologue) {
     constexpr int kThreads = THREADS, kWarps = THREADS / 32;
-    const int chunks = K / 8;
+    const int chunks = KL / 8;
     if (prologue == kRmsNorm) {
+        const int row_chunks = K / 8;
         // Pass 1: each row's sum of squares (per-thread partials, then warp and CTA sums in a fixed order).
         float ss[M];
 #pragma unroll
@@ -82,7 +86,7 @@ __device__ __forceinline__ void stage_x(__nv_bfloat16* xs, int KS, float* scratc
         for (int i = 0; i < M; ++i) {
             if (i < m) {
                 const float* row = static_cast<const float*>(x) + (long long)(x_rows ? x_rows[i] : i) * x_stride;
-                for (int c = threadIdx.x; c < chunks; c += kThreads) {
+                for (int c = threadIdx.x; c < row_chunks; c += kThreads) {
                     float v[8];
                     xserv::load8(row + c * 8, v);
                     ss[i] += v[0] * v[0] + v[1] * v[1] + v[2] * v[2] + v[3] * v[3] + v[4] * v[4] + v[5] * v[5] +
@@ -108,8 +112,8 @@ __device__ __forceinline__ void stage_x(__nv_bfloat16* xs, int KS, float* scratc
                 const float* row = static_cast<const float*>(x) + (long long)(x_rows ? x_rows[i] : i) * x_stride;
                 for (int c = threadIdx.x; c < chunks; c += kThreads) {
                     float v[8], w[8];
-                    xserv::load8(row + c * 8, v);
-                    xserv::load8(norm_w + c * 8, w);
+                    xserv::load8(row + k0 + c * 8, v);
+                    xserv::load8(norm_w + k0 + c * 8, w);
 #pragma unroll
                     for (int j = 0; j < 8; ++j) v[j] = w[j] * (v[j] * inv);
                     xserv::store8(xs + (long long)i * KS + c * 8, v);
@@ -123,8 +127,8 @@ __device__ __forceinline__ void stage_x(__nv_bfloat16* xs, int KS, float* scratc
             const int i = e / chunks, c = e - i * chunks;
             const __nv_bfloat16* row = static_cast<const __nv_bfloat16*>(x) + (long long)(x_rows ? x_rows[i] : i) * x_stride;
             float g[8], u[8];
-            xserv::load8(row + c * 8, g);
-            xserv::load8(row + K + c * 8, u);
+            xserv::load8(row + k0 + c * 8, g);
+            xserv::load8(row + K + k0 + c * 8, u);
 #pragma unroll
             for (int j = 0; j < 8; ++j) g[j] = xserv::round_bf16(silu(g[j])) * u[j];
             xserv::store8(xs + (long long)i * KS + c * 8, g);
@@ -134,7 +138,7 @@ __device__ __forceinline__ void stage_x(__nv_bfloat16* xs, int KS, float* scratc
         for (int e = threadIdx.x; e < m * chunks; e += kThreads) {
             const int i = e / chunks, c = e - i * chunks;
             const __nv_bfloat16* row = static_cast<const __nv_bfloat16*>(x) + (long long)(x_rows ? x_rows[i] : i) * x_stride;
-            reinterpret_cast<uint4*>(xs + (long long)i * KS)[c] = reinterpret_cast<const uint4*>(row)[c];
+            reinterpret_cast<uint4*>(xs + (long long)i * KS)[c] = reinterpret_cast<const uint4*>(row + k0)[c];
         }
     }
     __syncthreads();
@@ -216,7 +220,7 @@ __device__ __forceinline__ void gemv(const void* x, long long x_stride, const in
         load_step(w0, wrow, first, stride, chunks);
     }
     xserv::pdl_wait();
-    stage_x<1, kThreads>(xs, K, scratch, x, x_stride, x_rows, norm_w, eps, 1, K, prologue);
+    stage_x<1, kThreads>(xs, K, scratch, x, x_stride, x_rows, norm_w, eps, 1, K, 0, K, prologue);
     xserv::pdl_launch_dependents();
 
     for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
@@ -321,18 +325,30 @@ __device__ __forceinline__ void mma_blocks(float (&acc)[NT][4], const Frag (&w)[
 }
 
 // NT n-tiles of 8 x rows (m <= 8 * NT). Dynamic shared memory: partial sums [kWarps][32][NT * 4], the RMS
-// scratch [8 * NT * kWarps], then x [m][K + kPad] bf16.
+// scratch [8 * NT * kWarps], then x [m][KL + kPad] bf16 (KL: the k slice's length).
+//
+// K slices: with slices > 1 the CTAs are dealt round-robin to `slices` ranges of K (kc values each, a multiple of 32;
+// the last may be shorter), and each stages only its range of x. A CTA's shared memory takes L1 space from the
+// weights' loads in flight (docs/kernels/gemv.md: 98 KB of staged x per CTA halved the 8B down projection's bandwidth
+// at 4 rows), and 16 rows of a long K would not fit at all. A slice's sums go to `partials` [slices][m][N] (fp32);
+// the CTAs of the slices that share a set of tiles count themselves done on `counters` [CTAs per slice] (reset by the
+// last), and the last adds the slices in slice order, so the result does not depend on timing, and applies the
+// epilogue.
 template <int NT>
 __device__ __forceinline__ void gemv(const void* x, long long x_stride, const int* x_rows,
                                      const __nv_bfloat16* norm_w, float eps, const __nv_bfloat16* __restrict__ W,
-                                     void* out, long long out_stride, int m, int N, int K, int split, int prologue,
-                                     int epilogue) {
+                                     void* out, long long out_stride, int m, int N, int K, int split, int slices,
+                                     int kc, float* partials, int* counters, int prologue, int epilogue) {
     constexpr int M = 8 * NT;
     extern __shared__ __align__(16) float smem[];
+    __shared__ int last;
     float (*partial)[32][NT * 4] = reinterpret_cast<float (*)[32][NT * 4]>(smem);
     float* scratch = smem + kWarps * 32 * NT * 4;
     __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(scratch + M * kWarps);
-    const int KS = K + kPad;
+
+    // This CTA's slice of K, [k_lo, k_lo + KL), and its place among the slice's CTAs (gridDim.x % slices == 0).
+    const int slice = blockIdx.x % slices, cta = blockIdx.x / slices, ctas = gridDim.x / slices;
+    const int k_lo = slice * kc, KL = min(K - k_lo, kc), KS = KL + kPad;
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -342,22 +358,22 @@ __device__ __forceinline__ void gemv(const void* x, long long x_stride, const in
     const int k_first = part * 32 + t * 8, kstep = 32 * split;  // this lane's first k, the step between its blocks
     auto rows_of = [&](int tile, const __nv_bfloat16*& lo, const __nv_bfloat16*& hi) {
         const int n0 = (tile * groups_per_tile + slot) * kGroupRows;
-        lo = W + (long long)min(n0 + g, N - 1) * K;  // clamped: a valid row, its result is not stored
-        hi = W + (long long)min(n0 + g + 8, N - 1) * K;
+        lo = W + (long long)min(n0 + g, N - 1) * K + k_lo;  // clamped: a valid row, its result is not stored
+        hi = W + (long long)min(n0 + g + 8, N - 1) * K + k_lo;
         return n0;
     };
 
     Frag w0[kU];  // the first tile's first blocks, loaded before the wait
-    if (blockIdx.x < num_tiles) {
+    if (cta < num_tiles) {
         const __nv_bfloat16 *lo, *hi;
-        rows_of(blockIdx.x, lo, hi);
-        load_blocks(w0, lo, hi, k_first, kstep, K);
+        rows_of(cta, lo, hi);
+        load_blocks(w0, lo, hi, k_first, kstep, KL);
     }
     xserv::pdl_wait();
-    stage_x<M, kThreads>(xs, KS, scratch, x, x_stride, x_rows, norm_w, eps, m, K, prologue);
+    stage_x<M, kThreads>(xs, KS, scratch, x, x_stride, x_rows, norm_w, eps, m, K, k_lo, KL, prologue);
     xserv::pdl_launch_dependents();
 
-    for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+    for (int tile = cta; tile < num_tiles; tile += ctas) {
         const __nv_bfloat16 *lo, *hi;
         const int n0 = rows_of(tile, lo, hi);
         float acc[NT][4];
@@ -366,16 +382,16 @@ __device__ __forceinline__ void gemv(const void* x, long long x_stride, const in
 #pragma unroll
             for (int j = 0; j < 4; ++j) acc[nt][j] = 0.f;
         int k = k_first;
-        if (tile == blockIdx.x) {
-            mma_blocks<NT>(acc, w0, xs, g, t, k, kstep, K, KS, m);
+        if (tile == cta) {
+            mma_blocks<NT>(acc, w0, xs, g, t, k, kstep, KL, KS, m);
             k += kstep * kU;
         }
-        for (; k - t * 8 < K; k += kstep * kU) {  // the block's start (the same in every lane) is inside K
+        for (; k - t * 8 < KL; k += kstep * kU) {  // the block's start (the same in every lane) is inside the slice
             Frag w[kU];
-            load_blocks(w, lo, hi, k, kstep, K);
-            mma_blocks<NT>(acc, w, xs, g, t, k, kstep, K, KS, m);
+            load_blocks(w, lo, hi, k, kstep, KL);
+            mma_blocks<NT>(acc, w, xs, g, t, k, kstep, KL, KS, m);
         }
-        // Sum the `split` warps of the row group in warp order, then write the outputs this lane holds.
+        // Sum the `split` warps of the row group in warp order.
         if (split > 1) {
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt)
@@ -389,16 +405,41 @@ __device__ __forceinline__ void gemv(const void* x, long long x_stride, const in
 #pragma unroll
                         for (int j = 0; j < 4; ++j) acc[nt][j] += partial[warp + p][lane][nt * 4 + j];
         }
+        // Write the outputs this lane holds (c0, c1: weight row g, x rows 2t, 2t + 1; c2, c3: row g + 8): with K
+        // slices, this slice's sums, added up below.
         if (part == 0) {
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
                     const int n = n0 + g + (j >> 1) * 8, i = nt * 8 + 2 * t + (j & 1);
-                    if (i < m && n < N) store_out(out, (long long)i * out_stride + n, acc[nt][j], epilogue);
+                    if (i < m && n < N) {
+                        if (slices == 1) store_out(out, (long long)i * out_stride + n, acc[nt][j], epilogue);
+                        else partials[((long long)slice * m + i) * N + n] = acc[nt][j];
+                    }
                 }
         }
         if (split > 1) __syncthreads();  // `partial` is reused by the next tile
+    }
+    // The CTAs of every slice with this `cta` index took the same tiles: the last of them to finish adds up those
+    // tiles' slices (in slice order) and applies the epilogue. One hand-off per CTA, not per tile, so the weight
+    // loop above runs on without waiting.
+    if (slices > 1 && cta < num_tiles && xserv::last_to_arrive(counters + cta, slices, last)) {
+        const int tile_rows = kGroupRows * groups_per_tile;
+        for (int tile = cta; tile < num_tiles; tile += ctas) {
+            const int n_first = tile * tile_rows;
+#pragma unroll 1  // a rolled loop: it must not add registers to the weight loop's
+            for (int e = threadIdx.x; e < m * tile_rows; e += kThreads) {
+                const int i = e / tile_rows, n = n_first + e % tile_rows;
+                if (n < N) {
+                    float v = 0.f;
+#pragma unroll 1
+                    for (int s = 0; s < slices; ++s) v += __ldcg(partials + ((long long)s * m + i) * N + n);
+                    store_out(out, (long long)i * out_stride + n, v, epilogue);
+                }
+            }
+        }
+        if (threadIdx.x == 0) counters[cta] = 0;
     }
 }
 
@@ -415,13 +456,16 @@ extern "C" __global__ void __launch_bounds__(row::kThreads) gemv_row(
     row::gemv(x, x_stride, x_rows, norm_w, eps, W, out, N, K, split, prologue, epilogue);
 }
 
-// gemv_mma_m<M>: m <= M, block 256, dynamic shared memory (8 * 32 * 4 * NT + M * 8) * 4 + m * (K + 32) * 2 bytes.
+// gemv_mma_m<M>: m <= M, block 256, dynamic shared memory (8 * 32 * 4 * NT + M * 8) * 4 + m * (kc + 32) * 2 bytes;
+// slices = ceil(K / kc) (kc = K: one slice), the grid a multiple of it; when slices > 1, partials fp32
+// [slices, m, N] and counters int32 [grid / slices] (zero between calls), else both unused (null).
 #define XSERV_GEMV_MMA(M, NT)                                                                                         \
     extern "C" __global__ void __launch_bounds__(mma::kThreads) gemv_mma_m##M(                                       \
         const void* x, long long x_stride, const int* x_rows, const __nv_bfloat16* norm_w, float eps,                \
-        const __nv_bfloat16* W, void* out, long long out_stride, int m, int N, int K, int split, int prologue,       \
-        int epilogue) {                                                                                               \
-        mma::gemv<NT>(x, x_stride, x_rows, norm_w, eps, W, out, out_stride, m, N, K, split, prologue, epilogue);    \
+        const __nv_bfloat16* W, void* out, long long out_stride, int m, int N, int K, int split, int slices, int kc, \
+        float* partials, int* counters, int prologue, int epilogue) {                                                 \
+        mma::gemv<NT>(x, x_stride, x_rows, norm_w, eps, W, out, out_stride, m, N, K, split, slices, kc, partials,    \
+                      counters, prologue, epilogue);                                                                  \
     }
 XSERV_GEMV_MMA(8, 1)
 XSERV_GEMV_MMA(16, 2)

@@ -2,7 +2,7 @@
 
     python -m tools.bench_decode --model DIR [--context 512 --steps 256 --batch-sizes 1,8,32]
                                  [--attention fused,pair] [--decode-kernels v4,v4s4] [--rounds 2]
-                                 [--decode-splits plan,32,47,64] [--tokens 32]
+                                 [--decode-splits plan,32,47,64] [--gemv-rule shipped,mma] [--tokens 32]
 
 Times the engine's decode steps after the prefill (CUDA graphs unless --no-cuda-graphs), greedy sampling on the
 device, host loop included: what a user of `xserv chat` sees. Prints the device name, tok/s and the weight bytes
@@ -39,6 +39,10 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-splits", default="plan",
                     help="comma list of split counts forced on the v4 decode-attention plan (plan: the shipped "
                          "v4_plan), timed one after the other: a plan experiment in the model's chain")
+    ap.add_argument("--gemv-rule", default="shipped",
+                    help="comma list of shipped/mma: the projections of 2..16-row steps as shipped "
+                         "(xserv.ops.gemv.MMA_PREFERRED), or through the mma GEMV wherever it was faster alone "
+                         "(MMA_FASTER_ALONE), timed one after the other")
     ap.add_argument("--rounds", type=int, default=1,
                     help="repeat the whole list this many times (alternating A/B figures in one process)")
     ap.add_argument("--tokens", type=int, default=0,
@@ -47,6 +51,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from xserv import LLM, SamplingParams
+    from xserv.ops import gemv
     from xserv.ops.attention import decode
     from xserv.runtime import get_device, synchronize
 
@@ -66,7 +71,7 @@ def main(argv=None) -> int:
     print(f"model: {args.model} ({weight_bytes / 1e9:.2f} GB of weights, loaded in {llm.timings['weights_s']:.1f}s, LLM ready in {load:.1f}s), context "
           f"{args.context}, {args.steps} steps, cuda graphs {'off' if args.no_cuda_graphs else 'on'}")
     print(f"{'batch':>6}{'ms/step':>10}{'tok/s':>12}{'tok/s/seq':>12}{'weights GB/s':>14}{'attention':>11}"
-          f"{'kernel':>8}{'splits':>7}")
+          f"{'kernel':>8}{'splits':>7}{'gemv':>8}")
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=0.0, max_tokens=args.warmup + args.steps + 1, ignore_eos=True)
     eng = llm.engine
@@ -84,16 +89,22 @@ def main(argv=None) -> int:
         ap.error(f"--decode-splits: expected a comma list of integers or 'plan', got {args.decode_splits!r}")
     shipped_plan, forced = decode.plan_decode, None
     decode.plan_decode = lambda *a: _forced_plan(shipped_plan, forced, *a)
-    runs = [(k, a, sp, bs) for _ in range(args.rounds) for k in kernels for a in modes for sp in split_list
-            for bs in sizes]
+    rules = {"shipped": gemv.MMA_PREFERRED, "mma": gemv.MMA_FASTER_ALONE}
+    for r in args.gemv_rule.split(","):
+        if r not in rules:
+            ap.error(f"--gemv-rule: unknown rule {r!r}; expected shipped or mma")
+    runs = [(k, a, sp, r, bs) for _ in range(args.rounds) for k in kernels for a in modes for sp in split_list
+            for r in args.gemv_rule.split(",") for bs in sizes]
     probe = np.random.default_rng(1).integers(0, 150000, args.context).tolist()
     first_tokens = None
-    for kernel, mode, splits, bs in runs:
+    for kernel, mode, splits, rule, bs in runs:
         fused = mode == "fused"
         model = llm.model
-        if (fused, kernel, splits) != (model.fused_attention, decode.DEFAULT_DECODE, forced):  # in the graphs
+        if ((fused, kernel, splits, rules[rule]) !=
+                (model.fused_attention, decode.DEFAULT_DECODE, forced, gemv.MMA_PREFERRED)):  # in the graphs
             model.fused_attention, forced = fused, splits
             decode.DEFAULT_DECODE = kernel
+            gemv.MMA_PREFERRED = rules[rule]
             if not args.no_cuda_graphs:
                 eng.runner.graphs.clear()
                 eng.runner.capture_decode_graphs()
@@ -119,7 +130,7 @@ def main(argv=None) -> int:
             same = f"  {args.tokens} greedy tokens " + ("as the first" if tokens == first_tokens else
                                                          f"DIFFER from the first at {_first_diff(tokens, first_tokens)}")
         print(f"{bs:>6}{dt * 1e3:>10.3f}{bs / dt:>12.1f}{1 / dt:>12.1f}{weight_bytes / dt / 1e9:>14.1f}"
-              f"{mode:>11}{kernel:>8}{splits or 'plan':>7}{same}")
+              f"{mode:>11}{kernel:>8}{splits or 'plan':>7}{rule:>8}{same}")
     return 0
 
 

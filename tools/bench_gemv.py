@@ -2,7 +2,7 @@
 torch.matmul on the Qwen3 projection shapes, M = 1..16 rows. Prints the device, its copy bandwidth measured in the
 same run, and per shape: microseconds, weight-read GB/s, % of copy bandwidth, and the ratios.
 
-    python -m tools.bench_gemv [--models 0.6b,8b] [--m 1,2,4,8,16] [--skip-torch] [--hot]
+    python -m tools.bench_gemv [--models 0.6b,8b] [--m 1,2,4,8,16] [--skip-torch] [--hot] [--stage-kb 32,48,inf]
 
 Each call reads a different copy of the weight (enough copies to overflow L2), and calls are replayed from a CUDA
 graph of 20, as the engine's decode steps run: the figures are cold-weight, launch-gap-included kernel times.
@@ -39,10 +39,14 @@ def main(argv=None) -> int:
     ap.add_argument("--hot", action="store_true",
                     help="every call reads the same weight copy, which stays in L2 where it fits (L2 size in the "
                          "header): the kernel's time without the HBM stream, i.e. its launch, ramp and latency floor")
+    ap.add_argument("--stage-kb", default=None,
+                    help="comma list of the mma kernel's staged-x budgets per CTA (KiB; 'inf': slice K only where x "
+                         "would not fit) to run the GEMV columns under, one row each (default: xserv's STAGE_BYTES)")
     args = ap.parse_args(argv)
 
-    from xserv.ops.gemv import (gemv_supported, linear_add, linear_gemv, rmsnorm_linear, rmsnorm_linear_silu_mul,
-                                silu_mul_linear_add)
+    from xserv.ops import gemv as gemv_mod
+    from xserv.ops.gemv import (gemv_supported, k_slices, linear_add, linear_gemv, rmsnorm_linear,
+                                rmsnorm_linear_silu_mul, silu_mul_linear_add)
     from xserv.ops.linear import linear
     from xserv.runtime import get_device
     from xserv.runtime.timing import benchmark_graph
@@ -64,7 +68,12 @@ def main(argv=None) -> int:
           "prologue)")
     if args.hot:
         print("--hot: one weight copy for all calls (L2-resident where it fits): not a bandwidth figure")
-    hdr = (f"{'model':5s} {'proj':8s} {'M':>3s} {'N':>7s} {'K':>6s} {'gemv us':>8s} {'GB/s':>6s} {'%copy':>6s} "
+    stages = ([None] if args.stage_kb is None else
+              [1 << 40 if v.strip() == "inf" else int(float(v) * 1024) for v in args.stage_kb.split(",")])
+    default_stage = gemv_mod.STAGE_BYTES
+    print(f"the mma kernel (M >= 2) slices K across CTAs where a CTA would stage more than STAGE_BYTES of x "
+          f"(xserv's default {default_stage >> 10} KiB); 'slices' = K slices of the row's run")
+    hdr = (f"{'model':5s} {'proj':8s} {'M':>3s} {'N':>7s} {'K':>6s} {'stage':>6s} {'slices':>6s} {'gemv us':>8s} {'GB/s':>6s} {'%copy':>6s} "
            f"{'fused us':>8s} {'cublas us':>9s} {'cublas/gemv':>11s}" + (f" {'torch us':>9s} {'torch/gemv':>10s}" if torch else ""))
     print(hdr)
     rng = np.random.default_rng(0)
@@ -78,7 +87,8 @@ def main(argv=None) -> int:
             if torch is not None:
                 tw = torch.from_numpy(w_np.view(np.int16)).view(torch.bfloat16).cuda()
                 tws = [tw.clone() for _ in range(copies)]
-            for m in ms_list:
+            for m, stage in ((m, stage) for m in ms_list for stage in stages):
+                gemv_mod.STAGE_BYTES = default_stage if stage is None else stage
                 if not gemv_supported(m, k):
                     continue
                 x_np = rng.standard_normal((m, k), np.float32).astype(bfloat16)
@@ -103,7 +113,9 @@ def main(argv=None) -> int:
                 t_fused = benchmark_graph(fused)
                 nbytes = n * k * 2 + m * k * 2 + m * n * out_dtype.itemsize
                 gbs = nbytes / t_gemv / 1e6
-                row = (f"{model:5s} {proj:8s} {m:3d} {n:7d} {k:6d} {t_gemv * 1e3:8.2f} {gbs:6.0f} {100 * gbs / copy:5.0f}% "
+                stage_txt = "inf" if gemv_mod.STAGE_BYTES >= 1 << 40 else f"{gemv_mod.STAGE_BYTES >> 10}K"
+                row = (f"{model:5s} {proj:8s} {m:3d} {n:7d} {k:6d} {stage_txt:>6s} {k_slices(m, k)[0]:6d} "
+                       f"{t_gemv * 1e3:8.2f} {gbs:6.0f} {100 * gbs / copy:5.0f}% "
                        f"{t_fused * 1e3:8.2f} {t_blas * 1e3:9.2f} {t_blas / t_gemv:10.2f}x")
                 if torch is not None:
                     tx = torch.from_numpy(x_np.view(np.int16)).view(torch.bfloat16).cuda()
@@ -112,6 +124,7 @@ def main(argv=None) -> int:
                     row += f" {t_torch * 1e3:9.2f} {t_torch / t_gemv:9.2f}x"
                 print(row, flush=True)
             del ws, tws
+    gemv_mod.STAGE_BYTES = default_stage
     return 0
 
 

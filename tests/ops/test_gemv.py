@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 
 from xserv.ops.activation import silu_and_mul
-from xserv.ops.gemv import (CTAS_PER_SM, add_rounded, gemv_supported, linear_add, linear_gemv, plan, rmsnorm_linear,
-                            rmsnorm_linear_reference, rmsnorm_linear_silu_mul, rmsnorm_linear_silu_mul_reference,
-                            silu_mul_linear_add, silu_mul_linear_reference, MAX_M)
+from xserv.ops import gemv as G
+from xserv.ops.gemv import (CTAS_PER_SM, add_rounded, gemv_supported, k_slices, linear_add, linear_gemv, plan,
+                            rmsnorm_linear, rmsnorm_linear_reference, rmsnorm_linear_silu_mul,
+                            rmsnorm_linear_silu_mul_reference, silu_mul_linear_add, silu_mul_linear_reference, MAX_M)
 from xserv.ops.linear import linear, linear_reference
 from xserv.ops.rmsnorm import fused_add_rmsnorm
 from xserv.tensor import Tensor, bfloat16, float32
@@ -106,30 +107,100 @@ def test_errors_name_the_problem(rng):
     with pytest.raises(ValueError, match="gate_up"):
         silu_mul_linear_add(Tensor.from_numpy(random_array(rng, (2, 33), bfloat16), "cpu"), w,
                             Tensor.zeros((2, 8), float32, "cpu"))
-    assert gemv_supported(16, 3072) and not gemv_supported(16, 4096) and not gemv_supported(1, 100)
-    assert gemv_supported(1, 12288) and gemv_supported(4, 12288) and not gemv_supported(8, 12288)
+    # one row stages all of x; more rows slice K, so that every Qwen3 in_features fits 16 of them
+    assert gemv_supported(1, 12288) and not gemv_supported(1, 57344) and not gemv_supported(1, 100)
+    assert gemv_supported(16, 4096) and gemv_supported(16, 25600) and gemv_supported(2, 57344)
 
 
 def test_plan_splits_fill_the_sms():
     # few output rows: the warps of a CTA share each row group's K; many: one warp per row group; the grid never
     # exceeds what is resident, and the grid-stride loop covers the other tiles
-    assert plan(1, 1024, 132) == ("gemv_row", 128, 4, 256)
+    assert plan(1, 1024, 132) == ("gemv_row", 128, 4, 256, 1)
     assert plan(2, 6144, 132)[:3] == ("gemv_mma_m8", 256, 8)
-    assert plan(16, 24576, 132, k=4096)[:3] == ("gemv_mma_m16", 256, 4)  # 2 would leave 384 tiles on 264 CTAs
+    assert plan(4, 24576, 132, k=4096)[2:] == (4, 264, 1)  # 2 would leave 384 tiles on 264 CTAs
     assert plan(1, 6144, 132, k=4096)[2] == 2  # 768 tiles on 264 CTAs: 97% busy
     assert plan(1, 6144, 132, k=1024)[2] == 1  # but a warp's half of K = 1024 would leave half its loads empty
     assert plan(1, 24576, 132, k=4096)[2] == 1
-    name, _, split, grid = plan(3, 151936, 132, k=1024)
-    assert name == "gemv_mma_m8" and split == 2 and grid == 132 * CTAS_PER_SM < 151936 / 64
+    name, _, split, grid, slices = plan(3, 151936, 132, k=1024)
+    assert name == "gemv_mma_m8" and split == 2 and slices == 1 and grid == 132 * CTAS_PER_SM < 151936 / 64
     # the SiLU-and-mul epilogue pairs two row groups per tile: at most 2 warps share K
     assert plan(1, 1024, 132, paired=True)[2] == 2 and plan(1, 24576, 132, paired=True)[2] == 1
 
 
+def test_k_slices_bound_the_staged_x(monkeypatch):
+    """The mma kernel's K slices: none while m rows of K fit STAGE_BYTES; else the fewest whose staged rows do,
+    each a multiple of 32 long (the last may be shorter, none empty); the plan deals the grid out to them."""
+    monkeypatch.setattr(G, "STAGE_BYTES", 48 * 1024)
+    assert k_slices(1, 12288) == (1, 12288) and k_slices(4, 4096) == (1, 4096) and k_slices(2, 8192) == (1, 8192)
+    assert k_slices(4, 12288) == (3, 4096)  # 98 KB of x -> 3 slices of 33 KB (2 would be 49.4 KB with the padding)
+    assert k_slices(16, 4096) == (3, 1376)  # 131 KB (does not fit at all) -> three of 45 KB
+    for m in range(2, MAX_M + 1):
+        for k in (8, 64, 1000, 1016, 3072, 4096, 12288, 25600, 57344):
+            slices, kc = k_slices(m, k)
+            assert kc % 32 == 0 or slices == 1
+            assert (slices - 1) * kc < k <= slices * kc
+            assert slices == 1 or m * (kc + 32) * 2 <= G.STAGE_BYTES or kc == 32
+            assert slices == 1 or m * (round_up_32(cdiv_(k, slices - 1)) + 32) * 2 > G.STAGE_BYTES
+    name, _, split, grid, slices = plan(4, 4096, 132, k=12288)
+    assert (name, slices) == ("gemv_mma_m8", 3) and grid % slices == 0 and grid <= 132 * CTAS_PER_SM
+    assert plan(16, 24576, 132, k=4096)[4] == 3
+    monkeypatch.setattr(G, "STAGE_BYTES", 1024)  # a budget too small for any slice: 32-value slices, still valid
+    assert k_slices(16, 1000) == (32, 32)
+
+
+@pytest.mark.parametrize("stage_kb", [4, 48, 72, 1 << 20])
+def test_plan_is_a_valid_launch(monkeypatch, stage_kb):
+    """Every plan the kernels can take: split a power of two dividing the CTA's warps (<= 2 when paired), the grid
+    a multiple of the slices and within CTAS_PER_SM per SM, a sliced warp's share of K at least two load steps."""
+    monkeypatch.setattr(G, "STAGE_BYTES", stage_kb * 1024)
+    for sms in (78, 114, 132):
+        for m in (1, 2, 3, 8, 9, 16):
+            for n in (5, 1000, 4096, 24576, 151936):
+                for k in (64, 1016, 3072, 4096, 12288):
+                    if not gemv_supported(m, k):
+                        continue
+                    name, threads, split, grid, slices = plan(m, n, sms, False, k)
+                    warps = threads // 32
+                    assert split in (1, 2, 4, 8) and warps % split == 0, (m, n, k, split)
+                    assert slices == k_slices(m, k)[0] and grid % slices == 0
+                    assert slices <= grid <= sms * CTAS_PER_SM or grid == slices
+                    if slices > 1 and split > 1:
+                        assert k_slices(m, k)[1] >= 2 * split * 128
+
+
+def test_prefer_gemv_follows_the_measured_table(monkeypatch):
+    """One row: always the GEMV kernel. 2..16 rows: cuBLASLt as shipped (the mma kernel lost end to end); with the
+    table of where the mma kernel was faster alone, it on the small (latency-bound) weights, cuBLASLt on the rest."""
+    assert not any(G.prefer_gemv(m, 1024, 2048) for m in range(2, MAX_M + 1)) and G.prefer_gemv(1, 1024, 2048)
+    monkeypatch.setattr(G, "MMA_PREFERRED", G.MMA_FASTER_ALONE)
+    small = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}  # Qwen3-0.6B
+    large = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}  # Qwen3-8B
+    for n, k in [*small.values(), *large.values(), (151936, 1024), (151936, 4096)]:
+        assert G.prefer_gemv(1, n, k)
+    for m in (2, 4, 8):
+        assert all(G.prefer_gemv(m, n, k) for n, k in small.values())
+        assert not G.prefer_gemv(m, 151936, 1024)
+        assert G.prefer_gemv(m, *large["o"]) == (m <= 4)
+        assert not any(G.prefer_gemv(m, *large[p]) for p in ("qkv", "gate_up", "down"))
+    assert [p for p, (n, k) in small.items() if G.prefer_gemv(16, n, k)] == ["o", "down"]
+    assert not G.prefer_gemv(17, 1024, 2048) and not G.prefer_gemv(2, 1024, 100)
+
+
+def cdiv_(a, b):
+    return -(-a // b)
+
+
+def round_up_32(v):
+    return cdiv_(v, 32) * 32
+
+
 # ---- GPU: the kernels against the references ---------------------------------------------------------------------
 SHAPES = [(1, 1024, 1024), (2, 37, 1000), (3, 3001, 2048), (5, 5003, 64), (8, 1024, 3072), (11, 300, 520),
-          (16, 2112, 1024), (1, 70001, 64), (7, 9000, 1016)]
-# (m, N, K): the one-row kernel and both mma kernels, masked rows, N not a multiple of 16, K not a multiple of 32 (tail blocks), splits
-# 8/4/2/1, and more tiles than CTAs (the grid-stride loop)
+          (16, 2112, 1024), (1, 70001, 64), (7, 9000, 1016), (4, 1000, 12296), (13, 4099, 4104), (16, 70001, 2568)]
+# (m, N, K): the one-row kernel and both mma kernels, masked rows, N not a multiple of 16, K not a multiple of 32
+# (tail blocks), splits 8/4/2/1, more tiles than CTAs (the grid-stride loop), and K sliced across CTAs (the last
+# three: 2 slices each at STAGE_BYTES = 72 KB, the last slice shorter and not a multiple of 32, more tiles than a
+# slice's CTAs); test_cuda_k_slices_repeatable deals K out to many more
 
 
 @pytest.mark.gpu
@@ -208,3 +279,48 @@ def test_cuda_matches_cublas_at_decode_shapes(rng):
     for m in (1, 4, 8):
         got = linear_gemv(Tensor.from_numpy(x[:m]), w).numpy()
         close(got, ref[:m], tol=5e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stage_kb", [48, 4])
+def test_cuda_k_slices_repeatable(rng, monkeypatch, stage_kb):
+    """K sliced across CTAs: the slices' sums meet in a workspace and the tile's last CTA adds them in slice order,
+    so repeated calls give the same bits (and each call finds its tile counters reset: a stale counter would leave
+    outputs unwritten, which the poisoned outputs show); a 4 KB budget deals K out to dozens of slices."""
+    monkeypatch.setattr(G, "STAGE_BYTES", stage_kb * 1024)
+    m, n, k = 16, 4099, 4104
+    assert k_slices(m, k)[0] > 1
+    x = random_array(rng, (m, k), bfloat16, mean=0.0)
+    w = weights(rng, n, k)
+    xt, wt = Tensor.from_numpy(x), Tensor.from_numpy(w)
+    want = linear_reference(x, w).astype(float32)
+    first = None
+    for _ in range(3):
+        out = poisoned((m, n), float32)
+        linear_gemv(xt, wt, out=out)
+        got = out.numpy()
+        close(got, want)
+        if first is None:
+            first = got
+        np.testing.assert_array_equal(got, first)
+
+
+@pytest.mark.gpu
+def test_cuda_k_slices_in_a_graph(rng):
+    """Graph replays reuse the workspace and the counters: every replay writes the whole residual update again."""
+    from xserv.runtime.graphs import CUDAGraph
+    m, n, k = 8, 1000, 12296
+    assert k_slices(m, k)[0] > 1
+    x = random_array(rng, (m, k), bfloat16, mean=0.0)
+    w = weights(rng, n, k)
+    xt, wt = Tensor.from_numpy(x), Tensor.from_numpy(w)
+    res = Tensor.zeros((m, n), float32)
+    linear_add(xt, wt, res)  # outside the capture first: the workspace exists before the graph records it
+    graph = CUDAGraph()
+    with graph.capture():
+        linear_add(xt, wt, res)
+    step = linear_reference(x, w).astype(bfloat16).astype(np.float32)
+    for replays in (1, 2):
+        graph.replay()
+        close(res.numpy(), step * (1 + replays), tol=2e-2)
+    graph.close()

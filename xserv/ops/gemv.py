@@ -11,9 +11,9 @@ Each is, bit for bit in its rounding points, the composition of the unfused ops 
 normalisation, silu_and_mul, linear, the residual add), so the CPU backend runs exactly that composition of the
 NumPy references. Only the order of the fp32 sums differs from cuBLASLt's.
 
-`gemv_supported(m, k)` says whether a shape fits (the m staged input rows must fit shared memory);
-`prefer_gemv(m, n, k)` is the measured choice between this kernel and cuBLASLt for a plain linear
-(docs/kernels/gemv.md).
+`gemv_supported(m, k)` says whether a shape fits (one row stages all of x in shared memory; more rows slice K
+when they would not fit); `prefer_gemv(m, n, k)` is the measured choice between these kernels and cuBLASLt for a
+plain linear (docs/kernels/gemv.md).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import numpy as np
 from ..runtime import get_device, kernel
 from ..tensor import Tensor, bfloat16, float32, int32
 from ._checks import check_tensor, output, same_device
-from ._launch import aligned, cdiv, check_alias, check_eps
+from ._launch import aligned, cdiv, check_alias, check_eps, round_up
 from .activation import silu_and_mul_reference
 from .linear import linear_reference
 from .rmsnorm import rmsnorm_reference
@@ -33,6 +33,10 @@ _ROW_WARPS, _ROW_ROWS = 4, 4  # gemv_row (m = 1)
 _MMA_WARPS, _MMA_ROWS, _MMA_PAD = 8, 16, 32  # gemv_mma_m8 / _m16
 # The staged x rows live in shared memory; two CTAs of this size still fit an SM's 227 KB.
 SMEM_LIMIT = 112 * 1024
+# The mma kernel deals K out to several CTAs ("K slices", each staging its range of x) where a CTA would otherwise
+# stage more x than this: shared memory takes L1 space from the weights' loads in flight (docs/kernels/gemv.md,
+# "K slices"), and 16 rows of a long K would not fit at all. A module attribute so that benchmarks can sweep it.
+STAGE_BYTES = 72 * 1024
 # At most 2 CTAs per SM: enough loads in flight for the bandwidth, and each CTA stages x (once) the fewest times.
 CTAS_PER_SM = 2
 _PROLOGUE = {"bf16": 0, "rmsnorm": 1, "silu_mul": 2}
@@ -40,24 +44,57 @@ _EPILOGUE = {bfloat16: 0, float32: 1, "add": 2, "silu_mul": 3}
 
 
 def _smem(m: int, k: int) -> int:
-    """Dynamic shared memory of the kernel that takes m rows: partial sums, RMS scratch, staged x (gemv.cu)."""
+    """Dynamic shared memory of the kernel that takes m rows of a k-long slice (or the whole row): partial sums,
+    RMS scratch, staged x (gemv.cu)."""
     if m == 1:
         return (_ROW_WARPS * _ROW_ROWS + _ROW_WARPS) * 4 + k * 2
+    return _mma_buffers(m) + m * (k + _MMA_PAD) * 2
+
+
+def _mma_buffers(m: int) -> int:
+    """The mma kernel's shared memory besides the staged x: the split warps' partial sums and the RMS scratch."""
     kernel_m = 8 if m <= 8 else 16
-    return (_MMA_WARPS * 32 * 4 * (kernel_m // 8) + kernel_m * _MMA_WARPS) * 4 + m * (k + _MMA_PAD) * 2
+    return (_MMA_WARPS * 32 * 4 * (kernel_m // 8) + kernel_m * _MMA_WARPS) * 4
+
+
+def k_slices(m: int, k: int) -> tuple[int, int]:
+    """(slices, slice length) for m rows of in_features k: one slice for the one-row kernel and wherever the staged
+    x is within STAGE_BYTES (and SMEM_LIMIT), else the fewest slices (a multiple of 32 values long, the mma
+    blocks') that bring it there."""
+    budget = min(STAGE_BYTES, SMEM_LIMIT - _mma_buffers(m))
+    if m == 1 or m * (k + _MMA_PAD) * 2 <= budget:
+        return 1, k
+    longest = max(32, (budget // (2 * m) - _MMA_PAD) // 32 * 32)  # the longest slice within the budget
+    slices = cdiv(k, longest)
+    kc = round_up(cdiv(k, slices), 32)  # the same count of slices, as even as multiples of 32 allow
+    return cdiv(k, kc), kc
 
 
 def gemv_supported(m: int, k: int) -> bool:
     """Can the GEMV kernels take m rows of an in_features-k input (before any alignment check)?"""
-    return 1 <= m <= MAX_M and k % 8 == 0 and _smem(m, k) <= SMEM_LIMIT
+    return 1 <= m <= MAX_M and k % 8 == 0 and _smem(m, k_slices(m, k)[1]) <= SMEM_LIMIT
 
+
+
+# Above one row, the mma kernel against cuBLASLt (docs/kernels/gemv.md, "K slices", H200). Alone, back to back, it
+# is faster where both are bound by latency rather than bandwidth: on small weights (the 0.6B projections, 4-12 MB:
+# 1.1-1.3x at 2..8 rows, o and down also at 16) and on the 8B o projection (32 MB) at up to 4 rows (1.15-1.2x);
+# cuBLASLt streams the larger ones faster. Each entry: (rows up to, N x K up to).
+MMA_FASTER_ALONE = ((4, 1 << 24), (8, 1 << 23), (16, 3 << 20))
+# But in the model's steps of 2..16 rows, between the unfused norm / attention / activation kernels, the same choice
+# lost end to end (0.6B decode at batch 4 / 8 / 16: -3% / -5% / -7.5%, 16-token time to first token 1.21 -> 1.45
+# ms; 8B batch 2: -0.7%), so cuBLASLt keeps every projection above one row. A module attribute: benchmarks switch it
+# (tools/bench_decode --gemv-rule).
+MMA_PREFERRED: tuple[tuple[int, int], ...] = ()
 
 
 def prefer_gemv(m: int, n: int, k: int) -> bool:
-    """The measured choice for a plain linear: the GEMV kernel for one row (1.03-1.73x cuBLASLt on every Qwen3
-    projection measured); from 2 rows the mma kernel wins on 0.6B-sized weights but loses to cuBLASLt on 8B-sized
-    ones, and a decode step of 8 rows gained nothing end to end, so cuBLASLt keeps them (docs/kernels/gemv.md)."""
-    return m == 1 and gemv_supported(m, k)
+    """The measured choice for a plain linear: the GEMV kernel for one row (1.03-1.9x cuBLASLt on every Qwen3
+    projection measured), the mma kernel for 2..16 rows of the weight sizes in MMA_PREFERRED (none: see above),
+    else cuBLASLt."""
+    if not gemv_supported(m, k):
+        return False
+    return m == 1 or any(m <= rows and n * k <= elements for rows, elements in MMA_PREFERRED)
 
 
 # ---- references (NumPy; the composition of the unfused ops' references) ------------------------------------------
@@ -206,30 +243,49 @@ def _add_into_residual(name: str, x: Tensor, k: int, prologue: str, reference, w
 
 
 # ---- launch -------------------------------------------------------------------------------------------------------
-def plan(m: int, n: int, multiprocessor_count: int, paired: bool = False, k: int = 0) -> tuple[str, int, int, int]:
-    """(kernel, threads, split, grid): split = warps sharing a row group's K (the fewest that give every SM two
-    tiles and keep the last round of tiles >= 90% full), grid = the tiles, at most CTAS_PER_SM per multiprocessor
-    (each CTA stages x once, then loops over its tiles). paired (the SiLU-and-mul epilogue, one row): a tile pairs
-    gate and up row groups, so split <= 2."""
+def plan(m: int, n: int, multiprocessor_count: int, paired: bool = False, k: int = 0) -> tuple[str, int, int, int, int]:
+    """(kernel, threads, split, grid, slices): split = warps sharing a row group's K (the fewest that give every SM
+    two tiles and keep the last round of tiles >= 90% full), slices = the K slices (k_slices; each a round of the
+    same tiles), grid = the CTAs, at most CTAS_PER_SM per multiprocessor (each CTA stages its x once, then loops
+    over its tiles). paired (the SiLU-and-mul epilogue, one row): a tile pairs gate and up row groups, so split <=
+    2."""
     if m == 1:
         name, warps, rows = "gemv_row", _ROW_WARPS, _ROW_ROWS
     else:
         name, warps, rows = ("gemv_mma_m8" if m <= 8 else "gemv_mma_m16"), _MMA_WARPS, _MMA_ROWS
+    slices, slice_k = k_slices(m, k) if k else (1, 0)
     max_split = 2 if paired else warps
-    slots = multiprocessor_count * CTAS_PER_SM
+    slots = max(1, multiprocessor_count * CTAS_PER_SM // slices)  # CTAs per slice
 
     def tiles(s: int) -> int:
         return cdiv(n, rows * (warps // s))
 
-    split = next((s for s in (1, 2, 4, 8) if s <= max_split and tiles(s) >= 2 * multiprocessor_count), max_split)
+    step_k = 32 * 4 * (8 if m == 1 else 1)  # lanes x kU x (values per 16-byte chunk / per mma block lane)
+    if slices > 1:  # a warp's share of a slice keeps at least two load steps (split: a power of two)
+        while max_split > 1 and slice_k < 2 * max_split * step_k:
+            max_split //= 2
+    split = next((s for s in (1, 2, 4, 8) if s <= max_split and tiles(s) * slices >= 2 * multiprocessor_count),
+                 max_split)
     # More splits while the last round of tiles leaves over 10% of the CTAs idle (8B qkv: 384 tiles on 264 CTAs,
     # 16.5 us; 768 tiles, 15.4 us on an H200), as long as a warp's share of K still fills its loads (a load step
     # covers `step_k` values per warp: 0.6B gate_up, K = 1024, lost 5.2 -> 6.1 us at split 2).
-    step_k = 32 * 4 * (8 if m == 1 else 1)  # lanes x kU x (values per 16-byte chunk / per mma block lane)
     while (split < max_split and tiles(split) / (slots * cdiv(tiles(split), slots)) < 0.9
-           and k >= 2 * split * step_k):
+           and slice_k >= 2 * split * step_k):
         split *= 2
-    return name, warps * 32, split, min(tiles(split), slots)
+    return name, warps * 32, split, min(tiles(split), slots) * slices, slices
+
+
+_workspaces: list[Tensor] = []  # K-slice partial sums and tile counters, kept for the life of the process (CUDA
+_counters: list[Tensor] = []    # graphs capture their addresses); the counters are zeroed once, reset by the kernel
+
+
+def _workspace(pool: list[Tensor], count: int, dtype, minimum: int) -> Tensor:
+    for t in pool:
+        if t.shape[0] >= count:
+            return t
+    t = Tensor.zeros((max(count, minimum),), dtype, "cuda")
+    pool.append(t)
+    return t
 
 
 def _launch(prologue: str, x: Tensor, x_stride: int, rows: Tensor | None, norm_weight: Tensor | None, eps32,
@@ -239,13 +295,21 @@ def _launch(prologue: str, x: Tensor, x_stride: int, rows: Tensor | None, norm_w
     if not aligned(x, weight) or (x_stride * x.dtype.itemsize) % 16:
         raise ValueError("gemv: x and weight must be 16-byte aligned with 16-byte aligned rows")
     paired = epilogue == _EPILOGUE["silu_mul"]
-    name, threads, split, grid = plan(m, n, get_device().multiprocessor_count, paired, k)
+    name, threads, split, grid, slices = plan(m, n, get_device().multiprocessor_count, paired, k)
+    slice_k = k_slices(m, k)[1]
     x_rows = rows if rows is not None else 0  # a null pointer: rows 0..m-1
     norm = norm_weight if norm_weight is not None else 0
-    modes = (np.int32(split), np.int32(_PROLOGUE[prologue]), np.int32(epilogue))
+    modes = (np.int32(_PROLOGUE[prologue]), np.int32(epilogue))
     if m == 1:  # gemv_row(x, x_stride, x_rows, norm_w, eps, W, out, N, K, split, prologue, epilogue)
-        args = (x, np.int64(x_stride), x_rows, norm, np.float32(eps32), weight, out, np.int32(n), np.int32(k), *modes)
-    else:  # gemv_mma_m*(x, x_stride, x_rows, norm_w, eps, W, out, out_stride, m, N, K, split, prologue, epilogue)
+        args = (x, np.int64(x_stride), x_rows, norm, np.float32(eps32), weight, out, np.int32(n), np.int32(k),
+                np.int32(split), *modes)
+    else:  # gemv_mma_m*(x, x_stride, x_rows, norm_w, eps, W, out, out_stride, m, N, K, split, slices, kc,
+        #              partials, counters, prologue, epilogue)
+        partials = counters = 0
+        if slices > 1:
+            partials = _workspace(_workspaces, slices * m * n, float32, 1 << 18)
+            counters = _workspace(_counters, grid // slices, int32, 1024)
         args = (x, np.int64(x_stride), x_rows, norm, np.float32(eps32), weight, out, np.int64(out.shape[1]),
-                np.int32(m), np.int32(n), np.int32(k), *modes)
-    kernel("gemv", name)(grid, threads, *args, smem=_smem(m, k), pdl=True)
+                np.int32(m), np.int32(n), np.int32(k), np.int32(split), np.int32(slices), np.int32(slice_k),
+                partials, counters, *modes)
+    kernel("gemv", name)(grid, threads, *args, smem=_smem(m, slice_k), pdl=True)
