@@ -456,11 +456,20 @@ extern "C" __global__ void __launch_bounds__(row::kThreads) gemv_row(
     row::gemv(x, x_stride, x_rows, norm_w, eps, W, out, N, K, split, prologue, epilogue);
 }
 
-// gemv_mma_m<M>: m <= M, block 256, dynamic shared memory (8 * 32 * 4 * NT + M * 8) * 4 + m * (kc + 32) * 2 bytes;
-// slices = ceil(K / kc) (kc = K: one slice), the grid a multiple of it; when slices > 1, partials fp32
-// [slices, m, N] and counters int32 [grid / slices] (zero between calls), else both unused (null).
+// gemv_mma_m<M>: m <= M, block 256, dynamic shared memory (8 * 32 * 4 * NT + M * 8) * 4 + m * (K + 32) * 2 bytes.
+// gemv_mma_m<M>_sliced: K in slices = ceil(K / kc) ranges, the grid a multiple of `slices`, dynamic shared memory
+// with kc in place of K; partials fp32 [slices, m, N], counters int32 [grid / slices] (zero between calls). Two
+// entries so that the one-slice kernel is compiled with the slicing folded away (slices = 1 is a constant there):
+// in one entry the general code cost the unsliced shapes 3-9%.
 #define XSERV_GEMV_MMA(M, NT)                                                                                         \
     extern "C" __global__ void __launch_bounds__(mma::kThreads) gemv_mma_m##M(                                       \
+        const void* x, long long x_stride, const int* x_rows, const __nv_bfloat16* norm_w, float eps,                \
+        const __nv_bfloat16* W, void* out, long long out_stride, int m, int N, int K, int split, int prologue,       \
+        int epilogue) {                                                                                               \
+        mma::gemv<NT>(x, x_stride, x_rows, norm_w, eps, W, out, out_stride, m, N, K, split, 1, K, nullptr, nullptr,  \
+                      prologue, epilogue);                                                                            \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(mma::kThreads) gemv_mma_m##M##_sliced(                              \
         const void* x, long long x_stride, const int* x_rows, const __nv_bfloat16* norm_w, float eps,                \
         const __nv_bfloat16* W, void* out, long long out_stride, int m, int N, int K, int split, int slices, int kc, \
         float* partials, int* counters, int prologue, int epilogue) {                                                 \

@@ -2,7 +2,8 @@
 torch.matmul on the Qwen3 projection shapes, M = 1..16 rows. Prints the device, its copy bandwidth measured in the
 same run, and per shape: microseconds, weight-read GB/s, % of copy bandwidth, and the ratios.
 
-    python -m tools.bench_gemv [--models 0.6b,8b] [--m 1,2,4,8,16] [--skip-torch] [--hot] [--stage-kb 32,48,inf]
+    python -m tools.bench_gemv [--models 0.6b,8b] [--m 1,2,4,8,16] [--skip-torch] [--hot] [--after-norm]
+                               [--stage-kb 32,48,inf]
 
 Each call reads a different copy of the weight (enough copies to overflow L2), and calls are replayed from a CUDA
 graph of 20, as the engine's decode steps run: the figures are cold-weight, launch-gap-included kernel times.
@@ -39,6 +40,10 @@ def main(argv=None) -> int:
     ap.add_argument("--hot", action="store_true",
                     help="every call reads the same weight copy, which stays in L2 where it fits (L2 size in the "
                          "header): the kernel's time without the HBM stream, i.e. its launch, ramp and latency floor")
+    ap.add_argument("--after-norm", action="store_true",
+                    help="each call of the GEMV and of cuBLASLt follows the RMSNorm kernel that writes its x, as in "
+                         "the model's unfused steps (no back-to-back overlap of one GEMV's start with the previous "
+                         "one's end through programmatic dependent launch); the columns are then the pair's time")
     ap.add_argument("--stage-kb", default=None,
                     help="comma list of the mma kernel's staged-x budgets per CTA (KiB; 'inf': slice K only where x "
                          "would not fit) to run the GEMV columns under, one row each (default: xserv's STAGE_BYTES)")
@@ -48,6 +53,7 @@ def main(argv=None) -> int:
     from xserv.ops.gemv import (gemv_supported, k_slices, linear_add, linear_gemv, rmsnorm_linear,
                                 rmsnorm_linear_silu_mul, silu_mul_linear_add)
     from xserv.ops.linear import linear
+    from xserv.ops.rmsnorm import rmsnorm
     from xserv.runtime import get_device
     from xserv.runtime.timing import benchmark_graph
     from xserv.tensor import Tensor, bfloat16, float32
@@ -68,13 +74,16 @@ def main(argv=None) -> int:
           "prologue)")
     if args.hot:
         print("--hot: one weight copy for all calls (L2-resident where it fits): not a bandwidth figure")
+    if args.after_norm:
+        print("--after-norm: gemv / cublas columns time RMSNorm(x) then the projection ('norm us': RMSNorm alone)")
     stages = ([None] if args.stage_kb is None else
               [1 << 40 if v.strip() == "inf" else int(float(v) * 1024) for v in args.stage_kb.split(",")])
     default_stage = gemv_mod.STAGE_BYTES
     print(f"the mma kernel (M >= 2) slices K across CTAs where a CTA would stage more than STAGE_BYTES of x "
           f"(xserv's default {default_stage >> 10} KiB); 'slices' = K slices of the row's run")
     hdr = (f"{'model':5s} {'proj':8s} {'M':>3s} {'N':>7s} {'K':>6s} {'stage':>6s} {'slices':>6s} {'gemv us':>8s} {'GB/s':>6s} {'%copy':>6s} "
-           f"{'fused us':>8s} {'cublas us':>9s} {'cublas/gemv':>11s}" + (f" {'torch us':>9s} {'torch/gemv':>10s}" if torch else ""))
+           f"{'fused us':>8s} {'cublas us':>9s} {'cublas/gemv':>11s}" + (f" {'torch us':>9s} {'torch/gemv':>10s}" if torch else "")
+           + (f" {'norm us':>8s}" if args.after_norm else ""))
     print(hdr)
     rng = np.random.default_rng(0)
     ms_list = [int(v) for v in args.m.split(",")]
@@ -95,8 +104,13 @@ def main(argv=None) -> int:
                 x = Tensor.from_numpy(x_np)
                 out_dtype = float32 if proj == "lm_head" else bfloat16
                 out = Tensor.empty((m, n), out_dtype)
-                t_gemv = benchmark_graph([lambda w=w: linear_gemv(x, w, out) for w in ws])
-                t_blas = benchmark_graph([lambda w=w: linear(x, w, out) for w in ws])
+                before = lambda: None  # noqa: E731
+                if args.after_norm:
+                    x_in = Tensor.from_numpy(rng.standard_normal((m, k), np.float32).astype(bfloat16))
+                    norm_one = Tensor.from_numpy(np.ones(k, bfloat16))
+                    before = lambda: rmsnorm(x_in, norm_one, 1e-6, out=x)  # noqa: E731
+                t_gemv = benchmark_graph([lambda w=w: (before(), linear_gemv(x, w, out)) for w in ws])
+                t_blas = benchmark_graph([lambda w=w: (before(), linear(x, w, out)) for w in ws])
                 res = Tensor.zeros((m, n), float32)
                 r_in = Tensor.from_numpy(rng.standard_normal((m, k), np.float32))
                 norm_w = Tensor.from_numpy(np.ones(k, bfloat16))
@@ -122,6 +136,8 @@ def main(argv=None) -> int:
                     tout = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
                     t_torch = torch_graph_median(torch, [lambda w=w: torch.matmul(tx, w.t(), out=tout) for w in tws])
                     row += f" {t_torch * 1e3:9.2f} {t_torch / t_gemv:9.2f}x"
+                if args.after_norm:
+                    row += f" {benchmark_graph([before]) * 1e3:8.2f}"
                 print(row, flush=True)
             del ws, tws
     gemv_mod.STAGE_BYTES = default_stage

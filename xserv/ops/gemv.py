@@ -244,7 +244,8 @@ def _add_into_residual(name: str, x: Tensor, k: int, prologue: str, reference, w
 
 # ---- launch -------------------------------------------------------------------------------------------------------
 def plan(m: int, n: int, multiprocessor_count: int, paired: bool = False, k: int = 0) -> tuple[str, int, int, int, int]:
-    """(kernel, threads, split, grid, slices): split = warps sharing a row group's K (the fewest that give every SM
+    """(kernel, threads, split, grid, slices) (with slices > 1 the launcher takes the kernel's `_sliced` entry):
+    split = warps sharing a row group's K (the fewest that give every SM
     two tiles and keep the last round of tiles >= 90% full), slices = the K slices (k_slices; each a round of the
     same tiles), grid = the CTAs, at most CTAS_PER_SM per multiprocessor (each CTA stages its x once, then loops
     over its tiles). paired (the SiLU-and-mul epilogue, one row): a tile pairs gate and up row groups, so split <=
@@ -303,13 +304,13 @@ def _launch(prologue: str, x: Tensor, x_stride: int, rows: Tensor | None, norm_w
     if m == 1:  # gemv_row(x, x_stride, x_rows, norm_w, eps, W, out, N, K, split, prologue, epilogue)
         args = (x, np.int64(x_stride), x_rows, norm, np.float32(eps32), weight, out, np.int32(n), np.int32(k),
                 np.int32(split), *modes)
-    else:  # gemv_mma_m*(x, x_stride, x_rows, norm_w, eps, W, out, out_stride, m, N, K, split, slices, kc,
-        #              partials, counters, prologue, epilogue)
-        partials = counters = 0
+    else:  # gemv_mma_m*(x, x_stride, x_rows, norm_w, eps, W, out, out_stride, m, N, K, split,
+        #              [slices, kc, partials, counters: the _sliced entries], prologue, epilogue)
+        sliced = ()
         if slices > 1:
-            partials = _workspace(_workspaces, slices * m * n, float32, 1 << 18)
-            counters = _workspace(_counters, grid // slices, int32, 1024)
+            name += "_sliced"
+            sliced = (np.int32(slices), np.int32(slice_k), _workspace(_workspaces, slices * m * n, float32, 1 << 18),
+                      _workspace(_counters, grid // slices, int32, 1024))
         args = (x, np.int64(x_stride), x_rows, norm, np.float32(eps32), weight, out, np.int64(out.shape[1]),
-                np.int32(m), np.int32(n), np.int32(k), np.int32(split), np.int32(slices), np.int32(slice_k),
-                partials, counters, *modes)
+                np.int32(m), np.int32(n), np.int32(k), np.int32(split), *sliced, *modes)
     kernel("gemv", name)(grid, threads, *args, smem=_smem(m, slice_k), pdl=True)
