@@ -78,7 +78,7 @@ def gemv_supported(m: int, k: int) -> bool:
 
 # Above one row, the mma kernel against cuBLASLt (docs/kernels/gemv.md, "K slices", H200). Alone, back to back, it
 # is faster where both are bound by latency rather than bandwidth: on small weights (the 0.6B projections, 4-12 MB:
-# 1.1-1.3x at 2..8 rows, o and down also at 16) and on the 8B o projection (32 MB) at up to 4 rows (1.15-1.2x);
+# 1.0-1.3x at 2..8 rows, o and down also at 16) and on the 8B o projection (32 MB) at up to 4 rows (1.15-1.2x);
 # cuBLASLt streams the larger ones faster. Each entry: (rows up to, N x K up to).
 MMA_FASTER_ALONE = ((4, 1 << 24), (8, 1 << 23), (16, 3 << 20))
 # But in the model's steps of 2..16 rows, between the unfused norm / attention / activation kernels, the same choice
