@@ -10,6 +10,7 @@ from xserv.ops import gemv as G
 from xserv.ops.gemv import (CTAS_PER_SM, add_rounded, gemv_supported, k_slices, linear_add, linear_gemv, plan,
                             rmsnorm_linear, rmsnorm_linear_reference, rmsnorm_linear_silu_mul,
                             rmsnorm_linear_silu_mul_reference, silu_mul_linear_add, silu_mul_linear_reference, MAX_M)
+from xserv.ops._launch import cdiv, round_up
 from xserv.ops.linear import linear, linear_reference
 from xserv.ops.rmsnorm import fused_add_rmsnorm
 from xserv.tensor import Tensor, bfloat16, float32
@@ -140,7 +141,7 @@ def test_k_slices_bound_the_staged_x(monkeypatch):
             assert kc % 32 == 0 or slices == 1
             assert (slices - 1) * kc < k <= slices * kc
             assert slices == 1 or m * (kc + 32) * 2 <= G.STAGE_BYTES or kc == 32
-            assert slices == 1 or m * (round_up_32(cdiv_(k, slices - 1)) + 32) * 2 > G.STAGE_BYTES
+            assert slices == 1 or m * (round_up(cdiv(k, slices - 1), 32) + 32) * 2 > G.STAGE_BYTES
     name, _, split, grid, slices = plan(4, 4096, 132, k=12288)
     assert (name, slices) == ("gemv_mma_m8", 3) and grid % slices == 0 and grid <= 132 * CTAS_PER_SM
     assert plan(16, 24576, 132, k=4096)[4] == 3
@@ -184,14 +185,6 @@ def test_prefer_gemv_follows_the_measured_table(monkeypatch):
         assert not any(G.prefer_gemv(m, *large[p]) for p in ("qkv", "gate_up", "down"))
     assert [p for p, (n, k) in small.items() if G.prefer_gemv(16, n, k)] == ["o", "down"]
     assert not G.prefer_gemv(17, 1024, 2048) and not G.prefer_gemv(2, 1024, 100)
-
-
-def cdiv_(a, b):
-    return -(-a // b)
-
-
-def round_up_32(v):
-    return cdiv_(v, 32) * 32
 
 
 # ---- GPU: the kernels against the references ---------------------------------------------------------------------

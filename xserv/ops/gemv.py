@@ -75,7 +75,6 @@ def gemv_supported(m: int, k: int) -> bool:
     return 1 <= m <= MAX_M and k % 8 == 0 and _smem(m, k_slices(m, k)[1]) <= SMEM_LIMIT
 
 
-
 # Above one row, the mma kernel against cuBLASLt (docs/kernels/gemv.md, "K slices", H200). Alone, back to back, it
 # is faster where both are bound by latency rather than bandwidth: on small weights (the 0.6B projections, 4-12 MB:
 # 1.0-1.3x at 2..8 rows, o and down also at 16) and on the 8B o projection (32 MB) at up to 4 rows (1.15-1.2x);
@@ -244,12 +243,11 @@ def _add_into_residual(name: str, x: Tensor, k: int, prologue: str, reference, w
 
 # ---- launch -------------------------------------------------------------------------------------------------------
 def plan(m: int, n: int, multiprocessor_count: int, paired: bool = False, k: int = 0) -> tuple[str, int, int, int, int]:
-    """(kernel, threads, split, grid, slices) (with slices > 1 the launcher takes the kernel's `_sliced` entry):
-    split = warps sharing a row group's K (the fewest that give every SM
-    two tiles and keep the last round of tiles >= 90% full), slices = the K slices (k_slices; each a round of the
-    same tiles), grid = the CTAs, at most CTAS_PER_SM per multiprocessor (each CTA stages its x once, then loops
-    over its tiles). paired (the SiLU-and-mul epilogue, one row): a tile pairs gate and up row groups, so split <=
-    2."""
+    """(kernel, threads, split, grid, slices): split = warps sharing a row group's K (the fewest that give every SM
+    two tiles and keep the last round of tiles >= 90% full), slices = the K slices (k_slices; each CTA takes one
+    and loops over the tiles; with slices > 1 the launcher runs the kernel's `_sliced` entry), grid = the CTAs, at
+    most CTAS_PER_SM per multiprocessor (each stages its x once). paired (the SiLU-and-mul epilogue, one row): a tile
+    pairs gate and up row groups, so split <= 2."""
     if m == 1:
         name, warps, rows = "gemv_row", _ROW_WARPS, _ROW_ROWS
     else:
