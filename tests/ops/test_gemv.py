@@ -1,7 +1,7 @@
 """The skinny-GEMM kernels (xserv/ops/gemv.py, cuda_src/gemv.cu): every prologue/epilogue against the composition
 of the unfused ops' NumPy references, on zero-mean data, poisoned outputs, row counts 1..16 (every compiled M and
-the masked rows between them), N not a multiple of a tile, K not a multiple of a warp's sweep, every split count
-and the persistent loop over tiles."""
+the masked rows between them), N not a multiple of a tile, K not a multiple of a warp's sweep, every split count,
+the persistent loop over tiles, and K sliced across CTAs."""
 import numpy as np
 import pytest
 
