@@ -11,6 +11,11 @@
 // Full rows: one CTA per row, the row held in registers (VPT 16-byte vectors per thread), one block reduction.
 // The *_vpt* kernels assume hidden % 8 == 0, 16-byte aligned x/residual/weight/out (the launcher checks) and
 // hidden <= 8 * VPT * blockDim.x; the *_scalar kernels take any hidden and alignment (two passes over the row).
+//
+// Programmatic dependent launch (the row kernels): every CTA waits for the kernel before (pdl_wait) before it reads
+// anything, then lets the next kernel launch (pdl_launch_dependents): for the few rows of a decode step, the GEMV
+// that projects the normalised rows starts its CTAs and loads its first weights while this kernel runs (it waits
+// for this grid before it reads `out`). Both are no-ops when the launcher does not set the attribute.
 #include "norm.cuh"
 
 using xserv::bf16x8;
@@ -43,6 +48,8 @@ __device__ __forceinline__ void rmsnorm_row_vec(const __nv_bfloat16* __restrict_
                                                 const __nv_bfloat16* __restrict__ weight, __nv_bfloat16* out,
                                                 int hidden, float eps) {
     __shared__ float scratch[32];
+    xserv::pdl_wait();                // see "Programmatic dependent launch" above
+    xserv::pdl_launch_dependents();
     const int nchunks = hidden / 8;
     const long long base = (long long)blockIdx.x * hidden;
     float v[VPT][8];
@@ -86,6 +93,8 @@ __device__ __forceinline__ void rmsnorm_row_scalar(const __nv_bfloat16* x, Res* 
                                                    const __nv_bfloat16* __restrict__ weight, __nv_bfloat16* out,
                                                    int hidden, float eps) {
     __shared__ float scratch[32];
+    xserv::pdl_wait();
+    xserv::pdl_launch_dependents();
     const long long base = (long long)blockIdx.x * hidden;
     float ss = 0.f;
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) {

@@ -7,6 +7,9 @@ import numpy as np
 
 from ..tensor import Tensor
 
+# The row-wise kernels between a decode step's projections (RMSNorm, SiLU-and-mul) launch with programmatic
+# dependent launch up to this many rows, so that the GEMV after them starts early (rmsnorm.cu, activation.ptx).
+PDL_MAX_ROWS = 16
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)

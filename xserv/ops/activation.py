@@ -9,7 +9,7 @@ import numpy as np
 from ..runtime import kernel
 from ..tensor import Tensor, bfloat16
 from ._checks import check_tensor, output, same_device
-from ._launch import aligned, cdiv, check_alias, check_int32_range
+from ._launch import PDL_MAX_ROWS, aligned, cdiv, check_alias, check_int32_range
 
 _BLOCK = 256
 
@@ -44,5 +44,6 @@ def silu_and_mul(x: Tensor, out: Tensor | None = None) -> Tensor:
         work, name = num_tokens * (inter // 8), "silu_and_mul_bf16_vec"
     else:
         work, name = num_tokens * inter, "silu_and_mul_bf16_scalar"
-    kernel("activation", name)(cdiv(work, _BLOCK), _BLOCK, x, out, np.int64(num_tokens), np.int32(inter))
+    kernel("activation", name)(cdiv(work, _BLOCK), _BLOCK, x, out, np.int64(num_tokens), np.int32(inter),
+                               pdl=num_tokens <= PDL_MAX_ROWS)
     return out

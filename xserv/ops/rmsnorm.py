@@ -11,7 +11,7 @@ import numpy as np
 from ..runtime import kernel
 from ..tensor import Tensor, bfloat16, float32
 from ._checks import check_tensor, output, same_device
-from ._launch import (aligned, cdiv, check_alias, check_eps, check_int32_range, disjoint, round_up,
+from ._launch import (PDL_MAX_ROWS, aligned, cdiv, check_alias, check_eps, check_int32_range, disjoint, round_up,
                       same_or_disjoint)
 
 HEAD_DIMS = (64, 128)
@@ -145,7 +145,9 @@ def _fused_add_rmsnorm_checked(x: Tensor, residual: Tensor, weight: Tensor, eps,
 
 def _launch_rows(op: str, num_rows: int, hidden: int, inputs: tuple, weight: Tensor, out: Tensor, eps32) -> None:
     name, threads, hidden32 = _rows_config(op, hidden, aligned(*inputs, weight, out))
-    kernel("rmsnorm", name)(num_rows, threads, *inputs, weight, out, hidden32, eps32)
+    # Programmatic dependent launch for the few rows of a decode step (rmsnorm.cu): the next kernel may start
+    # early. Not for long prefills, whose thousands of CTAs the dependents' early CTAs would only crowd.
+    kernel("rmsnorm", name)(num_rows, threads, *inputs, weight, out, hidden32, eps32, pdl=num_rows <= PDL_MAX_ROWS)
 
 
 def _rows_config(op: str, hidden: int, vectorised_pointers: bool) -> tuple[str, int, np.int32]:
