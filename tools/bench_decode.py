@@ -2,7 +2,7 @@
 
     python -m tools.bench_decode --model DIR [--context 512 --steps 256 --batch-sizes 1,8,32]
                                  [--attention fused,pair] [--decode-kernels v4,v4s4] [--rounds 2]
-                                 [--decode-splits plan,32,47,64] [--gemv-rule shipped,mma] [--tokens 32]
+                                 [--decode-splits plan,32,47,64] [--gemv-rule cublas,small] [--tokens 32]
 
 Times the engine's decode steps after the prefill (CUDA graphs unless --no-cuda-graphs), greedy sampling on the
 device, host loop included: what a user of `xserv chat` sees. Prints the device name, tok/s and the weight bytes
@@ -40,9 +40,9 @@ def main(argv=None) -> int:
                     help="comma list of split counts forced on the v4 decode-attention plan (plan: the shipped "
                          "v4_plan), timed one after the other: a plan experiment in the model's chain")
     ap.add_argument("--gemv-rule", default="shipped",
-                    help="comma list of shipped/mma: the projections of 2..16-row steps as shipped "
-                         "(xserv.ops.gemv.MMA_PREFERRED), or through the mma GEMV wherever it was faster alone "
-                         "(MMA_FASTER_ALONE), timed one after the other")
+                    help="comma list of rules for the projections of 2..16-row steps: shipped "
+                         "(xserv.ops.gemv.MMA_PREFERRED) or a name in xserv.ops.gemv.MMA_RULES (cublas, alone, small, "
+                         "narrow), timed one after the other")
     ap.add_argument("--rounds", type=int, default=1,
                     help="repeat the whole list this many times (alternating A/B figures in one process)")
     ap.add_argument("--tokens", type=int, default=0,
@@ -89,10 +89,10 @@ def main(argv=None) -> int:
         ap.error(f"--decode-splits: expected a comma list of integers or 'plan', got {args.decode_splits!r}")
     shipped_plan, forced = decode.plan_decode, None
     decode.plan_decode = lambda *a: _forced_plan(shipped_plan, forced, *a)
-    rules = {"shipped": gemv.MMA_PREFERRED, "mma": gemv.MMA_FASTER_ALONE}
+    rules = {"shipped": gemv.MMA_PREFERRED, **gemv.MMA_RULES}
     for r in args.gemv_rule.split(","):
         if r not in rules:
-            ap.error(f"--gemv-rule: unknown rule {r!r}; expected shipped or mma")
+            ap.error(f"--gemv-rule: unknown rule {r!r}; expected one of {', '.join(rules)}")
     runs = [(k, a, sp, r, bs) for _ in range(args.rounds) for k in kernels for a in modes for sp in split_list
             for r in args.gemv_rule.split(",") for bs in sizes]
     probe = np.random.default_rng(1).integers(0, 150000, args.context).tolist()

@@ -75,25 +75,29 @@ def gemv_supported(m: int, k: int) -> bool:
     return 1 <= m <= MAX_M and k % 8 == 0 and _smem(m, k_slices(m, k)[1]) <= SMEM_LIMIT
 
 
-# Above one row, the mma kernel against cuBLASLt (docs/kernels/gemv.md, "K slices", H200). Alone, back to back, it
-# is faster where both are bound by latency rather than bandwidth: on small weights (the 0.6B projections, 4-12 MB:
-# 1.0-1.3x at 2..8 rows, o and down also at 16) and on the 8B o projection (32 MB) at up to 4 rows (1.15-1.2x);
-# cuBLASLt streams the larger ones faster. Each entry: (rows up to, N x K up to).
-MMA_FASTER_ALONE = ((4, 1 << 24), (8, 1 << 23), (16, 3 << 20))
-# But in the model's steps of 2..16 rows, between the unfused norm / attention / activation kernels, the same choice
-# lost end to end (0.6B decode at batch 4 / 8 / 16: -3% / -5% / -7.5%, 16-token time to first token 1.21 -> 1.45
-# ms; 8B batch 2: -0.7%), so cuBLASLt keeps every projection above one row. A module attribute: benchmarks switch it
-# (tools/bench_decode --gemv-rule).
-MMA_PREFERRED: tuple[tuple[int, int], ...] = ()
+# Above one row, the mma kernel or cuBLASLt (docs/kernels/gemv.md, "v11"): a rule is a list of (rows up to, N x K
+# up to, N up to) where the mma kernel is taken. Measured rules (H200), kept so that benchmarks can compare them
+# (tools/bench_decode --gemv-rule):
+MMA_RULES: dict[str, tuple[tuple[int, int, int], ...]] = {
+    "cublas": (),  # cuBLASLt for every projection above one row
+    # where the mma kernel is faster alone, back to back: latency-bound weights (the 0.6B projections: 1.0-1.3x at
+    # 2..8 rows, o and down also at 16; the 8B o projection, 32 MB, 1.15-1.2x at up to 4 rows)
+    "alone": ((4, 1 << 24, 1 << 30), (8, 1 << 23, 1 << 30), (16, 3 << 20, 1 << 30)),
+    "small": ((4, 1 << 24, 1 << 30), (8, 1 << 23, 1 << 30)),  # the same up to 8 rows
+    "narrow": ((8, 1 << 24, 4096),),  # up to 8 rows of at most 4096 outputs and 16M weights (not 0.6B gate_up)
+}
+# The model's choice: with the norms and the activation between the projections in the PDL chain (rmsnorm.cu),
+# the mma kernel's early start pays in the model too. See gemv.md for the end-to-end figures of each rule.
+MMA_PREFERRED = MMA_RULES["small"]
 
 
 def prefer_gemv(m: int, n: int, k: int) -> bool:
     """The measured choice for a plain linear: the GEMV kernel for one row (1.03-1.9x cuBLASLt on every Qwen3
-    projection measured), the mma kernel for 2..16 rows of the weight sizes in MMA_PREFERRED (none: see above),
-    else cuBLASLt."""
+    projection measured), the mma kernel for 2..16 rows where MMA_PREFERRED takes it, else cuBLASLt."""
     if not gemv_supported(m, k):
         return False
-    return m == 1 or any(m <= rows and n * k <= elements for rows, elements in MMA_PREFERRED)
+    return m == 1 or any(m <= rows and n * k <= elements and n <= outputs
+                         for rows, elements, outputs in MMA_PREFERRED)
 
 
 # ---- references (NumPy; the composition of the unfused ops' references) ------------------------------------------
