@@ -170,25 +170,26 @@ def test_plan_is_a_valid_launch(monkeypatch, stage_kb):
 
 
 def test_prefer_gemv_follows_the_measured_table(monkeypatch):
-    """One row: always the GEMV kernel. 2..8 rows: the mma kernel on the small (latency-bound) weights where it
-    measured faster end to end (gemv.md, "v11"), cuBLASLt on the rest and from 9 rows; the 'cublas' rule keeps
-    cuBLASLt for every projection above one row."""
+    """One row: always the GEMV kernel. 2..8 rows: the mma kernel where it measured faster end to end (gemv.md,
+    "v11": at most 4096 outputs and 16M weights, i.e. the 0.6B qkv, o and down projections and the 8B o), cuBLASLt on
+    the rest and from 9 rows; the other measured rules take what their comments say."""
     small = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}  # Qwen3-0.6B
     large = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}  # Qwen3-8B
     for n, k in [*small.values(), *large.values(), (151936, 1024), (151936, 4096)]:
         assert G.prefer_gemv(1, n, k)
     for m in (2, 4, 8):
-        assert all(G.prefer_gemv(m, n, k) for n, k in small.values())
+        assert [p for p, (n, k) in small.items() if G.prefer_gemv(m, n, k)] == ["qkv", "o", "down"]
+        assert [p for p, (n, k) in large.items() if G.prefer_gemv(m, n, k)] == ["o"]
         assert not G.prefer_gemv(m, 151936, 1024)
-        assert G.prefer_gemv(m, *large["o"]) == (m <= 4)
-        assert not any(G.prefer_gemv(m, *large[p]) for p in ("qkv", "gate_up", "down"))
     assert not any(G.prefer_gemv(m, n, k) for m in (9, 16) for n, k in [*small.values(), *large.values()])
     assert not G.prefer_gemv(17, 1024, 2048) and not G.prefer_gemv(2, 1024, 100)
     monkeypatch.setattr(G, "MMA_PREFERRED", G.MMA_RULES["cublas"])
     assert not any(G.prefer_gemv(m, 1024, 2048) for m in range(2, MAX_M + 1)) and G.prefer_gemv(1, 1024, 2048)
-    monkeypatch.setattr(G, "MMA_PREFERRED", G.MMA_RULES["narrow"])  # not the 0.6B gate_up, the 8B o up to 8 rows
-    assert [p for p, (n, k) in small.items() if G.prefer_gemv(8, n, k)] == ["qkv", "o", "down"]
-    assert G.prefer_gemv(8, *large["o"]) and not G.prefer_gemv(8, *large["down"])
+    monkeypatch.setattr(G, "MMA_PREFERRED", G.MMA_RULES["small"])  # every 0.6B projection; the 8B o up to 4 rows
+    assert all(G.prefer_gemv(8, n, k) for n, k in small.values())
+    assert G.prefer_gemv(4, *large["o"]) and not G.prefer_gemv(8, *large["o"])
+    monkeypatch.setattr(G, "MMA_PREFERRED", G.MMA_RULES["alone"])  # also the 0.6B o and down at 16 rows
+    assert [p for p, (n, k) in small.items() if G.prefer_gemv(16, n, k)] == ["o", "down"]
 
 
 # ---- GPU: the kernels against the references ---------------------------------------------------------------------

@@ -86,9 +86,11 @@ MMA_RULES: dict[str, tuple[tuple[int, int, int], ...]] = {
     "small": ((4, 1 << 24, 1 << 30), (8, 1 << 23, 1 << 30)),  # the same up to 8 rows
     "narrow": ((8, 1 << 24, 4096),),  # up to 8 rows of at most 4096 outputs and 16M weights (not 0.6B gate_up)
 }
-# The model's choice: with the norms and the activation between the projections in the PDL chain (rmsnorm.cu),
-# the mma kernel's early start pays in the model too. See gemv.md for the end-to-end figures of each rule.
-MMA_PREFERRED = MMA_RULES["small"]
+# The model's choice. With the norms and the activation between the projections in the PDL chain (rmsnorm.cu,
+# activation.ptx), the mma kernel's early start pays in the model too: 0.6B decode at batch 2 / 4 / 8 +12% / +10%
+# / +9% over "cublas", "narrow" 1.6% ahead of "small" at batch 4 and even elsewhere; from 9 rows ("alone" at 16:
+# -11%) and on the larger 8B weights cuBLASLt keeps them (gemv.md, "v11").
+MMA_PREFERRED = MMA_RULES["narrow"]
 
 
 def prefer_gemv(m: int, n: int, k: int) -> bool:
