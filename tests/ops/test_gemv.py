@@ -322,3 +322,53 @@ def test_cuda_k_slices_in_a_graph(rng):
         graph.replay()
         close(res.numpy(), step * (1 + replays), tol=2e-2)
     graph.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graph", [False, True])
+def test_cuda_row_kernels_wait_for_the_gemv_before(rng, graph):
+    """The RMSNorm and SiLU-and-mul row kernels launch early after a GEMV (programmatic dependent launch, <= 16
+    rows): each must wait for it before reading. The GEMV here streams the 8B down projection's 100 MB (~30 us)
+    into rows that start as NaN, so a kernel that read them early would give NaN or stale values; eagerly and in a
+    graph replay, each result must match its reference on the GEMV's final output."""
+    from xserv.ops.activation import silu_and_mul, silu_and_mul_reference
+    from xserv.ops.rmsnorm import fused_add_rmsnorm, fused_add_rmsnorm_reference, rmsnorm, rmsnorm_reference
+    from xserv.runtime.graphs import CUDAGraph
+    m, n, k = 4, 4096, 12288
+    x, w = Tensor.from_numpy(random_array(rng, (m, k), bfloat16, mean=0.0)), Tensor.from_numpy(weights(rng, n, k))
+    norm_w = random_array(rng, (n,), bfloat16, mean=1.0, std=0.1)
+    residual = random_array(rng, (m, n), np.float32, mean=0.0)  # the model's fp32 residual stream
+    h, normed, act = (Tensor.empty(shape, bfloat16) for shape in ((m, n), (m, n), (m, n // 2)))
+    res_t, norm_t = Tensor.from_numpy(residual), Tensor.from_numpy(norm_w)
+
+    def chain(target):  # a GEMV writing h, then one row kernel reading it
+        linear_gemv(x, w, out=h)
+        if target == "rmsnorm":
+            rmsnorm(h, norm_t, EPS, out=normed)
+        elif target == "fused_add_rmsnorm":
+            fused_add_rmsnorm(h, res_t, norm_t, EPS, out=normed)
+        else:
+            silu_and_mul(h, out=act)
+
+    for target in ("rmsnorm", "fused_add_rmsnorm", "silu_and_mul"):
+        for t in (h, normed, act):
+            t.copy_(np.full(t.shape, np.nan, bfloat16))
+        res_t.copy_(residual)
+        if graph:
+            g = CUDAGraph()
+            with g.capture():
+                chain(target)
+            g.replay()
+            g.close()
+        else:
+            chain(target)
+        hv = h.numpy()
+        close(hv, linear_reference(x.numpy(), w.numpy()))
+        if target == "rmsnorm":
+            close(normed.numpy(), rmsnorm_reference(hv, norm_w, EPS))
+        elif target == "fused_add_rmsnorm":
+            want_res, want_out = fused_add_rmsnorm_reference(hv, residual, norm_w, EPS)
+            close(res_t.numpy(), want_res)
+            close(normed.numpy(), want_out)
+        else:
+            close(act.numpy(), silu_and_mul_reference(hv))
