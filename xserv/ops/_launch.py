@@ -11,6 +11,7 @@ from ..tensor import Tensor
 # dependent launch up to this many rows, so that the GEMV after them starts early (rmsnorm.cu, activation.ptx).
 PDL_MAX_ROWS = 16
 
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
