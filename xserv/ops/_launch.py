@@ -76,3 +76,16 @@ def check_eps(eps) -> np.float32:
 def check_int32_range(name: str, value: int) -> None:
     if value >= 2**31:
         raise ValueError(f"{name}: {value} does not fit the kernel's int32 index")
+
+
+def pooled_buffer(pool: list[Tensor], count: int, dtype, minimum: int, zeroed: bool = False) -> Tensor:
+    """A CUDA buffer of at least `count` elements from `pool`, allocated (`minimum` at least) when none is large
+    enough and kept in the pool for the life of the process: CUDA graphs may have captured its address. zeroed:
+    filled with zeros when allocated (counters that the kernels reset themselves)."""
+    for t in pool:
+        if t.shape[0] >= count:
+            return t
+    shape = (max(count, minimum),)
+    t = Tensor.zeros(shape, dtype, "cuda") if zeroed else Tensor.empty(shape, dtype, "cuda")
+    pool.append(t)
+    return t

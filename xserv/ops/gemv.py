@@ -22,7 +22,7 @@ import numpy as np
 from ..runtime import get_device, kernel
 from ..tensor import Tensor, bfloat16, float32, int32
 from ._checks import check_tensor, output, same_device
-from ._launch import aligned, cdiv, check_alias, check_eps, round_up
+from ._launch import aligned, cdiv, check_alias, check_eps, pooled_buffer, round_up
 from .activation import silu_and_mul_reference
 from .linear import linear_reference
 from .rmsnorm import rmsnorm_reference
@@ -280,17 +280,8 @@ def plan(m: int, n: int, multiprocessor_count: int, paired: bool = False, k: int
     return name, warps * 32, split, min(tiles(split), slots) * slices, slices
 
 
-_workspaces: list[Tensor] = []  # K-slice partial sums and tile counters, kept for the life of the process (CUDA
-_counters: list[Tensor] = []    # graphs capture their addresses); the counters are zeroed once, reset by the kernel
-
-
-def _workspace(pool: list[Tensor], count: int, dtype, minimum: int) -> Tensor:
-    for t in pool:
-        if t.shape[0] >= count:
-            return t
-    t = Tensor.zeros((max(count, minimum),), dtype, "cuda")
-    pool.append(t)
-    return t
+_workspaces: list[Tensor] = []  # K-slice partial sums (pooled_buffer: kept for the life of the process)
+_counters: list[Tensor] = []  # tile-set counters: zeroed once, reset by the kernel
 
 
 def _launch(prologue: str, x: Tensor, x_stride: int, rows: Tensor | None, norm_weight: Tensor | None, eps32,
@@ -313,8 +304,9 @@ def _launch(prologue: str, x: Tensor, x_stride: int, rows: Tensor | None, norm_w
         sliced = ()
         if slices > 1:
             name += "_sliced"
-            sliced = (np.int32(slices), np.int32(slice_k), _workspace(_workspaces, slices * m * n, float32, 1 << 18),
-                      _workspace(_counters, grid // slices, int32, 1024))
+            partials = pooled_buffer(_workspaces, slices * m * n, float32, 1 << 18)
+            counters = pooled_buffer(_counters, grid // slices, int32, 1024, zeroed=True)
+            sliced = (np.int32(slices), np.int32(slice_k), partials, counters)
         args = (x, np.int64(x_stride), x_rows, norm, np.float32(eps32), weight, out, np.int64(out.shape[1]),
                 np.int32(m), np.int32(n), np.int32(k), np.int32(split), *sliced, *modes)
     kernel("gemv", name)(grid, threads, *args, smem=_smem(m, slice_k), pdl=True)

@@ -23,7 +23,7 @@ import numpy as np
 from ...runtime import get_device, kernel
 from ...tensor import Tensor, bfloat16, float32, int32
 from .._checks import check_aligned, check_tensor, output, same_device
-from .._launch import check_alias, check_eps
+from .._launch import check_alias, check_eps, pooled_buffer
 from ._args import check_cache, check_tables, query_heads
 from .reference import attention_decode_reference
 
@@ -259,24 +259,6 @@ def _subgroup_counts(group: int, head_dim: int, wide: DecodeKernel | None) -> li
     return split[:1] + [1]
 
 
-def _workspace(nbytes: int) -> Tensor:
-    for t in _workspaces:
-        if t.nbytes >= nbytes:
-            return t
-    t = Tensor.empty((max(nbytes, 1 << 20) // 4,), float32, "cuda")
-    _workspaces.append(t)
-    return t
-
-
-def _counter_workspace(count: int) -> Tensor:
-    for t in _counters:
-        if t.shape[0] >= count:
-            return t
-    t = Tensor.zeros((max(count, 4096),), int32, "cuda")
-    _counters.append(t)
-    return t
-
-
 def attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_lens: Tensor, block_tables: Tensor,
                      scale: float, max_kv_len: int, out: Tensor | None = None,
                      num_q_heads: int | None = None, variant: str | None = None) -> Tensor:
@@ -340,13 +322,13 @@ def _launch(plan: tuple[DecodeKernel, int, int], q: Tensor, k_cache: Tensor, v_c
     part_o = part_lse = out  # unused by the kernels when splits == 1
     if splits > 1:
         rows = num_seqs * num_q_heads * splits
-        ws = _workspace(rows * (head_dim + 1) * 4)
+        ws = pooled_buffer(_workspaces, rows * (head_dim + 1), float32, 1 << 18)
         part_o, part_lse = ws.ptr, ws.ptr + rows * head_dim * 4
     args = [q, np.int64(q.shape[1] * head_dim), k_cache, v_cache, kv_lens, block_tables,
             np.int32(block_tables.shape[1]), np.int32(block_size), np.int32(num_q_heads), np.int32(num_kv_heads),
             np.float32(scale * math.log2(math.e)), np.int32(chunk), np.int32(splits), out, part_o, part_lse]
     if k.generation >= 3:  # the split combine is folded in: the last CTA of a (sequence, kv head) merges
-        args.append(_counter_workspace(num_seqs * heads))
+        args.append(pooled_buffer(_counters, num_seqs * heads, int32, 4096, zeroed=True))
     if k.generation == 4:
         magic, shift = fast_div(block_size)
         args += [np.uint32(magic), np.int32(shift)]
