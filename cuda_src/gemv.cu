@@ -67,6 +67,53 @@ __device__ __forceinline__ float silu(float g) {
     return __fdiv_rn(g, 1.f + e);
 }
 
+// The RMSNorm prologue of one whole row (gemv_row) where a thread's share of it fits in registers (at most
+// kHeldChunks 8-value chunks: K <= 4096 with 128 threads): the row and the norm weight are loaded together, once, and
+// kept in registers between the two passes, so the prologue costs one round trip to L2 after the wait instead of two
+// (stage_x's pass 2 re-reads the row and loads the weight). Same sums in the same order as stage_x: the same bits.
+constexpr int kHeldChunks = 4;
+
+template <int THREADS>
+__device__ __forceinline__ void stage_normed_row(__nv_bfloat16* xs, float* scratch, const float* row,
+                                                 const __nv_bfloat16* norm_w, float eps, int K) {
+    constexpr int kWarps = THREADS / 32;
+    const int row_chunks = K / 8;
+    float v[kHeldChunks][8], w[kHeldChunks][8];
+#pragma unroll
+    for (int j = 0; j < kHeldChunks; ++j) {
+        const int c = threadIdx.x + j * THREADS;
+        if (c < row_chunks) {
+            xserv::load8(row + c * 8, v[j]);
+            xserv::load8(norm_w + c * 8, w[j]);
+        }
+    }
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < kHeldChunks; ++j) {
+        if (threadIdx.x + j * THREADS < row_chunks)
+            ss += v[j][0] * v[j][0] + v[j][1] * v[j][1] + v[j][2] * v[j][2] + v[j][3] * v[j][3] +
+                  v[j][4] * v[j][4] + v[j][5] * v[j][5] + v[j][6] * v[j][6] + v[j][7] * v[j][7];
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const float s = xserv::warp_sum(ss);
+    if (lane == 0) scratch[warp] = s;
+    __syncthreads();
+    float total = 0.f;
+#pragma unroll
+    for (int i = 0; i < kWarps; ++i) total += scratch[i];
+    const float inv = xserv::rms_inv(total, K, eps);
+#pragma unroll
+    for (int j = 0; j < kHeldChunks; ++j) {
+        const int c = threadIdx.x + j * THREADS;
+        if (c < row_chunks) {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) v[j][e] = w[j][e] * (v[j][e] * inv);
+            xserv::store8(xs + c * 8, v[j]);
+        }
+    }
+    __syncthreads();
+}
+
 // Stage the columns [k0, k0 + KL) of the m transformed x rows in shared memory (bf16 [m][KL], row stride KS).
 // K is the whole row (the RMS mean is over all of it; the up half of [gate | up] starts at K). Every thread of the
 // CTA takes part.
@@ -76,6 +123,11 @@ __device__ __forceinline__ void stage_x(__nv_bfloat16* xs, int KS, float* scratc
                                         int k0, int KL, int prologue) {
     constexpr int kThreads = THREADS, kWarps = THREADS / 32;
     const int chunks = KL / 8;
+    if (M == 1 && prologue == kRmsNorm && k0 == 0 && KL == K && K <= THREADS * 8 * kHeldChunks) {
+        const float* row = static_cast<const float*>(x) + (long long)(x_rows ? x_rows[0] : 0) * x_stride;
+        stage_normed_row<THREADS>(xs, scratch, row, norm_w, eps, K);
+        return;
+    }
     if (prologue == kRmsNorm) {
         const int row_chunks = K / 8;
         // Pass 1: each row's sum of squares (per-thread partials, then warp and CTA sums in a fixed order).
@@ -188,9 +240,11 @@ __device__ __forceinline__ void fma_step(float (&acc)[kRows], const uint4 (&w)[k
 // kSiluMulBf16 pairs the row groups of a tile (split <= 2, so a tile holds an even number of them): slot 2p takes
 // gate rows j0..j0+3 (rows j of W), slot 2p + 1 the matching up rows (rows I + j), and the gate slot's lanes combine
 // both sums; N is then W's 2I rows and the tiles cover the I activations.
+// The prologue and epilogue are template arguments: each entry holds only its own paths (see the entries below).
+template <int prologue, int epilogue>
 __device__ __forceinline__ void gemv(const void* x, long long x_stride, const int* x_rows,
                                      const __nv_bfloat16* norm_w, float eps, const __nv_bfloat16* __restrict__ W,
-                                     void* out, int N, int K, int split, int prologue, int epilogue) {
+                                     void* out, int N, int K, int split) {
     extern __shared__ __align__(16) float smem[];
     float (*partial)[kRows] = reinterpret_cast<float (*)[kRows]>(smem);
     float* scratch = smem + kWarps * kRows;
@@ -450,11 +504,24 @@ __device__ __forceinline__ void gemv(const void* x, long long x_stride, const in
 // x: see the prologues above; x_rows: int32 [m] or null; norm_w: bf16 [K] (kRmsNorm) or null; W: bf16 [N, K];
 // out: [m, out_stride] (bf16 / fp32, or the fp32 residual for kAddResidual). grid: persistent (<= tiles).
 // gemv_row: m = 1, block 128, dynamic shared memory (4 * 4 + 4) * 4 + K * 2 bytes.
-extern "C" __global__ void __launch_bounds__(row::kThreads) gemv_row(
-    const void* x, long long x_stride, const int* x_rows, const __nv_bfloat16* norm_w, float eps,
-    const __nv_bfloat16* W, void* out, int N, int K, int split, int prologue, int epilogue) {
-    row::gemv(x, x_stride, x_rows, norm_w, eps, W, out, N, K, split, prologue, epilogue);
-}
+// gemv_row_<prologue>_<epilogue>: one entry per combination the ops use, the prologue and epilogue compiled in.
+// One generic entry with both as run-time arguments carried every path (62 KB of code, the executed ones scattered
+// through it): in the decode chain, where each kernel starts with a cold instruction cache, a longer prologue cost
+// up to 3.5 us per launch where the same kernel timed back to back did not slow down (docs/kernels/gemv.md, "v12").
+#define XSERV_GEMV_ROW(NAME, PROLOGUE, EPILOGUE)                                                                      \
+    extern "C" __global__ void __launch_bounds__(row::kThreads) gemv_row_##NAME(                                      \
+        const void* x, long long x_stride, const int* x_rows, const __nv_bfloat16* norm_w, float eps,                \
+        const __nv_bfloat16* W, void* out, int N, int K, int split) {                                                 \
+        row::gemv<PROLOGUE, EPILOGUE>(x, x_stride, x_rows, norm_w, eps, W, out, N, K, split);                        \
+    }
+XSERV_GEMV_ROW(bf16_bf16, kBf16, kStoreBf16)
+XSERV_GEMV_ROW(bf16_f32, kBf16, kStoreF32)
+XSERV_GEMV_ROW(bf16_add, kBf16, kAddResidual)
+XSERV_GEMV_ROW(rmsnorm_bf16, kRmsNorm, kStoreBf16)
+XSERV_GEMV_ROW(rmsnorm_f32, kRmsNorm, kStoreF32)
+XSERV_GEMV_ROW(rmsnorm_silu_mul, kRmsNorm, kSiluMulBf16)
+XSERV_GEMV_ROW(silu_mul_add, kSiluMul, kAddResidual)
+#undef XSERV_GEMV_ROW
 
 // gemv_mma_m<M>: m <= M, block 256, dynamic shared memory (8 * 32 * 4 * NT + M * 8) * 4 + m * (K + 32) * 2 bytes.
 // gemv_mma_m<M>_sliced: K in slices = ceil(K / kc) ranges, the grid a multiple of `slices`, dynamic shared memory

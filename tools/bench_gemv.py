@@ -47,6 +47,9 @@ def main(argv=None) -> int:
     ap.add_argument("--stage-kb", default=None,
                     help="comma list of the mma kernel's staged-x budgets per CTA (KiB; 'inf': slice K only where x "
                          "would not fit) to run the GEMV columns under, one row each (default: xserv's STAGE_BYTES)")
+    ap.add_argument("--once", action="store_true",
+                    help="run each kernel once per shape (gemv, cuBLASLt, fused) between cuProfilerStart / Stop, "
+                         "untimed: for `ncu --profile-from-start off`")
     args = ap.parse_args(argv)
 
     from xserv.ops import gemv as gemv_mod
@@ -109,6 +112,9 @@ def main(argv=None) -> int:
                     x_in = Tensor.from_numpy(rng.standard_normal((m, k), np.float32).astype(bfloat16))
                     norm_one = Tensor.from_numpy(np.ones(k, bfloat16))
                     before = lambda: rmsnorm(x_in, norm_one, 1e-6, out=x)  # noqa: E731
+                if args.once:
+                    profile_once(x, ws[0], out, linear_gemv, linear)
+                    continue
                 t_gemv = benchmark_graph([lambda w=w: (before(), linear_gemv(x, w, out)) for w in ws])
                 t_blas = benchmark_graph([lambda w=w: (before(), linear(x, w, out)) for w in ws])
                 res = Tensor.zeros((m, n), float32)
@@ -142,6 +148,22 @@ def main(argv=None) -> int:
             del ws, tws
     gemv_mod.STAGE_BYTES = default_stage
     return 0
+
+
+def profile_once(x, w, out, *ops) -> None:
+    """Each op once on (x, w, out) inside a profiler range (after a warm-up call that compiles it)."""
+    from cuda.bindings import driver
+
+    from xserv.runtime import synchronize
+
+    for op in ops:
+        op(x, w, out)
+    synchronize()
+    driver.cuProfilerStart()
+    for op in ops:
+        op(x, w, out)
+    synchronize()
+    driver.cuProfilerStop()
 
 
 if __name__ == "__main__":

@@ -194,11 +194,14 @@ def test_prefer_gemv_follows_the_measured_table(monkeypatch):
 
 # ---- GPU: the kernels against the references ---------------------------------------------------------------------
 SHAPES = [(1, 1024, 1024), (2, 37, 1000), (3, 3001, 2048), (5, 5003, 64), (8, 1024, 3072), (11, 300, 520),
-          (16, 2112, 1024), (1, 70001, 64), (7, 9000, 1016), (4, 1000, 12296), (13, 4099, 4104), (16, 70001, 2568)]
+          (16, 2112, 1024), (1, 70001, 64), (1, 515, 2056), (1, 3001, 4096), (1, 300, 4104), (7, 9000, 1016),
+          (4, 1000, 12296), (13, 4099, 4104), (16, 70001, 2568)]
 # (m, N, K): the one-row kernel and both mma kernels, masked rows, N not a multiple of 16, K not a multiple of 32
-# (tail blocks), splits 8/4/2/1, more tiles than CTAs (the grid-stride loop), and K sliced across CTAs (the last
-# three: 2 slices each at STAGE_BYTES = 72 KB, the last slice shorter and not a multiple of 32, more tiles than a
-# slice's CTAs); test_cuda_k_slices_repeatable deals K out to many more
+# (tail blocks), splits 8/4/2/1, more tiles than CTAs (the grid-stride loop), the one-row RMSNorm prologue with
+# the row held in registers (K <= 4096: a thread's last chunk past the row at 2056, four chunks each at 4096) and
+# past them (4104: the two-pass prologue), and K sliced across CTAs (the last three: 2 slices each at STAGE_BYTES =
+# 72 KB, the last slice shorter and not a multiple of 32, more tiles than a slice's CTAs);
+# test_cuda_k_slices_repeatable deals K out to many more
 
 
 @pytest.mark.gpu

@@ -120,22 +120,23 @@ def _bytes(x_bytes_per_row, out_bytes):
     return lambda s: s[1] * s[2] * 2 + s[0] * x_bytes_per_row(s) + s[0] * s[1] * out_bytes
 
 
-_KERNELS = ("gemv_row", "gemv_mma_m8", "gemv_mma_m16", "gemv_mma_m8_sliced", "gemv_mma_m16_sliced")
+_MMA = ("gemv_mma_m8", "gemv_mma_m16", "gemv_mma_m8_sliced", "gemv_mma_m16_sliced")
 SPECS = [
-    OpSpec(name="gemv", family="gemv", kernels=_KERNELS,
+    OpSpec(name="gemv", family="gemv", kernels=("gemv_row_bf16_bf16",) + _MMA,
            make_inputs=_weights, run=_run_gemv, reference=_ref_gemv, tolerance=1e-2, check_shapes=CHECK,
            bench_shapes=BENCH, bytes_moved=_bytes(lambda s: s[2] * 2, 2),
            torch_peer=lambda d: d["x"] @ d["weight"].t(), shape_help="MxNxK"),
-    OpSpec(name="rmsnorm_linear", family="gemv", kernels=_KERNELS,
+    OpSpec(name="rmsnorm_linear", family="gemv", kernels=("gemv_row_rmsnorm_bf16",) + _MMA,
            make_inputs=_norm_inputs, run=_run_norm, reference=_ref_norm, tolerance=1e-2, check_shapes=CHECK,
            bench_shapes=BENCH, bytes_moved=_bytes(lambda s: s[2] * 4, 2), torch_peer=_torch_norm,
            shape_help="MxNxK"),
-    OpSpec(name="rmsnorm_linear_silu_mul", family="gemv", kernels=("gemv_row",), make_inputs=_norm_inputs,
+    OpSpec(name="rmsnorm_linear_silu_mul", family="gemv", kernels=("gemv_row_rmsnorm_silu_mul",),
+           make_inputs=_norm_inputs,
            run=_run_norm_silu, reference=_ref_norm_silu, tolerance=1e-2,
            check_shapes=[(1, 2000, 1024), (1, 74, 520), (1, 6144, 1024)],
            bench_shapes=[(1, 6144, 1024), (1, 24576, 4096)], bytes_moved=lambda s: s[1] * s[2] * 2 + s[2] * 4 + s[1],
            torch_peer=_torch_norm_silu, shape_help="1xNxK (N = 2I: gate rows, then up rows)"),
-    OpSpec(name="silu_mul_linear_add", family="gemv", kernels=_KERNELS,
+    OpSpec(name="silu_mul_linear_add", family="gemv", kernels=("gemv_row_silu_mul_add",) + _MMA,
            make_inputs=_silu_inputs, run=_run_silu, reference=_ref_silu, tolerance=1e-2, check_shapes=CHECK,
            bench_shapes=BENCH, bytes_moved=_bytes(lambda s: s[2] * 4, 8), torch_peer=_torch_silu,
            shape_help="MxNxK"),

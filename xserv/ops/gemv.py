@@ -41,6 +41,9 @@ STAGE_BYTES = 72 * 1024
 CTAS_PER_SM = 2
 _PROLOGUE = {"bf16": 0, "rmsnorm": 1, "silu_mul": 2}
 _EPILOGUE = {bfloat16: 0, float32: 1, "add": 2, "silu_mul": 3}
+# gemv_row's entries carry their prologue and epilogue compiled in (gemv.cu): the suffix of each combination.
+_ROW_ENTRY = {(0, 0): "bf16_bf16", (0, 1): "bf16_f32", (0, 2): "bf16_add", (1, 0): "rmsnorm_bf16",
+              (1, 1): "rmsnorm_f32", (1, 3): "rmsnorm_silu_mul", (2, 2): "silu_mul_add"}
 
 
 def _smem(m: int, k: int) -> int:
@@ -296,9 +299,10 @@ def _launch(prologue: str, x: Tensor, x_stride: int, rows: Tensor | None, norm_w
     x_rows = rows if rows is not None else 0  # a null pointer: rows 0..m-1
     norm = norm_weight if norm_weight is not None else 0
     modes = (np.int32(_PROLOGUE[prologue]), np.int32(epilogue))
-    if m == 1:  # gemv_row(x, x_stride, x_rows, norm_w, eps, W, out, N, K, split, prologue, epilogue)
+    if m == 1:  # gemv_row_<prologue>_<epilogue>(x, x_stride, x_rows, norm_w, eps, W, out, N, K, split)
+        name += "_" + _ROW_ENTRY[_PROLOGUE[prologue], epilogue]
         args = (x, np.int64(x_stride), x_rows, norm, np.float32(eps32), weight, out, np.int32(n), np.int32(k),
-                np.int32(split), *modes)
+                np.int32(split))
     else:  # gemv_mma_m*(x, x_stride, x_rows, norm_w, eps, W, out, out_stride, m, N, K, split,
         #              [slices, kc, partials, counters: the _sliced entries], prologue, epilogue)
         sliced = ()
