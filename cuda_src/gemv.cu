@@ -387,13 +387,14 @@ __device__ __forceinline__ void mma_blocks(float (&acc)[NT][4], const Frag (&w)[
 // at 4 rows), and 16 rows of a long K would not fit at all. A slice's sums go to `partials` [slices][m][N] (fp32);
 // the CTAs of the slices that share a set of tiles count themselves done on `counters` [CTAs per slice] (reset by the
 // last), and the last adds the slices in slice order, so the result does not depend on timing, and applies the
-// epilogue.
-template <int NT>
+// epilogue. P / E >= 0: the prologue / epilogue compiled in (the arguments are then ignored).
+template <int NT, int P = -1, int E = -1>
 __device__ __forceinline__ void gemv(const void* x, long long x_stride, const int* x_rows,
                                      const __nv_bfloat16* norm_w, float eps, const __nv_bfloat16* __restrict__ W,
                                      void* out, long long out_stride, int m, int N, int K, int split, int slices,
-                                     int kc, float* partials, int* counters, int prologue, int epilogue) {
+                                     int kc, float* partials, int* counters, int prologue_arg, int epilogue_arg) {
     constexpr int M = 8 * NT;
+    const int prologue = P >= 0 ? P : prologue_arg, epilogue = E >= 0 ? E : epilogue_arg;
     extern __shared__ __align__(16) float smem[];
     __shared__ int last;
     float (*partial)[32][NT * 4] = reinterpret_cast<float (*)[32][NT * 4]>(smem);
@@ -546,3 +547,17 @@ XSERV_GEMV_ROW(silu_mul_add, kSiluMul, kAddResidual)
 XSERV_GEMV_MMA(8, 1)
 XSERV_GEMV_MMA(16, 2)
 #undef XSERV_GEMV_MMA
+
+// The plain bf16 -> bf16 projection (the model's few-row steps: linear_gemv), unsliced, its prologue and epilogue
+// compiled in: a third of the generic entry's code (the decode chain starts each kernel with a cold instruction
+// cache; see gemv_row_<prologue>_<epilogue>).
+#define XSERV_GEMV_MMA_PLAIN(M, NT)                                                                                   \
+    extern "C" __global__ void __launch_bounds__(mma::kThreads) gemv_mma_m##M##_bf16_bf16(                            \
+        const void* x, long long x_stride, const int* x_rows, const __nv_bfloat16* norm_w, float eps,                \
+        const __nv_bfloat16* W, void* out, long long out_stride, int m, int N, int K, int split) {                   \
+        mma::gemv<NT, kBf16, kStoreBf16>(x, x_stride, x_rows, norm_w, eps, W, out, out_stride, m, N, K, split, 1, K, \
+                                         nullptr, nullptr, 0, 0);                                                     \
+    }
+XSERV_GEMV_MMA_PLAIN(8, 1)
+XSERV_GEMV_MMA_PLAIN(16, 2)
+#undef XSERV_GEMV_MMA_PLAIN

@@ -306,6 +306,8 @@ def _launch(prologue: str, x: Tensor, x_stride: int, rows: Tensor | None, norm_w
     else:  # gemv_mma_m*(x, x_stride, x_rows, norm_w, eps, W, out, out_stride, m, N, K, split,
         #              [slices, kc, partials, counters: the _sliced entries], prologue, epilogue)
         sliced = ()
+        if slices == 1 and modes == (0, 0):  # the plain bf16 -> bf16 entry: no prologue / epilogue arguments
+            name, modes = name + "_bf16_bf16", ()
         if slices > 1:
             name += "_sliced"
             partials = pooled_buffer(_workspaces, slices * m * n, float32, 1 << 18)
