@@ -125,9 +125,16 @@ __device__ __forceinline__ void combine_splits_if_last(int* counter, int active,
 
 // cp.async with a "memory" clobber: the per-lane pipeline has no __syncthreads, so the compiler must not move a
 // shared-memory read of a stage above the wait for it, nor a write into a stage above the reads of its last use.
+// The K/V bytes are marked first in line for eviction from L2: a decode step reads each of them once, and at long
+// contexts the stream (131 MB per layer for a 0.6B-shaped model at 32k) would otherwise push out of L2 what the
+// next kernels need, their code among it (gemv.md, "v12": 0.6B at 32k +2%). createpolicy is not volatile: one per
+// kernel after common-subexpression elimination.
 __device__ __forceinline__ void cp_async16_m(unsigned smem_addr, const void* gptr, bool valid) {
     const int src_size = valid ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(gptr), "r"(src_size)
+    unsigned long long policy;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(smem_addr), "l"(gptr),
+                 "r"(src_size), "l"(policy)
                  : "memory");
 }
 __device__ __forceinline__ void cp_async_commit_m() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
