@@ -33,6 +33,11 @@
 // a row group divide K between them and add their partial sums through shared memory in a fixed order, so
 // results do not depend on timing.
 //
+// Code size: in the decode chain every kernel starts with a cold instruction cache (the kernels alternate, and the
+// weight stream evicts their code from L2), so the code a launch runs through counts. gemv_row has one entry per
+// (prologue, epilogue) the ops use, and the mma kernel one for the plain bf16 -> bf16 projection, with those compiled
+// in (21-38 KB each against 62-170 KB for the generic entries; gemv.md, "v12").
+//
 // Programmatic dependent launch: the weights do not depend on the previous kernel, so each lane loads its first
 // weights into registers before pdl_wait(); the x staging comes after the wait, pdl_launch_dependents() after it.
 //

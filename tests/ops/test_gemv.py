@@ -128,6 +128,22 @@ def test_plan_splits_fill_the_sms():
     assert plan(1, 1024, 132, paired=True)[2] == 2 and plan(1, 24576, 132, paired=True)[2] == 1
 
 
+def test_every_row_entry_the_launcher_names_is_compiled():
+    """gemv_row has one entry per (prologue, epilogue) the ops use (gemv.cu's XSERV_GEMV_ROW list): the launcher's
+    table names exactly those, and every one-row op's combination is in it."""
+    import re
+
+    from xserv.runtime.compiler import family_source
+
+    src = family_source("gemv").read_text()
+    assert set(G._ROW_ENTRY.values()) == set(re.findall(r"^XSERV_GEMV_ROW\((\w+),", src, re.M))
+    p, e = G._PROLOGUE, G._EPILOGUE
+    used = {(p["bf16"], e[bfloat16]), (p["bf16"], e[float32]), (p["bf16"], e["add"]), (p["rmsnorm"], e[bfloat16]),
+            (p["rmsnorm"], e[float32]), (p["rmsnorm"], e["silu_mul"]), (p["silu_mul"], e["add"])}
+    assert used == set(G._ROW_ENTRY)
+    assert set(re.findall(r"^XSERV_GEMV_MMA_PLAIN\((\d+), \d\)$", src, re.M)) == {"8", "16"}
+
+
 def test_k_slices_bound_the_staged_x(monkeypatch):
     """The mma kernel's K slices: none while m rows of K fit STAGE_BYTES; else the fewest whose staged rows do,
     each a multiple of 32 long (the last may be shorter, none empty); the plan deals the grid out to them."""
