@@ -75,7 +75,7 @@ __device__ __forceinline__ float silu(float g) {
 // The RMSNorm prologue of one whole row (gemv_row) where a thread's share of it fits in registers (at most
 // kHeldChunks 8-value chunks: K <= 4096 with 128 threads): the row and the norm weight are loaded together, once, and
 // kept in registers between the two passes, so the prologue costs one round trip to L2 after the wait instead of two
-// (stage_x's pass 2 re-reads the row and loads the weight). Same sums in the same order as stage_x: the same bits.
+// (stage_x's pass 2 re-reads the row and loads the weight). The same arithmetic in the same order as stage_x.
 constexpr int kHeldChunks = 4;
 
 template <int THREADS>

@@ -48,8 +48,8 @@ def main(argv=None) -> int:
                     help="comma list of the mma kernel's staged-x budgets per CTA (KiB; 'inf': slice K only where x "
                          "would not fit) to run the GEMV columns under, one row each (default: xserv's STAGE_BYTES)")
     ap.add_argument("--once", action="store_true",
-                    help="run each kernel once per shape (gemv, cuBLASLt, fused) between cuProfilerStart / Stop, "
-                         "untimed: for `ncu --profile-from-start off`")
+                    help="run the GEMV and cuBLASLt once per shape between cuProfilerStart / Stop, untimed: for "
+                         "`ncu --profile-from-start off`")
     args = ap.parse_args(argv)
 
     from xserv.ops import gemv as gemv_mod

@@ -304,10 +304,10 @@ def _launch(prologue: str, x: Tensor, x_stride: int, rows: Tensor | None, norm_w
         args = (x, np.int64(x_stride), x_rows, norm, np.float32(eps32), weight, out, np.int32(n), np.int32(k),
                 np.int32(split))
     else:  # gemv_mma_m*(x, x_stride, x_rows, norm_w, eps, W, out, out_stride, m, N, K, split,
-        #              [slices, kc, partials, counters: the _sliced entries], prologue, epilogue)
+        #              [slices, kc, partials, counters: the _sliced entries], [prologue, epilogue: not _bf16_bf16])
         sliced = ()
-        if slices == 1 and modes == (0, 0):  # the plain bf16 -> bf16 entry: no prologue / epilogue arguments
-            name, modes = name + "_bf16_bf16", ()
+        if slices == 1 and prologue == "bf16" and epilogue == _EPILOGUE[bfloat16]:
+            name, modes = name + "_bf16_bf16", ()  # the plain entry: no prologue / epilogue arguments
         if slices > 1:
             name += "_sliced"
             partials = pooled_buffer(_workspaces, slices * m * n, float32, 1 << 18)
