@@ -5,8 +5,8 @@ import os
 import pytest
 
 from xserv.runtime import CompileError
-from xserv.runtime.compiler import (cache_key, compile_families, compile_family, family_source, list_dev_families,
-                                    list_families, ptx_to_cubin)
+from xserv.runtime.compiler import (cache_key, compile_families, compile_family, family_source, kernel_code_sizes,
+                                    list_dev_families, list_families, ptx_to_cubin)
 
 
 @pytest.fixture(scope="session")
@@ -34,6 +34,30 @@ def test_ptx_family_ships_its_kernels(hopper_cubins):
     assert family_source("activation").suffix == ".ptx"
     for name in ("silu_and_mul_bf16_vec", "silu_and_mul_bf16_scalar"):
         assert b"\0" + name.encode() + b"\0" in hopper_cubins["activation"]  # in the cubin's symbol names
+
+
+def test_decode_chain_gemv_entries_stay_small(hopper_cubins):
+    """kernel_code_sizes reads each entry's machine code from the cubin. The GEMV entries of the decode chain carry
+    only their own prologue and epilogue: one generic entry (62 KB) cost 3-4% of a batch-1 step, each launch running
+    its code from a cold instruction cache (docs/kernels/gemv.md, "v12")."""
+    sizes = kernel_code_sizes(hopper_cubins["gemv"])
+    chain = ["gemv_row_rmsnorm_bf16", "gemv_row_bf16_add", "gemv_row_rmsnorm_silu_mul", "gemv_row_rmsnorm_f32",
+             "gemv_mma_m8_bf16_bf16", "gemv_mma_m16_bf16_bf16"]
+    assert all(0 < sizes[name] < 48 * 1024 for name in chain), {name: sizes.get(name) for name in chain}
+    assert sizes["gemv_mma_m8_bf16_bf16"] * 3 < sizes["gemv_mma_m8"]  # the generic entry: every path inline
+    assert set(kernel_code_sizes(hopper_cubins["activation"])) >= {"silu_and_mul_bf16_vec"}  # nvJitLink's cubins too
+    with pytest.raises(ValueError, match="ELF"):
+        kernel_code_sizes(b"not a cubin")
+
+
+def test_harness_prints_the_sizes(hopper_cubins, capsys):
+    from tools.kernel_harness import main
+
+    assert main(["sizes", "gemv", "--arch", "sm_90a"]) == 0
+    out = capsys.readouterr().out
+    assert "gemv_row_bf16_add" in out and "gemv_mma_m8_bf16_bf16" in out and " KB" in out
+    assert main(["sizes", "no_such_family", "--arch", "sm_90a"]) == 2
+    assert "no_such_family" in capsys.readouterr().out
 
 
 def test_dev_families_are_not_production():

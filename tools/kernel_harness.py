@@ -2,6 +2,7 @@
 
     python -m tools.kernel_harness list
     python -m tools.kernel_harness compile [--arch sm_90a] [--dev]  # no GPU needed; --dev: cuda_src/dev/ too
+    python -m tools.kernel_harness sizes [FAMILY ...] [--arch sm_90a]  # machine code per kernel entry, no GPU
     python -m tools.kernel_harness check OP [--shapes 8192x4096,1x128] [--seed N] [--variant NAME]
     python -m tools.kernel_harness bench OP [--shapes ...] [--vs torch] [--variant NAME] [--graph]
     python -m tools.kernel_harness ceilings                          # copy bandwidth and a large cuBLAS GEMM
@@ -86,6 +87,27 @@ def cmd_compile(args) -> int:
             pass
     print(f"{len(families) - len(failures)}/{len(families)} compiled in {time.perf_counter() - total:.2f} s (wall)")
     return 1 if failures else 0
+
+
+def cmd_sizes(args) -> int:
+    from xserv.runtime.compiler import compile_family, kernel_code_sizes, list_families
+
+    arch = args.arch
+    if arch is None:
+        from xserv.runtime import get_device
+
+        arch = get_device().arch
+    families = args.families or list_families()
+    unknown = sorted(set(families) - set(list_families()))
+    if unknown:
+        print(f"unknown families: {', '.join(unknown)} (see `list`)")
+        return 2
+    print(f"machine code per kernel entry ({arch}; each launch in a chain of short kernels runs it from a cold "
+          f"instruction cache)")
+    for family in families:
+        for name, size in sorted(kernel_code_sizes(compile_family(family, arch)).items(), key=lambda kv: -kv[1]):
+            print(f"  {family:20s} {name:48s} {size / 1024:7.1f} KB")
+    return 0
 
 
 def _error(spec, out, ref, inputs) -> float:
@@ -225,6 +247,9 @@ def main(argv=None) -> int:
     c.add_argument("--no-cache", action="store_true", help="ignore and do not write the cubin cache")
     c.add_argument("--dev", action="store_true", help="also the development families in cuda_src/dev/")
     c.add_argument("--serial", action="store_true", help="one family at a time (per-family times without contention)")
+    z = sub.add_parser("sizes", help="machine code per kernel entry (no GPU needed with --arch)")
+    z.add_argument("families", nargs="*", help="kernel families (default: all production ones)")
+    z.add_argument("--arch", help="target, e.g. sm_90a (default: the current device's)")
     for name, helptext in (("check", "compare an op with its NumPy reference"), ("bench", "time an op")):
         s = sub.add_parser(name, help=helptext)
         s.add_argument("op", help="op name from `list`, or 'all'")
@@ -240,7 +265,7 @@ def main(argv=None) -> int:
     sub.add_parser("ceilings", help="measure copy bandwidth and a large cuBLAS GEMM")
     args = p.parse_args(argv)
     try:
-        return {"list": cmd_list, "compile": cmd_compile, "check": cmd_check, "bench": cmd_bench,
+        return {"list": cmd_list, "compile": cmd_compile, "sizes": cmd_sizes, "check": cmd_check, "bench": cmd_bench,
                 "ceilings": cmd_ceilings}[args.cmd](args)
     except RuntimeError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -293,3 +293,25 @@ def ensure_compiled(arch: str, progress: bool = True) -> list[str]:
         if bar is not None:
             bar.close()
     return todo
+
+
+def kernel_code_sizes(cubin: bytes) -> dict[str, int]:
+    """Bytes of machine code of each kernel entry in a cubin (its `.text.<name>` ELF section). In a chain of short
+    kernels each launch runs its code from a cold instruction cache, so code size is a cost (docs/kernels/gemv.md,
+    "v12"); `python -m tools.kernel_harness sizes` prints these."""
+    import struct
+
+    if cubin[:4] != b"\x7fELF" or cubin[4] != 2:
+        raise ValueError("not a 64-bit ELF image (a cubin)")
+    (shoff,) = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    # Elf64_Shdr: name, type (u32), flags, addr, offset, size (u64), ...
+    headers = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    names_at = headers[shstrndx][4]
+    sizes = {}
+    for name_off, _type, _flags, _addr, _offset, size in headers:
+        start = names_at + name_off
+        name = cubin[start:cubin.index(b"\0", start)].decode()
+        if name.startswith(".text."):
+            sizes[name[len(".text."):]] = size
+    return sizes
