@@ -252,11 +252,12 @@ def _add_into_residual(name: str, x: Tensor, k: int, prologue: str, reference, w
 
 # ---- launch -------------------------------------------------------------------------------------------------------
 def plan(m: int, n: int, multiprocessor_count: int, paired: bool = False, k: int = 0) -> tuple[str, int, int, int, int]:
-    """(kernel, threads, split, grid, slices): split = warps sharing a row group's K (the fewest that give every SM
-    two tiles and keep the last round of tiles >= 90% full), slices = the K slices (k_slices; each CTA takes one
-    and loops over the tiles; with slices > 1 the launcher runs the kernel's `_sliced` entry), grid = the CTAs, at
-    most CTAS_PER_SM per multiprocessor (each stages its x once). paired (the SiLU-and-mul epilogue, one row): a tile
-    pairs gate and up row groups, so split <= 2."""
+    """(kernel, threads, split, grid, slices): kernel = the base name (the launcher picks the entry: gemv_row's
+    _<prologue>_<epilogue>, the mma kernel's _bf16_bf16 or _sliced), split = warps sharing a row group's K (the
+    fewest that give every SM two tiles and keep the last round of tiles >= 90% full), slices = the K slices
+    (k_slices; each CTA takes one and loops over the tiles), grid = the CTAs, at most CTAS_PER_SM per multiprocessor
+    (each stages its x once). paired (the SiLU-and-mul epilogue, one row): a tile pairs gate and up row groups, so
+    split <= 2."""
     if m == 1:
         name, warps, rows = "gemv_row", _ROW_WARPS, _ROW_ROWS
     else:
