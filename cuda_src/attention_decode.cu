@@ -108,7 +108,7 @@ __device__ __forceinline__ void bf16x8_to_float_fast(const uint4& v, float (&f)[
 // all fall into the loop's remainder), and where G * D / 4 < W * 32 threads the splits are spread over PARTS thread
 // groups whose sums are added in a fixed order (deterministic). sm: shared scratch of G * active + W * 32 * 4
 // floats; sm_last: a shared int. W: warps per CTA (decode_split_v4's).
-template <int D, int G, int W>
+template <int D, int G, int W, bool FAST_ONLY = false>
 __device__ __forceinline__ void combine_splits_v4(int* counter, int active, long long row0, int num_splits,
                                                   const float* __restrict__ part_o,
                                                   const float* __restrict__ part_lse,
@@ -117,7 +117,7 @@ __device__ __forceinline__ void combine_splits_v4(int* counter, int active, long
     constexpr int PARTS = NIDX >= W * 32 ? 1 : (W * 32) / NIDX;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (!last_to_arrive(counter, active, sm_last)) return;
-    if (active <= kV4FastCombine) {
+    if (FAST_ONLY || active <= kV4FastCombine) {  // FAST_ONLY: the launcher guarantees it
         // Few splits (short contexts): one round trip to L2 instead of two. Each thread takes a float4 column of a
         // head and loads that head's lse values with the column's partials, all at once; the threads of a head
         // compute the same weights in the same order.
@@ -244,8 +244,10 @@ __device__ __forceinline__ void combine_splits_v4(int* counter, int active, long
         num_kv_heads, scale_log2, chunk_len, num_splits, out, part_o, part_lse, counters, bs_magic, bs_shift,    \
         positions, slot_mapping, cos_sin, max_pos, q_weight, k_weight, eps
 
-// W: warps per CTA (kV4Warps; the wide kernels 8, the dev file's 16). R: query-head subgroups (below).
-template <int D, int G, int STAGES, int W = kV4Warps, int R = 1>
+// W: warps per CTA (kV4Warps; the wide kernels 8, the dev file's 16). R: query-head subgroups (below). LEAN (the
+// dev file's code-size experiment): the fused entry only (positions given) and at most kV4FastCombine splits (the
+// launcher's plan guarantees both), so that the body holds little but the path a short context runs.
+template <int D, int G, int STAGES, int W = kV4Warps, int R = 1, bool LEAN = false>
 __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS) {
     constexpr int U = kV4Unroll;
     constexpr int LPK = D / 8;         // lanes per key
@@ -271,7 +273,7 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS) {
     const int s = blockIdx.z, kv_head = blockIdx.y / R, split = blockIdx.x;
     const int start = split * chunk_len;
     const int h0 = blockIdx.y * G;
-    const bool fused = positions != nullptr;
+    const bool fused = LEAN || positions != nullptr;
     const bool norm = fused && q_weight != nullptr;
     constexpr int kNewWarp = G % W;  // the warp that makes the new key's rows (the next in the q heads' turn)
 
@@ -599,7 +601,7 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS) {
     if (num_splits == 1) return;
     // the merge area is no longer read: it holds the split weights now
     static_assert(((G * kV4MaxSplits + 3) & ~3) * 4 + W * 32 * 16 <= RING, "combine scratch fits in the ring");
-    combine_splits_v4<D, G, W>(counters + ((long long)s * num_kv_heads + kv_head) * R + blockIdx.y % R,
+    combine_splits_v4<D, G, W, LEAN>(counters + ((long long)s * num_kv_heads + kv_head) * R + blockIdx.y % R,
                             min(num_splits, (kv_len + chunk_len - 1) / chunk_len), row0, num_splits, part_o, part_lse,
                             out, reinterpret_cast<float*>(smem_raw), sm_last);
 }

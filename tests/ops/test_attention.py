@@ -339,6 +339,8 @@ def _kernel_names(family: str) -> set[str]:
         names.update(f"attention_decode_v4_d{d}_g{g}_{x}" for x in ("s3", "s4", "s2_n", "s2_p", "s2_w16"))
     for d, g, s, w in re.findall(r"^XSERV_DECODE_V4_WIDE_KERNEL\((\d+), (\d), (\d), (\d+)\)", src, re.M):
         names.add(f"attention_decode_v4_d{d}_g{g}_s{s}_w{w}")
+    for d, g in re.findall(r"^XSERV_DECODE_V4_LEAN_KERNEL\((\d+), (\d)\)", src, re.M):
+        names.add(f"attention_decode_v4_d{d}_g{g}_s2_w8_lean")
     for d, g, s, w, r in re.findall(r"^XSERV_DECODE_V4_WIDE_SUBGROUPS_KERNEL\((\d+), (\d), (\d), (\d+), (\d)\)", src,
                                     re.M):
         names.add(f"attention_decode_v4_d{d}_g{g}_s{s}_w{w}_r{r}")
@@ -973,6 +975,42 @@ def test_decode_rope_gpu_wide(rng, monkeypatch, head_dim, hq, hkv, one_split):
 @pytest.mark.parametrize("one_split", [False, True])
 def test_decode_rope_gpu_dev_wide(rng, monkeypatch, head_dim, hq, hkv, one_split):
     _check_wide(rng, monkeypatch, "v4w16", head_dim, hq, hkv, one_split)
+
+
+@dev
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq,hkv", [(16, 8), (32, 8)])
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("lens", [[513], [1], [65, 520, 1000, 1, 0], [4097], [20000]])
+def test_decode_rope_gpu_dev_lean(rng, hq, hkv, norm, lens):
+    """v4lean (the code-size experiment: the fused entry only, at most 16 splits) gives the shipped 8-warp kernel's
+    bits (the same plan; at more splits the plan runs v4w8 itself), near the references; padding and zero rows."""
+    kinds = ["new"] * len(lens) if len(lens) == 1 else ["new", "elsewhere", "new", "pad", "zero"]
+    c = rope_case(rng, lens, hq, hkv, 128, 16, norm=norm, kinds=kinds)
+    max_kv = max(max(lens), 512)
+    got = run_decode_rope(c, variant="v4lean", max_kv_len=max_kv)
+    want = run_decode_rope(c, variant="v4w8", max_kv_len=max_kv)
+    for g, w in zip(got[:3], want[:3]):
+        np.testing.assert_array_equal(u16(g), u16(w))
+    assert row_error(got[0], rope_expected(c)[0]) < TOL
+
+
+@pytest.mark.parametrize("variant", ["v4lean"])
+def test_lean_decode_variant_is_the_fused_entry_only(variant):
+    """The lean kernels take the fused entry and at most V4_FAST_COMBINE splits: the plan is v4w8's, handed to v4w8
+    where it needs more splits, and the plain op refuses the variant."""
+    lean = D.DECODE_KERNELS[variant]
+    for kv_len in (1, 513, 4097, 32768):
+        k, splits, chunk = D.plan_decode(variant, 1, 8, kv_len, 16, 128, 2, 132)
+        assert k is (lean if splits <= D.V4_FAST_COMBINE else D.DECODE_KERNELS["v4w8"])
+        assert (splits, chunk) == D.plan_decode("v4w8", 1, 8, kv_len, 16, 128, 2, 132)[1:]
+    assert D.plan_decode(variant, 1, 8, 513, 16, 128, 2, 132)[0] is lean  # 9 splits
+    assert D.plan_decode(variant, 1, 8, 32768, 16, 128, 2, 132)[0] is not lean  # 32
+    c = make_case(np.random.default_rng(0), [1], [8], 16, 8, 128, 16)
+    with pytest.raises(ValueError, match="fused entry only"):
+        A.attention_decode(Tensor.from_numpy(c["q"], "cpu"), Tensor.from_numpy(c["k_cache"], "cpu"),
+                           Tensor.from_numpy(c["v_cache"], "cpu"), Tensor.from_numpy(c["kv_lens"], "cpu"),
+                           Tensor.from_numpy(c["tables"], "cpu"), 0.1, 8, variant=variant)
 
 
 @dev

@@ -31,6 +31,7 @@ from .reference import attention_decode_reference
 V4_TABLE_CAP = 512  # kV4TabCap (attention_decode.cu): page-table entries a v4 CTA keeps in shared memory
 V4_RING_STAGE_BYTES = 16384  # 4 warps x 8 chunks x 32 lanes x 16 bytes: one stage of v4's ring
 V4_MAX_SPLITS = 256  # kV4MaxSplits: the folded combine's shared scratch holds G * num_splits weights
+V4_FAST_COMBINE = 16  # kV4FastCombine: up to this many splits the combine takes one round trip (the LEAN kernels' limit)
 V4_ROW_BYTES = 2560  # kV4RowBytes: v4's shared rows of the fused entry (G <= 8 query rows + the new K and V, bf16)
 V4_CTA_COST_KEYS = 64  # a v4 CTA's fixed cost (prologue, merge, partials, combine) in keys streamed (H100 sweep)
 V2_CTAS_PER_SM = 4  # v2's split-KV grid aims at this many CTAs per SM
@@ -72,7 +73,8 @@ class DecodeKernel:
     arguments (the _n / _p experiments are not), its warps per CTA (8 for v4w8, 16 for the v4w16 experiment), and
     `wide`: the variant the plan runs instead where its grid is one wave of that variant's CTAs (v4 -> v4w8), and
     `subgroups` (set by the plan, not in DECODE_KERNELS): R CTAs per (sequence, kv head, split), each over group / R
-    of the kv head's query heads."""
+    of the kv head's query heads. `lean`: the code-size experiment (LEAN in attention_decode.cu): the fused entry
+    only, and at most V4_FAST_COMBINE splits (the plan runs v4w8 where it needs more)."""
 
     variant: str
     generation: int
@@ -84,6 +86,7 @@ class DecodeKernel:
     warps: int = 4
     wide: str | None = None
     subgroups: int = 1
+    lean: bool = False
 
     @property
     def dev(self) -> bool:
@@ -131,6 +134,8 @@ DECODE_KERNELS = {k.variant: k for k in (
     DecodeKernel("v4p", 4, "dev/attention_decode_dev", suffix="_p", shapes=_EXPERIMENT_SHAPES,
                  fused_args=False),  # wrong on purpose
     DecodeKernel("v4w16", 4, "dev/attention_decode_dev", suffix="_w16", shapes=_EXPERIMENT_SHAPES, warps=16),
+    DecodeKernel("v4lean", 4, "dev/attention_decode_dev", suffix="_w8_lean", shapes=frozenset({(128, 2), (128, 4)}),
+                 warps=8, lean=True),
 )}
 DEFAULT_DECODE = "v4"
 
@@ -239,6 +244,8 @@ def plan_decode(variant: str, num_seqs: int, num_kv_heads: int, max_kv_len: int,
                 # the same plan (for R x the kv heads), each CTA twice the warps: still one wave
                 return (wide if r == 1 else dataclasses.replace(wide, subgroups=r)), splits, chunk
             if r == 1:
+                if k.lean and splits > V4_FAST_COMBINE:  # the same plan (same warps) through the shipped kernel
+                    return DECODE_KERNELS["v4w8"], splits, chunk
                 return k, splits, chunk
         k = DECODE_KERNELS["v2"]
     elif k.generation == 3:
@@ -275,6 +282,8 @@ def attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_lens: Tenso
     variant = DEFAULT_DECODE if variant is None else variant
     if variant not in DECODE_KERNELS:
         raise ValueError(f"variant: unknown decode kernel {variant!r}; known: {', '.join(DECODE_KERNELS)}")
+    if DECODE_KERNELS[variant].lean:
+        raise ValueError(f"variant: {variant} is the fused entry only (attention_decode_rope)")
     if num_seqs == 0:
         return out
     if device == "cpu":
