@@ -602,8 +602,8 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS) {
     // the merge area is no longer read: it holds the split weights now
     static_assert(((G * kV4MaxSplits + 3) & ~3) * 4 + W * 32 * 16 <= RING, "combine scratch fits in the ring");
     combine_splits_v4<D, G, W, LEAN>(counters + ((long long)s * num_kv_heads + kv_head) * R + blockIdx.y % R,
-                            min(num_splits, (kv_len + chunk_len - 1) / chunk_len), row0, num_splits, part_o, part_lse,
-                            out, reinterpret_cast<float*>(smem_raw), sm_last);
+                                     min(num_splits, (kv_len + chunk_len - 1) / chunk_len), row0, num_splits, part_o,
+                                     part_lse, out, reinterpret_cast<float*>(smem_raw), sm_last);
 }
 
 }  // namespace
