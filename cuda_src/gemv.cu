@@ -72,6 +72,17 @@ __device__ __forceinline__ float silu(float g) {
     return __fdiv_rn(g, 1.f + e);
 }
 
+// The RMSNorm prologue's arithmetic on 8 values, shared by its two forms below (the same expressions, so the same
+// bits): their sum of squares, and x = w * (r * inv) (fused_add_rmsnorm_f32res's rounding, rmsnorm.cu).
+__device__ __forceinline__ float sum_squares8(const float (&v)[8]) {
+    return v[0] * v[0] + v[1] * v[1] + v[2] * v[2] + v[3] * v[3] + v[4] * v[4] + v[5] * v[5] + v[6] * v[6] +
+           v[7] * v[7];
+}
+__device__ __forceinline__ void normalise8(float (&v)[8], const float (&w)[8], float inv) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] = w[e] * (v[e] * inv);
+}
+
 // The RMSNorm prologue of one whole row (gemv_row) where a thread's share of it fits in registers (at most
 // kHeldChunks 8-value chunks: K <= 4096 with 128 threads): the row and the norm weight are loaded together, once, and
 // kept in registers between the two passes, so the prologue costs one round trip to L2 after the wait instead of two
@@ -95,9 +106,7 @@ __device__ __forceinline__ void stage_normed_row(__nv_bfloat16* xs, float* scrat
     float ss = 0.f;
 #pragma unroll
     for (int j = 0; j < kHeldChunks; ++j) {
-        if (threadIdx.x + j * THREADS < row_chunks)
-            ss += v[j][0] * v[j][0] + v[j][1] * v[j][1] + v[j][2] * v[j][2] + v[j][3] * v[j][3] +
-                  v[j][4] * v[j][4] + v[j][5] * v[j][5] + v[j][6] * v[j][6] + v[j][7] * v[j][7];
+        if (threadIdx.x + j * THREADS < row_chunks) ss += sum_squares8(v[j]);
     }
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const float s = xserv::warp_sum(ss);
@@ -111,8 +120,7 @@ __device__ __forceinline__ void stage_normed_row(__nv_bfloat16* xs, float* scrat
     for (int j = 0; j < kHeldChunks; ++j) {
         const int c = threadIdx.x + j * THREADS;
         if (c < row_chunks) {
-#pragma unroll
-            for (int e = 0; e < 8; ++e) v[j][e] = w[j][e] * (v[j][e] * inv);
+            normalise8(v[j], w[j], inv);
             xserv::store8(xs + c * 8, v[j]);
         }
     }
@@ -146,8 +154,7 @@ __device__ __forceinline__ void stage_x(__nv_bfloat16* xs, int KS, float* scratc
                 for (int c = threadIdx.x; c < row_chunks; c += kThreads) {
                     float v[8];
                     xserv::load8(row + c * 8, v);
-                    ss[i] += v[0] * v[0] + v[1] * v[1] + v[2] * v[2] + v[3] * v[3] + v[4] * v[4] + v[5] * v[5] +
-                             v[6] * v[6] + v[7] * v[7];
+                    ss[i] += sum_squares8(v);
                 }
             }
         }
@@ -171,8 +178,7 @@ __device__ __forceinline__ void stage_x(__nv_bfloat16* xs, int KS, float* scratc
                     float v[8], w[8];
                     xserv::load8(row + k0 + c * 8, v);
                     xserv::load8(norm_w + k0 + c * 8, w);
-#pragma unroll
-                    for (int j = 0; j < 8; ++j) v[j] = w[j] * (v[j] * inv);
+                    normalise8(v, w, inv);
                     xserv::store8(xs + (long long)i * KS + c * 8, v);
                 }
             }
@@ -510,10 +516,8 @@ __device__ __forceinline__ void gemv(const void* x, long long x_stride, const in
 // x: see the prologues above; x_rows: int32 [m] or null; norm_w: bf16 [K] (kRmsNorm) or null; W: bf16 [N, K];
 // out: [m, out_stride] (bf16 / fp32, or the fp32 residual for kAddResidual). grid: persistent (<= tiles).
 // gemv_row: m = 1, block 128, dynamic shared memory (4 * 4 + 4) * 4 + K * 2 bytes.
-// gemv_row_<prologue>_<epilogue>: one entry per combination the ops use, the prologue and epilogue compiled in.
-// One generic entry with both as run-time arguments carried every path (62 KB of code, the executed ones scattered
-// through it): in the decode chain, where each kernel starts with a cold instruction cache, a longer prologue cost
-// up to 3.5 us per launch where the same kernel timed back to back did not slow down (docs/kernels/gemv.md, "v12").
+// gemv_row_<prologue>_<epilogue>: one entry per combination the ops use, the prologue and epilogue compiled in
+// (see "Code size" in the header).
 #define XSERV_GEMV_ROW(NAME, PROLOGUE, EPILOGUE)                                                                      \
     extern "C" __global__ void __launch_bounds__(row::kThreads) gemv_row_##NAME(                                      \
         const void* x, long long x_stride, const int* x_rows, const __nv_bfloat16* norm_w, float eps,                \
@@ -554,8 +558,7 @@ XSERV_GEMV_MMA(16, 2)
 #undef XSERV_GEMV_MMA
 
 // The plain bf16 -> bf16 projection (the model's few-row steps: linear_gemv), unsliced, its prologue and epilogue
-// compiled in: a third of the generic entry's code (the decode chain starts each kernel with a cold instruction
-// cache; see gemv_row_<prologue>_<epilogue>).
+// compiled in (see "Code size" in the header).
 #define XSERV_GEMV_MMA_PLAIN(M, NT)                                                                                   \
     extern "C" __global__ void __launch_bounds__(mma::kThreads) gemv_mma_m##M##_bf16_bf16(                            \
         const void* x, long long x_stride, const int* x_rows, const __nv_bfloat16* norm_w, float eps,                \

@@ -41,9 +41,10 @@ STAGE_BYTES = 72 * 1024
 CTAS_PER_SM = 2
 _PROLOGUE = {"bf16": 0, "rmsnorm": 1, "silu_mul": 2}
 _EPILOGUE = {bfloat16: 0, float32: 1, "add": 2, "silu_mul": 3}
-# gemv_row's entries carry their prologue and epilogue compiled in (gemv.cu): the suffix of each combination.
-_ROW_ENTRY = {(0, 0): "bf16_bf16", (0, 1): "bf16_f32", (0, 2): "bf16_add", (1, 0): "rmsnorm_bf16",
-              (1, 1): "rmsnorm_f32", (1, 3): "rmsnorm_silu_mul", (2, 2): "silu_mul_add"}
+# gemv_row's entries carry their prologue and epilogue compiled in (gemv.cu): (prologue, epilogue) -> the suffix.
+_ROW_ENTRY = {(_PROLOGUE[p], _EPILOGUE[e]): f"{p}_{name}" for p, e, name in (
+    ("bf16", bfloat16, "bf16"), ("bf16", float32, "f32"), ("bf16", "add", "add"), ("rmsnorm", bfloat16, "bf16"),
+    ("rmsnorm", float32, "f32"), ("rmsnorm", "silu_mul", "silu_mul"), ("silu_mul", "add", "add"))}
 
 
 def _smem(m: int, k: int) -> int:
