@@ -245,8 +245,8 @@ __device__ __forceinline__ void combine_splits_v4(int* counter, int active, long
         positions, slot_mapping, cos_sin, max_pos, q_weight, k_weight, eps
 
 // W: warps per CTA (kV4Warps; the wide kernels 8, the dev file's 16). R: query-head subgroups (below). LEAN (the
-// dev file's code-size experiment): the fused entry only (positions given) and at most kV4FastCombine splits (the
-// launcher's plan guarantees both), so that the body holds little but the path a short context runs.
+// _lean entries): the fused entry only (positions given) and at most kV4FastCombine splits (the launcher guarantees
+// both), so that the body holds little but the path a short context runs.
 template <int D, int G, int STAGES, int W = kV4Warps, int R = 1, bool LEAN = false>
 __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS) {
     constexpr int U = kV4Unroll;
@@ -634,6 +634,16 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS) {
         decode_split_v4<D, G, S, W, R>(XSERV_DECODE_V4_PASS);                                                    \
     }
 
+// The 8-warp kernel compiled LEAN (_w8_lean): what the fused op launches where the plan runs v4w8 with at most
+// kV4FastCombine splits (contexts up to ~16 x 64 keys at batch 1). Each launch of the decode chain starts with a cold
+// instruction cache, so the code a launch runs through counts: 62.6 KB against 77.1 KB (G = 2), +1% at batch 1
+// (docs/kernels/attention.md, "A lean fused entry").
+#define XSERV_DECODE_V4_LEAN_KERNEL(D, G)                                                                        \
+    extern "C" __global__ void __launch_bounds__(256, 2)                                                         \
+        attention_decode_v4_d##D##_g##G##_s2_w8_lean(XSERV_DECODE_V4_ARGS) {                                    \
+        decode_split_v4<D, G, 2, 8, 1, true>(XSERV_DECODE_V4_PASS);                                              \
+    }
+
 // 2 stages, for every head_dim and group size; 8 warps for the groups of at most 4 (the 16 / W bound holds there).
 XSERV_DECODE_V4_KERNEL(64, 1, 2)
 XSERV_DECODE_V4_KERNEL(64, 2, 2)
@@ -659,6 +669,11 @@ XSERV_DECODE_V4_WIDE_KERNEL(128, 1, 2, 8)
 XSERV_DECODE_V4_WIDE_KERNEL(128, 2, 2, 8)
 XSERV_DECODE_V4_WIDE_KERNEL(128, 3, 2, 8)
 XSERV_DECODE_V4_WIDE_KERNEL(128, 4, 2, 8)
+// lean entries for the head_dim of every Qwen3 size
+XSERV_DECODE_V4_LEAN_KERNEL(128, 1)
+XSERV_DECODE_V4_LEAN_KERNEL(128, 2)
+XSERV_DECODE_V4_LEAN_KERNEL(128, 3)
+XSERV_DECODE_V4_LEAN_KERNEL(128, 4)
 // groups of 6 and 8 as 2 subgroups (Qwen3-32B's 64/8 heads), groups of 5 as 5 of one (Qwen3-14B's 40/8)
 XSERV_DECODE_V4_WIDE_SUBGROUPS_KERNEL(64, 3, 2, 8, 2)
 XSERV_DECODE_V4_WIDE_SUBGROUPS_KERNEL(64, 4, 2, 8, 2)

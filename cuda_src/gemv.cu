@@ -65,6 +65,13 @@ __device__ __forceinline__ void store_out(void* out, long long o, float v, int e
     else static_cast<float*>(out)[o] += xserv::round_bf16(v);
 }
 
+// gemv_row's store: the residual add takes the value its lane loaded at the tile's start (resid), so that a tile
+// does not end on a dependent load (the same sum as store_out's +=).
+__device__ __forceinline__ void store_row(void* out, long long o, float v, float resid, int epilogue) {
+    if (epilogue == kAddResidual) static_cast<float*>(out)[o] = resid + xserv::round_bf16(v);
+    else store_out(out, o, v, epilogue);
+}
+
 // silu(g) = g / (1 + 2^(-g * log2 e)) with ex2.approx and an IEEE division, exactly as activation.ptx.
 __device__ __forceinline__ float silu(float g) {
     float e;
@@ -291,6 +298,11 @@ __device__ __forceinline__ void gemv(const void* x, long long x_stride, const in
     for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
         const __nv_bfloat16* wrow[kRows];
         const int n0 = rows_of(tile, wrow);
+        // The residual add's operands, in the lanes that store them (lane r of the row group's first warp: row
+        // n0 + r), loaded now, after the wait (an earlier kernel wrote them): in flight with the k-loop's loads.
+        float resid = 0.f;
+        if (epilogue == kAddResidual && part == 0 && lane < kRows && n0 + lane < outputs)
+            resid = static_cast<const float*>(out)[n0 + lane];
         float acc[kRows];
 #pragma unroll
         for (int r = 0; r < kRows; ++r) acc[r] = 0.f;
@@ -320,7 +332,7 @@ __device__ __forceinline__ void gemv(const void* x, long long x_stride, const in
                 const float act = xserv::round_bf16(silu(xserv::round_bf16(v))) * xserv::round_bf16(up);
                 static_cast<__nv_bfloat16*>(out)[n0 + lane] = __float2bfloat16_rn(act);
             } else {
-                store_out(out, n0 + lane, v, epilogue);
+                store_row(out, n0 + lane, v, resid, epilogue);
             }
         }
         __syncthreads();  // `partial` is reused by the next tile

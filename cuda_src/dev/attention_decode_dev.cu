@@ -542,16 +542,3 @@ __device__ void decode_split_v4_exp(const __nv_bfloat16* __restrict__ q, long lo
 XSERV_DECODE_V4_EXPERIMENTS(128, 4)
 XSERV_DECODE_V4_EXPERIMENTS(128, 2)
 XSERV_DECODE_V4_EXPERIMENTS(64, 2)
-
-// The code-size experiment (docs/kernels/gemv.md, "v12", next step 1): the shipped 8-warp kernel with LEAN set (the
-// fused entry only, at most kV4FastCombine splits: their one-round-trip combine alone), for the batch-1 shapes of
-// Qwen3-0.6B (G = 2) and 8B (G = 4); variant v4lean in xserv/ops/attention/decode.py (its plan runs v4w8 where more
-// splits are needed).
-#define XSERV_DECODE_V4_LEAN_KERNEL(D, G)                                                                        \
-    extern "C" __global__ void __launch_bounds__(256, 2)                                                         \
-        attention_decode_v4_d##D##_g##G##_s2_w8_lean(XSERV_DECODE_V4_ARGS) {                                    \
-        decode_split_v4<D, G, 2, 8, 1, true>(XSERV_DECODE_V4_PASS);                                              \
-    }
-XSERV_DECODE_V4_LEAN_KERNEL(128, 2)
-XSERV_DECODE_V4_LEAN_KERNEL(128, 4)
-#undef XSERV_DECODE_V4_LEAN_KERNEL

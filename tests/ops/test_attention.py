@@ -370,6 +370,8 @@ def test_launch_tables_name_instantiated_kernels():
         shapes = k.shapes or {(d, g) for d in A.HEAD_DIMS for g in range(1, A.MAX_GQA_GROUP + 1)}
         for d, g in shapes:
             assert k.name(d, g) in _kernel_names(k.family), (variant, k.name(d, g))
+        for d, g in k.lean:  # the fused op's _lean entries (lean_entry)
+            assert k.name(d, g) + "_lean" in _kernel_names(k.family), (variant, d, g)
         assert k.dev == (variant not in ("v4", "v4w4", "v4w8", "v2")), variant
     wide = A.DECODE_KERNELS["v4w8"]
     for d in A.HEAD_DIMS:  # the query-head subgroup kernels the plan can pick
@@ -977,40 +979,40 @@ def test_decode_rope_gpu_dev_wide(rng, monkeypatch, head_dim, hq, hkv, one_split
     _check_wide(rng, monkeypatch, "v4w16", head_dim, hq, hkv, one_split)
 
 
-@dev
 @pytest.mark.gpu
-@pytest.mark.parametrize("hq,hkv", [(16, 8), (32, 8)])
+@pytest.mark.parametrize("hq,hkv", [(16, 8), (32, 8), (8, 8)])
 @pytest.mark.parametrize("norm", [True, False])
 @pytest.mark.parametrize("lens", [[513], [1], [65, 520, 1000, 1, 0], [4097], [20000]])
-def test_decode_rope_gpu_dev_lean(rng, hq, hkv, norm, lens):
-    """v4lean (the code-size experiment: the fused entry only, at most 16 splits) gives the shipped 8-warp kernel's
-    bits (the same plan; at more splits the plan runs v4w8 itself), near the references; padding and zero rows."""
+def test_decode_rope_gpu_lean_entry(rng, monkeypatch, hq, hkv, norm, lens):
+    """The fused op's _lean entries (the fused path only, at most 16 splits) give the full 8-warp entry's bits (out
+    and both caches); longer contexts (more splits) take the full entry either way; near the references; padding
+    and zero rows."""
     kinds = ["new"] * len(lens) if len(lens) == 1 else ["new", "elsewhere", "new", "pad", "zero"]
     c = rope_case(rng, lens, hq, hkv, 128, 16, norm=norm, kinds=kinds)
     max_kv = max(max(lens), 512)
-    got = run_decode_rope(c, variant="v4lean", max_kv_len=max_kv)
-    want = run_decode_rope(c, variant="v4w8", max_kv_len=max_kv)
+    got = run_decode_rope(c, max_kv_len=max_kv)
+    monkeypatch.setattr(D, "LEAN_FUSED", False)
+    want = run_decode_rope(c, max_kv_len=max_kv)
     for g, w in zip(got[:3], want[:3]):
         np.testing.assert_array_equal(u16(g), u16(w))
     assert row_error(got[0], rope_expected(c)[0]) < TOL
 
 
-@pytest.mark.parametrize("variant", ["v4lean"])
-def test_lean_decode_variant_is_the_fused_entry_only(variant):
-    """The lean kernels take the fused entry and at most V4_FAST_COMBINE splits: the plan is v4w8's, handed to v4w8
-    where it needs more splits, and the plain op refuses the variant."""
-    lean = D.DECODE_KERNELS[variant]
-    for kv_len in (1, 513, 4097, 32768):
-        k, splits, chunk = D.plan_decode(variant, 1, 8, kv_len, 16, 128, 2, 132)
-        assert k is (lean if splits <= D.V4_FAST_COMBINE else D.DECODE_KERNELS["v4w8"])
-        assert (splits, chunk) == D.plan_decode("v4w8", 1, 8, kv_len, 16, 128, 2, 132)[1:]
-    assert D.plan_decode(variant, 1, 8, 513, 16, 128, 2, 132)[0] is lean  # 9 splits
-    assert D.plan_decode(variant, 1, 8, 32768, 16, 128, 2, 132)[0] is not lean  # 32
-    c = make_case(np.random.default_rng(0), [1], [8], 16, 8, 128, 16)
-    with pytest.raises(ValueError, match="fused entry only"):
-        A.attention_decode(Tensor.from_numpy(c["q"], "cpu"), Tensor.from_numpy(c["k_cache"], "cpu"),
-                           Tensor.from_numpy(c["v_cache"], "cpu"), Tensor.from_numpy(c["kv_lens"], "cpu"),
-                           Tensor.from_numpy(c["tables"], "cpu"), 0.1, 8, variant=variant)
+def test_lean_entry_only_where_the_plan_allows(monkeypatch):
+    """The fused op takes the _lean entry for the 8-warp kernel's shapes with one (head_dim 128, groups 1-4), no
+    query-head subgroups and at most V4_FAST_COMBINE splits (1 x 513 keys: 9; 1 x 32k: 32), and only with
+    LEAN_FUSED."""
+    wide = D.DECODE_KERNELS["v4w8"]
+    k, splits, _ = D.plan_decode("v4", 1, 8, 513, 16, 128, 2, 132)
+    assert k is wide and splits <= D.V4_FAST_COMBINE and D.lean_entry(k, 128, 2, splits)
+    k, splits, _ = D.plan_decode("v4", 1, 8, 32768, 16, 128, 2, 132)
+    assert splits > D.V4_FAST_COMBINE and not D.lean_entry(k, 128, 2, splits)
+    assert D.lean_entry(wide, 128, 4, 16) and not D.lean_entry(wide, 128, 4, 17)
+    assert not D.lean_entry(wide, 64, 2, 8)  # no _lean entry compiled for head_dim 64
+    assert not D.lean_entry(dataclasses.replace(wide, subgroups=2), 128, 4, 8)
+    assert not D.lean_entry(D.DECODE_KERNELS["v4"], 128, 2, 8)  # the 4-warp kernel has none
+    monkeypatch.setattr(D, "LEAN_FUSED", False)
+    assert not D.lean_entry(wide, 128, 2, 9)
 
 
 @dev

@@ -121,6 +121,10 @@ def test_plan_splits_fill_the_sms():
     assert plan(4, 24576, 132, k=4096)[2:] == (4, 264, 1)  # 2 would leave 384 tiles on 264 CTAs
     assert plan(1, 6144, 132, k=4096)[2] == 2  # 768 tiles on 264 CTAs: 97% busy
     assert plan(1, 6144, 132, k=1024)[2] == 1  # but a warp's half of K = 1024 would leave half its loads empty
+    # 256 tiles of whole load steps on 264 slots rather than 512 of half-empty ones (ROW_SHORT_K_FILL); a warp's
+    # half of K = 4096 fills its steps, so there every slot still gets a tile
+    assert plan(1, 4096, 132, k=1024)[2:4] == (1, 256) and plan(1, 4096, 132, k=4096)[2:4] == (2, 264)
+    assert plan(1, 1024, 132, k=2048)[2] == 4  # 128 tiles of split 2 would leave half the slots idle
     assert plan(1, 24576, 132, k=4096)[2] == 1
     name, _, split, grid, slices = plan(3, 151936, 132, k=1024)
     assert name == "gemv_mma_m8" and split == 2 and slices == 1 and grid == 132 * CTAS_PER_SM < 151936 / 64

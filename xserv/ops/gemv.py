@@ -39,6 +39,11 @@ SMEM_LIMIT = 112 * 1024
 STAGE_BYTES = 72 * 1024
 # At most 2 CTAs per SM: enough loads in flight for the bandwidth, and each CTA stages x (once) the fewest times.
 CTAS_PER_SM = 2
+# The one-row kernel takes one split fewer than "every CTA slot gets a tile" asks for where that split would leave
+# a warp's share of K short of one load step and the fewer tiles still fill this share of the slots (0.6B qkv,
+# K = 1024: 256 tiles of whole rows on 264 slots, not 512 of half rows; docs/kernels/gemv.md, "v13"). A module
+# attribute so that benchmarks can compare settings (tools/bench_decode --gemv-fill; above 1: never).
+ROW_SHORT_K_FILL = 0.9
 _PROLOGUE = {"bf16": 0, "rmsnorm": 1, "silu_mul": 2}
 _EPILOGUE = {bfloat16: 0, float32: 1, "add": 2, "silu_mul": 3}
 # gemv_row's entries carry their prologue and epilogue compiled in (gemv.cu): (prologue, epilogue) -> the suffix.
@@ -276,6 +281,8 @@ def plan(m: int, n: int, multiprocessor_count: int, paired: bool = False, k: int
             max_split //= 2
     split = next((s for s in (1, 2, 4, 8) if s <= max_split and tiles(s) * slices >= 2 * multiprocessor_count),
                  max_split)
+    if m == 1 and 1 < split and slice_k < split * step_k and tiles(split // 2) >= ROW_SHORT_K_FILL * slots:
+        split //= 2
     # More splits while the last round of tiles leaves over 10% of the CTAs idle (8B qkv: 384 tiles on 264 CTAs,
     # 16.5 us; 768 tiles, 15.4 us on an H200), as long as a warp's share of K still fills its loads (a load step
     # covers `step_k` values per warp: 0.6B gate_up, K = 1024, lost 5.2 -> 6.1 us at split 2).

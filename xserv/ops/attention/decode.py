@@ -73,8 +73,9 @@ class DecodeKernel:
     arguments (the _n / _p experiments are not), its warps per CTA (8 for v4w8, 16 for the v4w16 experiment), and
     `wide`: the variant the plan runs instead where its grid is one wave of that variant's CTAs (v4 -> v4w8), and
     `subgroups` (set by the plan, not in DECODE_KERNELS): R CTAs per (sequence, kv head, split), each over group / R
-    of the kv head's query heads. `lean`: the code-size experiment (LEAN in attention_decode.cu): the fused entry
-    only, and at most V4_FAST_COMBINE splits (the plan runs v4w8 where it needs more)."""
+    of the kv head's query heads. `lean`: the (head_dim, group) shapes that also have a _lean entry (LEAN in
+    attention_decode.cu: the fused entry only, at most V4_FAST_COMBINE splits), which the fused op launches where it
+    can (lean_entry)."""
 
     variant: str
     generation: int
@@ -86,7 +87,7 @@ class DecodeKernel:
     warps: int = 4
     wide: str | None = None
     subgroups: int = 1
-    lean: bool = False
+    lean: frozenset = frozenset()
 
     @property
     def dev(self) -> bool:
@@ -121,10 +122,14 @@ class DecodeKernel:
 
 _EXPERIMENT_SHAPES = frozenset({(128, 4), (128, 2), (64, 2)})  # the benchmark's (head_dim, group)
 _WIDE_SHAPES = frozenset((d, g) for d in (64, 128) for g in (1, 2, 3, 4))  # 8 warps: 16 / 8 CTAs per SM for G <= 4
+_LEAN_SHAPES = frozenset((128, g) for g in (1, 2, 3, 4))  # the 8-warp kernel's _lean entries (Qwen3's head_dim)
+# The fused op launches a kernel's _lean entry where it has one and the plan allows it (lean_entry). A module
+# attribute so that tests and benchmarks can turn it off (the full entry: the same bits).
+LEAN_FUSED = True
 DECODE_KERNELS = {k.variant: k for k in (
     DecodeKernel("v4", 4, "attention_decode", wide="v4w8"),
     DecodeKernel("v4w4", 4, "attention_decode"),  # v4 with 4-warp CTAs at every grid (for A/B runs)
-    DecodeKernel("v4w8", 4, "attention_decode", suffix="_w8", shapes=_WIDE_SHAPES, warps=8),
+    DecodeKernel("v4w8", 4, "attention_decode", suffix="_w8", shapes=_WIDE_SHAPES, warps=8, lean=_LEAN_SHAPES),
     DecodeKernel("v2", 2, "attention_decode_v2"),
     DecodeKernel("v3", 3, "dev/attention_decode_dev"),
     DecodeKernel("v3s3", 3, "dev/attention_decode_dev", stages=3),
@@ -134,8 +139,6 @@ DECODE_KERNELS = {k.variant: k for k in (
     DecodeKernel("v4p", 4, "dev/attention_decode_dev", suffix="_p", shapes=_EXPERIMENT_SHAPES,
                  fused_args=False),  # wrong on purpose
     DecodeKernel("v4w16", 4, "dev/attention_decode_dev", suffix="_w16", shapes=_EXPERIMENT_SHAPES, warps=16),
-    DecodeKernel("v4lean", 4, "dev/attention_decode_dev", suffix="_w8_lean", shapes=frozenset({(128, 2), (128, 4)}),
-                 warps=8, lean=True),
 )}
 DEFAULT_DECODE = "v4"
 
@@ -244,8 +247,6 @@ def plan_decode(variant: str, num_seqs: int, num_kv_heads: int, max_kv_len: int,
                 # the same plan (for R x the kv heads), each CTA twice the warps: still one wave
                 return (wide if r == 1 else dataclasses.replace(wide, subgroups=r)), splits, chunk
             if r == 1:
-                if k.lean and splits > V4_FAST_COMBINE:  # the same plan (same warps) through the shipped kernel
-                    return DECODE_KERNELS["v4w8"], splits, chunk
                 return k, splits, chunk
         k = DECODE_KERNELS["v2"]
     elif k.generation == 3:
@@ -282,8 +283,6 @@ def attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_lens: Tenso
     variant = DEFAULT_DECODE if variant is None else variant
     if variant not in DECODE_KERNELS:
         raise ValueError(f"variant: unknown decode kernel {variant!r}; known: {', '.join(DECODE_KERNELS)}")
-    if DECODE_KERNELS[variant].lean:
-        raise ValueError(f"variant: {variant} is the fused entry only (attention_decode_rope)")
     if num_seqs == 0:
         return out
     if device == "cpu":
@@ -350,12 +349,19 @@ def _launch(plan: tuple[DecodeKernel, int, int], q: Tensor, k_cache: Tensor, v_c
         pdl = FUSED_PDL
         if SPREAD_CTAS:
             smem = spread_smem(smem, splits * heads * num_seqs, get_device().multiprocessor_count)
+    name = k.name(head_dim, group) + ("_lean" if fused and lean_entry(k, head_dim, group, splits) else "")
     # v4 waits for the previous kernel itself (pdl_wait): it may be launched with programmatic dependent launch
-    kernel(k.family, k.name(head_dim, group))(grid, (32 * k.warps, 1, 1), *args, smem=smem, pdl=pdl)
+    kernel(k.family, name)(grid, (32 * k.warps, 1, 1), *args, smem=smem, pdl=pdl)
     if k.generation == 2 and splits > 1:
         kernel(k.family, "attention_decode_combine")(
             (num_q_heads, num_seqs, 1), (head_dim, 1, 1), part_o, part_lse, kv_lens, np.int32(chunk),
             np.int32(splits), np.int32(head_dim), out)
+
+
+def lean_entry(k: DecodeKernel, head_dim: int, group: int, splits: int) -> bool:
+    """Does the fused op launch k's _lean entry for this plan (LEAN_FUSED; k has one for the shape, no query-head
+    subgroups, at most V4_FAST_COMBINE splits)?"""
+    return LEAN_FUSED and (head_dim, group) in k.lean and k.subgroups == 1 and splits <= V4_FAST_COMBINE
 
 
 _rope_module = None
