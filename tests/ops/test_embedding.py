@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from xserv.ops.embedding import embedding, embedding_reference
+from xserv.ops.embedding import embedding, embedding_reference, fed_ids
 from xserv.tensor import Tensor, bfloat16, float32
 from xserv.testing import misaligned, poisoned, random_array
 
@@ -38,6 +38,29 @@ def test_cpu_float32_out_widens_exactly(rng):
     with pytest.raises(ValueError, match="out"):
         embedding(Tensor.from_numpy(ids, "cpu"), Tensor.from_numpy(table, "cpu"),
                   out=Tensor.empty((5, 16), np.int32, "cpu"))
+
+
+def _feed(rng, t, v):
+    """A token feedback: sources of m sampled tokens, an index with kept rows (-1) and repeats."""
+    src = rng.integers(0, v, 6).astype(np.int32)
+    index = rng.integers(-1, 6, t).astype(np.int32)
+    index[0] = -1
+    return src, index
+
+
+def test_feed_replaces_the_indexed_rows(rng):
+    ids, table = _inputs(rng, 9, 50, 16)
+    src, index = _feed(rng, 9, 50)
+    fed = fed_ids(ids, src, index)
+    np.testing.assert_array_equal(fed, np.where(index >= 0, src[np.maximum(index, 0)], ids))
+    out = embedding(Tensor.from_numpy(ids, "cpu"), Tensor.from_numpy(table, "cpu"),
+                    feed=(Tensor.from_numpy(src, "cpu"), Tensor.from_numpy(index, "cpu")))
+    np.testing.assert_array_equal(out.array, table[fed])
+    for bad, name in ((np.array([6] * 9, np.int32), "feed_index"), (np.array([-2] * 9, np.int32), "feed_index"),
+                      (index[:4], "feed_index"), (index.astype(np.int64), "feed_index")):
+        with pytest.raises(ValueError, match=name):
+            embedding(Tensor.from_numpy(ids, "cpu"), Tensor.from_numpy(table, "cpu"),
+                      feed=(Tensor.from_numpy(src, "cpu"), Tensor.from_numpy(bad, "cpu")))
 
 
 @pytest.mark.parametrize("bad, name", [("ids_dtype", "ids"), ("table_dtype", "table"), ("out_shape", "out"),
@@ -86,3 +109,18 @@ def test_cuda_unaligned_table_uses_scalar_path(rng):
     out = poisoned((6, 64), bfloat16)
     embedding(Tensor.from_numpy(ids), table_dev, out=out)
     np.testing.assert_array_equal(out.numpy().view(np.uint16), table[ids].view(np.uint16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype, t, h", [(float32, 1, 1024), (float32, 9, 4096), (bfloat16, 9, 4096),
+                                             (bfloat16, 4, 1004)])
+def test_cuda_feed(rng, out_dtype, t, h):
+    """The token feedback on the device: the indexed rows take the source's tokens, the others their ids (the three
+    kernels: h = 1004 takes the scalar one)."""
+    ids, table = _inputs(rng, t, 3000, h)
+    src, index = _feed(rng, t, 3000)
+    out = poisoned((t, h), out_dtype)
+    embedding(Tensor.from_numpy(ids), Tensor.from_numpy(table), out=out,
+              feed=(Tensor.from_numpy(src), Tensor.from_numpy(index)))
+    want = embedding_reference(fed_ids(ids, src, index), table).astype(out_dtype)
+    np.testing.assert_array_equal(out.numpy().view(np.uint8), want.view(np.uint8))

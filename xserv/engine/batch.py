@@ -35,6 +35,9 @@ class Batch:
     max_kv_len: int
     logits_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # host copy of logits_indices
     logits_per_seq: list[tuple[int, int]] = field(default_factory=list)  # (first row in logits, count) per sequence
+    # The token feedback of decode graphs (ops.embedding's feed): row t's input is feed[0][feed[1][t]] where
+    # feed[1][t] >= 0, the previous step's sampled token still on the device; None: input_ids as they are.
+    feed: tuple[Tensor, Tensor] | None = None
 
 
 def build_host_arrays(chunks: list[SeqChunk], block_size: int) -> dict:

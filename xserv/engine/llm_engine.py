@@ -57,6 +57,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.batched_tokens(device))
         self.sampler = sampler or Sampler(self.vocab_size, config.max_num_seqs, device, config.seed)
+        runner.feed_src = self.sampler.tokens  # what a step launched ahead reads (in the graphs captured after this)
         self._ids = itertools.count()
         self._inflight: deque[_Launched] = deque()  # launched steps not yet booked (at most two)
         self.num_steps_ahead = 0  # decode steps launched before the previous step was booked
@@ -213,7 +214,7 @@ class LLMEngine:
         else:
             sampled = [seq for seq, n in scheduled if seq.num_computed + n == len(seq.token_ids)]
         events = self._step_events()
-        logits = self.runner.run(scheduled, ahead=ahead, token_index=token_index, token_src=self.sampler.tokens)
+        logits = self.runner.run(scheduled, ahead=ahead, token_index=token_index)
         result = self.sampler.sample(logits, sampled, ahead) if sampled else None
         if events is not None:
             from ..runtime import get_device

@@ -10,7 +10,6 @@ import math
 
 import numpy as np
 
-from ..ops.gather import gather
 from ..tensor import Tensor, int32
 from .batch import Batch, SeqChunk, make_batch
 from .config import EngineConfig
@@ -22,9 +21,10 @@ GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256
 GRAPH_KV_BUCKET_START, GRAPH_KV_BUCKET_GROWTH = 2048, 4
 # A decode graph's metadata lives in one int32 device buffer per context bucket, uploaded with one copy per step
 # (five small copies and their gaps took ~10 us of GPU time per step): these rows of max_bs entries, then the block
-# table [max_bs, bucket width]. token_index: where a step launched ahead gathers its input tokens from.
+# table [max_bs, bucket width]. token_index: where a step launched ahead takes each row's input token from in
+# ModelRunner.feed_src (-1: input_ids), read by the graph's first kernel (ops.embedding's token feedback).
 _GRAPH_INPUTS = ("input_ids", "positions", "kv_lens", "slot_mapping", "token_index")
-_PAD = {"input_ids": 0, "positions": 0, "kv_lens": 1, "slot_mapping": -1, "token_index": 0}  # rows n..bucket
+_PAD = {"input_ids": 0, "positions": 0, "kv_lens": 1, "slot_mapping": -1, "token_index": -1}  # rows n..bucket
 # Prefill graphs: one sequence's chunk of up to EngineConfig.prefill_graph_tokens tokens, padded to the next bucket
 # of a doubling ladder from PREFILL_GRAPH_START. Eager, such a step pays ~25 us of host time per launch x ~400
 # launches whatever its length; in a graph it costs its GPU time, at most 2x its own for the padding. Why the
@@ -75,20 +75,23 @@ class ModelRunner:
         self._tables = np.zeros((max_num_seqs, self._max_blocks), np.int32)
         self._table_len = np.zeros(max_num_seqs, np.int64)
         self._table_of: list = [None] * max_num_seqs  # the block-table list each mirror row was copied from
+        # The device buffer of sampled tokens a decode step launched ahead takes its inputs from (LLMEngine sets
+        # the sampler's); the decode graphs captured while it is set read it, and only they can run such a step.
+        self.feed_src: Tensor | None = None
+        self._graphs_feed: Tensor | None = None
 
     # ---- forward ------------------------------------------------------------------------------------------------
-    def run(self, scheduled, *, ahead: int = 0, token_index: np.ndarray | None = None,
-            token_src: Tensor | None = None) -> Tensor:
+    def run(self, scheduled, *, ahead: int = 0, token_index: np.ndarray | None = None) -> Tensor:
         """Forward over `scheduled` [(sequence, tokens to compute)]; float32 logits [rows, vocab], one row per
-        sequence whose chunk reaches its last token (in order). `ahead`/`token_index`/`token_src`: a decode step
-        launched before the previous step's tokens reached the host (see LLMEngine): every row is one ahead of
-        its sequence's host state, and row i's input token is token_src[token_index[i]], gathered on the device.
-        Such steps must be graph-eligible (`can_replay`)."""
+        sequence whose chunk reaches its last token (in order). `ahead`/`token_index`: a decode step launched
+        before the previous step's tokens reached the host (see LLMEngine): every row is one ahead of its
+        sequence's host state, and row i's input token is feed_src[token_index[i]], read on the device by the
+        graph's first kernel. Such steps must be graph-eligible (`can_replay`)."""
         seqs = [s for s, _ in scheduled]
         self.last_run_prefill_graph = False
         if self.can_replay(scheduled, ahead):
             self.last_run_replayed = True
-            return self._replay(seqs, ahead, token_index, token_src)
+            return self._replay(seqs, ahead, token_index)
         if ahead:
             raise RuntimeError("internal: a step launched ahead must replay a decode graph")
         self.last_run_replayed = False
@@ -109,7 +112,7 @@ class ModelRunner:
         if not self.graphs or len(scheduled) > self._max_graph_bs:
             return False
         if ahead:
-            if any(n != 1 for _, n in scheduled):
+            if self._graphs_feed is None or any(n != 1 for _, n in scheduled):  # (graphs without the feedback)
                 return False
         elif any(n != 1 or s.num_computed + 1 != len(s.token_ids) for s, n in scheduled):
             return False  # (a one-token chunk in the middle of a prompt runs eagerly)
@@ -158,6 +161,7 @@ class ModelRunner:
         max_bs = min(max_batch_size or self.max_num_seqs, self.max_num_seqs)
         sizes = [b for b in GRAPH_BATCH_SIZES if b < max_bs] + [max_bs]
         self._kv_buckets = kv_len_buckets(self.max_model_len)
+        self._graphs_feed = self.feed_src
         d = self.device
         self._meta_rows = max_bs
         cu_seqlens = Tensor.from_numpy(np.arange(max_bs + 1, dtype=np.int32), d)
@@ -176,7 +180,8 @@ class ModelRunner:
                     input_ids=g["input_ids"][:bs], positions=g["positions"][:bs], cu_seqlens_q=cu_seqlens[:bs + 1],
                     kv_lens=g["kv_lens"][:bs], block_tables=g["block_tables"][:bs],
                     slot_mapping=g["slot_mapping"][:bs], logits_indices=None, num_tokens=bs, num_seqs=bs,
-                    max_q_len=1, max_kv_len=max_kv_len)
+                    max_q_len=1, max_kv_len=max_kv_len,
+                    feed=None if self.feed_src is None else (self.feed_src, g["token_index"][:bs]))
 
                 def step(batch=batch):
                     self.model.forward(batch, self.kv_cache, self.workspace)
@@ -230,7 +235,7 @@ class ModelRunner:
                 self._table_of[slot] = table
         return slots
 
-    def _replay(self, seqs, ahead: int, token_index, token_src) -> Tensor:
+    def _replay(self, seqs, ahead: int, token_index) -> Tensor:
         n = len(seqs)
         bs = int(self._bucket_of[n])
         slots = self._sync_tables(seqs)
@@ -239,7 +244,8 @@ class ModelRunner:
         st = self._meta_fields(self._meta_host[max_kv_len], max_kv_len)
         if token_index is None:
             st["input_ids"][:n] = np.fromiter((s.token_ids[-1] for s in seqs), np.int64, n)
-        else:  # the rows' input tokens are gathered on the device below; these host values are overwritten
+            st["token_index"][:n] = -1
+        else:  # the rows' input tokens come from feed_src on the device (input_ids is not read)
             st["token_index"][:n] = token_index
         st["positions"][:n] = positions
         st["kv_lens"][:n] = positions + 1
@@ -247,9 +253,7 @@ class ModelRunner:
         st["slot_mapping"][:n] = self._tables[slots, positions // bsz] * bsz + positions % bsz
         st["block_tables"][:n] = self._tables[slots, :st["block_tables"].shape[1]]
         self._pad_inputs(n, bs, max_kv_len)
-        dev = self._upload_meta(bs, max_kv_len)
-        if token_index is not None:
-            gather(token_src, dev["token_index"][:n], dev["input_ids"][:n])
+        self._upload_meta(bs, max_kv_len)
         self.graphs[(bs, max_kv_len)].replay()
         return self.workspace.logits[:n]
 

@@ -39,6 +39,11 @@ class Sampler:
 
             self._host_tokens = [(PinnedArray((max_rows,), np.int32), Event()) for _ in range(2)]
             self._next_host = 0
+            # The read-back runs on the device's copy stream, beside the next step's first kernels: `_sampled`
+            # marks the tokens written (the copy waits for it), `_copied` the copy done (the next write of the
+            # tokens waits for that: long done by then, the next step's forward lies between).
+            self._sampled, self._copied = Event(), Event()
+            self._copied_pending = False
 
     def request_seed(self, seq_id: int, seed: int | None) -> int:
         """A request's own seed, or one derived from the engine's seed and the request id."""
@@ -76,6 +81,10 @@ class Sampler:
             if top_n > 0:
                 kw["top_ids_out"] = self.top_ids[:n]  # every row gets MAX_TOP_LOGPROBS; each keeps its own N
                 kw["top_logprobs_out"] = self.top_logprobs[:n]
+        if self._host_tokens is not None and self._copied_pending:  # the last read-back of the tokens is done
+            from ..runtime import get_device
+
+            self._copied.wait_on(get_device().stream_handle)
         if greedy_only and top_n < 0:
             argmax(logits, out=self.tokens[:n])  # the same tokens as the sampler's greedy rows, sooner
         else:
@@ -89,9 +98,14 @@ class Sampler:
 
         pinned, event = self._host_tokens[self._next_host]
         self._next_host ^= 1
-        stream = get_device().stream_handle
-        host = (pinned.copy_from_async(self.tokens[:n], stream), event)
-        event.record(stream)
+        device = get_device()
+        copy = device.copy_stream_handle
+        self._sampled.record(device.stream_handle)
+        self._sampled.wait_on(copy)
+        host = (pinned.copy_from_async(self.tokens[:n], copy), event)
+        event.record(copy)
+        self._copied.record(copy)
+        self._copied_pending = True
         return SampleResult(self, n, top_n, host)
 
     def _prepare_penalties(self, seq) -> None:

@@ -270,7 +270,7 @@ class DenseModel:
         gate_up = ws.gate_up[:t]
         act = ws.act[:t]
 
-        embedding(batch.input_ids, self.embed, out=hidden)
+        embedding(batch.input_ids, self.embed, out=hidden, feed=batch.feed)
         residual.zero_()  # the first layer's add starts the float32 stream from the embeddings, exactly
         for i, layer in enumerate(self.layers):
             fused_add_rmsnorm(hidden, residual, layer.input_norm, self.eps, out=normed)
@@ -327,7 +327,8 @@ class DenseModel:
         residual = ws.residual[:t]
         qkv, attn, act = ws.qkv[:t], ws.attn[:t], ws.act[:t]
         qkv3, attn3 = qkv.view(t, hq + 2 * hkv, d), attn.view(t, hq, d)
-        embedding(batch.input_ids, self.embed, out=residual)  # the float32 stream starts from the embeddings, exactly
+        # the float32 stream starts from the embeddings, exactly
+        embedding(batch.input_ids, self.embed, out=residual, feed=batch.feed)
         for i, layer in enumerate(self.layers):
             rmsnorm_linear(residual, layer.input_norm, self.eps, layer.qkv, out=qkv)
             self._attention(i, layer, batch, kv_cache, qkv3, attn3)

@@ -55,6 +55,7 @@ class Device:
         self._core.set_current()
         self.stream = self._core.create_stream()
         self.stream_handle = int(self.stream.handle)
+        self._copy_stream = None
         attr = driver.CUdevice_attribute
 
         def get(a):
@@ -83,6 +84,14 @@ class Device:
     @property
     def multiprocessor_count(self) -> int:
         return self.info.multiprocessor_count
+
+    @property
+    def copy_stream_handle(self) -> int:
+        """A second stream, for copies that must not wait in line behind xserv's kernels (the sampled tokens'
+        read-back, which runs beside the next step's first kernels). Created on first use."""
+        if self._copy_stream is None:
+            self._copy_stream = self._core.create_stream()
+        return int(self._copy_stream.handle)
 
     def memory_info(self) -> tuple[int, int]:
         """(free, total) bytes of device memory."""

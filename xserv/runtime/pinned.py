@@ -56,6 +56,10 @@ class Event:
     def synchronize(self) -> None:
         check_driver(driver.cuEventSynchronize(self.handle), "cuEventSynchronize")
 
+    def wait_on(self, stream: int) -> None:
+        """Make `stream`'s later work wait until this event (as last recorded) has completed."""
+        check_driver(driver.cuStreamWaitEvent(stream, self.handle, 0), "cuStreamWaitEvent")
+
     def __del__(self):
         handle = getattr(self, "handle", None)
         if handle is not None:
