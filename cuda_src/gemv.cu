@@ -259,7 +259,10 @@ __device__ __forceinline__ void fma_step(float (&acc)[kRows], const uint4 (&w)[k
 // gate rows j0..j0+3 (rows j of W), slot 2p + 1 the matching up rows (rows I + j), and the gate slot's lanes combine
 // both sums; N is then W's 2I rows and the tiles cover the I activations.
 // The prologue and epilogue are template arguments: each entry holds only its own paths (see the entries below).
-template <int prologue, int epilogue>
+// FREE_WARPS: where split == 1 (and not paired) a warp owns its row group and stores its rows itself, without the
+// two barriers per tile, so that over many tiles (the lm_head's 36 per CTA) one warp's reduction overlaps the other
+// warps' loads (only the lm_head's entry: in every entry it cost the step more than the lm_head gained).
+template <int prologue, int epilogue, bool FREE_WARPS = false>
 __device__ __forceinline__ void gemv(const void* x, long long x_stride, const int* x_rows,
                                      const __nv_bfloat16* norm_w, float eps, const __nv_bfloat16* __restrict__ W,
                                      void* out, int N, int K, int split) {
@@ -315,6 +318,15 @@ __device__ __forceinline__ void gemv(const void* x, long long x_stride, const in
             uint4 w[kU][kRows];
             load_step(w, wrow, c, stride, chunks);
             fma_step(acc, w, xs, c, stride, chunks);
+        }
+        if (FREE_WARPS && split == 1 && !paired) {
+            // lane r stores row r: the butterfly sum leaves the same bits in every lane; 0 + v as the path below
+#pragma unroll
+            for (int r = 0; r < kRows; ++r) {
+                const float v = xserv::warp_sum(acc[r]);
+                if (lane == r && n0 + r < outputs) store_row(out, n0 + r, 0.f + v, resid, epilogue);
+            }
+            continue;
         }
         // Sum the lanes of each warp, then the `split` warps of the row group in warp order.
 #pragma unroll
@@ -530,19 +542,19 @@ __device__ __forceinline__ void gemv(const void* x, long long x_stride, const in
 // gemv_row: m = 1, block 128, dynamic shared memory (4 * 4 + 4) * 4 + K * 2 bytes.
 // gemv_row_<prologue>_<epilogue>: one entry per combination the ops use, the prologue and epilogue compiled in
 // (see "Code size" in the header).
-#define XSERV_GEMV_ROW(NAME, PROLOGUE, EPILOGUE)                                                                      \
+#define XSERV_GEMV_ROW(NAME, PROLOGUE, EPILOGUE, FREE_WARPS)                                                          \
     extern "C" __global__ void __launch_bounds__(row::kThreads) gemv_row_##NAME(                                      \
         const void* x, long long x_stride, const int* x_rows, const __nv_bfloat16* norm_w, float eps,                \
         const __nv_bfloat16* W, void* out, int N, int K, int split) {                                                 \
-        row::gemv<PROLOGUE, EPILOGUE>(x, x_stride, x_rows, norm_w, eps, W, out, N, K, split);                        \
+        row::gemv<PROLOGUE, EPILOGUE, FREE_WARPS>(x, x_stride, x_rows, norm_w, eps, W, out, N, K, split);            \
     }
-XSERV_GEMV_ROW(bf16_bf16, kBf16, kStoreBf16)
-XSERV_GEMV_ROW(bf16_f32, kBf16, kStoreF32)
-XSERV_GEMV_ROW(bf16_add, kBf16, kAddResidual)
-XSERV_GEMV_ROW(rmsnorm_bf16, kRmsNorm, kStoreBf16)
-XSERV_GEMV_ROW(rmsnorm_f32, kRmsNorm, kStoreF32)
-XSERV_GEMV_ROW(rmsnorm_silu_mul, kRmsNorm, kSiluMulBf16)
-XSERV_GEMV_ROW(silu_mul_add, kSiluMul, kAddResidual)
+XSERV_GEMV_ROW(bf16_bf16, kBf16, kStoreBf16, false)
+XSERV_GEMV_ROW(bf16_f32, kBf16, kStoreF32, false)
+XSERV_GEMV_ROW(bf16_add, kBf16, kAddResidual, false)
+XSERV_GEMV_ROW(rmsnorm_bf16, kRmsNorm, kStoreBf16, false)
+XSERV_GEMV_ROW(rmsnorm_f32, kRmsNorm, kStoreF32, true)  // the lm_head
+XSERV_GEMV_ROW(rmsnorm_silu_mul, kRmsNorm, kSiluMulBf16, false)
+XSERV_GEMV_ROW(silu_mul_add, kSiluMul, kAddResidual, false)
 #undef XSERV_GEMV_ROW
 
 // gemv_mma_m<M>: m <= M, block 256, dynamic shared memory (8 * 32 * 4 * NT + M * 8) * 4 + m * (K + 32) * 2 bytes.
