@@ -39,7 +39,9 @@
 // in (21-38 KB each against 62-170 KB for the generic entries; gemv.md, "v12").
 //
 // Programmatic dependent launch: the weights do not depend on the previous kernel, so each lane loads its first
-// weights into registers before pdl_wait(); the x staging comes after the wait, pdl_launch_dependents() after it.
+// weights into registers before pdl_wait(); the x staging comes after the wait, pdl_launch_dependents() after it,
+// or (gemv_row's early_trigger, the launcher's choice for small weights) first of all, so that the next kernel's
+// launch is under way while this one runs (docs/kernels/gemv.md, "v13").
 //
 // Requirements (the launcher checks): K % 8 == 0, W and x rows 16-byte aligned (x_stride a multiple of 8 bf16 /
 // 4 fp32 values), dynamic shared memory for the reduction buffers and the staged x.
@@ -265,7 +267,7 @@ __device__ __forceinline__ void fma_step(float (&acc)[kRows], const uint4 (&w)[k
 template <int prologue, int epilogue, bool FREE_WARPS = false>
 __device__ __forceinline__ void gemv(const void* x, long long x_stride, const int* x_rows,
                                      const __nv_bfloat16* norm_w, float eps, const __nv_bfloat16* __restrict__ W,
-                                     void* out, int N, int K, int split) {
+                                     void* out, int N, int K, int split, int early_trigger) {
     extern __shared__ __align__(16) float smem[];
     float (*partial)[kRows] = reinterpret_cast<float (*)[kRows]>(smem);
     float* scratch = smem + kWarps * kRows;
@@ -288,6 +290,7 @@ __device__ __forceinline__ void gemv(const void* x, long long x_stride, const in
         return n0;
     };
 
+    if (early_trigger) xserv::pdl_launch_dependents();
     uint4 w0[kU][kRows];  // the first tile's first chunk step, loaded before the wait
     if (blockIdx.x < num_tiles) {
         const __nv_bfloat16* wrow[kRows];
@@ -296,7 +299,7 @@ __device__ __forceinline__ void gemv(const void* x, long long x_stride, const in
     }
     xserv::pdl_wait();
     stage_x<1, kThreads>(xs, K, scratch, x, x_stride, x_rows, norm_w, eps, 1, K, 0, K, prologue);
-    xserv::pdl_launch_dependents();
+    if (!early_trigger) xserv::pdl_launch_dependents();
 
     for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
         const __nv_bfloat16* wrow[kRows];
@@ -539,14 +542,15 @@ __device__ __forceinline__ void gemv(const void* x, long long x_stride, const in
 
 // x: see the prologues above; x_rows: int32 [m] or null; norm_w: bf16 [K] (kRmsNorm) or null; W: bf16 [N, K];
 // out: [m, out_stride] (bf16 / fp32, or the fp32 residual for kAddResidual). grid: persistent (<= tiles).
-// gemv_row: m = 1, block 128, dynamic shared memory (4 * 4 + 4) * 4 + K * 2 bytes.
+// gemv_row: m = 1, block 128, dynamic shared memory (4 * 4 + 4) * 4 + K * 2 bytes; early_trigger: see the header.
 // gemv_row_<prologue>_<epilogue>: one entry per combination the ops use, the prologue and epilogue compiled in
 // (see "Code size" in the header).
 #define XSERV_GEMV_ROW(NAME, PROLOGUE, EPILOGUE, FREE_WARPS)                                                          \
     extern "C" __global__ void __launch_bounds__(row::kThreads) gemv_row_##NAME(                                      \
         const void* x, long long x_stride, const int* x_rows, const __nv_bfloat16* norm_w, float eps,                \
-        const __nv_bfloat16* W, void* out, int N, int K, int split) {                                                 \
-        row::gemv<PROLOGUE, EPILOGUE, FREE_WARPS>(x, x_stride, x_rows, norm_w, eps, W, out, N, K, split);            \
+        const __nv_bfloat16* W, void* out, int N, int K, int split, int early_trigger) {                              \
+        row::gemv<PROLOGUE, EPILOGUE, FREE_WARPS>(x, x_stride, x_rows, norm_w, eps, W, out, N, K, split,             \
+                                                  early_trigger);                                                     \
     }
 XSERV_GEMV_ROW(bf16_bf16, kBf16, kStoreBf16, false)
 XSERV_GEMV_ROW(bf16_f32, kBf16, kStoreF32, false)

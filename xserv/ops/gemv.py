@@ -37,6 +37,11 @@ SMEM_LIMIT = 112 * 1024
 # stage more x than this: shared memory takes L1 space from the weights' loads in flight (docs/kernels/gemv.md,
 # "K slices"), and 16 rows of a long K would not fit at all. A module attribute so that benchmarks can sweep it.
 STAGE_BYTES = 72 * 1024
+# The one-row kernel lets the next kernel launch at its very start (gemv.cu's early_trigger) where its weights are at
+# most this many bytes (short kernels: the next one's launch then overlaps them): 0.6B +1.7% at batch 1, while on
+# the 8B's 33-201 MB projections it cost 0.6% (docs/kernels/gemv.md, "v13"). A module attribute so that benchmarks
+# can compare settings.
+EARLY_TRIGGER_BYTES = 16 << 20
 # At most 2 CTAs per SM: enough loads in flight for the bandwidth, and each CTA stages x (once) the fewest times.
 CTAS_PER_SM = 2
 # The one-row kernel takes one split fewer than "every CTA slot gets a tile" asks for where that split would leave
@@ -308,10 +313,10 @@ def _launch(prologue: str, x: Tensor, x_stride: int, rows: Tensor | None, norm_w
     x_rows = rows if rows is not None else 0  # a null pointer: rows 0..m-1
     norm = norm_weight if norm_weight is not None else 0
     modes = (np.int32(_PROLOGUE[prologue]), np.int32(epilogue))
-    if m == 1:  # gemv_row_<prologue>_<epilogue>(x, x_stride, x_rows, norm_w, eps, W, out, N, K, split)
+    if m == 1:  # gemv_row_<prologue>_<epilogue>(x, x_stride, x_rows, norm_w, eps, W, out, N, K, split, early)
         name += "_" + _ROW_ENTRY[_PROLOGUE[prologue], epilogue]
         args = (x, np.int64(x_stride), x_rows, norm, np.float32(eps32), weight, out, np.int32(n), np.int32(k),
-                np.int32(split))
+                np.int32(split), np.int32(n * k * 2 <= EARLY_TRIGGER_BYTES))
     else:  # gemv_mma_m*(x, x_stride, x_rows, norm_w, eps, W, out, out_stride, m, N, K, split,
         #              [slices, kc, partials, counters: the _sliced entries], [prologue, epilogue: not _bf16_bf16])
         sliced = ()
