@@ -64,7 +64,7 @@ def embedding(ids: Tensor, table: Tensor, out: Tensor | None = None,
         out.array[...] = embedding_reference(row_ids, table.array)
         return out
     fed = (feed_src, feed_index) if feed is not None else (0, 0)  # null pointers: no feedback
-    # programmatic dependent launch: the kernels wait for what wrote the ids (and let the next kernel start early)
+    # programmatic dependent launch: the kernels wait for what wrote the ids (the next kernel's launch goes first)
     if out.dtype == float32:
         if hidden % 8 or not aligned(table, out):
             raise ValueError("embedding into float32: needs hidden % 8 == 0 and 16-byte aligned table and out")

@@ -38,7 +38,7 @@ SMEM_LIMIT = 112 * 1024
 # "K slices"), and 16 rows of a long K would not fit at all. A module attribute so that benchmarks can sweep it.
 STAGE_BYTES = 72 * 1024
 # The one-row kernel lets the next kernel launch at its very start (gemv.cu's early_trigger) where its weights are at
-# most this many bytes (short kernels: the next one's launch then overlaps them): 0.6B +1.7% at batch 1, while on
+# most this many bytes (short kernels: the next one's launch then overlaps them): 0.6B +1.6% at batch 1, while on
 # the 8B's 33-201 MB projections it cost 0.6% (docs/kernels/gemv.md, "v13"). A module attribute so that benchmarks
 # can compare settings.
 EARLY_TRIGGER_BYTES = 16 << 20
@@ -265,7 +265,8 @@ def _add_into_residual(name: str, x: Tensor, k: int, prologue: str, reference, w
 def plan(m: int, n: int, multiprocessor_count: int, paired: bool = False, k: int = 0) -> tuple[str, int, int, int, int]:
     """(kernel, threads, split, grid, slices): kernel = the base name (the launcher picks the entry: gemv_row's
     _<prologue>_<epilogue>, the mma kernel's _bf16_bf16 or _sliced), split = warps sharing a row group's K (the
-    fewest that give every SM two tiles and keep the last round of tiles >= 90% full), slices = the K slices
+    fewest that give every SM two tiles and keep the last round of tiles >= 90% full; for one row, one fewer where
+    that one would leave a warp's load step part empty: ROW_SHORT_K_FILL), slices = the K slices
     (k_slices; each CTA takes one and loops over the tiles), grid = the CTAs, at most CTAS_PER_SM per multiprocessor
     (each stages its x once). paired (the SiLU-and-mul epilogue, one row): a tile pairs gate and up row groups, so
     split <= 2."""
