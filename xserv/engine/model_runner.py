@@ -78,7 +78,7 @@ class ModelRunner:
         # The device buffer of sampled tokens a decode step launched ahead takes its inputs from (LLMEngine sets
         # the sampler's); the decode graphs captured while it is set read it, and only they can run such a step.
         self.feed_src: Tensor | None = None
-        self._graphs_feed: Tensor | None = None
+        self._graphs_feed = False  # the decode graphs were captured with feed_src set
 
     # ---- forward ------------------------------------------------------------------------------------------------
     def run(self, scheduled, *, ahead: int = 0, token_index: np.ndarray | None = None) -> Tensor:
@@ -112,7 +112,7 @@ class ModelRunner:
         if not self.graphs or len(scheduled) > self._max_graph_bs:
             return False
         if ahead:
-            if self._graphs_feed is None or any(n != 1 for _, n in scheduled):  # (graphs without the feedback)
+            if not self._graphs_feed or any(n != 1 for _, n in scheduled):  # (graphs without the feedback)
                 return False
         elif any(n != 1 or s.num_computed + 1 != len(s.token_ids) for s, n in scheduled):
             return False  # (a one-token chunk in the middle of a prompt runs eagerly)
@@ -161,7 +161,7 @@ class ModelRunner:
         max_bs = min(max_batch_size or self.max_num_seqs, self.max_num_seqs)
         sizes = [b for b in GRAPH_BATCH_SIZES if b < max_bs] + [max_bs]
         self._kv_buckets = kv_len_buckets(self.max_model_len)
-        self._graphs_feed = self.feed_src
+        self._graphs_feed = self.feed_src is not None
         d = self.device
         self._meta_rows = max_bs
         cu_seqlens = Tensor.from_numpy(np.arange(max_bs + 1, dtype=np.int32), d)

@@ -11,6 +11,7 @@ import numpy as np
 
 from ..ops import sampling as op
 from ..ops.argmax import argmax
+from ..runtime import get_device
 from ..tensor import Tensor, float32, int32
 
 _SEED_MIX = 1_000_003
@@ -82,8 +83,6 @@ class Sampler:
                 kw["top_ids_out"] = self.top_ids[:n]  # every row gets MAX_TOP_LOGPROBS; each keeps its own N
                 kw["top_logprobs_out"] = self.top_logprobs[:n]
         if self._host_tokens is not None and self._copied_pending:  # the last read-back of the tokens is done
-            from ..runtime import get_device
-
             self._copied.wait_on(get_device().stream_handle)
         if greedy_only and top_n < 0:
             argmax(logits, out=self.tokens[:n])  # the same tokens as the sampler's greedy rows, sooner
@@ -94,8 +93,6 @@ class Sampler:
                       penalty_seen=self.seen, **kw)
         if self._host_tokens is None:  # the CPU backend has already computed them
             return SampleResult(self, n, top_n, (self.tokens[:n].numpy().copy(), None))
-        from ..runtime import get_device
-
         pinned, event = self._host_tokens[self._next_host]
         self._next_host ^= 1
         device = get_device()

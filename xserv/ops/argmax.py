@@ -12,13 +12,15 @@ import numpy as np
 from ..runtime import get_device, kernel
 from ..tensor import Tensor, bfloat16, float32, int32
 from ._checks import check_tensor, output, same_device
-from ._launch import aligned, cdiv, check_alias, check_int32_range, round_up
+from ._launch import aligned, cdiv, check_alias, check_int32_range, pooled_buffer, round_up
 
 SPLIT_THREADS = 256
 SPLIT_MIN_FLOAT4 = 512  # no split scans fewer float4s than this (2 per thread): below, the reduction dominates
-# (candidate values, candidate indices, per-row counters) of the split kernel, kept for the life of the process
-# (CUDA graphs capture their addresses); the counters are zeroed once and reset by the kernel.
-_split_workspaces: list[tuple[Tensor, Tensor, Tensor]] = []
+# The split kernel's candidate values and indices and its per-row counters (pooled_buffer: kept for the life of the
+# process, as CUDA graphs capture their addresses; the counters are zeroed once and reset by the kernel).
+_split_values: list[Tensor] = []
+_split_indices: list[Tensor] = []
+_split_counters: list[Tensor] = []
 
 
 def argmax_reference(x: np.ndarray) -> np.ndarray:
@@ -29,16 +31,6 @@ def split_plan(batch: int, vocab: int, multiprocessor_count: int) -> int:
     """Splits per row for the float32 vector kernel: about one CTA per SM in all, none scanning fewer than
     SPLIT_MIN_FLOAT4 float4s; 1 runs the one-CTA-per-row kernel."""
     return max(1, min(multiprocessor_count // max(batch, 1), (vocab // 4) // SPLIT_MIN_FLOAT4))
-
-
-def _split_workspace(candidates: int, rows: int) -> tuple[Tensor, Tensor, Tensor]:
-    for ws in _split_workspaces:
-        if ws[0].shape[0] >= candidates and ws[2].shape[0] >= rows:
-            return ws
-    ws = (Tensor.empty((max(candidates, 4096),), float32, "cuda"), Tensor.empty((max(candidates, 4096),), int32, "cuda"),
-          Tensor.zeros((max(rows, 1024),), int32, "cuda"))
-    _split_workspaces.append(ws)
-    return ws
 
 
 def argmax(x: Tensor, out: Tensor | None = None) -> Tensor:
@@ -64,7 +56,9 @@ def argmax(x: Tensor, out: Tensor | None = None) -> Tensor:
         if splits > 1:
             chunk4 = cdiv(vocab // 4, splits)
             splits = cdiv(vocab // 4, chunk4)  # every split non-empty
-            values, indices, counters = _split_workspace(batch * splits, batch)
+            values = pooled_buffer(_split_values, batch * splits, float32, 4096)
+            indices = pooled_buffer(_split_indices, batch * splits, int32, 4096)
+            counters = pooled_buffer(_split_counters, batch, int32, 1024, zeroed=True)
             kernel("argmax", "argmax_f32_vec_split")((splits, batch), SPLIT_THREADS, x, out, np.int32(vocab),
                                                      np.int32(chunk4), values, indices, counters)
             return out
