@@ -2,7 +2,8 @@
 
     python -m tools.bench_decode --model DIR [--context 512 --steps 256 --batch-sizes 1,8,32]
                                  [--attention fused,pair] [--decode-kernels v4,v4s4] [--rounds 2]
-                                 [--decode-splits plan,32,47,64] [--gemv-rule cublas,small] [--gemv-fill 1,0.96]
+                                 [--decode-splits plan,32,47,64] [--gemv-rule cublas,small]
+                                 [--gemv-set PAIRED_CTAS_PER_SM=2,3]
                                  [--tokens 32]
 
 Times the engine's decode steps after the prefill (CUDA graphs unless --no-cuda-graphs), greedy sampling on the
@@ -44,10 +45,9 @@ def main(argv=None) -> int:
                     help="comma list of rules for the projections of 2..16-row steps: shipped "
                          "(xserv.ops.gemv.MMA_PREFERRED) or a name in xserv.ops.gemv.MMA_RULES (cublas, alone, small, "
                          "narrow), timed one after the other")
-    ap.add_argument("--gemv-fill", default="shipped",
-                    help="comma list of xserv.ops.gemv.ROW_SHORT_K_FILL settings (the one-row GEMV plan's least share "
-                         "of CTA slots filled by fewer tiles of whole load steps; above 1: never; shipped: the "
-                         "module's value), timed one after the other")
+    ap.add_argument("--gemv-set", default="",
+                    help="NAME=v1,v2: settings of a numeric plan attribute of xserv.ops.gemv (ROW_SHORT_K_FILL, "
+                         "PAIRED_CTAS_PER_SM, EARLY_TRIGGER_BYTES, ...), timed one after the other")
     ap.add_argument("--rounds", type=int, default=1,
                     help="repeat the whole list this many times (alternating A/B figures in one process)")
     ap.add_argument("--tokens", type=int, default=0,
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     print(f"model: {args.model} ({weight_bytes / 1e9:.2f} GB of weights, loaded in {llm.timings['weights_s']:.1f}s, LLM ready in {load:.1f}s), context "
           f"{args.context}, {args.steps} steps, cuda graphs {'off' if args.no_cuda_graphs else 'on'}")
     print(f"{'batch':>6}{'ms/step':>10}{'tok/s':>12}{'tok/s/seq':>12}{'weights GB/s':>14}{'attention':>11}"
-          f"{'kernel':>8}{'splits':>7}{'gemv':>8}{'fill':>6}")
+          f"{'kernel':>8}{'splits':>7}{'gemv':>8}{'set':>10}")
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=0.0, max_tokens=args.warmup + args.steps + 1, ignore_eos=True)
     eng = llm.engine
@@ -98,10 +98,13 @@ def main(argv=None) -> int:
     for r in args.gemv_rule.split(","):
         if r not in rules:
             ap.error(f"--gemv-rule: unknown rule {r!r}; expected one of {', '.join(rules)}")
+    setting, _, values = args.gemv_set.partition("=")
+    if setting and not isinstance(getattr(gemv, setting, None), (int, float)):
+        ap.error(f"--gemv-set: {setting!r} is not a numeric attribute of xserv.ops.gemv")
     try:
-        fills = [gemv.ROW_SHORT_K_FILL if f == "shipped" else float(f) for f in args.gemv_fill.split(",")]
+        fills = [type(getattr(gemv, setting))(float(v)) for v in values.split(",")] if setting else [None]
     except ValueError:
-        ap.error(f"--gemv-fill: expected a comma list of numbers or 'shipped', got {args.gemv_fill!r}")
+        ap.error(f"--gemv-set: expected NAME=comma list of numbers, got {args.gemv_set!r}")
     runs = [(k, a, sp, r, f, bs) for _ in range(args.rounds) for k in kernels for a in modes for sp in split_list
             for r in args.gemv_rule.split(",") for f in fills for bs in sizes]
     probe = np.random.default_rng(1).integers(0, 150000, args.context).tolist()
@@ -109,11 +112,14 @@ def main(argv=None) -> int:
     for kernel, mode, splits, rule, fill, bs in runs:
         fused = mode == "fused"
         model = llm.model
+        current = getattr(gemv, setting) if setting else None
         if ((fused, kernel, splits, rules[rule], fill) != (model.fused_attention, decode.DEFAULT_DECODE, forced,
-                                                           gemv.MMA_PREFERRED, gemv.ROW_SHORT_K_FILL)):  # in the graphs
+                                                           gemv.MMA_PREFERRED, current)):  # in the graphs
             model.fused_attention, forced = fused, splits
             decode.DEFAULT_DECODE = kernel
-            gemv.MMA_PREFERRED, gemv.ROW_SHORT_K_FILL = rules[rule], fill
+            gemv.MMA_PREFERRED = rules[rule]
+            if setting:
+                setattr(gemv, setting, fill)
             if not args.no_cuda_graphs:
                 eng.runner.graphs.clear()
                 eng.runner.capture_decode_graphs()
@@ -139,7 +145,7 @@ def main(argv=None) -> int:
             same = f"  {args.tokens} greedy tokens " + ("as the first" if tokens == first_tokens else
                                                          f"DIFFER from the first at {_first_diff(tokens, first_tokens)}")
         print(f"{bs:>6}{dt * 1e3:>10.3f}{bs / dt:>12.1f}{1 / dt:>12.1f}{weight_bytes / dt / 1e9:>14.1f}"
-              f"{mode:>11}{kernel:>8}{splits or 'plan':>7}{rule:>8}{fill:>6.2f}{same}")
+              f"{mode:>11}{kernel:>8}{splits or 'plan':>7}{rule:>8}{'' if fill is None else fill:>10}{same}")
     return 0
 
 

@@ -130,6 +130,8 @@ def test_plan_splits_fill_the_sms():
     assert name == "gemv_mma_m8" and split == 2 and slices == 1 and grid == 132 * CTAS_PER_SM < 151936 / 64
     # the SiLU-and-mul epilogue pairs two row groups per tile: at most 2 warps share K
     assert plan(1, 1024, 132, paired=True)[2] == 2 and plan(1, 24576, 132, paired=True)[2] == 1
+    # ... and its entry runs up to PAIRED_CTAS_PER_SM CTAs per SM: the 0.6B gate/up's 384 tiles in one round
+    assert plan(1, 6144, 132, paired=True, k=1024)[2:4] == (1, 384) <= (1, 132 * G.PAIRED_CTAS_PER_SM)
 
 
 def test_every_row_entry_the_launcher_names_is_compiled():
@@ -172,7 +174,7 @@ def test_k_slices_bound_the_staged_x(monkeypatch):
 @pytest.mark.parametrize("stage_kb", [4, 48, 72, 1 << 20])
 def test_plan_is_a_valid_launch(monkeypatch, stage_kb):
     """Every plan the kernels can take: split a power of two dividing the CTA's warps (<= 2 when paired), the grid
-    a multiple of the slices and within CTAS_PER_SM per SM, a sliced warp's share of K at least two load steps."""
+    a multiple of the slices and within CTAS_PER_SM per SM (PAIRED_CTAS_PER_SM for the paired entry), a sliced warp's share of K at least two load steps."""
     monkeypatch.setattr(G, "STAGE_BYTES", stage_kb * 1024)
     for sms in (78, 114, 132):
         for m in (1, 2, 3, 8, 9, 16):
@@ -187,6 +189,9 @@ def test_plan_is_a_valid_launch(monkeypatch, stage_kb):
                     assert slices <= grid <= sms * CTAS_PER_SM or grid == slices
                     if slices > 1 and split > 1:
                         assert k_slices(m, k)[1] >= 2 * split * 128
+                    if m == 1 and n % 2 == 0:  # the SiLU-and-mul epilogue's pairs of row groups
+                        _, _, split, grid, _ = plan(m, n, sms, True, k)
+                        assert split in (1, 2) and 1 <= grid <= sms * G.PAIRED_CTAS_PER_SM
 
 
 def test_prefer_gemv_follows_the_measured_table(monkeypatch):

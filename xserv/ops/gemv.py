@@ -44,10 +44,14 @@ STAGE_BYTES = 72 * 1024
 EARLY_TRIGGER_BYTES = 16 << 20
 # At most 2 CTAs per SM: enough loads in flight for the bandwidth, and each CTA stages x (once) the fewest times.
 CTAS_PER_SM = 2
+# The one-row gate/up entry (gemv_row_rmsnorm_silu_mul) is compiled for 3 CTAs per SM (at most 168 registers a
+# thread) and launched with up to this many: the 0.6B's 384 tiles then run in one round instead of 1.45 (gemv.md,
+# "v14"). A module attribute so that benchmarks can compare settings (tools/bench_decode --gemv-set).
+PAIRED_CTAS_PER_SM = 3
 # The one-row kernel takes one split fewer than "every CTA slot gets a tile" asks for where that split would leave
 # a warp's share of K short of one load step and the fewer tiles still fill this share of the slots (0.6B qkv,
 # K = 1024: 256 tiles of whole rows on 264 slots, not 512 of half rows; docs/kernels/gemv.md, "v13"). A module
-# attribute so that benchmarks can compare settings (tools/bench_decode --gemv-fill; above 1: never).
+# attribute so that benchmarks can compare settings (tools/bench_decode --gemv-set; above 1: never).
 ROW_SHORT_K_FILL = 0.9
 _PROLOGUE = {"bf16": 0, "rmsnorm": 1, "silu_mul": 2}
 _EPILOGUE = {bfloat16: 0, float32: 1, "add": 2, "silu_mul": 3}
@@ -276,7 +280,8 @@ def plan(m: int, n: int, multiprocessor_count: int, paired: bool = False, k: int
         name, warps, rows = ("gemv_mma_m8" if m <= 8 else "gemv_mma_m16"), _MMA_WARPS, _MMA_ROWS
     slices, slice_k = k_slices(m, k) if k else (1, 0)
     max_split = 2 if paired else warps
-    slots = max(1, multiprocessor_count * CTAS_PER_SM // slices)  # CTAs per slice
+    per_sm = PAIRED_CTAS_PER_SM if paired and m == 1 else CTAS_PER_SM
+    slots = max(1, multiprocessor_count * per_sm // slices)  # CTAs per slice
 
     def tiles(s: int) -> int:
         return cdiv(n, rows * (warps // s))
