@@ -222,6 +222,9 @@ namespace row {
 constexpr int kWarps = 4, kThreads = kWarps * 32;
 constexpr int kRows = 4;  // weight rows per row group
 constexpr int kU = 4;     // 16-byte chunks per row a lane keeps in flight
+// The one-step entries (ONE_STEP below) are compiled so that this many CTAs fit an SM (at most 168 registers a
+// thread; they take 111-150): the launcher runs up to that many (gemv.py's ONE_STEP_CTAS_PER_SM).
+constexpr int kOneStepCtasPerSm = 3;
 
 __device__ __forceinline__ float dot8(const uint4& w, const uint4& x, float acc) {
     const unsigned wv[4] = {w.x, w.y, w.z, w.w}, xv[4] = {x.x, x.y, x.z, x.w};
@@ -264,7 +267,13 @@ __device__ __forceinline__ void fma_step(float (&acc)[kRows], const uint4 (&w)[k
 // FREE_WARPS: where split == 1 (and not paired) a warp owns its row group and stores its rows itself, without the
 // two barriers per tile, so that over many tiles (the lm_head's 36 per CTA) one warp's reduction overlaps the other
 // warps' loads (only the lm_head's entry: in every entry it cost the step more than the lm_head gained).
-template <int prologue, int epilogue, bool FREE_WARPS = false>
+// ONE_STEP: a warp's share of a row is at most one load step (K <= 1024 * split; the launcher's choice), so a tile
+// is one load and one FMA step, in one register set: 111-150 registers a thread, 3 CTAs per SM, and each CTA's first
+// tile wholly loaded before the wait (the 0.6B's projections and lm_head: gemv.md, "v14"). Otherwise a tile loops
+// over load steps, and the first tile's first step has registers of its own, so that the compiler can issue the
+// loop's loads while that step's FMAs run (about 240 registers, 2 CTAs per SM; one register set there cost the 8B
+// 10% at 2 CTAs per SM).
+template <int prologue, int epilogue, bool FREE_WARPS, bool ONE_STEP>
 __device__ __forceinline__ void gemv(const void* x, long long x_stride, const int* x_rows,
                                      const __nv_bfloat16* norm_w, float eps, const __nv_bfloat16* __restrict__ W,
                                      void* out, int N, int K, int split, int early_trigger) {
@@ -291,7 +300,7 @@ __device__ __forceinline__ void gemv(const void* x, long long x_stride, const in
     };
 
     if (early_trigger) xserv::pdl_launch_dependents();
-    uint4 w0[kU][kRows];  // the first tile's first chunk step, loaded before the wait
+    uint4 w0[kU][kRows];  // the first tile's first load step, loaded before the wait
     if (blockIdx.x < num_tiles) {
         const __nv_bfloat16* wrow[kRows];
         rows_of(blockIdx.x, wrow);
@@ -312,15 +321,20 @@ __device__ __forceinline__ void gemv(const void* x, long long x_stride, const in
         float acc[kRows];
 #pragma unroll
         for (int r = 0; r < kRows; ++r) acc[r] = 0.f;
-        int c = first;
-        if (tile == blockIdx.x) {
-            fma_step(acc, w0, xs, c, stride, chunks);
-            c += stride * kU;
-        }
-        for (; c < chunks; c += stride * kU) {
-            uint4 w[kU][kRows];
-            load_step(w, wrow, c, stride, chunks);
-            fma_step(acc, w, xs, c, stride, chunks);
+        if (ONE_STEP) {
+            if (tile != blockIdx.x) load_step(w0, wrow, first, stride, chunks);
+            fma_step(acc, w0, xs, first, stride, chunks);
+        } else {
+            int c = first;
+            if (tile == blockIdx.x) {
+                fma_step(acc, w0, xs, c, stride, chunks);
+                c += stride * kU;
+            }
+            for (; c < chunks; c += stride * kU) {
+                uint4 w[kU][kRows];
+                load_step(w, wrow, c, stride, chunks);
+                fma_step(acc, w, xs, c, stride, chunks);
+            }
         }
         if (FREE_WARPS && split == 1 && !paired) {
             // lane r stores row r: the butterfly sum leaves the same bits in every lane; 0 + v as the path below
@@ -543,24 +557,28 @@ __device__ __forceinline__ void gemv(const void* x, long long x_stride, const in
 // x: see the prologues above; x_rows: int32 [m] or null; norm_w: bf16 [K] (kRmsNorm) or null; W: bf16 [N, K];
 // out: [m, out_stride] (bf16 / fp32, or the fp32 residual for kAddResidual). grid: persistent (<= tiles).
 // gemv_row: m = 1, block 128, dynamic shared memory (4 * 4 + 4) * 4 + K * 2 bytes; early_trigger: see the header.
-// gemv_row_<prologue>_<epilogue>: one entry per combination the ops use, the prologue and epilogue compiled in
-// (see "Code size" in the header).
-#define XSERV_GEMV_ROW(NAME, PROLOGUE, EPILOGUE, FREE_WARPS, MIN_CTAS)                                                \
-    extern "C" __global__ void __launch_bounds__(row::kThreads, MIN_CTAS) gemv_row_##NAME(                                      \
+// gemv_row_<prologue>_<epilogue>[_1step]: one entry per combination the ops use, the prologue and epilogue compiled
+// in (see "Code size" in the header); _1step: for K <= 1024 * split (ONE_STEP above).
+#define XSERV_GEMV_ROW(NAME, PROLOGUE, EPILOGUE, FREE_WARPS)                                                          \
+    extern "C" __global__ void __launch_bounds__(row::kThreads) gemv_row_##NAME(                                      \
         const void* x, long long x_stride, const int* x_rows, const __nv_bfloat16* norm_w, float eps,                \
         const __nv_bfloat16* W, void* out, int N, int K, int split, int early_trigger) {                              \
-        row::gemv<PROLOGUE, EPILOGUE, FREE_WARPS>(x, x_stride, x_rows, norm_w, eps, W, out, N, K, split,             \
-                                                  early_trigger);                                                     \
+        row::gemv<PROLOGUE, EPILOGUE, FREE_WARPS, false>(x, x_stride, x_rows, norm_w, eps, W, out, N, K, split,      \
+                                                         early_trigger);                                              \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(row::kThreads, row::kOneStepCtasPerSm) gemv_row_##NAME##_1step(      \
+        const void* x, long long x_stride, const int* x_rows, const __nv_bfloat16* norm_w, float eps,                \
+        const __nv_bfloat16* W, void* out, int N, int K, int split, int early_trigger) {                              \
+        row::gemv<PROLOGUE, EPILOGUE, FREE_WARPS, true>(x, x_stride, x_rows, norm_w, eps, W, out, N, K, split,       \
+                                                        early_trigger);                                               \
     }
-XSERV_GEMV_ROW(bf16_bf16, kBf16, kStoreBf16, false, 1)
-XSERV_GEMV_ROW(bf16_f32, kBf16, kStoreF32, false, 1)
-XSERV_GEMV_ROW(bf16_add, kBf16, kAddResidual, false, 1)
-XSERV_GEMV_ROW(rmsnorm_bf16, kRmsNorm, kStoreBf16, false, 1)
-XSERV_GEMV_ROW(rmsnorm_f32, kRmsNorm, kStoreF32, true, 1)  // the lm_head
-// The gate/up projection: at most 168 registers a thread so that 3 CTAs fit an SM (the launcher's
-// PAIRED_CTAS_PER_SM): the 0.6B's 384 tiles then run in one round, every weight load issued before the wait.
-XSERV_GEMV_ROW(rmsnorm_silu_mul, kRmsNorm, kSiluMulBf16, false, 3)
-XSERV_GEMV_ROW(silu_mul_add, kSiluMul, kAddResidual, false, 1)
+XSERV_GEMV_ROW(bf16_bf16, kBf16, kStoreBf16, false)
+XSERV_GEMV_ROW(bf16_f32, kBf16, kStoreF32, false)
+XSERV_GEMV_ROW(bf16_add, kBf16, kAddResidual, false)
+XSERV_GEMV_ROW(rmsnorm_bf16, kRmsNorm, kStoreBf16, false)
+XSERV_GEMV_ROW(rmsnorm_f32, kRmsNorm, kStoreF32, true)  // the lm_head
+XSERV_GEMV_ROW(rmsnorm_silu_mul, kRmsNorm, kSiluMulBf16, false)
+XSERV_GEMV_ROW(silu_mul_add, kSiluMul, kAddResidual, false)
 #undef XSERV_GEMV_ROW
 
 // gemv_mma_m<M>: m <= M, block 256, dynamic shared memory (8 * 32 * 4 * NT + M * 8) * 4 + m * (K + 32) * 2 bytes.

@@ -130,8 +130,12 @@ def test_plan_splits_fill_the_sms():
     assert name == "gemv_mma_m8" and split == 2 and slices == 1 and grid == 132 * CTAS_PER_SM < 151936 / 64
     # the SiLU-and-mul epilogue pairs two row groups per tile: at most 2 warps share K
     assert plan(1, 1024, 132, paired=True)[2] == 2 and plan(1, 24576, 132, paired=True)[2] == 1
-    # ... and its entry runs up to PAIRED_CTAS_PER_SM CTAs per SM: the 0.6B gate/up's 384 tiles in one round
-    assert plan(1, 6144, 132, paired=True, k=1024)[2:4] == (1, 384) <= (1, 132 * G.PAIRED_CTAS_PER_SM)
+    # a warp's share of K within one load step: the _1step entries, up to 3 CTAs per SM (0.6B gate/up: its 384 tiles
+    # in one round; lm_head: 396 CTAs); longer shares keep 2 CTAs per SM (8B)
+    assert G.ONE_STEP_CTAS_PER_SM == 3
+    assert plan(1, 6144, 132, paired=True, k=1024)[2:4] == (1, 384) and plan(1, 151936, 132, k=1024)[2:4] == (1, 396)
+    assert plan(1, 151936, 132, k=4096)[2:4] == (1, 264) and plan(1, 24576, 132, paired=True, k=4096)[3] == 264
+    assert G.one_load_step(1024, 1) and not G.one_load_step(1032, 1) and G.one_load_step(4096, 4)
 
 
 def test_every_row_entry_the_launcher_names_is_compiled():
@@ -174,7 +178,7 @@ def test_k_slices_bound_the_staged_x(monkeypatch):
 @pytest.mark.parametrize("stage_kb", [4, 48, 72, 1 << 20])
 def test_plan_is_a_valid_launch(monkeypatch, stage_kb):
     """Every plan the kernels can take: split a power of two dividing the CTA's warps (<= 2 when paired), the grid
-    a multiple of the slices and within CTAS_PER_SM per SM (PAIRED_CTAS_PER_SM for the paired entry), a sliced warp's share of K at least two load steps."""
+    a multiple of the slices and within CTAS_PER_SM per SM (ONE_STEP_CTAS_PER_SM for the _1step entries), a sliced warp's share of K at least two load steps."""
     monkeypatch.setattr(G, "STAGE_BYTES", stage_kb * 1024)
     for sms in (78, 114, 132):
         for m in (1, 2, 3, 8, 9, 16):
@@ -186,12 +190,14 @@ def test_plan_is_a_valid_launch(monkeypatch, stage_kb):
                     warps = threads // 32
                     assert split in (1, 2, 4, 8) and warps % split == 0, (m, n, k, split)
                     assert slices == k_slices(m, k)[0] and grid % slices == 0
-                    assert slices <= grid <= sms * CTAS_PER_SM or grid == slices
+                    per_sm = G.ONE_STEP_CTAS_PER_SM if m == 1 and G.one_load_step(k, split) else CTAS_PER_SM
+                    assert slices <= grid <= sms * per_sm or grid == slices
                     if slices > 1 and split > 1:
                         assert k_slices(m, k)[1] >= 2 * split * 128
                     if m == 1 and n % 2 == 0:  # the SiLU-and-mul epilogue's pairs of row groups
                         _, _, split, grid, _ = plan(m, n, sms, True, k)
-                        assert split in (1, 2) and 1 <= grid <= sms * G.PAIRED_CTAS_PER_SM
+                        per_sm = G.ONE_STEP_CTAS_PER_SM if G.one_load_step(k, split) else CTAS_PER_SM
+                        assert split in (1, 2) and 1 <= grid <= sms * per_sm
 
 
 def test_prefer_gemv_follows_the_measured_table(monkeypatch):
@@ -220,13 +226,15 @@ def test_prefer_gemv_follows_the_measured_table(monkeypatch):
 # ---- GPU: the kernels against the references ---------------------------------------------------------------------
 SHAPES = [(1, 1024, 1024), (2, 37, 1000), (3, 3001, 2048), (5, 5003, 64), (8, 1024, 3072), (11, 300, 520),
           (16, 2112, 1024), (1, 70001, 64), (1, 515, 2056), (1, 3001, 4096), (1, 300, 4104), (7, 9000, 1016),
-          (4, 1000, 12296), (13, 4099, 4104), (16, 70001, 2568)]
+          (4, 1000, 12296), (13, 4099, 4104), (16, 70001, 2568), (1, 2000, 8192)]
 # (m, N, K): the one-row kernel and both mma kernels, masked rows, N not a multiple of 16, K not a multiple of 32
 # (tail blocks), splits 8/4/2/1, more tiles than CTAs (the grid-stride loop), the one-row RMSNorm prologue with
 # the row held in registers (K <= 4096: a thread's last chunk past the row at 2056, four chunks each at 4096) and
 # past them (4104: the two-pass prologue), and K sliced across CTAs (the last three: 2 slices each at STAGE_BYTES =
-# 72 KB, the last slice shorter and not a multiple of 32, more tiles than a slice's CTAs);
-# test_cuda_k_slices_repeatable deals K out to many more
+# 72 KB, the last slice shorter and not a multiple of 32, more tiles than a slice's CTAs), and the one-row kernel's
+# _1step entries (a warp's share of K within one load step: K <= 1024 * split, as at 1024, 2056 and 4096) and its
+# looping entries (4104, and 8192: two load steps a warp, more tiles than CTAs); test_cuda_k_slices_repeatable deals
+# K out to many more
 
 
 @pytest.mark.gpu

@@ -29,7 +29,7 @@ from .rmsnorm import rmsnorm_reference
 
 MAX_M = 16
 # Launch shapes of the two kernels (gemv.cu): warps per CTA, weight rows per row group, the row-padding of staged x.
-_ROW_WARPS, _ROW_ROWS = 4, 4  # gemv_row (m = 1)
+_ROW_WARPS, _ROW_ROWS, _ROW_U = 4, 4, 4  # gemv_row (m = 1); _ROW_U: 16-byte chunks per row a lane loads a step
 _MMA_WARPS, _MMA_ROWS, _MMA_PAD = 8, 16, 32  # gemv_mma_m8 / _m16
 # The staged x rows live in shared memory; two CTAs of this size still fit an SM's 227 KB.
 SMEM_LIMIT = 112 * 1024
@@ -44,10 +44,11 @@ STAGE_BYTES = 72 * 1024
 EARLY_TRIGGER_BYTES = 16 << 20
 # At most 2 CTAs per SM: enough loads in flight for the bandwidth, and each CTA stages x (once) the fewest times.
 CTAS_PER_SM = 2
-# The one-row gate/up entry (gemv_row_rmsnorm_silu_mul) is compiled for 3 CTAs per SM (at most 168 registers a
-# thread) and launched with up to this many: the 0.6B's 384 tiles then run in one round instead of 1.45 (gemv.md,
+# Where a warp's share of a row is one load step (one_load_step), the one-row kernel's _1step entries fit 3 CTAs per
+# SM (gemv.cu's kOneStepCtasPerSm) and the grid takes up to this many (the split still aims at two tiles per SM): the
+# 0.6B's gate/up projection runs its 384 tiles in one round instead of 1.45, its lm_head on 396 CTAs (gemv.md,
 # "v14"). A module attribute so that benchmarks can compare settings (tools/bench_decode --gemv-set).
-PAIRED_CTAS_PER_SM = 3
+ONE_STEP_CTAS_PER_SM = 3
 # The one-row kernel takes one split fewer than "every CTA slot gets a tile" asks for where that split would leave
 # a warp's share of K short of one load step and the fewer tiles still fill this share of the slots (0.6B qkv,
 # K = 1024: 256 tiles of whole rows on 264 slots, not 512 of half rows; docs/kernels/gemv.md, "v13"). A module
@@ -272,7 +273,7 @@ def plan(m: int, n: int, multiprocessor_count: int, paired: bool = False, k: int
     fewest that give every SM two tiles and keep the last round of tiles >= 90% full; for one row, one fewer where
     that one would leave a warp's load step part empty: ROW_SHORT_K_FILL), slices = the K slices
     (k_slices; each CTA takes one and loops over the tiles), grid = the CTAs, at most CTAS_PER_SM per multiprocessor
-    (each stages its x once). paired (the SiLU-and-mul epilogue, one row): a tile pairs gate and up row groups, so
+    (each stages its x once; ONE_STEP_CTAS_PER_SM for the one-row kernel's one-load-step tiles). paired (the SiLU-and-mul epilogue, one row): a tile pairs gate and up row groups, so
     split <= 2."""
     if m == 1:
         name, warps, rows = "gemv_row", _ROW_WARPS, _ROW_ROWS
@@ -280,8 +281,7 @@ def plan(m: int, n: int, multiprocessor_count: int, paired: bool = False, k: int
         name, warps, rows = ("gemv_mma_m8" if m <= 8 else "gemv_mma_m16"), _MMA_WARPS, _MMA_ROWS
     slices, slice_k = k_slices(m, k) if k else (1, 0)
     max_split = 2 if paired else warps
-    per_sm = PAIRED_CTAS_PER_SM if paired and m == 1 else CTAS_PER_SM
-    slots = max(1, multiprocessor_count * per_sm // slices)  # CTAs per slice
+    slots = max(1, multiprocessor_count * CTAS_PER_SM // slices)  # CTAs per slice
 
     def tiles(s: int) -> int:
         return cdiv(n, rows * (warps // s))
@@ -300,7 +300,15 @@ def plan(m: int, n: int, multiprocessor_count: int, paired: bool = False, k: int
     while (split < max_split and tiles(split) / (slots * cdiv(tiles(split), slots)) < 0.9
            and slice_k >= 2 * split * step_k):
         split *= 2
+    if m == 1 and one_load_step(k, split):
+        slots = multiprocessor_count * ONE_STEP_CTAS_PER_SM
     return name, warps * 32, split, min(tiles(split), slots) * slices, slices
+
+
+def one_load_step(k: int, split: int) -> bool:
+    """Is a warp's share of a k-long row at most one of gemv_row's load steps (32 lanes x 4 chunks of 8 values)?
+    Then the launcher takes the row kernel's _1step entry (gemv.cu: one register set, 3 CTAs per SM)."""
+    return 0 < k <= split * 32 * _ROW_U * 8
 
 
 _workspaces: list[Tensor] = []  # K-slice partial sums (pooled_buffer: kept for the life of the process)
@@ -320,7 +328,7 @@ def _launch(prologue: str, x: Tensor, x_stride: int, rows: Tensor | None, norm_w
     norm = norm_weight if norm_weight is not None else 0
     modes = (np.int32(_PROLOGUE[prologue]), np.int32(epilogue))
     if m == 1:  # gemv_row_<prologue>_<epilogue>(x, x_stride, x_rows, norm_w, eps, W, out, N, K, split, early)
-        name += "_" + _ROW_ENTRY[_PROLOGUE[prologue], epilogue]
+        name += "_" + _ROW_ENTRY[_PROLOGUE[prologue], epilogue] + ("_1step" if one_load_step(k, split) else "")
         args = (x, np.int64(x_stride), x_rows, norm, np.float32(eps32), weight, out, np.int32(n), np.int32(k),
                 np.int32(split), np.int32(n * k * 2 <= EARLY_TRIGGER_BYTES))
     else:  # gemv_mma_m*(x, x_stride, x_rows, norm_w, eps, W, out, out_stride, m, N, K, split,
