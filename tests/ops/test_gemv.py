@@ -113,29 +113,32 @@ def test_errors_name_the_problem(rng):
     assert gemv_supported(16, 4096) and gemv_supported(16, 25600) and gemv_supported(2, 57344)
 
 
-def test_plan_splits_fill_the_sms():
+def test_plan_splits_fill_the_sms(monkeypatch):
     # few output rows: the warps of a CTA share each row group's K; many: one warp per row group; the grid never
     # exceeds what is resident, and the grid-stride loop covers the other tiles
     assert plan(1, 1024, 132) == ("gemv_row", 128, 4, 256, 1)
     assert plan(2, 6144, 132)[:3] == ("gemv_mma_m8", 256, 8)
     assert plan(4, 24576, 132, k=4096)[2:] == (4, 264, 1)  # 2 would leave 384 tiles on 264 CTAs
-    assert plan(1, 6144, 132, k=4096)[2] == 2  # 768 tiles on 264 CTAs: 97% busy
-    assert plan(1, 6144, 132, k=1024)[2] == 1  # but a warp's half of K = 1024 would leave half its loads empty
-    # 256 tiles of whole load steps on 264 slots rather than 512 of half-empty ones (ROW_SHORT_K_FILL); a warp's
-    # half of K = 4096 fills its steps, so there every slot still gets a tile
-    assert plan(1, 4096, 132, k=1024)[2:4] == (1, 256) and plan(1, 4096, 132, k=4096)[2:4] == (2, 264)
+    assert plan(1, 6144, 132, k=1024)[2] == 1  # a warp's half of K = 1024 would leave half its loads empty
+    # 256 tiles of whole load steps on 264 slots rather than 512 of half-empty ones (ROW_SHORT_K_FILL)
+    assert plan(1, 4096, 132, k=1024)[2:4] == (1, 256)
     assert plan(1, 1024, 132, k=2048)[2] == 4  # 128 tiles of split 2 would leave half the slots idle
-    assert plan(1, 24576, 132, k=4096)[2] == 1
+    # K = 4096 (8B): split 4 makes a tile one load step (PREFER_ONE_STEP), on up to 3 CTAs per SM
+    assert plan(1, 6144, 132, k=4096)[2:4] == (4, 396) and plan(1, 24576, 132, k=4096)[2:4] == (4, 396)
+    assert plan(1, 4096, 132, k=12288)[2:4] == (2, 264)  # no split makes it one step: 768 tiles, the looping entry
     name, _, split, grid, slices = plan(3, 151936, 132, k=1024)
     assert name == "gemv_mma_m8" and split == 2 and slices == 1 and grid == 132 * CTAS_PER_SM < 151936 / 64
     # the SiLU-and-mul epilogue pairs two row groups per tile: at most 2 warps share K
     assert plan(1, 1024, 132, paired=True)[2] == 2 and plan(1, 24576, 132, paired=True)[2] == 1
     # a warp's share of K within one load step: the _1step entries, up to 3 CTAs per SM (0.6B gate/up: its 384 tiles
-    # in one round; lm_head: 396 CTAs); longer shares keep 2 CTAs per SM (8B)
+    # in one round; lm_head: 396 CTAs); longer shares keep 2 CTAs per SM (8B gate/up: split <= 2)
     assert G.ONE_STEP_CTAS_PER_SM == 3
     assert plan(1, 6144, 132, paired=True, k=1024)[2:4] == (1, 384) and plan(1, 151936, 132, k=1024)[2:4] == (1, 396)
-    assert plan(1, 151936, 132, k=4096)[2:4] == (1, 264) and plan(1, 24576, 132, paired=True, k=4096)[3] == 264
+    assert plan(1, 151936, 132, k=4096)[2:4] == (4, 396) and plan(1, 24576, 132, paired=True, k=4096)[2:4] == (1, 264)
     assert G.one_load_step(1024, 1) and not G.one_load_step(1032, 1) and G.one_load_step(4096, 4)
+    monkeypatch.setattr(G, "PREFER_ONE_STEP", False)  # the splits before: the looping entries on 2 CTAs per SM
+    assert plan(1, 6144, 132, k=4096)[2:4] == (2, 264)  # 768 tiles on 264 CTAs: 97% busy
+    assert plan(1, 24576, 132, k=4096)[2] == 1 and plan(1, 151936, 132, k=4096)[2:4] == (1, 264)
 
 
 def test_every_row_entry_the_launcher_names_is_compiled():

@@ -49,6 +49,9 @@ CTAS_PER_SM = 2
 # 0.6B's gate/up projection runs its 384 tiles in one round instead of 1.45, its lm_head on 396 CTAs (gemv.md,
 # "v14"). A module attribute so that benchmarks can compare settings (tools/bench_decode --gemv-set).
 ONE_STEP_CTAS_PER_SM = 3
+# The one-row plan takes the split that makes a tile one load step where the CTA's warps allow it (the 8B's qkv, o
+# and lm_head at K = 4096: split 4, against 2 / 2 / 1 for the looping entries): 8B +1.0% (gemv.md, "v14").
+PREFER_ONE_STEP = True
 # The one-row kernel takes one split fewer than "every CTA slot gets a tile" asks for where that split would leave
 # a warp's share of K short of one load step and the fewer tiles still fill this share of the slots (0.6B qkv,
 # K = 1024: 256 tiles of whole rows on 264 slots, not 512 of half rows; docs/kernels/gemv.md, "v13"). A module
@@ -269,12 +272,13 @@ def _add_into_residual(name: str, x: Tensor, k: int, prologue: str, reference, w
 # ---- launch -------------------------------------------------------------------------------------------------------
 def plan(m: int, n: int, multiprocessor_count: int, paired: bool = False, k: int = 0) -> tuple[str, int, int, int, int]:
     """(kernel, threads, split, grid, slices): kernel = the base name (the launcher picks the entry: gemv_row's
-    _<prologue>_<epilogue>, the mma kernel's _bf16_bf16 or _sliced), split = warps sharing a row group's K (the
-    fewest that give every SM two tiles and keep the last round of tiles >= 90% full; for one row, one fewer where
-    that one would leave a warp's load step part empty: ROW_SHORT_K_FILL), slices = the K slices
-    (k_slices; each CTA takes one and loops over the tiles), grid = the CTAs, at most CTAS_PER_SM per multiprocessor
-    (each stages its x once; ONE_STEP_CTAS_PER_SM for the one-row kernel's one-load-step tiles). paired (the SiLU-and-mul epilogue, one row): a tile pairs gate and up row groups, so
-    split <= 2."""
+    _<prologue>_<epilogue>[_1step], the mma kernel's _bf16_bf16 or _sliced), split = warps sharing a row group's K
+    (the fewest that give every SM two tiles and keep the last round of tiles >= 90% full; for one row, one fewer
+    where that one would leave a warp's load step part empty (ROW_SHORT_K_FILL), more where they make a tile one
+    load step (PREFER_ONE_STEP)), slices = the K slices (k_slices; each CTA takes one and loops over the tiles),
+    grid = the CTAs, at most CTAS_PER_SM per multiprocessor (each stages its x once; ONE_STEP_CTAS_PER_SM for the
+    one-row kernel's one-step tiles). paired (the SiLU-and-mul epilogue, one row): a tile pairs gate and up row
+    groups, so split <= 2."""
     if m == 1:
         name, warps, rows = "gemv_row", _ROW_WARPS, _ROW_ROWS
     else:
@@ -300,6 +304,8 @@ def plan(m: int, n: int, multiprocessor_count: int, paired: bool = False, k: int
     while (split < max_split and tiles(split) / (slots * cdiv(tiles(split), slots)) < 0.9
            and slice_k >= 2 * split * step_k):
         split *= 2
+    if m == 1 and PREFER_ONE_STEP and not one_load_step(k, split):  # more splits where they make a tile one step
+        split = next((s for s in (2, 4) if split < s <= max_split and one_load_step(k, s)), split)
     if m == 1 and one_load_step(k, split):
         slots = multiprocessor_count * ONE_STEP_CTAS_PER_SM
     return name, warps * 32, split, min(tiles(split), slots) * slices, slices
