@@ -11,7 +11,7 @@ from xserv.testing import poisoned, random_array
 from . import OpSpec
 
 EPS = 1e-6
-CHECK = [(1, 1000, 1024), (1, 37, 520), (3, 3001, 2048), (8, 300, 64), (16, 2112, 1024), (16, 1000, 4104)]
+CHECK = [(1, 1000, 1024), (1, 37, 520), (1, 1000, 8192), (3, 3001, 2048), (8, 300, 64), (16, 2112, 1024), (16, 1000, 4104)]
 BENCH = [(1, 6144, 4096), (1, 24576, 4096), (1, 4096, 12288), (1, 151936, 1024), (8, 24576, 4096)]
 
 
@@ -122,21 +122,21 @@ def _bytes(x_bytes_per_row, out_bytes):
 
 _MMA = ("gemv_mma_m8", "gemv_mma_m16", "gemv_mma_m8_sliced", "gemv_mma_m16_sliced")
 SPECS = [
-    OpSpec(name="gemv", family="gemv", kernels=("gemv_row_bf16_bf16",) + _MMA,
+    OpSpec(name="gemv", family="gemv", kernels=("gemv_row_bf16_bf16", "gemv_row_bf16_bf16_1step") + _MMA,
            make_inputs=_weights, run=_run_gemv, reference=_ref_gemv, tolerance=1e-2, check_shapes=CHECK,
            bench_shapes=BENCH, bytes_moved=_bytes(lambda s: s[2] * 2, 2),
            torch_peer=lambda d: d["x"] @ d["weight"].t(), shape_help="MxNxK"),
-    OpSpec(name="rmsnorm_linear", family="gemv", kernels=("gemv_row_rmsnorm_bf16",) + _MMA,
+    OpSpec(name="rmsnorm_linear", family="gemv", kernels=("gemv_row_rmsnorm_bf16", "gemv_row_rmsnorm_bf16_1step") + _MMA,
            make_inputs=_norm_inputs, run=_run_norm, reference=_ref_norm, tolerance=1e-2, check_shapes=CHECK,
            bench_shapes=BENCH, bytes_moved=_bytes(lambda s: s[2] * 4, 2), torch_peer=_torch_norm,
            shape_help="MxNxK"),
-    OpSpec(name="rmsnorm_linear_silu_mul", family="gemv", kernels=("gemv_row_rmsnorm_silu_mul",),
+    OpSpec(name="rmsnorm_linear_silu_mul", family="gemv", kernels=("gemv_row_rmsnorm_silu_mul", "gemv_row_rmsnorm_silu_mul_1step"),
            make_inputs=_norm_inputs,
            run=_run_norm_silu, reference=_ref_norm_silu, tolerance=1e-2,
-           check_shapes=[(1, 2000, 1024), (1, 74, 520), (1, 6144, 1024)],
+           check_shapes=[(1, 2000, 1024), (1, 74, 520), (1, 6144, 1024), (1, 2000, 4096)],
            bench_shapes=[(1, 6144, 1024), (1, 24576, 4096)], bytes_moved=lambda s: s[1] * s[2] * 2 + s[2] * 4 + s[1],
            torch_peer=_torch_norm_silu, shape_help="1xNxK (N = 2I: gate rows, then up rows)"),
-    OpSpec(name="silu_mul_linear_add", family="gemv", kernels=("gemv_row_silu_mul_add",) + _MMA,
+    OpSpec(name="silu_mul_linear_add", family="gemv", kernels=("gemv_row_silu_mul_add", "gemv_row_silu_mul_add_1step") + _MMA,
            make_inputs=_silu_inputs, run=_run_silu, reference=_ref_silu, tolerance=1e-2, check_shapes=CHECK,
            bench_shapes=BENCH, bytes_moved=_bytes(lambda s: s[2] * 4, 8), torch_peer=_torch_silu,
            shape_help="MxNxK"),
