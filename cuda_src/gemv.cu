@@ -222,9 +222,10 @@ namespace row {
 constexpr int kWarps = 4, kThreads = kWarps * 32;
 constexpr int kRows = 4;  // weight rows per row group
 constexpr int kU = 4;     // 16-byte chunks per row a lane keeps in flight
-// The one-step entries (ONE_STEP below) are compiled so that this many CTAs fit an SM (at most 168 registers a
-// thread; they take 111-150): the launcher runs up to that many (gemv.py's ONE_STEP_CTAS_PER_SM).
-constexpr int kOneStepCtasPerSm = 3;
+// The one-step entries (ONE_STEP below) are compiled so that this many CTAs fit an SM: 3 with the RMSNorm prologue
+// (at most 168 registers a thread; the held row takes them to ~150), 4 with the others (at most 128; they take
+// ~110). The launcher runs up to that many (gemv.py's ONE_STEP_CTAS_PER_SM, ONE_STEP_PLAIN_CTAS_PER_SM).
+constexpr int one_step_ctas_per_sm(int prologue) { return prologue == kRmsNorm ? 3 : 4; }
 
 __device__ __forceinline__ float dot8(const uint4& w, const uint4& x, float acc) {
     const unsigned wv[4] = {w.x, w.y, w.z, w.w}, xv[4] = {x.x, x.y, x.z, x.w};
@@ -566,7 +567,8 @@ __device__ __forceinline__ void gemv(const void* x, long long x_stride, const in
         row::gemv<PROLOGUE, EPILOGUE, FREE_WARPS, false>(x, x_stride, x_rows, norm_w, eps, W, out, N, K, split,      \
                                                          early_trigger);                                              \
     }                                                                                                                 \
-    extern "C" __global__ void __launch_bounds__(row::kThreads, row::kOneStepCtasPerSm) gemv_row_##NAME##_1step(      \
+    extern "C" __global__ void __launch_bounds__(row::kThreads, row::one_step_ctas_per_sm(PROLOGUE))                \
+        gemv_row_##NAME##_1step(                                                                                      \
         const void* x, long long x_stride, const int* x_rows, const __nv_bfloat16* norm_w, float eps,                \
         const __nv_bfloat16* W, void* out, int N, int K, int split, int early_trigger) {                              \
         row::gemv<PROLOGUE, EPILOGUE, FREE_WARPS, true>(x, x_stride, x_rows, norm_w, eps, W, out, N, K, split,       \

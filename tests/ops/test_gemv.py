@@ -123,22 +123,26 @@ def test_plan_splits_fill_the_sms(monkeypatch):
     # 256 tiles of whole load steps on 264 slots rather than 512 of half-empty ones (ROW_SHORT_K_FILL)
     assert plan(1, 4096, 132, k=1024)[2:4] == (1, 256)
     assert plan(1, 1024, 132, k=2048)[2] == 4  # 128 tiles of split 2 would leave half the slots idle
-    # K = 4096 (8B): split 4 makes a tile one load step (PREFER_ONE_STEP), on up to 3 CTAs per SM
-    assert plan(1, 6144, 132, k=4096)[2:4] == (4, 396) and plan(1, 24576, 132, k=4096)[2:4] == (4, 396)
+    # K = 4096 (8B): split 4 makes a tile one load step (PREFER_ONE_STEP), on up to 3 CTAs per SM with the RMSNorm
+    # prologue (qkv), 4 without (o)
+    assert plan(1, 6144, 132, k=4096, normed=True)[2:4] == (4, 396) and plan(1, 4096, 132, k=4096)[2:4] == (4, 528)
     assert plan(1, 4096, 132, k=12288)[2:4] == (2, 264)  # no split makes it one step: 768 tiles, the looping entry
     name, _, split, grid, slices = plan(3, 151936, 132, k=1024)
     assert name == "gemv_mma_m8" and split == 2 and slices == 1 and grid == 132 * CTAS_PER_SM < 151936 / 64
     # the SiLU-and-mul epilogue pairs two row groups per tile: at most 2 warps share K
     assert plan(1, 1024, 132, paired=True)[2] == 2 and plan(1, 24576, 132, paired=True)[2] == 1
-    # a warp's share of K within one load step: the _1step entries, up to 3 CTAs per SM (0.6B gate/up: its 384 tiles
-    # in one round; lm_head: 396 CTAs); longer shares keep 2 CTAs per SM (8B gate/up: split <= 2)
-    assert G.ONE_STEP_CTAS_PER_SM == 3
-    assert plan(1, 6144, 132, paired=True, k=1024)[2:4] == (1, 384) and plan(1, 151936, 132, k=1024)[2:4] == (1, 396)
-    assert plan(1, 151936, 132, k=4096)[2:4] == (4, 396) and plan(1, 24576, 132, paired=True, k=4096)[2:4] == (1, 264)
+    # a warp's share of K within one load step: the _1step entries, up to 3 CTAs per SM with the RMSNorm prologue
+    # (0.6B gate/up: its 384 tiles in one round; lm_head: 396 CTAs); longer shares keep 2 CTAs per SM (8B gate/up:
+    # split <= 2)
+    assert (G.ONE_STEP_CTAS_PER_SM, G.ONE_STEP_PLAIN_CTAS_PER_SM) == (3, 4)
+    assert plan(1, 6144, 132, paired=True, k=1024)[2:4] == (1, 384)
+    assert plan(1, 151936, 132, k=1024, normed=True)[2:4] == (1, 396)
+    assert plan(1, 151936, 132, k=4096, normed=True)[2:4] == (4, 396)
+    assert plan(1, 24576, 132, paired=True, k=4096)[2:4] == (1, 264)
     assert G.one_load_step(1024, 1) and not G.one_load_step(1032, 1) and G.one_load_step(4096, 4)
     monkeypatch.setattr(G, "PREFER_ONE_STEP", False)  # the splits before: the looping entries on 2 CTAs per SM
     assert plan(1, 6144, 132, k=4096)[2:4] == (2, 264)  # 768 tiles on 264 CTAs: 97% busy
-    assert plan(1, 24576, 132, k=4096)[2] == 1 and plan(1, 151936, 132, k=4096)[2:4] == (1, 264)
+    assert plan(1, 24576, 132, k=4096)[2] == 1 and plan(1, 151936, 132, k=4096, normed=True)[2:4] == (1, 264)
 
 
 def test_every_row_entry_the_launcher_names_is_compiled():
@@ -181,7 +185,8 @@ def test_k_slices_bound_the_staged_x(monkeypatch):
 @pytest.mark.parametrize("stage_kb", [4, 48, 72, 1 << 20])
 def test_plan_is_a_valid_launch(monkeypatch, stage_kb):
     """Every plan the kernels can take: split a power of two dividing the CTA's warps (<= 2 when paired), the grid
-    a multiple of the slices and within CTAS_PER_SM per SM (ONE_STEP_CTAS_PER_SM for the _1step entries), a sliced warp's share of K at least two load steps."""
+    a multiple of the slices and within CTAS_PER_SM per SM (the _1step entries: their CTAs per SM), a sliced warp's
+    share of K at least two load steps."""
     monkeypatch.setattr(G, "STAGE_BYTES", stage_kb * 1024)
     for sms in (78, 114, 132):
         for m in (1, 2, 3, 8, 9, 16):
@@ -193,8 +198,11 @@ def test_plan_is_a_valid_launch(monkeypatch, stage_kb):
                     warps = threads // 32
                     assert split in (1, 2, 4, 8) and warps % split == 0, (m, n, k, split)
                     assert slices == k_slices(m, k)[0] and grid % slices == 0
-                    per_sm = G.ONE_STEP_CTAS_PER_SM if m == 1 and G.one_load_step(k, split) else CTAS_PER_SM
+                    one_step = m == 1 and G.one_load_step(k, split)
+                    per_sm = G.ONE_STEP_PLAIN_CTAS_PER_SM if one_step else CTAS_PER_SM
                     assert slices <= grid <= sms * per_sm or grid == slices
+                    if m == 1:  # the RMSNorm prologue's entries: at most 3 CTAs per SM
+                        assert plan(m, n, sms, False, k, normed=True)[3] <= sms * max(CTAS_PER_SM, 3)
                     if slices > 1 and split > 1:
                         assert k_slices(m, k)[1] >= 2 * split * 128
                     if m == 1 and n % 2 == 0:  # the SiLU-and-mul epilogue's pairs of row groups
@@ -289,6 +297,21 @@ def test_cuda_linear_add(rng, m, n, k):
     linear_add(Tensor.from_numpy(x), Tensor.from_numpy(w), res_t)
     want = add_rounded(residual, linear_reference(x, w))
     close(res_t.numpy() - residual, want - residual)
+
+
+@pytest.mark.gpu
+def test_cuda_one_step_entries_fit_the_planned_ctas_per_sm():
+    """The plan runs up to ONE_STEP_CTAS_PER_SM (RMSNorm prologue) / ONE_STEP_PLAIN_CTAS_PER_SM (the others) CTAs
+    of a _1step entry per SM: the compiled entries (gemv.cu's launch bounds) must fit that many at once."""
+    from cuda.bindings import driver
+
+    from xserv.runtime import kernel
+
+    for (prologue, _), suffix in G._ROW_ENTRY.items():
+        per_sm = G.ONE_STEP_CTAS_PER_SM if prologue == G._PROLOGUE["rmsnorm"] else G.ONE_STEP_PLAIN_CTAS_PER_SM
+        func = kernel("gemv", f"gemv_row_{suffix}_1step")._func
+        err, fit = driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(func, 128, G._smem(1, 4096))
+        assert err == driver.CUresult.CUDA_SUCCESS and fit >= per_sm, (suffix, fit, per_sm)
 
 
 @pytest.mark.gpu

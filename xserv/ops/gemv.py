@@ -45,10 +45,12 @@ EARLY_TRIGGER_BYTES = 16 << 20
 # At most 2 CTAs per SM: enough loads in flight for the bandwidth, and each CTA stages x (once) the fewest times.
 CTAS_PER_SM = 2
 # Where a warp's share of a row is one load step (one_load_step), the one-row kernel's _1step entries fit 3 CTAs per
-# SM (gemv.cu's kOneStepCtasPerSm) and the grid takes up to this many (the split still aims at two tiles per SM): the
-# 0.6B's gate/up projection runs its 384 tiles in one round instead of 1.45, its lm_head on 396 CTAs (gemv.md,
-# "v14"). A module attribute so that benchmarks can compare settings (tools/bench_decode --gemv-set).
-ONE_STEP_CTAS_PER_SM = 3
+# SM with the RMSNorm prologue and 4 with the others (gemv.cu's one_step_ctas_per_sm), and the grid takes up to
+# this many (the split still aims at two tiles per SM): the 0.6B's gate/up projection runs its 384 tiles in one
+# round instead of 1.45, its lm_head on 396 CTAs (gemv.md, "v14"). Module attributes so that benchmarks can compare
+# settings (tools/bench_decode --gemv-set).
+ONE_STEP_CTAS_PER_SM = 3  # the RMSNorm prologue's entries
+ONE_STEP_PLAIN_CTAS_PER_SM = 4  # the others'
 # The one-row plan takes the split that makes a tile one load step where the CTA's warps allow it (the 8B's qkv, o
 # and lm_head at K = 4096: split 4, against 2 / 2 / 1 for the looping entries): 8B +1.0% (gemv.md, "v14").
 PREFER_ONE_STEP = True
@@ -270,15 +272,16 @@ def _add_into_residual(name: str, x: Tensor, k: int, prologue: str, reference, w
 
 
 # ---- launch -------------------------------------------------------------------------------------------------------
-def plan(m: int, n: int, multiprocessor_count: int, paired: bool = False, k: int = 0) -> tuple[str, int, int, int, int]:
+def plan(m: int, n: int, multiprocessor_count: int, paired: bool = False, k: int = 0,
+         normed: bool = False) -> tuple[str, int, int, int, int]:
     """(kernel, threads, split, grid, slices): kernel = the base name (the launcher picks the entry: gemv_row's
     _<prologue>_<epilogue>[_1step], the mma kernel's _bf16_bf16 or _sliced), split = warps sharing a row group's K
     (the fewest that give every SM two tiles and keep the last round of tiles >= 90% full; for one row, one fewer
     where that one would leave a warp's load step part empty (ROW_SHORT_K_FILL), more where they make a tile one
     load step (PREFER_ONE_STEP)), slices = the K slices (k_slices; each CTA takes one and loops over the tiles),
-    grid = the CTAs, at most CTAS_PER_SM per multiprocessor (each stages its x once; ONE_STEP_CTAS_PER_SM for the
-    one-row kernel's one-step tiles). paired (the SiLU-and-mul epilogue, one row): a tile pairs gate and up row
-    groups, so split <= 2."""
+    grid = the CTAs, at most CTAS_PER_SM per multiprocessor (each stages its x once; for the one-row kernel's
+    one-step tiles ONE_STEP_CTAS_PER_SM with the RMSNorm prologue (normed), ONE_STEP_PLAIN_CTAS_PER_SM without).
+    paired (the SiLU-and-mul epilogue, one row; normed): a tile pairs gate and up row groups, so split <= 2."""
     if m == 1:
         name, warps, rows = "gemv_row", _ROW_WARPS, _ROW_ROWS
     else:
@@ -307,7 +310,7 @@ def plan(m: int, n: int, multiprocessor_count: int, paired: bool = False, k: int
     if m == 1 and PREFER_ONE_STEP and not one_load_step(k, split):  # more splits where they make a tile one step
         split = next((s for s in (2, 4) if split < s <= max_split and one_load_step(k, s)), split)
     if m == 1 and one_load_step(k, split):
-        slots = multiprocessor_count * ONE_STEP_CTAS_PER_SM
+        slots = multiprocessor_count * (ONE_STEP_CTAS_PER_SM if normed or paired else ONE_STEP_PLAIN_CTAS_PER_SM)
     return name, warps * 32, split, min(tiles(split), slots) * slices, slices
 
 
@@ -328,7 +331,7 @@ def _launch(prologue: str, x: Tensor, x_stride: int, rows: Tensor | None, norm_w
     if not aligned(x, weight) or (x_stride * x.dtype.itemsize) % 16:
         raise ValueError("gemv: x and weight must be 16-byte aligned with 16-byte aligned rows")
     paired = epilogue == _EPILOGUE["silu_mul"]
-    name, threads, split, grid, slices = plan(m, n, get_device().multiprocessor_count, paired, k)
+    name, threads, split, grid, slices = plan(m, n, get_device().multiprocessor_count, paired, k, prologue == "rmsnorm")
     slice_k = k_slices(m, k)[1]
     x_rows = rows if rows is not None else 0  # a null pointer: rows 0..m-1
     norm = norm_weight if norm_weight is not None else 0
