@@ -28,7 +28,7 @@
 //   gemv_mma_m8/16  2..16 x rows, tensor cores (mma.sync m16n8k16; see "the tensor-core GEMV" below), so 2 and 16
 //                   rows cost about the same: a CTA of 8 warps; a row group is 16 weight rows.
 // In both, the prologue stages the transformed x rows in shared memory once per CTA and the CTA then loops over
-// tiles (a persistent grid of at most 2 CTAs per SM); the mma kernel may deal K out to several CTAs ("K slices"
+// tiles (a persistent grid of at most 2 CTAs per SM; 3-4 for gemv_row's one-step tiles); the mma kernel may deal K out to several CTAs ("K slices"
 // below) so that a CTA stages only part of x. A tile is (warps / split) row groups; the `split` warps of
 // a row group divide K between them and add their partial sums through shared memory in a fixed order, so
 // results do not depend on timing.
@@ -269,11 +269,11 @@ __device__ __forceinline__ void fma_step(float (&acc)[kRows], const uint4 (&w)[k
 // two barriers per tile, so that over many tiles (the lm_head's 36 per CTA) one warp's reduction overlaps the other
 // warps' loads (only the lm_head's entry: in every entry it cost the step more than the lm_head gained).
 // ONE_STEP: a warp's share of a row is at most one load step (K <= 1024 * split; the launcher's choice), so a tile
-// is one load and one FMA step, in one register set: 111-150 registers a thread, 3 CTAs per SM, and each CTA's first
-// tile wholly loaded before the wait (the 0.6B's projections and lm_head: gemv.md, "v14"). Otherwise a tile loops
-// over load steps, and the first tile's first step has registers of its own, so that the compiler can issue the
-// loop's loads while that step's FMAs run (about 240 registers, 2 CTAs per SM; one register set there cost the 8B
-// 10% at 2 CTAs per SM).
+// is one load and one FMA step, in one register set: 106-150 registers a thread, 3-4 CTAs per SM, and each CTA's
+// first tile wholly loaded before the wait (the 0.6B's projections and lm_head, the 8B's qkv, o and lm_head at
+// split 4: gemv.md, "v14"). Otherwise a tile loops over load steps, and the first tile's first step has registers
+// of its own, so that the compiler can issue the loop's loads while that step's FMAs run (about 240 registers,
+// 2 CTAs per SM; one register set there cost the 8B 10% at 2 CTAs per SM).
 template <int prologue, int epilogue, bool FREE_WARPS, bool ONE_STEP>
 __device__ __forceinline__ void gemv(const void* x, long long x_stride, const int* x_rows,
                                      const __nv_bfloat16* norm_w, float eps, const __nv_bfloat16* __restrict__ W,

@@ -316,7 +316,7 @@ def plan(m: int, n: int, multiprocessor_count: int, paired: bool = False, k: int
 
 def one_load_step(k: int, split: int) -> bool:
     """Is a warp's share of a k-long row at most one of gemv_row's load steps (32 lanes x 4 chunks of 8 values)?
-    Then the launcher takes the row kernel's _1step entry (gemv.cu: one register set, 3 CTAs per SM)."""
+    Then the launcher takes the row kernel's _1step entry (gemv.cu: one register set, 3-4 CTAs per SM)."""
     return 0 < k <= split * 32 * _ROW_U * 8
 
 
@@ -336,7 +336,7 @@ def _launch(prologue: str, x: Tensor, x_stride: int, rows: Tensor | None, norm_w
     x_rows = rows if rows is not None else 0  # a null pointer: rows 0..m-1
     norm = norm_weight if norm_weight is not None else 0
     modes = (np.int32(_PROLOGUE[prologue]), np.int32(epilogue))
-    if m == 1:  # gemv_row_<prologue>_<epilogue>(x, x_stride, x_rows, norm_w, eps, W, out, N, K, split, early)
+    if m == 1:  # gemv_row_<prologue>_<epilogue>[_1step](x, x_stride, x_rows, norm_w, eps, W, out, N, K, split, early)
         name += "_" + _ROW_ENTRY[_PROLOGUE[prologue], epilogue] + ("_1step" if one_load_step(k, split) else "")
         args = (x, np.int64(x_stride), x_rows, norm, np.float32(eps32), weight, out, np.int32(n), np.int32(k),
                 np.int32(split), np.int32(n * k * 2 <= EARLY_TRIGGER_BYTES))
