@@ -77,3 +77,14 @@ def test_throughput_plot(bench, tmp_path):
                               str(png))
     assert code == 0, err
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("setting", ["NO_SUCH=1", "MMA_PREFERRED=1", "ROW_SHORT_K_FILL=a,b"])
+def test_bench_decode_rejects_a_bad_gemv_setting(capsys, setting):
+    """tools/bench_decode --gemv-set NAME=v1,v2 takes numeric plan attributes of xserv.ops.gemv only, and says so
+    before it loads a model."""
+    from tools.bench_decode import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--model", "/nowhere", "--gemv-set", setting])
+    assert exc.value.code == 2 and "--gemv-set" in capsys.readouterr().err

@@ -60,6 +60,13 @@ def main(argv=None) -> int:
     from xserv.ops.attention import decode
     from xserv.runtime import get_device, synchronize
 
+    setting, _, values = args.gemv_set.partition("=")
+    if setting and not isinstance(getattr(gemv, setting, None), (int, float)):
+        ap.error(f"--gemv-set: {setting!r} is not a numeric attribute of xserv.ops.gemv")
+    try:
+        set_values = [type(getattr(gemv, setting))(float(v)) for v in values.split(",")] if setting else [None]
+    except ValueError:
+        ap.error(f"--gemv-set: expected NAME=comma list of numbers, got {args.gemv_set!r}")
     sizes = [int(s) for s in args.batch_sizes.split(",")]
     max_len = args.context + args.warmup + args.steps + 8
     t = time.perf_counter()
@@ -98,28 +105,21 @@ def main(argv=None) -> int:
     for r in args.gemv_rule.split(","):
         if r not in rules:
             ap.error(f"--gemv-rule: unknown rule {r!r}; expected one of {', '.join(rules)}")
-    setting, _, values = args.gemv_set.partition("=")
-    if setting and not isinstance(getattr(gemv, setting, None), (int, float)):
-        ap.error(f"--gemv-set: {setting!r} is not a numeric attribute of xserv.ops.gemv")
-    try:
-        fills = [type(getattr(gemv, setting))(float(v)) for v in values.split(",")] if setting else [None]
-    except ValueError:
-        ap.error(f"--gemv-set: expected NAME=comma list of numbers, got {args.gemv_set!r}")
     runs = [(k, a, sp, r, f, bs) for _ in range(args.rounds) for k in kernels for a in modes for sp in split_list
-            for r in args.gemv_rule.split(",") for f in fills for bs in sizes]
+            for r in args.gemv_rule.split(",") for f in set_values for bs in sizes]
     probe = np.random.default_rng(1).integers(0, 150000, args.context).tolist()
     first_tokens = None
-    for kernel, mode, splits, rule, fill, bs in runs:
+    for kernel, mode, splits, rule, set_value, bs in runs:
         fused = mode == "fused"
         model = llm.model
         current = getattr(gemv, setting) if setting else None
-        if ((fused, kernel, splits, rules[rule], fill) != (model.fused_attention, decode.DEFAULT_DECODE, forced,
-                                                           gemv.MMA_PREFERRED, current)):  # in the graphs
+        if ((fused, kernel, splits, rules[rule], set_value)
+                != (model.fused_attention, decode.DEFAULT_DECODE, forced, gemv.MMA_PREFERRED, current)):  # in the graphs
             model.fused_attention, forced = fused, splits
             decode.DEFAULT_DECODE = kernel
             gemv.MMA_PREFERRED = rules[rule]
             if setting:
-                setattr(gemv, setting, fill)
+                setattr(gemv, setting, set_value)
             if not args.no_cuda_graphs:
                 eng.runner.graphs.clear()
                 eng.runner.capture_decode_graphs()
@@ -145,7 +145,8 @@ def main(argv=None) -> int:
             same = f"  {args.tokens} greedy tokens " + ("as the first" if tokens == first_tokens else
                                                          f"DIFFER from the first at {_first_diff(tokens, first_tokens)}")
         print(f"{bs:>6}{dt * 1e3:>10.3f}{bs / dt:>12.1f}{1 / dt:>12.1f}{weight_bytes / dt / 1e9:>14.1f}"
-              f"{mode:>11}{kernel:>8}{splits or 'plan':>7}{rule:>8}{'' if fill is None else fill:>10}{same}")
+              f"{mode:>11}{kernel:>8}{splits or 'plan':>7}{rule:>8}{'' if set_value is None else set_value:>10}"
+              f"{same}")
     return 0
 
 
