@@ -113,8 +113,8 @@ def main(argv=None) -> int:
         fused = mode == "fused"
         model = llm.model
         current = getattr(gemv, setting) if setting else None
-        if ((fused, kernel, splits, rules[rule], set_value)
-                != (model.fused_attention, decode.DEFAULT_DECODE, forced, gemv.MMA_PREFERRED, current)):  # in the graphs
+        wanted = (fused, kernel, splits, rules[rule], set_value)
+        if wanted != (model.fused_attention, decode.DEFAULT_DECODE, forced, gemv.MMA_PREFERRED, current):  # graphs'
             model.fused_attention, forced = fused, splits
             decode.DEFAULT_DECODE = kernel
             gemv.MMA_PREFERRED = rules[rule]
@@ -144,9 +144,9 @@ def main(argv=None) -> int:
             first_tokens = tokens if first_tokens is None else first_tokens
             same = f"  {args.tokens} greedy tokens " + ("as the first" if tokens == first_tokens else
                                                          f"DIFFER from the first at {_first_diff(tokens, first_tokens)}")
+        shown = "" if set_value is None else set_value
         print(f"{bs:>6}{dt * 1e3:>10.3f}{bs / dt:>12.1f}{1 / dt:>12.1f}{weight_bytes / dt / 1e9:>14.1f}"
-              f"{mode:>11}{kernel:>8}{splits or 'plan':>7}{rule:>8}{'' if set_value is None else set_value:>10}"
-              f"{same}")
+              f"{mode:>11}{kernel:>8}{splits or 'plan':>7}{rule:>8}{shown:>10}{same}")
     return 0
 
 
