@@ -3,7 +3,7 @@
     python -m tools.bench_decode --model DIR [--context 512 --steps 256 --batch-sizes 1,8,32]
                                  [--attention fused,pair] [--decode-kernels v4,v4s4] [--rounds 2]
                                  [--decode-splits plan,32,47,64] [--gemv-rule cublas,small]
-                                 [--gemv-set PAIRED_CTAS_PER_SM=2,3]
+                                 [--gemv-set ONE_STEP_PLAIN_CTAS_PER_SM=3,4]
                                  [--tokens 32]
 
 Times the engine's decode steps after the prefill (CUDA graphs unless --no-cuda-graphs), greedy sampling on the
@@ -47,7 +47,8 @@ def main(argv=None) -> int:
                          "narrow), timed one after the other")
     ap.add_argument("--gemv-set", default="",
                     help="NAME=v1,v2: settings of a numeric plan attribute of xserv.ops.gemv (ROW_SHORT_K_FILL, "
-                         "PAIRED_CTAS_PER_SM, EARLY_TRIGGER_BYTES, ...), timed one after the other")
+                         "ONE_STEP_PLAIN_CTAS_PER_SM, PREFER_ONE_STEP, EARLY_TRIGGER_BYTES, ...), timed one after "
+                         "the other")
     ap.add_argument("--rounds", type=int, default=1,
                     help="repeat the whole list this many times (alternating A/B figures in one process)")
     ap.add_argument("--tokens", type=int, default=0,
@@ -113,8 +114,8 @@ def main(argv=None) -> int:
         fused = mode == "fused"
         model = llm.model
         current = getattr(gemv, setting) if setting else None
-        wanted = (fused, kernel, splits, rules[rule], set_value)
-        if wanted != (model.fused_attention, decode.DEFAULT_DECODE, forced, gemv.MMA_PREFERRED, current):  # graphs'
+        wanted = (fused, kernel, splits, rules[rule], set_value)  # the decode graphs hold these: capture them again
+        if wanted != (model.fused_attention, decode.DEFAULT_DECODE, forced, gemv.MMA_PREFERRED, current):
             model.fused_attention, forced = fused, splits
             decode.DEFAULT_DECODE = kernel
             gemv.MMA_PREFERRED = rules[rule]
