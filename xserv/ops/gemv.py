@@ -29,7 +29,8 @@ from .rmsnorm import rmsnorm_reference
 
 MAX_M = 16
 # Launch shapes of the two kernels (gemv.cu): warps per CTA, weight rows per row group, the row-padding of staged x.
-_ROW_WARPS, _ROW_ROWS, _ROW_U = 4, 4, 4  # gemv_row (m = 1); _ROW_U: 16-byte chunks per row a lane loads a step
+_ROW_WARPS, _ROW_ROWS = 4, 4  # gemv_row (m = 1)
+_ROW_STEP_K = 32 * 4 * 8  # gemv_row: K values one load step of a warp covers (32 lanes x 4 16-byte chunks)
 _MMA_WARPS, _MMA_ROWS, _MMA_PAD = 8, 16, 32  # gemv_mma_m8 / _m16
 # The staged x rows live in shared memory; two CTAs of this size still fit an SM's 227 KB.
 SMEM_LIMIT = 112 * 1024
@@ -293,7 +294,7 @@ def plan(m: int, n: int, multiprocessor_count: int, paired: bool = False, k: int
     def tiles(s: int) -> int:
         return cdiv(n, rows * (warps // s))
 
-    step_k = 32 * 4 * (8 if m == 1 else 1)  # lanes x kU x (values per 16-byte chunk / per mma block lane)
+    step_k = _ROW_STEP_K if m == 1 else 32 * 4  # K values a warp's load step covers (mma: lanes x kU blocks)
     if slices > 1:  # a warp's share of a slice keeps at least two load steps (split: a power of two)
         while max_split > 1 and slice_k < 2 * max_split * step_k:
             max_split //= 2
@@ -317,7 +318,7 @@ def plan(m: int, n: int, multiprocessor_count: int, paired: bool = False, k: int
 def one_load_step(k: int, split: int) -> bool:
     """Is a warp's share of a k-long row at most one of gemv_row's load steps (32 lanes x 4 chunks of 8 values)?
     Then the launcher takes the row kernel's _1step entry (gemv.cu: one register set, 3-4 CTAs per SM)."""
-    return 0 < k <= split * 32 * _ROW_U * 8
+    return 0 < k <= split * _ROW_STEP_K
 
 
 _workspaces: list[Tensor] = []  # K-slice partial sums (pooled_buffer: kept for the life of the process)
