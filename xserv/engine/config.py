@@ -21,7 +21,9 @@ class EngineConfig:
     requests with the same prefix. overlap_steps: launch a decode step before the previous one's tokens are back on
     the host (the GPU never waits for the host between decode steps). prefill_graph_tokens: with cuda_graphs, a
     step that is one sequence's prompt chunk of at most this many tokens and nothing else replays a captured prefill
-    graph (0: prefill always runs eagerly). seed: the sampling seed of requests that give none."""
+    graph (0: prefill always runs eagerly). seed: the sampling seed of requests that give none (each such request
+    gets seed * 1,000,003 + its id); None, the default: each of them gets a fresh seed from the OS's entropy, so
+    unseeded sampling differs from run to run, as in every other engine."""
 
     max_model_len: int | None = None
     kv_cache_tokens: int | None = None
@@ -33,7 +35,7 @@ class EngineConfig:
     prefill_graph_tokens: int = 512
     enable_prefix_caching: bool = True
     overlap_steps: bool = True
-    seed: int = 0
+    seed: int | None = None
 
     def __post_init__(self):
         for name in ("max_model_len", "kv_cache_tokens", "max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -48,8 +50,8 @@ class EngineConfig:
         f = self.gpu_memory_fraction
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
             raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {f!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
 
     def batched_tokens(self, device: str) -> int:
         """The per-forward token budget on `device` (never below max_num_seqs: a decode step must fit)."""

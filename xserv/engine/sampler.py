@@ -7,6 +7,8 @@ sequence) lives next to the logits, in rows indexed by the sequence's slot; the 
 Only token ids (and the logprobs a request asks for) come back to the host, after the step's one sync."""
 from __future__ import annotations
 
+import secrets
+
 import numpy as np
 
 from ..ops import sampling as op
@@ -22,7 +24,7 @@ def uses_penalties(params) -> bool:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, max_rows: int, device: str, engine_seed: int = 0):
+    def __init__(self, vocab_size: int, max_rows: int, device: str, engine_seed: int | None = None):
         self.vocab_size = vocab_size
         self.device = device
         self.engine_seed = engine_seed
@@ -47,8 +49,13 @@ class Sampler:
             self._copied_pending = False
 
     def request_seed(self, seq_id: int, seed: int | None) -> int:
-        """A request's own seed, or one derived from the engine's seed and the request id."""
-        return seed if seed is not None else (self.engine_seed * _SEED_MIX + seq_id) % 2**64
+        """A request's own seed; else one derived from the engine's seed and the request id; else (no engine seed)
+        a fresh one from the OS's entropy."""
+        if seed is not None:
+            return seed
+        if self.engine_seed is None:
+            return secrets.randbits(64)
+        return (self.engine_seed * _SEED_MIX + seq_id) % 2**64
 
     def sample(self, logits: Tensor, seqs, ahead: int = 0) -> "SampleResult":
         """Launch sampling of one token per row of `logits` (row i belongs to seqs[i]). Asynchronous on CUDA: the
