@@ -88,6 +88,14 @@ def test_generate(runs):
     assert r.stdout == " red gree\n"
 
 
+@pytest.mark.parametrize("name", ["generate", "chat"])
+def test_no_progress_bars_on_piped_stderr(runs, name):
+    """stderr is a pipe here: a progress bar (loading weights) would leave carriage-return junk in it (read as
+    text, each carriage return arrives as a newline: the bar's own "N%|" is what shows)."""
+    err = runs[name].stderr
+    assert "\r" not in err and "%|" not in err and "loading weights" not in err, err
+
+
 def test_broken_pipe_exits_quietly(runs):
     head, code, err = runs["broken_pipe"]
     assert head == b" one two t"

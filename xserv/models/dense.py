@@ -192,11 +192,9 @@ class DenseModel:
         model_fields: dict[str, Tensor] = {}
         layer_fields: list[dict[str, Tensor]] = [{} for _ in range(config.num_hidden_layers)]
 
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
+        from ..progress import progress_bar
 
-            bar = tqdm(total=len(table), desc="loading weights", unit="tensor", leave=False)
+        bar = progress_bar(len(table), "loading weights", enabled=progress, unit="tensor", leave=False)
         try:
             for w in table:
                 fields = model_fields if w.layer is None else layer_fields[w.layer]

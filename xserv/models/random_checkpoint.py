@@ -188,7 +188,8 @@ def make_test_model(preset: str | DenseConfig, out_dir, seed: int = 0, *, dtype:
 
     preset: a name from xserv.models.config.PRESET_NAMES ('tiny', '0.6b', ..., 'llama3-1b', ...) or a config
     object. overrides: config.json fields to change (e.g. {"tie_word_embeddings": False, "num_hidden_layers": 1}).
-    perturb_norms=False gives transformers' all-ones norm weights. The folder is built next to out_dir and renamed
+    perturb_norms=False gives transformers' all-ones norm weights. progress: a bar when stderr is a terminal (None:
+    for checkpoints over 256 MiB; False: never). The folder is built next to out_dir and renamed
     into place, so a reader never sees a half-written model."""
     if isinstance(preset, DenseConfig):
         d = preset.to_dict()
@@ -216,12 +217,10 @@ def make_test_model(preset: str | DenseConfig, out_dir, seed: int = 0, *, dtype:
         (tmp / "generation_config.json").write_text(json.dumps(generation_config_dict(config), indent=2) + "\n")
         for name in TOKENIZER_FILES:
             shutil.copyfile(presets_dir() / "tokenizer" / name, tmp / name)
-        bar = None
-        show = progress if progress is not None else (total > 256 * 1024**2)
-        if show:
-            from tqdm import tqdm
+        from ..progress import progress_bar
 
-            bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"writing {out.name}")
+        bar = progress_bar(total, f"writing {out.name}", unit="B", unit_scale=True, unit_divisor=1024,
+                           enabled=progress if progress is not None else total > 256 * 1024**2)
         try:
             write_sharded(tmp, entries, parse_size(shard_size), bar)
         finally:

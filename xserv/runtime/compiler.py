@@ -277,16 +277,15 @@ def compile_families(families: list[str], arch: str, use_cache: bool = True, wor
 
 def ensure_compiled(arch: str, progress: bool = True) -> list[str]:
     """Compile every family missing from the disk cache (a first run takes seconds; later starts load the cubins in
-    milliseconds), on parallel threads, with a progress bar. Returns the families compiled."""
+    milliseconds), on parallel threads, with a progress bar when stderr is a terminal. Returns the families
+    compiled."""
     todo = missing_families(arch)
     if not todo:
         return []
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm  # only a first start draws a bar
+    from ..progress import progress_bar  # only a first start on a terminal draws a bar
 
-        bar = tqdm(total=len(todo), desc=f"compiling CUDA kernels for {arch} (first run; cached in {cache_dir()})",
-                   unit="family", leave=False)
+    bar = progress_bar(len(todo), f"compiling CUDA kernels for {arch} (first run; cached in {cache_dir()})",
+                       enabled=progress, unit="family", leave=False)
     try:
         compile_families(todo, arch, on_done=None if bar is None else lambda *done: bar.update(1))
     finally:
