@@ -264,6 +264,22 @@ def test_errors_are_one_line(cli, tiny_model_dir, args, needle):  # noqa: F811
     assert len(error_lines) == 1 and needle in error_lines[0], err
 
 
+@pytest.mark.parametrize("command", ["generate", "chat"])
+@pytest.mark.parametrize("option, value", [
+    ("--max-num-seqs", "0"), ("--max-num-seqs", "-3"), ("--max-model-len", "0"), ("--kv-cache-tokens", "-1"),
+    ("--max-num-batched-tokens", "0"), ("--prefill-graph-tokens", "-1"), ("--gpu-memory-fraction", "0"),
+    ("--gpu-memory-fraction", "1.5"), ("--gpu-memory-fraction", "nan"),
+])
+def test_engine_sizes_out_of_range_are_usage_errors(cli, tiny_model_dir, command, option, value):  # noqa: F811
+    """Not silently the default (`--max-num-seqs 0` once meant 256): argparse's usage error naming the option, before
+    the model loads."""
+    prompt = ["--prompt", "Hi"] if command == "generate" else []
+    code, _, err = cli(command, "--model", str(tiny_model_dir), "--device", "cpu", *prompt, option, value,
+                       stdin="/exit\n")
+    assert code == 2 and f"argument {option}: must be" in err, err
+    assert "loading" not in err and "Traceback" not in err, err
+
+
 def test_unsupported_architecture(cli, tiny_model_dir, tmp_path):  # noqa: F811
     import json
     import shutil

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from dataclasses import dataclass
 
 # Defaults that depend on the device (the NumPy backend is for tiny models).
@@ -48,7 +49,9 @@ class EngineConfig:
         if isinstance(p, bool) or not isinstance(p, int) or p < 0:
             raise ValueError(f"prefill_graph_tokens must be an integer >= 0, got {p!r}")
         f = self.gpu_memory_fraction
-        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f):
+            raise ValueError(f"gpu_memory_fraction must be a finite number, got {f!r}")
+        if not 0 < f <= 1:
             raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {f!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
@@ -66,27 +69,64 @@ class EngineConfig:
         """The engine options of every `xserv` command that loads a model (`max_num_seqs` overrides its default)."""
         d = EngineConfig()
         g = p.add_argument_group("engine")
-        g.add_argument("--max-model-len", type=int, default=None, metavar="N",
+        g.add_argument("--max-model-len", type=_positive_int, default=None, metavar="N",
                        help="longest sequence, prompt + output (default: the model's context, capped by the KV cache)")
-        g.add_argument("--kv-cache-tokens", type=int, default=None, metavar="N",
+        g.add_argument("--kv-cache-tokens", type=_positive_int, default=None, metavar="N",
                        help="KV cache size in tokens (default: from free memory)")
-        g.add_argument("--max-num-seqs", type=int, default=max_num_seqs, metavar="N",
+        g.add_argument("--max-num-seqs", type=_positive_int, default=max_num_seqs, metavar="N",
                        help=f"sequences decoded together (default {max_num_seqs or d.max_num_seqs})")
-        g.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+        g.add_argument("--max-num-batched-tokens", type=_positive_int, default=None, metavar="N",
                        help="tokens in one forward pass (default 16384 on a GPU, 2048 on the CPU)")
-        g.add_argument("--gpu-memory-fraction", type=float, default=d.gpu_memory_fraction, metavar="F",
-                       help=f"share of free GPU memory for the KV cache (default {d.gpu_memory_fraction})")
+        g.add_argument("--gpu-memory-fraction", type=_fraction, default=d.gpu_memory_fraction, metavar="F",
+                       help=f"share of free GPU memory for the KV cache, in (0, 1] (default {d.gpu_memory_fraction})")
         g.add_argument("--no-prefix-caching", action="store_true", help="do not share KV blocks between requests")
         g.add_argument("--no-cuda-graphs", action="store_true",
                        help="run every step eagerly (no CUDA graphs for decode or short prefills)")
-        g.add_argument("--prefill-graph-tokens", type=int, default=d.prefill_graph_tokens, metavar="N",
+        g.add_argument("--prefill-graph-tokens", type=_non_negative_int, default=d.prefill_graph_tokens, metavar="N",
                        help="prompt chunks of up to N tokens alone in a step replay a CUDA graph "
                             f"(default {d.prefill_graph_tokens}; 0: prefill always eager)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
+        """The config of the parsed options (argparse has already refused zero or negative sizes, naming the
+        option; an option left out, None, takes the field's default)."""
+        max_num_seqs = cls.max_num_seqs if args.max_num_seqs is None else args.max_num_seqs
         return cls(max_model_len=args.max_model_len, kv_cache_tokens=args.kv_cache_tokens,
-                   max_num_seqs=args.max_num_seqs or cls.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                   max_num_seqs=max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                    gpu_memory_fraction=args.gpu_memory_fraction, cuda_graphs=not args.no_cuda_graphs,
                    prefill_graph_tokens=getattr(args, "prefill_graph_tokens", cls.prefill_graph_tokens),
                    enable_prefix_caching=not args.no_prefix_caching)
+
+
+# argparse types: a bad value is a usage error naming the option ("argument --max-num-seqs: must be ..."), exit 2
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+
+
+def _positive_int(text: str) -> int:
+    value = _integer(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = _integer(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be finite, got {text}")
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
