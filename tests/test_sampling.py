@@ -192,6 +192,15 @@ def test_invalid_params(kwargs, word):
         SamplingParams(**kwargs)
 
 
+@pytest.mark.parametrize("name", ["temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                                  "frequency_penalty"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf"), np.float32("nan")])
+def test_non_finite_params_say_finite(name, value):
+    """Not a range message ("must be in (0, 1], got nan" reads as if nan were a number out of range)."""
+    with pytest.raises(ValueError, match=f"^{name} must be finite, got (nan|inf|-inf)$"):
+        SamplingParams(**{name: value})
+
+
 def test_params_normalised():
     p = SamplingParams(stop="END", stop_token_ids=(5, 7), top_k=-1, temperature=0)
     assert p.stop == ["END"] and p.stop_token_ids == [5, 7] and p.greedy

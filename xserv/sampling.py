@@ -35,8 +35,10 @@ class SamplingParams:
     def __post_init__(self):
         def number(name):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or math.isnan(v):
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
                 raise ValueError(f"{name} must be a number, got {v!r}")
+            if not math.isfinite(v):  # nan compares false with every bound: say what is wrong, not the range
+                raise ValueError(f"{name} must be finite, got {float(v)}")
             object.__setattr__(self, name, float(v))
             return float(v)
 
@@ -48,7 +50,7 @@ class SamplingParams:
             return int(v)
 
         t = number("temperature")
-        if not t >= 0 or math.isinf(t):
+        if t < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {t}")
         k = integer("top_k")
         if k < -1:
@@ -60,7 +62,7 @@ class SamplingParams:
         if not 0 <= mp <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {mp}")
         rp = number("repetition_penalty")
-        if not rp > 0 or math.isinf(rp):
+        if rp <= 0:
             raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {rp}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = number(name)
