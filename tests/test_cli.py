@@ -107,6 +107,10 @@ def test_chat_session(runs):
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     assert r.stdout.split(">>> ") == [""] + [want for _, want in CHAT_TURNS]
     assert r.stderr.count("tok/s") == sum(not turn.startswith("/") for turn, _ in CHAT_TURNS)
+    # " flag flag flag" is cut by --max-tokens 3, " no" ends on its own
+    assert r.stderr.count("[stopped: --max-tokens 3 reached]") == sum(want == " flag flag flag" for _, want in
+                                                                      CHAT_TURNS), r.stderr
+    assert "context" not in r.stderr, r.stderr
 
 
 # ---- in this process ---------------------------------------------------------------------------------------------
@@ -135,6 +139,7 @@ def generate(loaded, scripted_model, monkeypatch, capsys):  # noqa: F811
         code = main(["generate", "--model", str(scripted_model.path), "--device", "cpu", *args])
         out, err = capsys.readouterr()
         assert code == 0, err
+        run.err = err
         return out
     return run
 
@@ -144,6 +149,14 @@ def test_generate_stopping_flags(generate):
     assert generate("-p", "Count:", "-t", "0", "--max-tokens", "2") == " one two\n"
     assert generate("-p", "Count:", "-t", "0", "--ignore-eos", "--max-tokens", "7") == " one two three four five six\n"
     assert generate("-p", "Count:", "-t", "0", "--stop", " three") == " one two\n"
+
+
+def test_generate_says_what_cut_the_reply(generate):
+    """A reply cut short says so on stderr, after the answer: by --max-tokens here (the context's end: below)."""
+    assert generate("-p", "Count:", "-t", "0", "--max-tokens", "2") == " one two\n"
+    assert "[stopped: --max-tokens 2 reached]" in generate.err and "context" not in generate.err, generate.err
+    assert generate("-p", "Count:", "-t", "0") == " one two three four\n"  # ended by <|im_end|>: no note
+    assert "stopped" not in generate.err, generate.err
 
 
 def test_generate_repetition_penalty(generate):
@@ -169,11 +182,13 @@ def test_generate_prompt_file(generate, tmp_path):
 
 
 def test_generate_engine_flags_reach_the_engine(scripted_model, capsys):  # noqa: F811
-    """Loads the model itself (no shared model): --max-model-len 4 leaves room for two tokens after "Count:"."""
+    """Loads the model itself (no shared model): --max-model-len 4 leaves room for two tokens after "Count:", and
+    the note on stderr says that the context's end cut the reply (not --max-tokens, 256 by default)."""
     code = main(["generate", "--model", str(scripted_model.path), "--device", "cpu", "-p", "Count:", "-t", "0",
                  "--max-model-len", "4", "--kv-cache-tokens", "64", "--max-num-seqs", "1", "--no-prefix-caching"])
     out, err = capsys.readouterr()
     assert code == 0 and out == " one two\n", err
+    assert err.rstrip().endswith("[stopped: the context of 4 tokens is full]"), err
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -252,16 +267,52 @@ def test_generate_without_a_model_uses_the_bundled_tiny_one(cli, tmp_path, monke
 
 @pytest.mark.parametrize("args, needle", [
     (["--model", "/no/such/model"], "not found"),
-    (["--temperature", "-1"], "temperature"),
-    (["--top-p", "1.5"], "top_p"),
-    (["--max-tokens", "0"], "max_tokens"),
+    (["--temperature", "-1"], "--temperature must be >= 0"),
+    (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
+    (["--max-tokens", "0"], "--max-tokens must be >= 1"),
+    # not a range message for inf / nan
+    (["--temperature", "inf"], "--temperature must be finite, got inf"),
+    (["-t", "nan"], "--temperature must be finite, got nan"),
+    (["--top-p", "nan"], "--top-p must be finite, got nan"),
+    (["--min-p=-inf"], "--min-p must be finite, got -inf"),
+    (["--repetition-penalty", "inf"], "--repetition-penalty must be finite, got inf"),
+    # the library's Python names come out as the flags
+    (["--max-model-len", "10000000"], "--max-model-len 10000000 is longer than the model's context"),
+    (["--prompt", "one two three four five six"], "tokens (--max-model-len)"),  # with --max-model-len 4: below
 ])
 def test_errors_are_one_line(cli, tiny_model_dir, args, needle):  # noqa: F811
+    if "--prompt" in args:
+        args = [*args, "--max-model-len", "4"]
     code, _, err = cli("generate", "--model", str(tiny_model_dir), "--device", "cpu", "--prompt", "Hi", *args)
     assert code == 2
     assert "Traceback" not in err
     error_lines = [line for line in err.splitlines() if "error" in line]
     assert len(error_lines) == 1 and needle in error_lines[0], err
+    assert "_" not in error_lines[0].replace("max_position_embeddings", ""), err  # no Python name left
+
+
+def test_device_errors_name_the_flag(cli, tiny_model_dir, monkeypatch):  # noqa: F811
+    """`--device cuda` without a GPU: the CLI's words (`--device cpu`), not the library's (`device='cpu'`)."""
+    import xserv.runtime
+
+    monkeypatch.setattr(xserv.runtime, "cuda_available", lambda: False)
+    code, _, err = cli("generate", "--model", str(tiny_model_dir), "--device", "cuda", "--prompt", "Hi")
+    assert code == 2 and "use --device cpu" in err and "device=" not in err, err
+
+
+def test_chat_says_the_context_is_full(cli, scripted_model):  # noqa: F811
+    """A chat answer cut by the context's end says so (and how to go on); a turn that no longer fits names the flag
+    that sets the context."""
+    from xserv.tokenizer import Tokenizer
+
+    prompt = Tokenizer.from_folder(scripted_model.path).apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, enable_thinking=False)
+    context = len(Tokenizer.from_folder(scripted_model.path).encode(prompt)) + 2
+    code, out, err = cli("chat", "--model", str(scripted_model.path), "--device", "cpu", "-t", "0", "--ignore-eos",
+                         "--no-enable-thinking", "--max-model-len", str(context), stdin="hi\nhi again\n/exit\n")
+    assert code == 0, err
+    assert f"[stopped: the context of {context} tokens is full; /reset starts over]" in err, err
+    assert "(--max-model-len) and at least one must be left to generate (/reset starts over)" in out, out
 
 
 @pytest.mark.parametrize("command", ["generate", "chat"])

@@ -156,6 +156,17 @@ def read_prompt(args) -> str:
         raise ValueError(f"prompt file {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
+def length_note(output, max_tokens: int, max_model_len: int) -> str | None:
+    """What cut a reply whose finish_reason is "length": --max-tokens, or the context (--max-model-len, or the
+    model's own context) being full; None for any other ending."""
+    if output.finish_reason != "length":
+        return None
+    num_output = len(output.token_ids)
+    if num_output < max_tokens and len(output.prompt_token_ids) + num_output >= max_model_len:
+        return f"stopped: the context of {max_model_len} tokens is full"
+    return f"stopped: --max-tokens {max_tokens} reached"
+
+
 def cmd_generate(args) -> int:
     _sampling_params(args)  # bad values are reported before the model loads
     prompt = read_prompt(args)
@@ -168,6 +179,10 @@ def cmd_generate(args) -> int:
         sys.stdout.write(delta)
         sys.stdout.flush()
     sys.stdout.write("\n")
+    sys.stdout.flush()
+    note = length_note(stream.output, params.max_tokens, llm.max_model_len)
+    if note:
+        print(f"[{note}]", file=sys.stderr)
     return 0
 
 
@@ -220,7 +235,7 @@ def cmd_chat(args) -> int:
             stream = llm.stream(prompt, params)
         except ValueError as e:  # e.g. the conversation outgrew the context
             history.pop()
-            print(f"xserv: {e} (/reset starts over)")
+            print(f"xserv: {cli_words(str(e), getattr(args, 'option_flags', {}))} (/reset starts over)")
             continue
         answer, interrupted, start = [], False, time.perf_counter()
         try:
@@ -237,6 +252,10 @@ def cmd_chat(args) -> int:
         note = "interrupted, " if interrupted else ""
         rate = n / elapsed if elapsed > 0 else 0.0
         print(f"\n[{note}{n} tokens, {rate:.1f} tok/s]", file=sys.stderr, flush=True)
+        stopped = None if interrupted else length_note(stream.output, params.max_tokens, llm.max_model_len)
+        if stopped:
+            hint = "; /reset starts over" if "context" in stopped else ""
+            print(f"[{stopped}{hint}]", file=sys.stderr, flush=True)
 
 
 def _discard_stdout() -> None:
@@ -249,12 +268,45 @@ def _discard_stdout() -> None:
         pass
 
 
+def option_flags(parser: argparse.ArgumentParser, args) -> dict[str, str]:
+    """{Python name: long flag} of the options of the command `args` ran (`bench X` included), e.g.
+    {"max_model_len": "--max-model-len", "device": "--device"}."""
+    flags: dict[str, str] = {}
+    for name in (getattr(args, "command", None), getattr(args, "bench_command", None)):
+        sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        if sub is None or name not in sub.choices:
+            break
+        parser = sub.choices[name]
+        for action in parser._actions:
+            long = [o for o in action.option_strings if o.startswith("--")]
+            if long and action.dest != "help":
+                flags.setdefault(action.dest, long[0])
+    return flags
+
+
+def cli_words(message: str, flags: dict[str, str]) -> str:
+    """A library message in the command line's words, for the options in `flags`: `device='cpu'` -> `--device
+    cpu`; a Python name with an underscore (`max_model_len`) -> its flag; a message that starts with an option's
+    name ("temperature must be ...") starts with its flag."""
+    import re
+
+    if not flags:
+        return message
+    names = "|".join(sorted(map(re.escape, flags), key=len, reverse=True))
+    message = re.sub(rf"(?<![\w.-])({names})=(['\"]?)([\w.+-]*)\2",
+                     lambda m: f"{flags[m.group(1)]} {m.group(3)}", message)
+    message = re.sub(rf"(?<![\w.-])({names})(?![\w=-])",
+                     lambda m: flags[m.group(1)] if "_" in m.group(1) else m.group(1), message)
+    return re.sub(rf"^({names}) must ", lambda m: f"{flags[m.group(1)]} must ", message)
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE
+    args.option_flags = option_flags(parser, args)
     try:
         if args.command == "generate":
             return cmd_generate(args)
@@ -278,10 +330,10 @@ def main(argv=None) -> int:
         _discard_stdout()
         return EXIT_BROKEN_PIPE
     except (ValueError, FileNotFoundError, NotADirectoryError, PermissionError) as e:
-        print(f"xserv: error: {e}", file=sys.stderr)
+        print(f"xserv: error: {cli_words(str(e), args.option_flags)}", file=sys.stderr)
         return EXIT_USAGE
     except RuntimeError as e:
-        print(f"xserv: error: {e}", file=sys.stderr)
+        print(f"xserv: error: {cli_words(str(e), args.option_flags)}", file=sys.stderr)
         return 1
     return 0
 
