@@ -362,6 +362,23 @@ def test_help_lists_commands_and_options(capsys):
         assert flag in out
 
 
+def test_version(cli, monkeypatch):
+    import importlib.metadata
+    import re
+
+    import xserv
+
+    code, out, err = cli("--version")
+    assert code == 0 and out == f"xserv {importlib.metadata.version('xserv')}\n", (out, err)
+    assert re.fullmatch(r"xserv \d+\.\d+\.\d+\S*\n", out), out
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)  # a source tree run without an install
+    assert cli("--version")[:2] == (0, f"xserv {xserv.__version__}\n")
+
+
 def test_chat_ctrl_c_stops_the_answer_not_the_session(tiny_model_dir):  # noqa: F811
     import signal
     import threading

@@ -51,10 +51,34 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
                    help="let the chat template open a <think> block (Qwen3's thinking mode; default on)")
 
 
+def version() -> str:
+    """The installed distribution's version (package metadata), else the source tree's xserv.__version__."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("xserv")
+    except metadata.PackageNotFoundError:  # run from a source tree that is not installed
+        from . import __version__
+
+        return __version__
+
+
+class _VersionAction(argparse.Action):
+    """`--version`: reads the package metadata only when asked (argparse's own action wants the text up front)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"xserv {version()}")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="xserv", description="xserv: a Qwen3 inference engine with its own CUDA kernels.",
         epilog="Run `xserv COMMAND --help` for a command's options.")
+    parser.add_argument("--version", action=_VersionAction, help="print xserv's version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     gen = sub.add_parser("generate", help="generate a completion for one prompt and print it",
