@@ -1,15 +1,24 @@
-"""The library entry point: `LLM(model).generate(prompts, SamplingParams(...))`, chat, streaming and logits."""
+"""The library entry point: `LLM(model).generate(prompts, SamplingParams(...))`, chat, streaming and logits.
+
+An `LLM` may be shared by any number of threads: every call hands its requests to the LLM's engine thread
+(xserv/engine/engine_thread.py), which batches them with everyone else's, and waits for its own results. An
+exception in a caller (KeyboardInterrupt included) aborts that caller's requests only. `close()` (or leaving a
+`with LLM(...)` block, or dropping the last reference) gives the device memory back."""
 from __future__ import annotations
 
 import dataclasses
 import sys
+import threading
 import time
+import weakref
+from collections import deque
 from typing import Iterator
 
 import numpy as np
 
 from .engine.config import EngineConfig
-from .engine.llm_engine import LLMEngine, RequestOutput
+from .engine.engine_thread import EngineThread, Submission, Update
+from .engine.llm_engine import LLMEngine, RequestOutput, choice_params
 
 
 def pick_device(device: str | None, notice=True) -> str:
@@ -28,18 +37,122 @@ def pick_device(device: str | None, notice=True) -> str:
     return device
 
 
+class LLMClosed(RuntimeError):
+    """The LLM was closed: its weights and KV cache are gone."""
+
+
+_open_on_cuda = 0  # LLMs on the GPU not yet closed; when the last one goes, cached device memory goes back too
+_open_lock = threading.Lock()
+
+
+class _DeviceState:
+    """Everything an LLM holds on the device (model, KV cache, graphs, workspaces: all reachable from the engine)
+    and its engine thread. The LLM's finalizer holds this object, never the LLM, and clears it once."""
+
+    def __init__(self, model, engine: LLMEngine, thread: EngineThread, device: str):
+        self.model, self.engine, self.thread, self.device = model, engine, thread, device
+        self.closed = False
+
+
+def _release(state: _DeviceState) -> None:
+    """Close an LLM: stop its engine thread (aborting its requests), destroy its CUDA graphs, drop every reference
+    to its device buffers, and when it was the last open GPU LLM, return the allocator's cached blocks to the
+    driver. Runs once, from close() or from the garbage collector (weakref.finalize)."""
+    global _open_on_cuda
+    if state.closed:
+        return
+    state.closed = True
+    thread, engine = state.thread, state.engine
+    started = thread._thread is not None
+    stopped = thread.stop(timeout=60)  # on_exit (the engine thread's last act) closes the engine
+    if not started and engine is not None:
+        _close_engine(engine, state.device)
+    state.model = state.engine = state.thread = None
+    thread.engine = None
+    if state.device != "cuda":
+        return
+    with _open_lock:
+        _open_on_cuda -= 1
+        last = _open_on_cuda == 0
+    if last and stopped:
+        import gc
+
+        from .ops._launch import release_pooled_buffers
+        from .runtime import release_cached_memory
+
+        gc.collect()  # anything of the engine's kept alive by a reference cycle
+        release_pooled_buffers()
+        release_cached_memory()
+
+
+def _close_engine(engine: LLMEngine, device: str) -> None:
+    if device == "cuda":
+        from .runtime import get_device
+
+        get_device().bind_to_thread()  # the thread that closes may not be the one that made the LLM
+    engine.close()
+
+
+def _wake(batch) -> None:
+    """The engine thread's sink for library callers: file each item under its request and wake its thread."""
+    for request, item in batch:
+        with request.ready:
+            request.items.append(item)
+            request.ready.notify()
+
+
+class _Request:
+    """One request (one prompt, its n choices) as the thread that made it waits for it."""
+    __slots__ = ("items", "ready", "num_choices", "outputs", "num_prompt_tokens")
+    sink = staticmethod(_wake)
+
+    def __init__(self, num_choices: int):
+        self.items: deque = deque()
+        self.ready = threading.Condition(threading.Lock())
+        self.num_choices = num_choices
+        self.outputs: list = [None] * num_choices  # each choice's RequestOutput once it has finished
+        self.num_prompt_tokens = 0
+
+    @property
+    def done(self) -> bool:
+        return all(o is not None for o in self.outputs)
+
+    def take(self) -> list:
+        """Wait for the next items (a short timed wait in a loop: Ctrl-C reaches a waiting main thread at once)."""
+        with self.ready:
+            while not self.items:
+                self.ready.wait(0.5)
+            items = list(self.items)
+            self.items.clear()
+        updates = []
+        for item in items:
+            if isinstance(item, BaseException):
+                raise item
+            if isinstance(item, tuple):  # ("accepted", number of prompt tokens)
+                self.num_prompt_tokens = item[1]
+                continue
+            if item.finish_reason is not None:
+                self.outputs[item.index] = item.output
+            updates.append(item)
+        return updates
+
+
 class LLM:
     """A model (Qwen3 or Llama 3, see xserv.models.registry) ready to generate.
 
     model: a local Hugging Face folder or a hub id. device: "cuda", "cpu", or None (cuda when a GPU exists).
     max_model_len: the longest sequence (prompt + output); default the model's max_position_embeddings, capped
     by the KV cache. kv_cache_tokens: the KV pool size in tokens; default from free device memory
-    (gpu_memory_fraction of it) on CUDA, about 1 GiB on CPU. seed: the default sampling seed of requests that
-    give none.
+    (gpu_memory_fraction of it) on CUDA, about 1 GiB on CPU. seed: the seed that unseeded requests derive theirs
+    from (default None: each unseeded request gets a fresh seed from the OS).
+
+    Safe to share between threads (see the module doc). `close()` or `with LLM(...) as llm:` frees its device
+    memory; so does dropping it.
     """
 
     def __init__(self, model: str, device: str | None = None, config: EngineConfig | None = None, *,
                  progress: bool = True, **overrides):
+        global _open_on_cuda
         from .models.checkpoint import CheckpointReader, resolve_model_source
         from .models.registry import config_from_pretrained, model_class
         from .tokenizer import Tokenizer
@@ -59,6 +172,7 @@ class LLM:
                              f"(max_position_embeddings, or YaRN's factor x original length)")
         max_len = max_model_len or context
         self.tokenizer = Tokenizer.from_folder(self.folder)
+        thread_setup = None
         if self.device == "cuda":
             from .runtime import get_device
             from .runtime.compiler import ensure_compiled
@@ -66,19 +180,72 @@ class LLM:
             start = time.perf_counter()
             ensure_compiled(get_device().arch, progress=progress)
             self.kernel_compile_s = time.perf_counter() - start
+            thread_setup = get_device().bind_to_thread
+        with _open_lock:  # counted from here: a failure below releases what was made (see _release)
+            if self.device == "cuda":
+                _open_on_cuda += 1
+        state = _DeviceState(None, None, None, self.device)
+        self._finalizer = weakref.finalize(self, _release, state)
+        self._finalizer.atexit = False  # at exit the process's memory goes anyway; no engine thread to stop
+        self._state = state
         reader = CheckpointReader(self.folder)
         start = time.perf_counter()
-        self.model = model_class(config).from_checkpoint(config, reader, self.device, progress=progress, max_positions=max_len)
-        del reader
-        self.timings = {"weights_s": time.perf_counter() - start}
-
-        start = time.perf_counter()
-        eos = set(config.eos_token_id) | set(self.tokenizer.eos_token_ids)
-        self.engine = LLMEngine.from_model(self.model, self.tokenizer, cfg, context_len=max_len, eos_token_ids=eos)
+        try:
+            state.model = model_class(config).from_checkpoint(config, reader, self.device, progress=progress,
+                                                              max_positions=max_len)
+            del reader
+            self.timings = {"weights_s": time.perf_counter() - start}
+            start = time.perf_counter()
+            eos = set(config.eos_token_id) | set(self.tokenizer.eos_token_ids)
+            state.engine = LLMEngine.from_model(state.model, self.tokenizer, cfg, context_len=max_len,
+                                                eos_token_ids=eos)
+        except BaseException:
+            state.thread = EngineThread(None)
+            self._finalizer()
+            raise
         self.timings["engine_s"] = time.perf_counter() - start
-        self.runner = self.engine.runner
-        self.kv_cache = self.engine.kv_cache
-        self.max_model_len = self.engine.max_model_len
+        state.thread = EngineThread(state.engine, thread_setup=thread_setup,
+                                    on_exit=lambda engine: _close_engine(engine, state.device))
+        self.max_model_len = state.engine.max_model_len
+
+    # ---- life cycle ---------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Abort whatever runs, free the weights, KV cache, CUDA graphs and workspaces; when this was the last open
+        LLM on the GPU, the allocator's cached blocks go back to the driver too. Idempotent."""
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return self._state.closed
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _live(self) -> _DeviceState:
+        state = self._state
+        if state.closed:
+            raise LLMClosed("this LLM has been closed (close() or a `with` block's end): make a new LLM(...)")
+        return state
+
+    @property
+    def model(self):
+        return self._live().model
+
+    @property
+    def engine(self) -> LLMEngine:
+        """The engine itself: not thread-safe; only for single-threaded tools (benchmarks) while no call runs."""
+        return self._live().engine
+
+    @property
+    def runner(self):
+        return self.engine.runner
+
+    @property
+    def kv_cache(self):
+        return self.engine.kv_cache
 
     # ---- prompts ------------------------------------------------------------------------------------------
     def _encode(self, prompt) -> tuple[list[int], str | None]:
@@ -107,17 +274,48 @@ class LLM:
             return list(params)
         return [params] * n
 
+    def _submit(self, requests: list[tuple[list[int], object, str | None]], *, stream: bool,
+                on_step=None) -> list[_Request]:
+        """Hand prompts to the engine thread, all in one command (they join the same step); one _Request each."""
+        state = self._live()
+        engine = state.engine
+        for ids, _, _ in requests:
+            engine.check_prompt(ids)  # reads only fixed sizes: safe beside the engine thread
+        handles, submissions = [], []
+        for ids, params, text in requests:
+            choices = choice_params(params)
+            handle = _Request(len(choices))
+            handles.append(handle)
+            submissions.append(Submission(handle, ids, choices, text, every_step=stream, on_step=on_step))
+        state.thread.submit(*submissions)
+        return handles
+
     # ---- generation ---------------------------------------------------------------------------------------
     def generate(self, prompts, params=None, on_step=None) -> list[RequestOutput]:
         """prompts: a string, a list of strings, or a list of token-id lists. One output per prompt, in order
-        (params.n > 1: n outputs per prompt, one after the other). `on_step(results)` runs after every engine
-        step."""
+        (params.n > 1: n outputs per prompt, one after the other). `on_step(results)` runs on the engine thread
+        after every step with this call's [(sequence, new text)] (progress bars, benchmarks): keep it short; an
+        exception in it ends this call's requests and is raised here."""
         prompts = self._normalize_prompts(prompts)
         encoded = [self._encode(p) for p in prompts]
         params_list = self._params_list(params, len(prompts))
-        for ids, _ in encoded:
-            self.engine.check_prompt(ids)
-        return self.engine.generate([e[0] for e in encoded], params_list, [e[1] for e in encoded], on_step=on_step)
+        handles = self._submit([(ids, p, text) for (ids, text), p in zip(encoded, params_list)], stream=False,
+                               on_step=on_step)
+        try:
+            for handle in handles:
+                while not handle.done:
+                    handle.take()
+        except BaseException:
+            self._abort(handles)
+            raise
+        return [out for handle in handles for out in handle.outputs]
+
+    def _abort(self, handles) -> None:
+        thread = self._state.thread
+        if thread is not None:
+            for handle in handles:
+                if not handle.done:
+                    thread.abort(handle)
 
     def chat_prompt(self, messages, enable_thinking: bool = True) -> str:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=enable_thinking)
@@ -131,12 +329,70 @@ class LLM:
         prompts = [self.chat_prompt(c, enable_thinking) for c in conversations]
         return self.generate(prompts, params)
 
-    def stream(self, prompt, params=None) -> Iterator[str]:
-        """Text deltas as tokens come (never past a stop string). Closing the iterator early ends the request."""
+    def stream(self, prompt, params=None) -> "TextStream":
+        """Text deltas as tokens come (never past a stop string). Closing the iterator early (or an exception in
+        the loop that reads it) ends the request."""
         ids, text = self._encode(prompt)
         params = self._params_list(params, 1)[0]
-        return self.engine.stream(ids, params, text)
+        if params.n != 1:
+            raise ValueError(f"stream() takes n=1 (got n={params.n}); use generate() for several samples")
+        return TextStream(self, self._submit([(ids, params, text)], stream=True)[0])
 
     def logits(self, token_ids) -> np.ndarray:
         """float32 [len(token_ids), vocab]: the next-token logits at every position."""
-        return self.engine.logits(list(token_ids))
+        ids = list(token_ids)
+        return self._live().thread.call(lambda engine: engine.logits(ids)).result()
+
+
+class TextStream:
+    """One request's text deltas, as the engine thread produces them. `close()` (or an exception while reading,
+    or dropping the iterator) aborts the request. `num_tokens`: output tokens so far; `output`: the
+    RequestOutput once the request has ended (None before)."""
+
+    def __init__(self, llm: LLM, request: _Request):
+        self._thread = llm._state.thread
+        self._request = request
+        self._pending: deque = deque()
+        self.num_tokens = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> str:
+        try:
+            while not self._pending:
+                if self._request.done:
+                    raise StopIteration
+                for update in self._request.take():
+                    self.num_tokens = update.num_tokens
+                    if update.text:
+                        self._pending.append(update.text)
+        except StopIteration:
+            raise
+        except BaseException:
+            self._abort(wait=False)  # not waiting: a second Ctrl-C must not land in a wait here
+            raise
+        return self._pending.popleft()
+
+    @property
+    def output(self) -> RequestOutput | None:
+        return self._request.outputs[0]
+
+    def close(self) -> None:
+        """Abort the request (if still running) and wait until the engine has let go of it (one step at most)."""
+        self._abort(wait=True)
+
+    def _abort(self, wait: bool) -> None:
+        thread, request = self._thread, self._request
+        if request.done or thread is None:
+            return
+        thread.abort(request)
+        if wait and thread.running and not thread.on_engine_thread:
+            while not request.done:
+                request.take()
+
+    def __del__(self):
+        try:
+            self._abort(wait=False)
+        except Exception:
+            pass

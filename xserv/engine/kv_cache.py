@@ -53,9 +53,11 @@ class KVCache:
                 raise ValueError("a CPU KV cache needs num_tokens")
             if not 0 < memory_fraction <= 1:
                 raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
-            from ..runtime import get_device
+            from ..runtime import get_runtime
 
-            free, _total = get_device().memory_info()
+            runtime = get_runtime()
+            free, _total = runtime.device.memory_info()
+            free += runtime.allocator.stats.bytes_cached  # blocks freed by a closed LLM: an allocation may take them
             num_tokens = int(free * memory_fraction) // per_token
             if num_tokens < spec.block_size:
                 raise ValueError(

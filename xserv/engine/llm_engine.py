@@ -32,6 +32,15 @@ from .scheduler import Scheduler
 from .sequence import FINISHED, RUNNING, RequestOutput, Sequence
 
 
+def choice_params(params) -> list:
+    """One SamplingParams (n=1) per sample of `params`: the same values, sample i seeded with seed + i when a seed
+    is given."""
+    one = dataclasses.replace(params, n=1)
+    if params.seed is None:
+        return [one] * params.n
+    return [dataclasses.replace(one, seed=(params.seed + i) % 2**64) for i in range(params.n)]
+
+
 @dataclass
 class _Launched:
     scheduled: list  # [(sequence, tokens computed)]
@@ -126,12 +135,7 @@ class LLMEngine:
     def add_samples(self, prompt_ids, params, prompt: str | None = None, *, stream: bool = False) -> list[Sequence]:
         """`params.n` sequences of one prompt (sample i seeded with seed + i when a seed is given); the prefix
         cache lets them share the prompt's KV blocks."""
-        one = dataclasses.replace(params, n=1)
-        seqs = []
-        for i in range(params.n):
-            p = one if params.seed is None else dataclasses.replace(one, seed=(params.seed + i) % 2**64)
-            seqs.append(self.add_request(prompt_ids, p, prompt, stream=stream))
-        return seqs
+        return [self.add_request(prompt_ids, p, prompt, stream=stream) for p in choice_params(params)]
 
     def abort(self, seq: Sequence) -> None:
         if seq.status == FINISHED:
@@ -177,6 +181,26 @@ class LLMEngine:
         t["schedule_launch"] += t2 - t1
         t["emit"] += time.perf_counter() - t2
         return results
+
+    def drain(self) -> list[tuple[Sequence, str]]:
+        """Book every step in flight without launching another: afterwards nothing of this engine runs on the
+        device. Returns what those steps produced, as `step()` does."""
+        booked = []
+        while self._inflight:
+            booked += self._book(self._inflight.popleft())
+        return self._emit(booked)
+
+    def close(self) -> None:
+        """End every request, wait for the device, and destroy the CUDA graphs (whose captured buffers are then
+        the only references this engine holds to device memory: dropping the engine frees the rest)."""
+        self.drain()
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self.abort(seq)
+        if self.runner.device == "cuda":
+            from ..runtime import synchronize
+
+            synchronize()
+        self.runner.close()
 
     def _decode_ahead(self):
         """When the step in flight is a pure decode step replayed from a graph (or a prefill graph's chunk, the

@@ -137,6 +137,16 @@ class ModelRunner:
             out[start:start + len(piece)] = self.model.forward(batch, self.kv_cache).numpy()
         return out
 
+    def close(self) -> None:
+        """Destroy every CUDA graph and let go of the buffers captured in them."""
+        for graph in [*self.graphs.values(), *self.prefill_graphs.values()]:
+            close = getattr(graph, "close", None)
+            if close is not None:
+                close()
+        self.graphs.clear()
+        self.prefill_graphs.clear()
+        self._graph_keepalive.clear()
+
     # ---- CUDA graphs for decode ---------------------------------------------------------------------------------
     def _capture_cuda_graph(self, step):
         from ..runtime import get_runtime, synchronize

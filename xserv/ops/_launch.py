@@ -78,14 +78,25 @@ def check_int32_range(name: str, value: int) -> None:
         raise ValueError(f"{name}: {value} does not fit the kernel's int32 index")
 
 
+_pools: dict[int, list] = {}  # every pool pooled_buffer() has allocated into, by id
+
+
 def pooled_buffer(pool: list[Tensor], count: int, dtype, minimum: int, zeroed: bool = False) -> Tensor:
     """A CUDA buffer of at least `count` elements from `pool`, allocated (`minimum` at least) when none is large
-    enough and kept in the pool for the life of the process: CUDA graphs may have captured its address. zeroed:
+    enough and kept in the pool until `release_pooled_buffers()`: CUDA graphs may have captured its address. zeroed:
     filled with zeros when allocated (counters that the kernels reset themselves)."""
     for t in pool:
         if t.shape[0] >= count:
             return t
+    _pools[id(pool)] = pool
     shape = (max(count, minimum),)
     t = Tensor.zeros(shape, dtype, "cuda") if zeroed else Tensor.empty(shape, dtype, "cuda")
     pool.append(t)
     return t
+
+
+def release_pooled_buffers() -> None:
+    """Empty every pool of pooled_buffer(): only when no CUDA graph that may hold their addresses is left (the last
+    LLM has been closed)."""
+    for pool in _pools.values():
+        pool.clear()

@@ -62,7 +62,18 @@ def empty_cache() -> None:
     get_runtime().allocator.empty_cache()
 
 
+def release_cached_memory() -> None:
+    """Give the device memory xserv keeps for reuse back to the driver: the TMA descriptors and the allocator's
+    cached blocks. Only when nothing that may hold their addresses is left (no CUDA graph of a live LLM)."""
+    if _runtime is None:
+        return
+    from .tma import release_descriptors
+
+    release_descriptors()
+    _runtime.allocator.empty_cache()
+
+
 __all__ = [
     "Runtime", "get_runtime", "get_device", "kernel", "synchronize", "cuda_available", "memory_stats",
-    "empty_cache", "CudaError", "CompileError", "CublasError", "DeviceOutOfMemory", "check_driver",
+    "empty_cache", "release_cached_memory", "CudaError", "CompileError", "CublasError", "DeviceOutOfMemory", "check_driver",
 ]

@@ -93,6 +93,12 @@ class Device:
             self._copy_stream = self._core.create_stream()
         return int(self._copy_stream.handle)
 
+    def bind_to_thread(self) -> None:
+        """Make this GPU's primary context current on the calling thread (CUDA contexts are per thread: a thread
+        other than the one that created the Device must bind it before its first launch, or get
+        CUDA_ERROR_INVALID_CONTEXT)."""
+        self._core.set_current()
+
     def memory_info(self) -> tuple[int, int]:
         """(free, total) bytes of device memory."""
         free, total = check_driver(driver.cuMemGetInfo(), "cuMemGetInfo")

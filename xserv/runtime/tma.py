@@ -14,6 +14,11 @@ _PANEL_COLUMNS = 64  # bf16 columns of one 128-byte swizzled panel
 _maps: dict[tuple, object] = {}  # (address, shape, rows) -> DeviceBuffer holding the descriptor, kept for the process
 
 
+def release_descriptors() -> None:
+    """Drop every kept descriptor (no CUDA graph may still use one: the last LLM has gone)."""
+    _maps.clear()
+
+
 def kv_cache_tensor_map(runtime, address: int, shape: tuple[int, int, int, int], rows: int) -> int:
     """Device address of a TMA descriptor for one K or V cache (bf16 [num_blocks, block_size, Hkv, D] at `address`),
     seen as the 3-D tensor (D, Hkv, slot) with boxes of 64 x 1 x `rows`: one 128-byte swizzled panel of `rows`
