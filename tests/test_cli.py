@@ -11,6 +11,7 @@ Subprocesses (started together: most of each run is start-up, imports and the 11
 path once per kind of use; the other flags run `xserv.cli.main` in this process on one loaded model (a subprocess
 each would add ~1.3 s of CPU apiece for the same code path).
 """
+import argparse
 import io
 import os
 import subprocess
@@ -377,6 +378,21 @@ def test_version(cli, monkeypatch):
 
     monkeypatch.setattr(importlib.metadata, "version", not_installed)  # a source tree run without an install
     assert cli("--version")[:2] == (0, f"xserv {xserv.__version__}\n")
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_sampling_help_names_the_real_defaults(command):
+    """An option left out takes the model's generation_config.json value (Qwen3: temperature 0.6, top-p 0.95,
+    top-k 20), else SamplingParams' default: the help says both."""
+    from xserv.sampling import SamplingParams
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    helps = {a.dest: a.help for a in sub._actions}
+    d = SamplingParams()
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+        assert f"default: the model's generation_config.json, else {getattr(d, name)}" in helps[name], helps[name]
+    assert "fresh" in helps["seed"]  # unseeded sampling differs from run to run
 
 
 def test_chat_ctrl_c_stops_the_answer_not_the_session(tiny_model_dir):  # noqa: F811

@@ -34,16 +34,28 @@ def _add_model_args(p: argparse.ArgumentParser, max_num_seqs: int | None = None)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    from .sampling import SamplingParams
+
+    d = SamplingParams()
+
+    def model_default(value, meaning=""):  # what _sampling_params does with an option left out
+        return f"default: the model's generation_config.json, else {value}{meaning}"
+
     g = p.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=max_tokens, metavar="N",
                    help=f"most tokens to generate (default {max_tokens})")
     g.add_argument("--temperature", "-t", type=float, default=None, metavar="T",
-                   help="0 = greedy (default 1.0)")
-    g.add_argument("--top-p", type=float, default=None, metavar="P", help="nucleus sampling, in (0, 1]")
-    g.add_argument("--top-k", type=int, default=None, metavar="K", help="keep the K most likely tokens")
-    g.add_argument("--min-p", type=float, default=None, metavar="P", help="drop tokens below P x the top probability")
-    g.add_argument("--repetition-penalty", type=float, default=None, metavar="R", help="> 1 discourages repeats")
-    g.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible output)")
+                   help=f"0 = greedy ({model_default(d.temperature)})")
+    g.add_argument("--top-p", type=float, default=None, metavar="P",
+                   help=f"nucleus sampling, in (0, 1] ({model_default(d.top_p, ' = off')})")
+    g.add_argument("--top-k", type=int, default=None, metavar="K",
+                   help=f"keep the K most likely tokens ({model_default(d.top_k, ' = off')})")
+    g.add_argument("--min-p", type=float, default=None, metavar="P",
+                   help=f"drop tokens below P x the top probability ({model_default(d.min_p, ' = off')})")
+    g.add_argument("--repetition-penalty", type=float, default=None, metavar="R",
+                   help=f"> 1 discourages repeats ({model_default(d.repetition_penalty, ' = off')})")
+    g.add_argument("--seed", type=int, default=None,
+                   help="sampling seed, for reproducible output (default: a fresh one each run)")
     g.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="stop when this text appears (repeatable); the text is not printed")
     g.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence tokens")
