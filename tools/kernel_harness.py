@@ -237,7 +237,21 @@ def cmd_bench(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
+def no_gpu_hint(args) -> str | None:
+    """What to say when a command needs a CUDA GPU and there is none (None when it can run)."""
+    from xserv.runtime import cuda_available
+
+    if args.cmd in ("list",) or getattr(args, "arch", None) or cuda_available():
+        return None
+    if args.cmd in ("compile", "sizes"):
+        return (f"no CUDA GPU found to take the target from; name one: `python -m tools.kernel_harness {args.cmd} "
+                f"--arch sm_90a`")
+    return (f"`{args.cmd}` runs kernels on a CUDA GPU and none was found; without one, "
+            f"`python -m tools.kernel_harness compile --arch sm_90a` compiles every kernel family and "
+            f"`python -m tools.kernel_harness sizes --arch sm_90a` shows their machine code")
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tools.kernel_harness", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -263,7 +277,15 @@ def main(argv=None) -> int:
             s.add_argument("--graph", action="store_true",
                            help="time CUDA-graph replays (GPU time) instead of eager calls, the PyTorch peer too")
     sub.add_parser("ceilings", help="measure copy bandwidth and a large cuBLAS GEMM")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    hint = no_gpu_hint(args)
+    if hint is not None:
+        print(f"error: {hint}", file=sys.stderr)
+        return 2
     try:
         return {"list": cmd_list, "compile": cmd_compile, "sizes": cmd_sizes, "check": cmd_check, "bench": cmd_bench,
                 "ceilings": cmd_ceilings}[args.cmd](args)
