@@ -149,7 +149,7 @@ def test_resolve_hub_id_offline(monkeypatch, tmp_path):
         raise OSError("offline")
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
-    with pytest.raises(RuntimeError, match="make_test_model"):
+    with pytest.raises(RuntimeError, match="`xserv make-test-model --preset tiny --out DIR`"):
         resolve_model_source("Qwen/Qwen3-0.6B")
 
 
@@ -164,7 +164,7 @@ def test_resolve_hub_id_without_huggingface_hub(monkeypatch):
         return real_import(name, *a, **k)
 
     monkeypatch.setattr(builtins, "__import__", fake_import)
-    with pytest.raises(RuntimeError, match="huggingface_hub is not installed.*make_test_model"):
+    with pytest.raises(RuntimeError, match="huggingface_hub is not installed.*`xserv make-test-model --preset tiny"):
         resolve_model_source("Qwen/Qwen3-0.6B")
 
 

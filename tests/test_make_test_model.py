@@ -162,6 +162,31 @@ def test_cli(tmp_path):
     assert usage_error.value.code == 2
 
 
+def test_xserv_make_test_model_needs_no_source_tree(tmp_path, monkeypatch, capsys):
+    """`xserv make-test-model` is the package's own command: it works where `tools/` is not importable (after a
+    non-editable `pip install .`), and the hints that send a user to it name it."""
+    from xserv.cli import main
+    from xserv.models.checkpoint import _HINT
+
+    monkeypatch.setitem(sys.modules, "tools", None)  # `import tools...` now fails, as outside the repo
+    out = tmp_path / "xserv-cli"
+    assert main(["make-test-model", "--preset", "tiny", "--out", str(out), "--seed", "3", "--layers", "1",
+                 "--untied", "--unit-norms"]) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    c = Qwen3Config.from_pretrained(out)
+    assert c.num_hidden_layers == 1 and not c.tie_word_embeddings
+    assert np.all(CheckpointReader(out).get("model.norm.weight").astype(np.float32) == 1.0)
+    assert json.loads((out / "xserv_random.json").read_text())["seed"] == 3
+    assert "`xserv make-test-model --preset tiny --out DIR`" in _HINT and "tools" not in _HINT
+    # a value it refuses is one line and exit 2, not a traceback
+    assert main(["make-test-model", "--preset", "tiny", "--out", str(tmp_path / "bad"), "--seed", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert "--seed must be a non-negative integer" in err and "Traceback" not in err, err
+    with pytest.raises(SystemExit) as usage_error:
+        main(["make-test-model", "--preset", "huge", "--out", str(out)])
+    assert usage_error.value.code == 2
+
+
 def test_transformers_reads_config(tiny):
     transformers = pytest.importorskip("transformers")
     cfg = transformers.AutoConfig.from_pretrained(tiny)

@@ -1,5 +1,6 @@
 """The `xserv` command: `xserv generate` (one shot to stdout), `xserv chat` (interactive, streaming),
-`xserv serve` (OpenAI-compatible HTTP server) and `xserv bench throughput|latency|serve`.
+`xserv serve` (OpenAI-compatible HTTP server), `xserv bench throughput|latency|serve` and `xserv make-test-model`
+(a model folder with random weights).
 
 Errors a user can fix (a bad model path, an unsupported architecture, an invalid sampling value) print one line
 and exit with status 2.
@@ -138,6 +139,14 @@ def build_parser() -> argparse.ArgumentParser:
         if wants_model:
             _add_model_args(b)
         bench_options.add_arguments(name, b)
+
+    from .models import make_test_model
+
+    maker = sub.add_parser("make-test-model", help="write a model folder with random weights at a preset's shapes",
+                           description=make_test_model.DESCRIPTION,
+                           epilog=make_test_model.EPILOG.format(prog="xserv make-test-model"),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    make_test_model.add_arguments(maker)
     return parser
 
 
@@ -294,6 +303,16 @@ def cmd_chat(args) -> int:
             print(f"[{stopped}{hint}]", file=sys.stderr, flush=True)
 
 
+def cmd_make_test_model(args) -> int:
+    from .models.make_test_model import run
+
+    try:
+        return run(args)
+    except (FileExistsError, IsADirectoryError) as e:  # the others of OSError's kind that a user fixes: main's
+        print(f"xserv: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
 def _discard_stdout() -> None:
     """Point stdout at /dev/null so that the interpreter's final flush of the dead pipe raises nothing."""
     try:
@@ -352,6 +371,8 @@ def main(argv=None) -> int:
             from .server.cli import cmd_serve
 
             return cmd_serve(args)
+        if args.command == "make-test-model":
+            return cmd_make_test_model(args)
         if args.command == "bench":
             from .bench import options as bench_options
 

@@ -220,8 +220,8 @@ class CheckpointReader:
 
 
 # ---- model source -----------------------------------------------------------------------------------------------
-_HINT = ("pass a local Hugging Face model folder instead: one made by `python -m tools.make_test_model --preset tiny "
-         "--out DIR` or downloaded elsewhere (config.json, *.safetensors, tokenizer.json)")
+_HINT = ("pass a local Hugging Face model folder instead: one made by `xserv make-test-model --preset tiny --out DIR` "
+         "or downloaded elsewhere (config.json, *.safetensors, tokenizer.json)")
 
 
 def resolve_model_source(name_or_path) -> Path:
