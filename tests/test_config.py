@@ -233,3 +233,19 @@ def test_llama_parsing():
 def test_llama_config_errors(change, needle):
     with pytest.raises(ValueError, match=needle):
         LlamaConfig.from_dict({**preset_dict("llama3-tiny"), **change})
+
+
+def test_engine_config_from_the_command_line():
+    """EngineConfig's CLI options: a size left out takes the default (a zero is argparse's error, in test_cli.py);
+    a non-finite fraction says so."""
+    import argparse
+
+    from xserv.engine.config import EngineConfig
+
+    p = argparse.ArgumentParser()
+    EngineConfig.add_cli_arguments(p)
+    assert EngineConfig.from_cli_args(p.parse_args([])) == EngineConfig()
+    assert EngineConfig.from_cli_args(p.parse_args(["--max-num-seqs", "3", "--prefill-graph-tokens", "0"])) == \
+        EngineConfig(max_num_seqs=3, prefill_graph_tokens=0)
+    with pytest.raises(ValueError, match="gpu_memory_fraction must be a finite number, got nan"):
+        EngineConfig(gpu_memory_fraction=float("nan"))
