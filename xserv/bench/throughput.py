@@ -127,11 +127,9 @@ def _gpu_profile(records) -> dict:
 
 
 def _progress(total: int):
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, unit="tok", desc="generating", file=sys.stderr, smoothing=0.1)
+    from ..progress import progress_bar
+
+    return progress_bar(total, "generating", unit="tok", smoothing=0.1)
 
 
 def _plot_module():
