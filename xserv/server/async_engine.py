@@ -249,8 +249,10 @@ class AsyncEngine:
         t = tracked.get(seq)
         if t is None:
             return  # aborted meanwhile
-        logprobs = None
         finished = seq.is_finished
+        if not delta and not finished:
+            return  # the new text is held back (part of a character or a stop string): its logprobs go with the next
+        logprobs = None
         if seq.params.logprobs is not None or finished:
             out = seq.output()
             if seq.params.logprobs is not None and out.logprobs is not None:

@@ -1,0 +1,160 @@
+"""`xserv serve` at its edges, seen from both sides: a real server process (the tiny model on the CPU) whose engine
+writes down what it is given and what it runs (`RECORDING_ENGINE`), so that a test can check the engine itself,
+not only what the HTTP side says: a dropped stream stops the engine's work on it, a chat's system turn reaches
+the engine as the template renders it, streams carry no empty chunks."""
+import json
+import time
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+
+from qwen3_reference import tiny_model_dir  # noqa: E402,F401
+from server_process import ServerProcess, http, skip_unless_installed  # noqa: E402
+
+skip_unless_installed("fastapi", "uvicorn")
+
+# Runs `xserv serve` with LLMEngine's add_request / step / abort wrapped: each call appends one JSON line to the
+# file named by $XSERV_TEST_RECORD (all three run on the engine thread only, so the lines never interleave).
+RECORDING_ENGINE = """
+import json, os, sys
+from xserv.engine.llm_engine import LLMEngine
+record = open(os.environ["XSERV_TEST_RECORD"], "a", buffering=1)
+real_add, real_step, real_abort = LLMEngine.add_request, LLMEngine.step, LLMEngine.abort
+def add_request(self, prompt_ids, *args, **kwargs):
+    seq = real_add(self, prompt_ids, *args, **kwargs)
+    record.write(json.dumps({"add": seq.seq_id, "prompt_ids": list(prompt_ids)}) + "\\n")
+    return seq
+def step(self):
+    results = real_step(self)
+    record.write(json.dumps({"step": [seq.seq_id for seq, _ in results],
+                             "running": self.stats()["num_running"]}) + "\\n")
+    return results
+def abort(self, seq):
+    record.write(json.dumps({"abort": seq.seq_id}) + "\\n")
+    real_abort(self, seq)
+LLMEngine.add_request, LLMEngine.step, LLMEngine.abort = add_request, step, abort
+from xserv.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+LONG = 500  # output tokens of a request that would run for seconds (~20 ms a token) if nothing stopped it
+
+
+class Recording:
+    def __init__(self, path):
+        self.path = path
+
+    def mark(self) -> int:
+        return self.path.stat().st_size
+
+    def since(self, mark: int) -> list[dict]:
+        with open(self.path) as f:
+            f.seek(mark)
+            return [json.loads(line) for line in f.read().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):  # noqa: F811
+    path = tmp_path_factory.mktemp("record") / "engine.jsonl"
+    path.touch()
+    # 4 sequence slots: the default 256 would zero 190 MB of sampling-penalty state at start-up
+    s = ServerProcess(tiny_model_dir, "--max-model-len", "512", "--max-num-seqs", "4", code=RECORDING_ENGINE,
+                      env={"XSERV_TEST_RECORD": str(path)}).start()
+    s.record = Recording(path)
+    yield s
+    s.stop()
+
+
+def _added(events: list[dict]) -> list[dict]:
+    return [e for e in events if "add" in e]
+
+
+def test_a_dropped_stream_stops_the_engines_work_on_it(server):
+    idle = server.metrics()
+    mark = server.record.mark()
+    body = {"prompt": [7, 8, 9, 10], "max_tokens": LONG, "stream": True, **GREEDY}
+    with http().stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+        chunks = (line for line in r.iter_lines() if line.startswith("data: "))
+        for _ in range(3):
+            next(chunks)
+    closed = time.monotonic()  # leaving the block closed the connection (no keep-alive)
+    while server.metrics()["xserv_num_requests_running"] and time.monotonic() - closed < 5:
+        time.sleep(0.02)
+    stopped_after = time.monotonic() - closed
+    m = server.metrics()
+    assert m["xserv_num_requests_running"] == 0 and m["xserv_num_requests_waiting"] == 0
+    assert stopped_after < 2.0, stopped_after  # the request alone would have run LONG steps
+    assert m["xserv_kv_blocks_free"] == idle["xserv_kv_blocks_free"]
+
+    events = server.record.since(mark)
+    [seq] = [e["add"] for e in _added(events)]
+    aborted = [i for i, e in enumerate(events) if e.get("abort") == seq]
+    assert aborted, "the engine was never told to abort the dropped request"
+    after = events[aborted[0] + 1:]
+    assert not any(seq in e["step"] for e in after if "step" in e), "the engine ran the aborted sequence on"
+    assert all(e["running"] == 0 for e in after if "step" in e)  # nothing else ran: the engine went idle
+    generated = sum(seq in e["step"] for e in events if "step" in e)
+    assert 3 <= generated < LONG // 10, generated
+
+
+@pytest.mark.parametrize("role", ["system", "developer"])
+def test_the_system_turn_reaches_the_engine_as_the_chat_template_renders_it(server, tiny_model_dir, role):  # noqa: F811
+    from xserv.tokenizer import Tokenizer
+
+    messages = [{"role": role, "content": "You are a terse pirate."}, {"role": "user", "content": "Hi"}]
+    mark = server.record.mark()
+    r = http().post(server.url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 1}, timeout=30)
+    assert r.status_code == 200, r.text
+    [added] = _added(server.record.since(mark))
+    tokenizer = Tokenizer.from_folder(tiny_model_dir)
+    rendered = ("<|im_start|>system\nYou are a terse pirate.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+                "<|im_start|>assistant\n")  # Qwen3's template, thinking on (the default)
+    assert tokenizer.apply_chat_template([{**messages[0], "role": "system"}, messages[1]]) == rendered
+    assert tokenizer.decode(added["prompt_ids"]) == rendered
+    assert added["prompt_ids"] == tokenizer.encode(rendered)
+    assert r.json()["usage"]["prompt_tokens"] == len(added["prompt_ids"])
+
+
+def _events(route: str, body: dict) -> list[dict]:
+    with http().stream("POST", route, json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_streams_carry_no_empty_chunks(server, route):
+    """A token whose text is held back (part of a stop string, or of a multi-byte character) sends nothing until
+    its text is decided; its logprobs go out with that text. Chat opens with one role chunk per choice."""
+    chat = route == "chat"
+    url = server.url + ("/v1/chat/completions" if chat else "/v1/completions")
+    n, tokens = 2, 8
+    body = {"max_tokens": tokens, "n": n, **GREEDY,
+            **({"messages": [{"role": "user", "content": "Count to ten."}], "logprobs": True} if chat else
+               {"prompt": "Once upon a time", "logprobs": 0})}
+    whole = http().post(url, json=body, timeout=60).json()["choices"][0]
+    text = whole["message"]["content"] if chat else whole["text"]
+    assert len(text) > 4
+    # a stop string that the output keeps starting but never completes: every token's text is held back
+    for extra in ({}, {"stop": [text + "\x00"]}):
+        events = _events(url, {**body, **extra})
+        if chat:
+            opening = [e["choices"] for e in events[:n]]
+            assert opening == [[{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                 "finish_reason": None}] for i in range(n)]
+            events = events[n:]
+        texts, logprobs = [""] * n, [0] * n
+        for e in events:
+            for c in e["choices"]:
+                new = c["delta"].get("content", "") if chat else c["text"]
+                assert new or c["finish_reason"] is not None, e  # no empty chunk
+                texts[c["index"]] += new
+                if c["logprobs"] is not None:
+                    logprobs[c["index"]] += len(c["logprobs"]["content"] if chat else c["logprobs"]["tokens"])
+        assert texts == [text] * n and logprobs == [tokens] * n, extra
+        if extra:  # held back to the end: each choice's text comes in its last chunk
+            assert sum(len(e["choices"]) for e in events) == n
+
