@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .metrics import CONTENT_TYPE
 from .openai_api import ChatEndpoint, CompletionEndpoint, Endpoint, ServerContext
+from .options import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_REQUEST_BYTES
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body, validation_error
 
 log = logging.getLogger("xserv.server")
@@ -29,18 +30,28 @@ def _json(body: dict, status: int = 200, headers: dict | None = None) -> Respons
 
 
 class Guard:
-    """ASGI middleware in front of everything: the API key (every route but /health; constant-time comparison)
-    and the body-size limit (413 from Content-Length alone, or as soon as a chunked body passes the limit:
-    a large body is never read whole)."""
+    """ASGI middleware in front of everything: the header-size limit (431), the API key (every route but /health;
+    constant-time comparison) and the body-size limit (413 from Content-Length alone, or as soon as a chunked body
+    passes the limit: a large body is never read whole).
 
-    def __init__(self, app, api_key: str | None, max_request_bytes: int):
+    The header limit is decided here, not by uvicorn: httptools takes a request head of any size and h11 refuses
+    one only when it arrives in pieces larger than its buffer (then with a bare 400); see cli.py for h11's
+    buffer."""
+
+    def __init__(self, app, api_key: str | None, max_request_bytes: int, max_header_bytes: int):
         self.app = app
         self.expected = f"Bearer {api_key}".encode() if api_key else None
         self.max_bytes = max_request_bytes
+        self.max_header_bytes = max_header_bytes
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        header_bytes = sum(len(name) + len(value) for name, value in scope["headers"])
+        if header_bytes > self.max_header_bytes:
+            return await _send(send, 431, error_body(
+                431, f"the request headers are {header_bytes} bytes, more than {self.max_header_bytes} "
+                     f"(--max-header-bytes)", None, "request_headers_too_large"))
         headers = dict(scope["headers"])
         if self.expected is not None and scope["path"] != "/health":
             given = headers.get(b"authorization", b"")
@@ -49,7 +60,7 @@ class Guard:
                                                               "'Authorization: Bearer KEY'", None, "invalid_api_key"))
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await _send(send, 413, self._too_large())
+            return await _send(send, 413, _too_large(self.max_bytes))
         received = 0
         started = False
 
@@ -72,11 +83,12 @@ class Guard:
             await self.app(scope, limited_receive, tracking_send)
         except _BodyTooLarge:
             if not started:
-                await _send(send, 413, self._too_large())
+                await _send(send, 413, _too_large(self.max_bytes))
 
-    def _too_large(self) -> dict:
-        return error_body(413, f"the request body is larger than {self.max_bytes} bytes (--max-request-bytes)", None,
-                          "request_too_large")
+
+def _too_large(max_request_bytes: int) -> dict:
+    return error_body(413, f"the request body is larger than {max_request_bytes} bytes (--max-request-bytes)", None,
+                      "request_too_large")
 
 
 class _BodyTooLarge(Exception):
@@ -111,7 +123,8 @@ async def _until_disconnect(request: Request, work):
     return task.result()
 
 
-def create_app(ctx: ServerContext, *, api_key: str | None = None, max_request_bytes: int = 4 << 20):
+def create_app(ctx: ServerContext, *, api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES):
     @asynccontextmanager
     async def lifespan(app):
         ctx.engine.start()
@@ -136,8 +149,7 @@ def create_app(ctx: ServerContext, *, api_key: str | None = None, max_request_by
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, e: StarletteHTTPException):
         if request.scope.get(BODY_TOO_LARGE):
-            return _json(error_body(413, f"the request body is larger than {max_request_bytes} bytes "
-                                         f"(--max-request-bytes)", None, "request_too_large"), 413)
+            return _json(_too_large(max_request_bytes), 413)
         message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
         return _json(error_body(e.status_code, message.get(e.status_code, str(e.detail))), e.status_code)
 
@@ -182,4 +194,4 @@ def create_app(ctx: ServerContext, *, api_key: str | None = None, max_request_by
     async def metrics():
         return Response(ctx.metrics.render(ctx.engine.stats()), media_type=CONTENT_TYPE)
 
-    return Guard(app, api_key, max_request_bytes)
+    return Guard(app, api_key, max_request_bytes, max_header_bytes)

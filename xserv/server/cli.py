@@ -12,6 +12,7 @@ import sys
 log = logging.getLogger("xserv.server")
 
 EXIT_ENGINE_FAILED = 1
+H11_HEAD_SLACK = 64 << 10  # a request head's bytes beyond its header fields: the request line, ": " and CRLFs
 
 
 def _import_web():
@@ -33,7 +34,7 @@ def cmd_serve(args) -> int:
     from .openai_api import ServerContext
     from .uvicorn_server import DrainingServer
 
-    for name in ("max_waiting", "max_request_bytes"):
+    for name in ("max_waiting", "max_request_bytes", "max_header_bytes"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if not args.drain_timeout >= 0:
@@ -52,9 +53,13 @@ def cmd_serve(args) -> int:
                         tokenizer=llm.tokenizer,
                         model_name=model_name, max_model_len=llm.max_model_len, vocab_size=llm.config.vocab_size,
                         max_in_flight=llm.engine_config.max_num_seqs + args.max_waiting, sampling_defaults=defaults)
-    app = create_app(ctx, api_key=args.api_key, max_request_bytes=args.max_request_bytes)
+    app = create_app(ctx, api_key=args.api_key, max_request_bytes=args.max_request_bytes,
+                     max_header_bytes=args.max_header_bytes)
+    # h11 (uvicorn's fallback without httptools) refuses a request head that arrives in pieces larger than its
+    # buffer (default 16 KiB) with a bare 400: give it room for every head that the Guard's 431 limit lets through
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
-                            timeout_graceful_shutdown=5, timeout_keep_alive=5)
+                            timeout_graceful_shutdown=5, timeout_keep_alive=5,
+                            h11_max_incomplete_event_size=args.max_header_bytes + H11_HEAD_SLACK)
     server = DrainingServer(config, ctx, args.drain_timeout)
     server_box.append(server)
     print(f"xserv: serving {model_name!r} on http://{args.host}:{args.port} (sampling defaults {defaults or 'none'}"

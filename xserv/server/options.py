@@ -5,6 +5,7 @@ import argparse
 import os
 
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
+DEFAULT_MAX_HEADER_BYTES = 64 << 10
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -21,6 +22,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "(default 1024)")
     g.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="B",
                    help=f"largest request body; bigger ones get 413 (default {DEFAULT_MAX_REQUEST_BYTES})")
+    g.add_argument("--max-header-bytes", type=int, default=DEFAULT_MAX_HEADER_BYTES, metavar="B",
+                   help=f"largest total size of a request's header fields (names and values); bigger ones get "
+                        f"431 (default {DEFAULT_MAX_HEADER_BYTES})")
     g.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
                    help="on SIGTERM, seconds to let in-flight requests finish before aborting them (default 30)")
     g.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
