@@ -70,9 +70,11 @@ class ServerProcess:
         self.stop()
         raise RuntimeError(f"the server did not become healthy in {timeout} s:\n{self.output()}")
 
-    def output(self) -> str:
+    def output(self, tail: int | None = 4000) -> str:
+        """The server's stdout and stderr: the last `tail` characters (None: all of it)."""
         self.log.flush()
-        return Path(self.log.name).read_text(errors="replace")[-4000:]
+        text = Path(self.log.name).read_text(errors="replace")
+        return text if tail is None else text[-tail:]
 
     def signal(self, sig=signal.SIGTERM) -> None:
         self.proc.send_signal(sig)

@@ -1,6 +1,7 @@
 """`xserv serve` under pressure and at its edges: API key, body-size limit, overload, SIGTERM drain, an engine
 failure, and the generation_config.json defaults (real server processes, the tiny model on the CPU)."""
 import json
+import re
 import signal
 import threading
 import time
@@ -135,7 +136,8 @@ def _stream_in_thread(url, body, out: list):
 
 def test_sigterm_drains_then_aborts_and_exits_0(tiny_model_dir):  # noqa: F811
     # 4 sequence slots (the default 256 would zero 190 MB of sampling-penalty state at start-up for 2 streams)
-    s = ServerProcess(tiny_model_dir, "--drain-timeout", "2", "--max-model-len", "4096", "--max-num-seqs", "4").start()
+    s = ServerProcess(tiny_model_dir, "--drain-timeout", "2", "--max-model-len", "4096", "--max-num-seqs", "4",
+                      "--log-level", "info").start()
     try:
         short, long = [], []
         threads = [_stream_in_thread(s.url, {"prompt": "a", "max_tokens": 12, "ignore_eos": True}, short),
@@ -145,6 +147,8 @@ def test_sigterm_drains_then_aborts_and_exits_0(tiny_model_dir):  # noqa: F811
             time.sleep(0.02)
         s.signal(signal.SIGTERM)
         time.sleep(0.3)
+        # said at once, in uvicorn's log format, while the two requests still run
+        assert re.search(r"^INFO: +draining 2 requests \(up to 2 s\)", s.output(tail=None), re.M), s.output()
         assert http().get(s.url + "/health").status_code == 503
         _error(http().post(s.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}), 503)
         for t in threads:

@@ -32,7 +32,7 @@ def cmd_serve(args) -> int:
     from .app import create_app
     from .async_engine import AsyncEngine
     from .openai_api import ServerContext
-    from .uvicorn_server import DrainingServer
+    from .uvicorn_server import DrainingServer, log_config
 
     for name in ("max_waiting", "max_request_bytes", "max_header_bytes"):
         if getattr(args, name) < 0:
@@ -57,9 +57,9 @@ def cmd_serve(args) -> int:
                      max_header_bytes=args.max_header_bytes)
     # h11 (uvicorn's fallback without httptools) refuses a request head that arrives in pieces larger than its
     # buffer (default 16 KiB) with a bare 400: give it room for every head that the Guard's 431 limit lets through
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
-                            timeout_graceful_shutdown=5, timeout_keep_alive=5,
-                            h11_max_incomplete_event_size=args.max_header_bytes + H11_HEAD_SLACK)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            log_config=log_config(args.log_level), lifespan="on", timeout_graceful_shutdown=5,
+                            timeout_keep_alive=5, h11_max_incomplete_event_size=args.max_header_bytes + H11_HEAD_SLACK)
     server = DrainingServer(config, ctx, args.drain_timeout)
     server_box.append(server)
     print(f"xserv: serving {model_name!r} on http://{args.host}:{args.port} (sampling defaults {defaults or 'none'}"

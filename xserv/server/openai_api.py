@@ -30,6 +30,7 @@ class ServerContext:
     sampling_defaults: dict = field(default_factory=dict)
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     draining: bool = False
+    num_requests: int = 0  # requests in the engine (a request has n sequences)
 
     def check_serving(self, num_choices: int) -> None:
         if self.draining:
@@ -133,6 +134,7 @@ class RequestRun:
 
     async def updates(self) -> AsyncIterator[list[Update]]:
         unfinished = "abort"  # how choices that end early count: the client went away (or "error" below)
+        self.ctx.num_requests += 1
         try:
             async for batch in self.ctx.engine.generate(self.prompt_ids, self.params, self.prompt_text):
                 now = time.perf_counter() - self.start
@@ -143,6 +145,7 @@ class RequestRun:
             unfinished = "error"
             raise
         finally:
+            self.ctx.num_requests -= 1
             now = time.perf_counter() - self.start
             for i in range(len(self.choices)):
                 if i not in self.reported:

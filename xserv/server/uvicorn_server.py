@@ -1,12 +1,22 @@
-"""uvicorn's Server with xserv's shutdown (see xserv/server/cli.py)."""
+"""uvicorn's Server with xserv's shutdown (see xserv/server/cli.py) and its log setup."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 
 import uvicorn
+from uvicorn.config import LOGGING_CONFIG
 
 log = logging.getLogger("xserv.server")
+
+
+def log_config(level: str) -> dict:
+    """uvicorn's logging setup plus xserv's own loggers (drain, engine failure, internal errors) in its format
+    (`INFO:     draining 2 requests (up to 30 s)`), at `level`."""
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["loggers"]["xserv"] = {"handlers": ["default"], "level": level.upper(), "propagate": False}
+    return config
 
 
 class DrainingServer(uvicorn.Server):
@@ -32,6 +42,9 @@ class DrainingServer(uvicorn.Server):
 
     def _on_signal(self) -> None:
         if self._drain_task is None:
+            self.ctx.draining = True
+            log.info("draining %d requests (up to %g s); a second signal aborts them", self.ctx.num_requests,
+                     self.drain_timeout)
             self._drain_task = asyncio.ensure_future(self._drain())
         else:
             log.warning("second signal: aborting in-flight requests now")
@@ -39,10 +52,8 @@ class DrainingServer(uvicorn.Server):
 
     async def _drain(self) -> None:
         ctx = self.ctx
-        ctx.draining = True
-        log.info("draining: %d sequences in flight, up to %.0f s", ctx.engine.num_in_flight, self.drain_timeout)
         if not await ctx.engine.wait_idle(self.drain_timeout):
-            log.warning("drain timeout: aborting %d sequences", ctx.engine.num_in_flight)
+            log.warning("drain timeout: aborting %d requests", ctx.num_requests)
             ctx.engine.abort_all()
             await ctx.engine.wait_idle(5.0)
         self.should_exit = True
