@@ -1,8 +1,12 @@
 """`xserv serve` at its edges, seen from both sides: a real server process (the tiny model on the CPU) whose engine
 writes down what it is given and what it runs (`RECORDING_ENGINE`), so that a test can check the engine itself,
 not only what the HTTP side says: a dropped stream stops the engine's work on it, a chat's system turn reaches
-the engine as the template renders it, streams carry no empty chunks."""
+the engine as the template renders it, streams carry no empty chunks; and a port in use fails before the model
+loads."""
 import json
+import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -10,7 +14,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 
 from qwen3_reference import tiny_model_dir  # noqa: E402,F401
-from server_process import ServerProcess, http, skip_unless_installed  # noqa: E402
+from server_process import ROOT, ServerProcess, http, skip_unless_installed  # noqa: E402
 
 skip_unless_installed("fastapi", "uvicorn")
 
@@ -158,3 +162,14 @@ def test_streams_carry_no_empty_chunks(server, route):
         if extra:  # held back to the end: each choice's text comes in its last chunk
             assert sum(len(e["choices"]) for e in events) == n
 
+
+def test_a_port_in_use_fails_at_once_before_the_model_loads(tiny_model_dir):  # noqa: F811
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "xserv", "serve", "--model", str(tiny_model_dir), "--device", "cpu",
+                            "--port", str(port)], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 1
+    assert r.stderr.splitlines() == [f"xserv: error: port {port} is already in use on 127.0.0.1 (another server?); "
+                                     f"choose another with --port"]

@@ -27,6 +27,22 @@ def _import_web():
 
 def cmd_serve(args) -> int:
     uvicorn = _import_web()
+    from .uvicorn_server import listening_sockets
+
+    for name in ("max_waiting", "max_request_bytes", "max_header_bytes"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if not args.drain_timeout >= 0:
+        raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+    sockets = listening_sockets(args.host, args.port)  # a port in use fails here, before the model loads
+    try:
+        return _serve(args, uvicorn, sockets)
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def _serve(args, uvicorn, sockets) -> int:
     from ..cli import load_llm
     from ..generation_config import sampling_defaults
     from .app import create_app
@@ -34,11 +50,6 @@ def cmd_serve(args) -> int:
     from .openai_api import ServerContext
     from .uvicorn_server import DrainingServer, log_config
 
-    for name in ("max_waiting", "max_request_bytes", "max_header_bytes"):
-        if getattr(args, name) < 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    if not args.drain_timeout >= 0:
-        raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
     llm = load_llm(args)
     defaults = sampling_defaults(llm.folder)
     model_name = args.served_model_name or args.model or str(llm.folder)
@@ -62,13 +73,14 @@ def cmd_serve(args) -> int:
                             timeout_keep_alive=5, h11_max_incomplete_event_size=args.max_header_bytes + H11_HEAD_SLACK)
     server = DrainingServer(config, ctx, args.drain_timeout)
     server_box.append(server)
-    print(f"xserv: serving {model_name!r} on http://{args.host}:{args.port} (sampling defaults {defaults or 'none'}"
+    port = sockets[0].getsockname()[1]
+    print(f"xserv: serving {model_name!r} on http://{args.host}:{port} (sampling defaults {defaults or 'none'}"
           f"{', API key required' if args.api_key else ''})", file=sys.stderr, flush=True)
-    server.run()
+    server.run(sockets=sockets)
     if ctx.engine.error is not None:
         return EXIT_ENGINE_FAILED
     if not server.started:
-        raise RuntimeError(f"the server could not start on {args.host}:{args.port}")
+        raise RuntimeError(f"the server could not start on {args.host}:{port}")
     return 0
 
 

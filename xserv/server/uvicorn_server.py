@@ -1,14 +1,44 @@
-"""uvicorn's Server with xserv's shutdown (see xserv/server/cli.py) and its log setup."""
+"""uvicorn's Server with xserv's shutdown (see xserv/server/cli.py), its listening sockets and its log setup."""
 from __future__ import annotations
 
 import asyncio
 import copy
+import errno
 import logging
+import socket
 
 import uvicorn
 from uvicorn.config import LOGGING_CONFIG
 
 log = logging.getLogger("xserv.server")
+
+
+def listening_sockets(host: str, port: int) -> list[socket.socket]:
+    """Bind host:port now (before the model loads, so that a port in use is a one-line error at once), the way
+    uvicorn would bind it through asyncio's create_server: a socket per address the host resolves to,
+    SO_REUSEADDR, IPv6 sockets IPv6-only. uvicorn listens on them (`Server.run(sockets=...)`)."""
+    where = f"{host}:{port}"
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise RuntimeError(f"cannot listen on {where}: {e.strerror} (--host)") from None
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+    except OSError as e:
+        for sock in sockets:
+            sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise RuntimeError(f"port {port} is already in use on {host} (another server?); choose another with "
+                               f"--port") from None
+        raise RuntimeError(f"cannot listen on {where}: {e.strerror}") from None
+    return sockets
 
 
 def log_config(level: str) -> dict:
