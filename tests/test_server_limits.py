@@ -249,13 +249,15 @@ class _FailingEngine:
 def test_health_is_503_after_an_engine_failure():
     import asyncio
 
+    from xserv.engine.engine_thread import EngineThread
     from xserv.server.app import create_app
     from xserv.server.async_engine import AsyncEngine
     from xserv.server.openai_api import ServerContext
 
     async def scenario():
         failed = asyncio.Event()
-        ctx = ServerContext(engine=AsyncEngine(_FailingEngine(), on_broken=lambda e: failed.set()), tokenizer=None,
+        ctx = ServerContext(engine=AsyncEngine(EngineThread(_FailingEngine()), on_broken=lambda e: failed.set()),
+                            tokenizer=None,
                             model_name="m", max_model_len=64, vocab_size=1000, max_in_flight=8)
         app = create_app(ctx)
         ctx.engine.start()
@@ -276,11 +278,13 @@ def test_thread_setup_runs_on_the_engine_thread_and_its_failure_breaks_the_engin
     import asyncio
     import threading
 
+    from xserv.engine.engine_thread import EngineThread
     from xserv.server.async_engine import AsyncEngine, EngineBroken
 
     async def scenario():
         where = []
-        engine = AsyncEngine(_FailingEngine(), thread_setup=lambda: where.append(threading.current_thread().name))
+        engine = AsyncEngine(EngineThread(_FailingEngine(),
+                                          thread_setup=lambda: where.append(threading.current_thread().name)))
         engine.start()
         await engine.stop()
         assert where == ["xserv-engine"]  # CUDA contexts are per thread: the binding must happen there
@@ -289,7 +293,7 @@ def test_thread_setup_runs_on_the_engine_thread_and_its_failure_breaks_the_engin
             raise RuntimeError("CUDA_ERROR_INVALID_CONTEXT (simulated)")
 
         failed = asyncio.Event()
-        engine = AsyncEngine(_FailingEngine(), thread_setup=cannot_bind, on_broken=lambda e: failed.set())
+        engine = AsyncEngine(EngineThread(_FailingEngine(), thread_setup=cannot_bind), on_broken=lambda e: failed.set())
         engine.start()
         await asyncio.wait_for(failed.wait(), 5)
         with pytest.raises(EngineBroken, match="INVALID_CONTEXT"):

@@ -240,6 +240,11 @@ class LLM:
         return self._live().engine
 
     @property
+    def engine_thread(self) -> EngineThread:
+        """The thread that steps the engine for every caller (the HTTP server submits through it too)."""
+        return self._live().thread
+
+    @property
     def runner(self):
         return self.engine.runner
 

@@ -250,8 +250,8 @@ class EngineThread:
             if sub.on_step is not None:
                 per_request.setdefault(id(sub), (sub, []))[1].append((seq, delta))
             finished = seq.is_finished
-            if not (finished or sub.every_step):
-                continue
+            if not (finished or (sub.every_step and delta)):
+                continue  # no new text (or none wanted before the end): its logprobs go out with the next text
             logprobs = out = None
             if finished or seq.params.logprobs is not None:
                 out = seq.output()

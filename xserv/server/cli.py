@@ -59,8 +59,7 @@ def _serve(args, uvicorn, sockets) -> int:
         log.error("the engine failed (%s: %s); ending in-flight requests and exiting", type(error).__name__, error)
         server_box[0].engine_failed()
 
-    thread_setup = _bind_cuda_context if llm.device == "cuda" else None
-    ctx = ServerContext(engine=AsyncEngine(llm.engine, on_broken=on_broken, thread_setup=thread_setup),
+    ctx = ServerContext(engine=AsyncEngine(llm.engine_thread, on_broken=on_broken),
                         tokenizer=llm.tokenizer,
                         model_name=model_name, max_model_len=llm.max_model_len, vocab_size=llm.config.vocab_size,
                         max_in_flight=llm.engine_config.max_num_seqs + args.max_waiting, sampling_defaults=defaults)
@@ -76,20 +75,12 @@ def _serve(args, uvicorn, sockets) -> int:
     port = sockets[0].getsockname()[1]
     print(f"xserv: serving {model_name!r} on http://{args.host}:{port} (sampling defaults {defaults or 'none'}"
           f"{', API key required' if args.api_key else ''})", file=sys.stderr, flush=True)
-    server.run(sockets=sockets)
+    try:
+        server.run(sockets=sockets)
+    finally:
+        llm.close()
     if ctx.engine.error is not None:
         return EXIT_ENGINE_FAILED
     if not server.started:
         raise RuntimeError(f"the server could not start on {args.host}:{port}")
     return 0
-
-
-def _bind_cuda_context() -> None:
-    """Make the GPU's primary context current on the calling thread. The engine was built (and its context made
-    current) on the main thread; CUDA contexts are per thread, so the engine thread must bind it too before its
-    first step (without it: CUDA_ERROR_INVALID_CONTEXT)."""
-    from cuda.core import Device as CoreDevice
-
-    from ..runtime import get_device
-
-    CoreDevice(get_device().info.index).set_current()
