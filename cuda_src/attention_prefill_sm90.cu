@@ -14,6 +14,13 @@
 //     online softmax on S in registers (scale folded into exp2), P packed to bf16 A fragments in place
 //     O += P V       wgmma RS: A = P from registers, B = V tile read MN-major (transposed by the hardware)
 //   Causal: a warpgroup skips tiles wholly past its last row and masks only tiles that reach past its first row.
+//
+// xserv-arch: sm_90a (wgmma, setmaxnreg, TMA: the hopper path of attention_prefill; elsewhere v3 in attention_prefill.cu)
+// The runtime compiles this family for sm_90a only (compiler.families_for); the #error keeps any other build honest
+// instead of compiling the kernels to nothing.
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#error "attention_prefill_sm90 needs sm_90a (wgmma, setmaxnreg, TMA); other archs run v3 (attention_prefill.cu)"
+#endif
 #include "attention.cuh"
 #include "tma.cuh"
 #include "wgmma.cuh"
@@ -181,9 +188,6 @@ __device__ __forceinline__ WarpgroupRows warpgroup_rows(const PrefillTile& t, in
 // tensor maps every row goes through cp.async.
 template <int D, int NWG, int BKV>
 __device__ __forceinline__ void prefill_v4(XSERV_PREFILL_ARGS, const void* k_tmap, const void* v_tmap) {
-#if !defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    __trap();  // wgmma exists only on sm_90a; xserv.ops.attention picks v4 only there (this keeps other archs compiling)
-#else
     using namespace prefill4;
     constexpr int BQ = 64 * NWG;
     constexpr int THREADS = 128 * NWG;
@@ -357,7 +361,6 @@ __device__ __forceinline__ void prefill_v4(XSERV_PREFILL_ARGS, const void* k_tma
     }
     cp_async_wait<0>();  // no copy may still target shared memory when the CTA exits
     store_rows<D>(o, l_row, rows.row0 + 16 * warp_in_wg + (lane >> 2), q_len, q_start, num_q_heads, h, lane, out);
-#endif
 }
 
 // ------------------------------------------------------------------------------------------------------------
@@ -371,9 +374,6 @@ __device__ __forceinline__ void prefill_v4(XSERV_PREFILL_ARGS, const void* k_tma
 // before its PV product (stale or NaN slots; K rows there are masked).
 template <int D, int NWG, int BKV, int STAGES>
 __device__ __forceinline__ void prefill_v5(XSERV_PREFILL_ARGS, const void* k_tmap, const void* v_tmap) {
-#if !defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    __trap();
-#else
     using namespace prefill4;
     constexpr int BQ = 64 * NWG, CONSUMERS = 128 * NWG, CH = D / 8;
     constexpr unsigned Q_BYTES = BQ * D * 2, KV_BYTES = BKV * D * 2;
@@ -495,7 +495,6 @@ __device__ __forceinline__ void prefill_v5(XSERV_PREFILL_ARGS, const void* k_tma
         release(st);
     }
     store_rows<D>(o, l_row, rows.row0 + 16 * warp_in_wg + (lane >> 2), q_len, q_start, num_q_heads, h, lane, out);
-#endif
 }
 
 // attention_prefill_v5_d{D}_w{NWG}_k{BKV}_s{STAGES}: block 128 (NWG + 1) (the producer warpgroup last); dynamic shared

@@ -99,6 +99,11 @@ __device__ __forceinline__ bool last_to_arrive(int* counter, int total, int& las
 // pdl_wait() before its first read of anything an earlier kernel wrote (work that depends only on weights may come
 // first: that is the point), and may call pdl_launch_dependents() once its own dependents may start their prologue.
 // Both are no-ops when the kernel was launched without the attribute, and compile to nothing before sm_90.
+// That is the one arch guard in xserv's kernels that compiles code away, and it is exact, not a stub: PDL launches
+// exist from sm_90 on, the runtime never launches with the attribute for code compiled below sm_90
+// (runtime/arch.pdl_enabled, checked in Kernel), and a kernel launched without it starts only after every earlier
+// kernel in the stream has finished, which is all pdl_wait() would wait for; with no dependents waiting on it,
+// pdl_launch_dependents() has nothing to release. (activation.ptx drops its griddepcontrol lines the same way.)
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");

@@ -1,7 +1,7 @@
 """The kernel harness: list, compile, check and benchmark xserv's kernels one by one.
 
     python -m tools.kernel_harness list
-    python -m tools.kernel_harness compile [--arch sm_90a] [--dev]  # no GPU needed; --dev: cuda_src/dev/ too
+    python -m tools.kernel_harness compile [--arch sm_90a|sm_80,sm_89|ci] [--dev]  # no GPU needed; --dev: dev/ too
     python -m tools.kernel_harness sizes [FAMILY ...] [--arch sm_90a]  # machine code per kernel entry, no GPU
     python -m tools.kernel_harness check OP [--shapes 8192x4096,1x128] [--seed N] [--variant NAME]
     python -m tools.kernel_harness bench OP [--shapes ...] [--vs torch] [--variant NAME] [--graph]
@@ -59,33 +59,46 @@ def cmd_list(args) -> int:
     return 0
 
 
-def cmd_compile(args) -> int:
-    from xserv.runtime.compiler import compile_families, list_dev_families, list_families, nvrtc_version
+CI_ARCHES = ("sm_80", "sm_89", "sm_90a", "sm_100a", "sm_120a")  # what tests/test_compile_all.py compiles
 
-    arch = args.arch
-    if arch is None:
+
+def cmd_compile(args) -> int:
+    from xserv.runtime.compiler import (compile_families, family_supports, list_dev_families, list_families,
+                                        nvrtc_version)
+
+    if args.arch is None:
         from xserv.runtime import get_device
 
-        arch = get_device().arch
-    families = list_families() + (list_dev_families() if args.dev else [])
-    print(f"NVRTC {'.'.join(map(str, nvrtc_version()))}, target {arch}, {len(families)} families, "
-          f"{'one at a time' if args.serial else 'in parallel threads'}")
+        arches = [get_device().arch]
+    elif args.arch == "ci":
+        arches = list(CI_ARCHES)
+    else:
+        arches = [a.strip() for a in args.arch.split(",") if a.strip()]
+    every = list_families() + (list_dev_families() if args.dev else [])
     failures = []
+    for arch in arches:
+        families = [f for f in every if family_supports(f, arch)]
+        skipped = [f for f in every if f not in families]
+        print(f"NVRTC {'.'.join(map(str, nvrtc_version()))}, target {arch}, {len(families)} families, "
+              f"{'one at a time' if args.serial else 'in parallel threads'}"
+              + (f" (not for this arch: {', '.join(skipped)})" if skipped else ""))
 
-    def report(family, seconds, error):
-        if error is None:
-            print(f"  ok    {family:32s} {seconds:6.2f} s", flush=True)
-        else:
-            failures.append(family)
-            print(f"  FAIL  {family}\n{error}", flush=True)
+        def report(family, seconds, error, arch=arch):
+            if error is None:
+                print(f"  ok    {family:32s} {seconds:6.2f} s", flush=True)
+            else:
+                failures.append((arch, family))
+                print(f"  FAIL  {family} ({arch})\n{error}", flush=True)
 
-    total = time.perf_counter()
-    for group in ([[f] for f in families] if args.serial else [families]):
-        try:
-            compile_families(group, arch, use_cache=not args.no_cache, on_done=report)
-        except Exception:  # reported above, family by family
-            pass
-    print(f"{len(families) - len(failures)}/{len(families)} compiled in {time.perf_counter() - total:.2f} s (wall)")
+        total = time.perf_counter()
+        before = len(failures)
+        for group in ([[f] for f in families] if args.serial else [families]):
+            try:
+                compile_families(group, arch, use_cache=not args.no_cache, on_done=report)
+            except Exception:  # reported above, family by family
+                pass
+        print(f"{len(families) - (len(failures) - before)}/{len(families)} compiled for {arch} in "
+              f"{time.perf_counter() - total:.2f} s (wall)")
     return 1 if failures else 0
 
 
@@ -257,7 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("list", help="every op with its kernels")
     c = sub.add_parser("compile", help="compile every kernel family (no GPU needed with --arch)")
-    c.add_argument("--arch", help="target, e.g. sm_90a (default: the current device's)")
+    c.add_argument("--arch", help="target(s), e.g. sm_90a, sm_80,sm_89 or sm_80@sm_90a (sm_80 code assembled for "
+                   "sm_90a, as XSERV_ARCH=sm_80 on an H100); 'ci': " + ", ".join(CI_ARCHES) + " (default: the current "
+                   "device's)")
     c.add_argument("--no-cache", action="store_true", help="ignore and do not write the cubin cache")
     c.add_argument("--dev", action="store_true", help="also the development families in cuda_src/dev/")
     c.add_argument("--serial", action="store_true", help="one family at a time (per-family times without contention)")

@@ -4,6 +4,7 @@
 //   v4 / v5 tuning points that do not ship (production has the measured best per head_dim).
 //   prefill_v4_exp: the v4 kernel as measured, with its experiment switches: PROBE (a timing decomposition) and
 //   tma_spread (0: warp 0 issues every TMA copy), as attention_prefill_v4probe{P}_d128_w2_k128, P = 0 the real kernel.
+// xserv-arch: sm_90a (wgmma, setmaxnreg, TMA, as the production file it includes)
 #include "../attention_prefill_sm90.cu"
 
 using namespace xserv;
@@ -31,9 +32,6 @@ XSERV_PREFILL_V5(64, 3, 128, 3)
 // tensor maps every row goes through cp.async.
 template <int D, int NWG, int BKV, int PROBE>
 __device__ __forceinline__ void prefill_v4_exp(XSERV_PREFILL_ARGS, const void* k_tmap, const void* v_tmap, int tma_spread) {
-#if !defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    __trap();  // wgmma exists only on sm_90a; xserv.ops.attention picks v4 only there (this keeps other archs compiling)
-#else
     using namespace prefill4;
     constexpr int BQ = 64 * NWG;
     constexpr int THREADS = 128 * NWG;
@@ -218,7 +216,6 @@ __device__ __forceinline__ void prefill_v4_exp(XSERV_PREFILL_ARGS, const void* k
     }
     cp_async_wait<0>();  // no copy may still target shared memory when the CTA exits
     store_rows<D>(o, l_row, rows.row0 + 16 * warp_in_wg + (lane >> 2), q_len, q_start, num_q_heads, h, lane, out);
-#endif
 }
 
 

@@ -5,8 +5,14 @@ hand or by another compiler, assembled by nvJitLink). Families in cuda_src/dev/ 
 development kernels: compiled only when asked for by name, never by list_families / ensure_compiled.
 
 The cache key covers everything that changes the binary: the family's source and every header it includes
-(followed recursively), the options, the target arch and the compiler's version (NVRTC for .cu; for .ptx
-nvJitLink's, or the driver's where its JIT linker assembles).  Compiling needs no GPU, so CI compiles every family for sm_90a.
+(followed recursively), the options, the target and the compiler's version (NVRTC for .cu; for .ptx nvJitLink's,
+or the driver's where its JIT linker assembles).  Compiling needs no GPU, so CI compiles every family for every
+arch it supports (tests/test_compile_all.py).
+
+Targets (runtime/arch.py): "sm_90a" compiles for that arch; "sm_80@sm_90a" (XSERV_ARCH=sm_80 on an H100) compiles
+the source as for sm_80 (NVRTC to compute_80 PTX; a PTX family's sm_80 form) and assembles that PTX for sm_90a.
+A family restricted to some archs says so in a line of its source, `// xserv-arch: sm_90a (why)`; it is compiled
+for those code archs only (families_for), and asking for another raises a CompileError naming the family.
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ from pathlib import Path
 
 from cuda.bindings import driver, nvrtc
 
+from .arch import arch_path, families_of, parse_arch, split_target
 from .device import device_count
 from .errors import CompileError
 
@@ -60,6 +67,42 @@ def list_families() -> list[str]:
 def list_dev_families() -> list[str]:
     """The development families in cuda_src/dev/, as "dev/<name>" (compiled on request only)."""
     return _families_in(kernel_source_dir() / DEV_DIR, f"{DEV_DIR}/")
+
+
+_ARCH_LINE = re.compile(r"^//\s*xserv-arch:\s*((?:sm_\d+a?[ ,]*)+)(.*)$", re.MULTILINE)
+
+
+def _family_archs(path: Path) -> tuple[tuple[str, ...], str] | None:
+    m = _ARCH_LINE.search(path.read_text(errors="replace"))
+    if m is None:
+        return None
+    return tuple(a for a in re.split(r"[ ,]+", m.group(1)) if a), m.group(2).strip()
+
+
+def family_archs(family: str) -> tuple[str, ...] | None:
+    """The code archs a family is compiled for when its source restricts them (`// xserv-arch: sm_90a (...)`), else
+    None: every arch from sm_80 on."""
+    found = _family_archs(family_source(family))
+    return None if found is None else found[0]
+
+
+def family_supports(family: str, target: str) -> bool:
+    archs = family_archs(family)
+    return archs is None or split_target(target)[0] in archs
+
+
+def families_for(target: str) -> list[str]:
+    """The production families a device of this target loads: every family whose source admits its code arch
+    (on sm_90a all of them; elsewhere all but the sm_90a-only ones)."""
+    return [f for f in list_families() if family_supports(f, target)]
+
+
+def _check_family_arch(family: str, path: Path, target: str) -> None:
+    found = _family_archs(path)
+    if found is not None and split_target(target)[0] not in found[0]:
+        archs, why = found
+        raise CompileError(f"kernel family {family!r} is for {', '.join(archs)} only{' ' + why if why else ''}: it "
+                           f"is not compiled for {target}, whose ops run other kernels (runtime/arch.py KERNEL_PATHS)")
 
 
 def family_source(family: str) -> Path:
@@ -127,8 +170,10 @@ def _cached_path(family: str, arch: str, key: str) -> Path:
 
 
 def compile_family(family: str, arch: str, extra_options: tuple[str, ...] = (), use_cache: bool = True) -> bytes:
-    """Return the cubin of family `family` for `arch` (e.g. "sm_90a"), compiling it on a cache miss."""
+    """Return the cubin of family `family` for the target `arch` ("sm_90a", or "sm_80@sm_90a": see the module
+    docstring), compiling it on a cache miss. A family restricted to other archs raises CompileError."""
     path = family_source(family)
+    _check_family_arch(family, path, arch)
     options = _options_for(path, extra_options)
     cached = _cached_path(family, arch, cache_key(family, arch, options))
     if use_cache and cached.is_file():
@@ -144,7 +189,11 @@ def compile_family(family: str, arch: str, extra_options: tuple[str, ...] = (), 
 
 # ---- CUDA C++ through NVRTC ------------------------------------------------------------------------------------
 
-def _nvrtc_compile(path: Path, arch: str, options: tuple[str, ...]) -> bytes:
+def _nvrtc_compile(path: Path, target: str, options: tuple[str, ...]) -> bytes:
+    """NVRTC: the cubin for a native target; for "code@sass" PTX of the code arch (compute_XY, __CUDA_ARCH__ = XY0),
+    assembled for the sass arch."""
+    code, sass = split_target(target)
+    arch = code if code == sass else "compute_" + code[len("sm_"):]
     source = path.read_bytes()
     err, prog = nvrtc.nvrtcCreateProgram(source, str(path).encode(), 0, [], [])
     _check(err, "nvrtcCreateProgram", path)
@@ -155,7 +204,14 @@ def _nvrtc_compile(path: Path, arch: str, options: tuple[str, ...]) -> bytes:
         (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         log = _program_log(prog)
         if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            raise CompileError(f"NVRTC failed to compile {path.name} for {arch}:\n{log}")
+            raise CompileError(f"NVRTC failed to compile {path.name} for {target}:\n{log}")
+        if code != sass:
+            err, size = nvrtc.nvrtcGetPTXSize(prog)
+            _check(err, "nvrtcGetPTXSize", path)
+            ptx = bytearray(size)
+            (err,) = nvrtc.nvrtcGetPTX(prog, ptx)
+            _check(err, "nvrtcGetPTX", path)
+            return ptx_to_cubin(bytes(ptx).rstrip(b"\0"), sass, f"{path.name} ({code} PTX)")
         err, size = nvrtc.nvrtcGetCUBINSize(prog)
         _check(err, "nvrtcGetCUBINSize", path)
         cubin = bytearray(size)  # a fresh buffer: NVRTC writes into it
@@ -222,15 +278,52 @@ def _ptx_error_lines(log: str, name: str) -> str:
     return _PTXAS_LINE.sub(lambda m: f"{name}:{m.group(1)}: {m.group(2)}: {m.group(3)}", log)
 
 
-def _ptx_assemble(path: Path, arch: str, options: tuple[str, ...]) -> bytes:
-    return ptx_to_cubin(path.read_bytes(), arch, str(path))
+_PTX_TARGET = re.compile(r"^(\s*\.target\s+)(sm_\d+a?)\b", re.MULTILINE)
+_PDL_LINE = re.compile(r"^\s*griddepcontrol\.\w+\s*;[^\n]*\n", re.MULTILINE)
+
+
+def ptx_for_arch(ptx: str, arch: str, name: str = "<ptx>") -> str:
+    """A PTX family's text for code arch `arch`. The file's `.target` is the lowest arch its instructions need and
+    assembles as it is for that arch and every later one. The one rewrite: a file at `.target sm_90` (what
+    griddepcontrol, programmatic dependent launch, needs) is given for an arch below sm_90 with its griddepcontrol
+    lines left out and `.target sm_80`. That is what the kernel means there: PDL launches exist from sm_90 on, so
+    below it nothing launches these kernels with the attribute, and without it griddepcontrol.wait returns at once
+    (every earlier kernel in the stream has finished) and launch_dependents has nothing to release. Any other
+    instruction the sm_80 form cannot have is ptxas's error, as usual."""
+    m = _PTX_TARGET.search(ptx)
+    if m is None:
+        raise CompileError(f"{name}: no .target line")
+    declared = m.group(2)
+    have, want = parse_arch(declared), parse_arch(arch)
+    if have[2] and declared != arch:
+        raise CompileError(f"{name} declares .target {declared}, an arch-specific target: it assembles for {declared} "
+                           f"only, not {arch}; declare the lowest arch its instructions need")
+    if have[:2] <= want[:2]:
+        return ptx
+    if have[:2] == (9, 0) and want[:2] >= (8, 0):
+        return _PTX_TARGET.sub(r"\g<1>sm_80", _PDL_LINE.sub("", ptx), count=1)
+    raise CompileError(f"{name} declares .target {declared}: it cannot be assembled for {arch}")
+
+
+def _ptx_assemble(path: Path, target: str, options: tuple[str, ...]) -> bytes:
+    code, sass = split_target(target)
+    text = ptx_for_arch(path.read_text(), code, str(path))
+    return ptx_to_cubin(text.encode(), sass, str(path))
 
 
 # ---- a first start: every family, in parallel -------------------------------------------------------------------
 
+def startup_families(target: str) -> list[str]:
+    """The families the ops launch on the target's kernel path (arch.KERNEL_PATHS): what a start-up compiles. Any
+    other family that compiles for the target (families_for: a test's cross-check kernel, on sm_90a v3 prefill)
+    compiles on first use."""
+    wanted = families_of(arch_path(target))
+    return [f for f in families_for(target) if f in wanted]
+
+
 def missing_families(arch: str, extra_options: tuple[str, ...] = ()) -> list[str]:
-    """Families whose cubin for `arch` is not in the disk cache yet."""
-    return [f for f in list_families()
+    """The families a start-up on target `arch` compiles (startup_families) whose cubin is not in the disk cache."""
+    return [f for f in startup_families(arch)
             if not _cached_path(f, arch, cache_key(f, arch, _options_for(family_source(f), extra_options))).is_file()]
 
 
@@ -276,9 +369,11 @@ def compile_families(families: list[str], arch: str, use_cache: bool = True, wor
 
 
 def ensure_compiled(arch: str, progress: bool = True) -> list[str]:
-    """Compile every family missing from the disk cache (a first run takes seconds; later starts load the cubins in
-    milliseconds), on parallel threads, with a progress bar when stderr is a terminal. Returns the families
-    compiled."""
+    """Compile every family the ops launch on the target's kernel path (startup_families: on sm_90a all but
+    attention_prefill, whose v3 and simple kernels run there only when a test or benchmark asks; elsewhere all but
+    the sm_90a-only attention_prefill_sm90) that is missing from the disk cache (a first run takes seconds; later starts load the
+    cubins in milliseconds), on parallel threads, with a progress bar when stderr is a terminal. Returns the
+    families compiled."""
     todo = missing_families(arch)
     if not todo:
         return []

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from cuda.bindings import driver
 
+from .arch import arch_for, target_from_env
 from .errors import CudaError, check_driver
 
 
@@ -18,15 +19,6 @@ def device_count() -> int:
         return n if err == driver.CUresult.CUDA_SUCCESS else 0
     except Exception:  # a missing libcuda.so surfaces as various loader errors
         return 0
-
-
-def arch_for(major: int, minor: int) -> str:
-    """The NVRTC target for a compute capability; Hopper gets the arch-specific sm_90a (wgmma, setmaxnreg)."""
-    if (major, minor) == (9, 0):
-        return "sm_90a"
-    if major >= 10:
-        return f"sm_{major}{minor}a"
-    return f"sm_{major}{minor}"
 
 
 @dataclass(frozen=True)
@@ -63,11 +55,14 @@ class Device:
 
         major = get(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
         minor = get(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)
+        name = self._core.name
         self.info = DeviceInfo(
             index=index,
-            name=self._core.name,
+            name=name,
             compute_capability=(major, minor),
-            arch=arch_for(major, minor),
+            # the compile target: the device's own arch, or XSERV_ARCH's code on it ("sm_80@sm_90a"); a GPU below
+            # sm_80 or a bad XSERV_ARCH raises here, before anything compiles (runtime/arch.py)
+            arch=target_from_env((major, minor), name),
             multiprocessor_count=get(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
             l2_cache_bytes=get(attr.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE),
             max_shared_memory_per_block_optin=get(attr.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN),

@@ -17,6 +17,7 @@ import struct
 import numpy as np
 from cuda.bindings import driver
 
+from .arch import pdl_enabled
 from .compiler import compile_family, family_source
 from .errors import CudaError, check_driver
 
@@ -108,7 +109,8 @@ class Kernel:
     since an untyped Python float would be a double. A call whose arguments do not match the kernel's parameters
     (count, sizes) raises ValueError naming the argument; a failed launch raises CudaError naming the kernel.
 
-    pdl=True launches with programmatic stream serialization (Hopper and later; a plain launch before sm_90): the
+    pdl=True launches with programmatic stream serialization (Hopper and later; a plain launch where the kernels are
+    compiled for an arch before sm_90, XSERV_ARCH=sm_80 on an H100 included: runtime/arch.pdl_enabled): the
     kernel may start while the previous kernel in the stream is still running, so it must call xserv::pdl_wait()
     (cuda_src/common.cuh) before reading anything an earlier kernel wrote. Works under CUDA-graph capture.
 
@@ -135,7 +137,10 @@ class Kernel:
         self._packers: dict[tuple, _Packer] = {}
         self._last: _Packer | _NoPacker = _NoPacker()  # the signature of the last plain launch
         self._param_sizes: list[int] | None | bool = False  # False: not read yet; None: the driver cannot say
-        self._pdl_supported = device.info.compute_capability[0] >= 9
+        # PDL (and clusters) from sm_90 on, by the code the kernels were compiled as: under XSERV_ARCH=sm_80 on an
+        # H100 they carry no griddepcontrol.wait, so a PDL launch would let them read inputs not yet written
+        arch = getattr(device, "arch", None)
+        self._pdl_supported = pdl_enabled(arch) if arch else device.info.compute_capability[0] >= 9
         self._ex_configs: dict[tuple, object] = {}
 
     def __call__(self, grid, block, *args, smem: int = 0, pdl: bool = False, cluster: int = 1):
@@ -267,7 +272,8 @@ class Kernel:
     def _check_cluster(self, cluster, gx) -> None:
         if not self._pdl_supported:  # clusters, like programmatic dependent launch, start with sm_90
             cc = ".".join(map(str, self._device.info.compute_capability))
-            raise ValueError(f"{self.name}: a cluster launch needs sm_90 or later, this device is {cc}")
+            raise ValueError(f"{self.name}: a cluster launch needs sm_90 or later, this device is {cc} "
+                             f"(kernels for {getattr(self._device, 'arch', cc)})")
         if type(cluster) is not int or not 1 <= cluster <= 8:
             raise ValueError(f"{self.name}: cluster {cluster!r}: expected an int in 1..8 (CTAs per cluster along x)")
         if gx % cluster:

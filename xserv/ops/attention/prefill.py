@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...runtime import get_device, get_runtime, kernel
+from ...runtime.arch import KernelPath, arch_path, default_variant
 from ...runtime.tma import kv_cache_tensor_map
 from ...tensor import Tensor, bfloat16, int32
 from .._checks import check_tensor, output, same_device
@@ -138,8 +139,9 @@ def prefill_variants(head_dim: int, dev: bool = False) -> list[str]:
 
 
 def default_prefill_variant() -> str:
-    """v5 on sm_90a (v4 where the block size rules out the TMA; see select_prefill_kernel), v3 elsewhere."""
-    return "v5" if get_device().arch == "sm_90a" else "v3"
+    """The device's kernel path's variant (runtime/arch.py KERNEL_PATHS): v5 on the hopper path (v4 where the block size
+    rules out the TMA; see select_prefill_kernel), v3 on the portable one."""
+    return default_variant("attention_prefill", get_device().arch)
 
 
 def select_prefill_kernel(variant: str, head_dim: int, block_size: int, use_tma: bool = True) -> PrefillKernel:
@@ -152,8 +154,9 @@ def select_prefill_kernel(variant: str, head_dim: int, block_size: int, use_tma:
     k = by_dim[head_dim]
     if k.tma == "required" and (not use_tma or k.tma_rows(block_size) is None):
         k = PREFILL_KERNELS["v4"][head_dim]
-    if k.tma != "none" and get_device().arch != "sm_90a":
-        raise ValueError(f"variant: {variant} prefill needs sm_90a (wgmma), the device is {get_device().arch}")
+    if k.tma != "none" and arch_path(get_device().arch) is not KernelPath.HOPPER:
+        raise ValueError(f"variant: {variant} prefill needs sm_90a (wgmma), the device's kernels are for "
+                         f"{get_device().arch}")
     return k
 
 
