@@ -145,6 +145,24 @@ def test_prefill_dispatch_follows_the_target(monkeypatch):
     assert P.default_prefill_variant() == "v5" and P.select_prefill_kernel("v5", 128, 16).variant == "v5"
 
 
+def test_decode_spread_stays_within_the_device_shared_memory():
+    """The fused decode entry's placement padding asks for at most the device's opt-in shared memory per CTA (it
+    assumed sm_90's 227 KB: an L4 or RTX 4090, 99 KB, would have refused the launch), and is sm_90's unchanged."""
+    from xserv.ops.attention import decode as D
+
+    need = D.DECODE_KERNELS["v4w8"].smem(128)
+    for optin in (99 * 1024, 163 * 1024, 227 * 1024):
+        for sms in (58, 108, 132, 170):
+            for ctas in (1, sms // 2, sms, sms + 1, 2 * sms, 5 * sms):
+                smem = D.spread_smem(need, ctas, sms, optin)
+                cap = -(-ctas // sms)
+                assert need <= smem <= optin and smem % 16 == 0
+                per_sm = (optin + 1024) // (smem + 1024)
+                assert per_sm == cap or (smem == need and per_sm < cap), (optin, sms, ctas, smem)
+                if optin == 227 * 1024:
+                    assert smem == D.spread_smem(need, ctas, sms)
+
+
 # ---- PDL ---------------------------------------------------------------------------------------------------------
 def test_pdl_follows_the_code_arch_not_the_device():
     """Under XSERV_ARCH=sm_80 on an H100 the kernels carry no griddepcontrol.wait: a PDL launch would let them start

@@ -309,12 +309,14 @@ def _plan(variant: str, num_seqs: int, num_kv_heads: int, max_kv_len: int, block
     return k, splits, chunk
 
 
-def spread_smem(smem: int, ctas: int, multiprocessor_count: int) -> int:
-    """Dynamic shared memory (>= smem) with which an SM holds at most ceil(ctas / SMs) CTAs of a grid (sm_90: 228 KB
-    per SM, 1 KB reserved per CTA, 227 KB per CTA at most)."""
+def spread_smem(smem: int, ctas: int, multiprocessor_count: int, cta_smem_max: int = _CTA_SMEM_MAX) -> int:
+    """Dynamic shared memory (>= smem) with which an SM holds at most ceil(ctas / SMs) CTAs of a grid: cta_smem_max
+    per CTA at most (the device's opt-in limit: sm_90 227 KB, sm_80 163 KB, sm_86/89/120 99 KB), 1 KB reserved per
+    CTA, so cta_smem_max + 1 KB per SM."""
     cap = -(-max(ctas, 1) // max(multiprocessor_count, 1))
-    fits_one_more = _SM_SMEM_TOTAL // (cap + 1) - _CTA_SMEM_RESERVED  # (cap + 1) CTAs of this much would fit
-    return min(max(smem, -(-(fits_one_more + 1) // 16) * 16), max(smem, _CTA_SMEM_MAX))
+    per_sm = cta_smem_max + _CTA_SMEM_RESERVED
+    fits_one_more = per_sm // (cap + 1) - _CTA_SMEM_RESERVED  # (cap + 1) CTAs of this much would fit
+    return min(max(smem, -(-(fits_one_more + 1) // 16) * 16), max(smem, cta_smem_max))
 
 
 def _launch(plan: tuple[DecodeKernel, int, int], q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_lens: Tensor,
@@ -348,7 +350,9 @@ def _launch(plan: tuple[DecodeKernel, int, int], q: Tensor, k_cache: Tensor, v_c
     if fused:
         pdl = FUSED_PDL
         if SPREAD_CTAS:
-            smem = spread_smem(smem, splits * heads * num_seqs, get_device().multiprocessor_count)
+            dev = get_device()  # the device's shared memory, not sm_90's: an sm_86/89 CTA gets 99 KB at most
+            smem = spread_smem(smem, splits * heads * num_seqs, dev.multiprocessor_count,
+                               dev.info.max_shared_memory_per_block_optin)
     name = k.name(head_dim, group) + ("_lean" if fused and lean_entry(k, head_dim, group, splits) else "")
     # v4 waits for the previous kernel itself (pdl_wait): it may be launched with programmatic dependent launch
     kernel(k.family, name)(grid, (32 * k.warps, 1, 1), *args, smem=smem, pdl=pdl)
