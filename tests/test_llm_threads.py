@@ -177,6 +177,23 @@ def test_closed_llm_raises_and_releases(tiny_model_dir):  # noqa: F811
             use()
 
 
+def test_cached_memory_goes_back_after_the_engine_is_unreachable(tiny_model_dir, monkeypatch):  # noqa: F811
+    """The order that makes close() return device memory: by the time the allocator's cached blocks go back to the
+    driver, nothing may hold the engine any more (else its buffers are still in use and nothing is freed; the GPU
+    test measures the memory, this one pins the order on any machine)."""
+    import xserv.llm as llm_module
+
+    llm = LLM(str(tiny_model_dir), device="cpu", max_model_len=256, progress=False)
+    llm.generate("Hello", SamplingParams(temperature=0.0, max_tokens=4))
+    engine, model = weakref.ref(llm.engine), weakref.ref(llm.model)
+    seen = []
+    monkeypatch.setattr(llm_module, "_give_back_cached_memory", lambda: seen.append((engine(), model())))
+    monkeypatch.setattr(llm_module, "_open_on_cuda", 1)
+    llm._state.device = "cuda"  # as a GPU LLM is released (the engine itself stays on the CPU)
+    llm.close()
+    assert seen == [(None, None)], "the cached memory was given back while the engine or model was still reachable"
+
+
 def test_dropped_llm_stops_its_thread(tiny_model_dir):  # noqa: F811
     llm = LLM(str(tiny_model_dir), device="cpu", max_model_len=256, progress=False)
     llm.generate("Hello", SamplingParams(temperature=0.0, max_tokens=4))

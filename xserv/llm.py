@@ -62,27 +62,40 @@ def _release(state: _DeviceState) -> None:
     if state.closed:
         return
     state.closed = True
-    thread, engine = state.thread, state.engine
-    started = thread._thread is not None
-    stopped = thread.stop(timeout=60)  # on_exit (the engine thread's last act) closes the engine
-    if not started and engine is not None:
-        _close_engine(engine, state.device)
-    state.model = state.engine = state.thread = None
-    thread.engine = None
+    stopped = _stop_and_drop(state)
     if state.device != "cuda":
         return
     with _open_lock:
         _open_on_cuda -= 1
         last = _open_on_cuda == 0
     if last and stopped:
-        import gc
+        _give_back_cached_memory()
 
-        from .ops._launch import release_pooled_buffers
-        from .runtime import release_cached_memory
 
-        gc.collect()  # anything of the engine's kept alive by a reference cycle
-        release_pooled_buffers()
-        release_cached_memory()
+def _stop_and_drop(state: _DeviceState) -> bool:
+    """Stop the engine thread (its last act closes the engine), or close the engine here when the thread never
+    ran, and drop the state's references. A function of its own so that no local of the caller still holds the
+    engine when the cached memory is given back. True when the thread has ended."""
+    thread, engine = state.thread, state.engine
+    stopped = thread.stop(timeout=60)
+    if thread._thread is None and engine is not None:
+        _close_engine(engine, state.device)
+    state.model = state.engine = state.thread = None
+    thread.engine = None
+    return stopped
+
+
+def _give_back_cached_memory() -> None:
+    """The last GPU LLM has gone: its buffers are back in the allocator's cache; return them to the driver, with
+    the process-wide workspaces that its graphs may have used."""
+    import gc
+
+    from .ops._launch import release_pooled_buffers
+    from .runtime import release_cached_memory
+
+    gc.collect()  # anything of the engine's kept alive by a reference cycle
+    release_pooled_buffers()
+    release_cached_memory()
 
 
 def _close_engine(engine: LLMEngine, device: str) -> None:
