@@ -205,19 +205,23 @@ def test_dropped_llm_stops_its_thread(tiny_model_dir):  # noqa: F811
     assert not thread.is_alive() and engine() is None
 
 
-def test_unseeded_sampling_differs_seeded_repeats(llm, tiny_model_dir):  # noqa: F811
+def test_unseeded_sampling_differs_between_runs_seeded_repeats(llm):
+    """A fresh engine (a new process, a re-run cell) samples unseeded requests afresh; a seed repeats them; an
+    engine-wide seed makes unseeded requests repeat across engines."""
+    from xserv.engine.llm_engine import LLMEngine
+
+    def first_request(config: EngineConfig, params: SamplingParams) -> list[int]:
+        config = config.replace(max_num_seqs=2)  # small sampler state: seven engines are made here
+        engine = LLMEngine.from_model(llm.model, llm.tokenizer, config, context_len=256, eos_token_ids=[])
+        return engine.generate([llm.tokenizer.encode("Hello")], [params])[0].token_ids
+
     free = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
-    a, b = (llm.generate("Hello", free)[0].token_ids for _ in range(2))
-    assert a != b  # 16 draws over a near-uniform 151k vocabulary: equal only by a miracle
+    # 16 draws over a near-uniform 151k vocabulary: equal only by a miracle
+    assert first_request(EngineConfig(), free) != first_request(EngineConfig(), free)
     seeded = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, seed=7)
-    assert llm.generate("Hello", seeded)[0].token_ids == llm.generate("Hello", seeded)[0].token_ids
-    # an engine-wide seed makes unseeded requests reproducible across LLMs
-    outs = []
-    for _ in range(2):
-        with LLM(str(tiny_model_dir), device="cpu", config=EngineConfig(seed=5), max_model_len=256,
-                 progress=False) as other:
-            outs.append(other.generate("Hello", free)[0].token_ids)
-    assert outs[0] == outs[1]
+    assert first_request(EngineConfig(), seeded) == first_request(EngineConfig(), seeded)
+    assert first_request(EngineConfig(seed=5), free) == first_request(EngineConfig(seed=5), free)
+    assert llm.generate("Hello", seeded)[0].token_ids == first_request(EngineConfig(), seeded)
 
 
 # ---- GPU ------------------------------------------------------------------------------------------------------
