@@ -20,6 +20,7 @@ import hashlib
 import os
 import re
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
@@ -160,7 +161,11 @@ def cache_key(family: str, arch: str, options: tuple[str, ...]) -> str:
     for file in sorted(files):
         h.update(str(file.relative_to(src_dir) if file.is_relative_to(src_dir) else file.name).encode() + b"\0")
         h.update(files[file] + b"\0")
-    compiler = ptx_assembler() if path.suffix == ".ptx" else ("nvrtc", nvrtc_version())
+    code, sass = split_target(arch)
+    if path.suffix == ".ptx":
+        compiler = ptx_assembler()
+    else:  # a forced target's PTX is assembled by nvJitLink (or the driver) too
+        compiler = ("nvrtc", nvrtc_version()) + ((ptx_assembler(),) if code != sass else ())
     h.update(repr((arch, options, compiler)).encode())
     return h.hexdigest()[:32]
 
@@ -258,10 +263,23 @@ def ptx_assembler() -> tuple[str, tuple[int, ...]]:
     return "driver", (int(version),)
 
 
+_import_lock = threading.Lock()
+
+
+def _cuda_core():
+    """cuda.core's Device, Program, ProgramOptions, imported on first use (0.4 s: PTX only) under a lock: compile
+    threads that reach it together would otherwise see a partly initialised module (an ImportError, seen in
+    tests/test_compile_all.py once several families assembled PTX at once)."""
+    with _import_lock:
+        from cuda.core import Device, Program, ProgramOptions
+
+    return Device, Program, ProgramOptions
+
+
 def ptx_to_cubin(ptx: bytes, arch: str, name: str = "<ptx>") -> bytes:
     """Assemble PTX text for `arch` into a cubin. A PTX error raises CompileError with `name:line: error: ...`
     lines (ptxas's messages, re-addressed to the file)."""
-    from cuda.core import Device, Program, ProgramOptions  # cuda.core costs 0.4 s to import: PTX families only
+    Device, Program, ProgramOptions = _cuda_core()
 
     if ptx_assembler()[0] == "driver":
         Device(0).set_current()  # the driver's linker works in a context (this thread may have none yet)
