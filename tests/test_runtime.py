@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 
 from xserv.runtime.allocator import size_class
+from xserv.runtime.arch import pdl_enabled
 from xserv.testing import random_array, rel_error
 
 
@@ -600,7 +601,7 @@ def test_pdl_launch_eager(rng, n):
     out.copy_(np.full(n, np.nan, np.float32))
     _run_pair(k, "pdl_consumer_nowait", src, buf, out, n, pdl=False)  # stream order: correct without a wait
     np.testing.assert_array_equal(out.numpy(), expect)
-    if get_device().info.compute_capability[0] >= 9:
+    if pdl_enabled(get_device().arch):
         # without the wait and with PDL, the consumer overlaps the producer's spin and reads the stale (NaN) buffer:
         # the attribute took effect
         buf.copy_(np.full(n, np.nan, np.float32))
@@ -631,7 +632,7 @@ def test_pdl_launch_in_a_captured_graph(rng):
         first = 2 * (src_np + np.float32(1))
         np.testing.assert_array_equal(out.numpy(), first)
         np.testing.assert_array_equal(out2.numpy(), 2 * (first + np.float32(1)))
-    if get_device().info.compute_capability[0] >= 9:  # the captured edge is programmatic: the overlap survives capture
+    if pdl_enabled(get_device().arch):  # the captured edge is programmatic: the overlap survives capture
         stale = CUDAGraph()
         with stale.capture():
             _run_pair(k, "pdl_consumer_nowait", src, buf, out, n, pdl=True)
