@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The portable kernel path (XSERV_ARCH=sm_80: the code an A100 runs, assembled for this GPU) against the native one
+# on the same machine, one call (issue 28): the standard offline workload and batch-1 decode per model preset, then
+# prefill attention (portable v3, Hopper v5) against PyTorch SDPA's flash and cuDNN kernels.
+#   bash tools/gpu_bench_paths.sh [0.6b] [8b]
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/xserv-out}; mkdir -p "$OUT"
+bash tools/gpu_session.sh env >/dev/null 2>&1
+export PYTHONUNBUFFERED=1 XSERV_CACHE_DIR=/tmp/xserv-cache
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$PWD || export PYTHONPATH=$PWD
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -m tools.kernel_harness ceilings 2>&1 | tail -3
+for preset in "${@:-0.6b}"; do
+  m=/tmp/model-$preset
+  [ -d $m ] || python3 -m tools.make_test_model --preset $preset --out $m --no-progress >/dev/null
+  for path in native sm_80; do
+    if [ $path = sm_80 ]; then export XSERV_ARCH=sm_80; else unset XSERV_ARCH; fi
+    echo "=== $preset, $path path: offline workload (greedy)"
+    python3 -m xserv bench throughput --model $m --temperature 0 --json $OUT/tp-$preset-$path.json 2>&1 \
+      | grep -v "it/s\|tok/s]" | tail -3
+    echo "=== $preset, $path path: batch-1 decode at context 512"
+    python3 -m xserv bench latency --model $m --input-len 512 --output-len 256 --json $OUT/lat-$preset-$path.json \
+      2>&1 | tail -1
+  done
+  unset XSERV_ARCH
+done
+echo "=== prefill attention: portable v3 and Hopper v5 against SDPA (native build)"
+python3 -m tools.bench_attention --prefill v3,v5 --prefill-only --quick 2>&1 | tail -14
