@@ -102,6 +102,15 @@ def test_threads_share_steps(llm):
     assert max(seen) >= 2, f"thread 0's steps never ran beside another thread's request: {seen}"
 
 
+def test_on_step_runs_once_per_step_for_a_whole_call(llm):
+    """generate(on_step=...) with several prompts: one call per engine step with every row of the call (the
+    throughput benchmark counts steps and tokens this way)."""
+    calls = []
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (6, 9, 12)]
+    outs = llm.generate(PROMPTS[:3], params, on_step=lambda results: calls.append(len(results)))
+    assert len(calls) == 12 and sum(calls) == sum(len(o.token_ids) for o in outs) == 27, calls
+
+
 @pytest.mark.timeout(120)
 def test_keyboard_interrupt_aborts_only_its_caller(llm):
     others = [_run(llm, *_requests(i)[0]) for i in range(3)]

@@ -55,7 +55,8 @@ class Submission:
     params_per_choice: list
     prompt_text: str | None = None
     every_step: bool = True  # an update after every step; False: only when a choice finishes (no text deltas)
-    on_step: Callable | None = None  # called on the engine thread with the step's [(sequence, delta)] of this request
+    on_step: Callable | None = None  # called on the engine thread once per step with the [(sequence, delta)] of
+    # every request that shares it (the requests of one generate() call)
 
 
 class _Tracked:
@@ -241,14 +242,14 @@ class EngineThread:
 
     def _file(self, results, tracked, by_handle, outbox) -> None:
         """Turn a step's [(sequence, delta)] into updates for the sequences' handles."""
-        per_request: dict = {}
+        per_call: dict = {}  # id(on_step) -> (on_step, [(sequence, delta)])
         for seq, delta in results:
             t = tracked.get(seq)
             if t is None:
                 continue  # aborted meanwhile
             sub = t.submission
             if sub.on_step is not None:
-                per_request.setdefault(id(sub), (sub, []))[1].append((seq, delta))
+                per_call.setdefault(id(sub.on_step), (sub.on_step, []))[1].append((seq, delta))
             finished = seq.is_finished
             if not (finished or (sub.every_step and delta)):
                 continue  # no new text (or none wanted before the end): its logprobs go out with the next text
@@ -268,14 +269,16 @@ class EngineThread:
                 if seqs is not None and all(s.is_finished for s in seqs):
                     del by_handle[sub.handle]
             outbox.append((sub.handle, update))
-        for sub, pairs in per_request.values():
+        for on_step, pairs in per_call.values():
             try:
-                sub.on_step(pairs)
-            except BaseException as e:  # noqa: BLE001 - the request's caller gets it; its choices end
-                for seq in by_handle.pop(sub.handle, ()):
-                    self.engine.abort(seq)
-                    tracked.pop(seq, None)
-                outbox.append((sub.handle, e))
+                on_step(pairs)
+            except BaseException as e:  # noqa: BLE001 - the call's caller gets it; all its requests end
+                handles = {t.submission.handle for t in tracked.values() if t.submission.on_step is on_step}
+                for handle in handles:
+                    for seq in by_handle.pop(handle, ()):
+                        self.engine.abort(seq)
+                        tracked.pop(seq, None)
+                    outbox.append((handle, e))
 
     def _abort_all(self, tracked, by_handle, outbox) -> None:
         for seq, t in list(tracked.items()):
