@@ -9,10 +9,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+from ..chat_output import THINK_END, THINK_START, ChatOutputParser, Part
 from ..sampling import SamplingParams
 from .async_engine import AsyncEngine, EngineBroken, EngineStopped, Update
 from .metrics import ServerMetrics
-from .protocol import MAX_STOP_STRINGS, APIError, ChatCompletionRequest, error_body
+from .protocol import (MAX_STOP_STRINGS, UNSUPPORTED_CHAT, UNSUPPORTED_COMPLETION, APIError, ChatCompletionRequest,
+                       error_body, unsupported_field)
+from .tools import check_tool_choice
 
 # SamplingParams fields a request may leave to the model's generation_config.json defaults
 _DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
@@ -50,15 +53,39 @@ class ServerContext:
 
 
 # ---- request -> engine input ----------------------------------------------------------------------------------------
-def chat_prompt(ctx: ServerContext, req: ChatCompletionRequest) -> str:
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
-    kwargs = dict(req.chat_template_kwargs or {})
-    enable_thinking = kwargs.pop("enable_thinking", True)
-    if not isinstance(enable_thinking, bool):
+def template_message(m) -> dict:
+    """A request message as chat templates expect it (transformers' format: content always a string)."""
+    out = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+    if m.name is not None:
+        out["name"] = m.name
+    if m.tool_calls:
+        # arguments stay the JSON text the client sent (Qwen3's template writes a string as it is, a dict as JSON)
+        out["tool_calls"] = [{"id": c.id, "type": "function",
+                              "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                             for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.reasoning_content is not None:
+        out["reasoning_content"] = m.reasoning_content
+    return out
+
+
+def enable_thinking_of(req: ChatCompletionRequest) -> bool:
+    value = (req.chat_template_kwargs or {}).get("enable_thinking", True)
+    if not isinstance(value, bool):
         raise APIError(400, "chat_template_kwargs.enable_thinking must be a boolean", "chat_template_kwargs")
+    return value
+
+
+def chat_prompt(ctx: ServerContext, req: ChatCompletionRequest) -> str:
+    messages = [template_message(m) for m in req.messages]
+    kwargs = dict(req.chat_template_kwargs or {})
+    kwargs.pop("enable_thinking", None)
+    kwargs.pop("tools", None)
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     try:
         return ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                 enable_thinking=enable_thinking, **kwargs)
+                                                 enable_thinking=enable_thinking_of(req), tools=tools, **kwargs)
     except Exception as e:  # noqa: BLE001 - the template's raise_exception and Jinja errors are the request's fault
         raise APIError(400, f"the chat template rejected the messages: {e}", "messages") from None
 
@@ -239,9 +266,15 @@ class Endpoint:
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
+    unsupported: dict = {}
+
     async def prepare(self, start: float) -> RequestRun:
         ctx, req = self.ctx, self.req
         ctx.check_model(req.model)
+        error = unsupported_field(req, self.unsupported)
+        if error is not None:
+            raise error
+        self.check_request()
         ctx.check_serving(req.n)
         prompt_ids, prompt_text = await self.prompt()
         params = sampling_params(ctx, req, len(prompt_ids), max_tokens=self.max_tokens(),
@@ -279,11 +312,14 @@ class Endpoint:
             for first in self.opening_chunks(len(run.choices)):
                 yield chunk([first])
             async for batch in run.updates():
-                choices = []
+                # a choice may have several deltas for one update (a tool call's name, then its arguments): the
+                # i-th chunk of the batch carries each choice's i-th delta, so no chunk names a choice twice
+                rows = []
                 for u in batch:
-                    choices.append(self.delta_choice(u, run.choices[u.index], sent_text[u.index]))
+                    rows.append(self.delta_choices(u, run.choices[u.index], sent_text[u.index]))
                     sent_text[u.index] += len(u.text)
-                yield chunk(choices)
+                for i in range(max(map(len, rows), default=0)):
+                    yield chunk([r[i] for r in rows if i < len(r)])
         except (EngineBroken, EngineStopped) as e:
             yield _error_event(e)
             yield sse("[DONE]")
@@ -299,6 +335,9 @@ class Endpoint:
         yield sse("[DONE]")
 
     # hooks
+    def check_request(self) -> None:
+        pass
+
     async def prompt(self) -> tuple[list[int], str | None]:
         raise NotImplementedError
 
@@ -317,16 +356,36 @@ class Endpoint:
     def final_choice(self, index: int, c: ChoiceState) -> dict:
         raise NotImplementedError
 
-    def delta_choice(self, u: Update, c: ChoiceState, text_offset: int) -> dict:
+    def delta_choices(self, u: Update, c: ChoiceState, text_offset: int) -> list[dict]:
         raise NotImplementedError
 
 
 class ChatEndpoint(Endpoint):
+    """Chat answers are split by ChatOutputParser (xserv/chat_output.py): `<think>` text -> reasoning_content (when
+    thinking is on and the template knows <think>), `<tool_call>` blocks -> tool_calls (when tools are given and
+    tool_choice is not "none"), the rest -> content. Streams hold back text that may be the start of a tag; the
+    logprobs of held-back tokens go out with the next delta."""
     object_name, chunk_object, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl"
     prompt_param = "messages"
+    unsupported = UNSUPPORTED_CHAT
+
+    def check_request(self):
+        req = self.req
+        self.parse_tools = bool(req.tools) and req.tool_choice != "none"
+        self.parallel = req.parallel_tool_calls is not False
+        check_tool_choice(req.tools, req.tool_choice)
+        template = getattr(self.ctx.tokenizer, "chat_template", None) or ""
+        self.reasoning = THINK_START in template and enable_thinking_of(req)
+        self.in_reasoning = False
+        self.parsers: dict[int, ChatOutputParser] = {}
+        self.pending_logprobs: dict[int, list] = {}
+        self.num_calls: dict[int, int] = {}
 
     async def prompt(self):
         text = chat_prompt(self.ctx, self.req)
+        # a template that opens the think block itself (the prompt ends with <think>): the answer starts in it
+        tail = text.rstrip()
+        self.in_reasoning = self.reasoning and tail.endswith(THINK_START) and not tail.endswith(THINK_END)
         ids = await asyncio.to_thread(self.ctx.tokenizer.encode, text)
         return prompt_ids_of(self.ctx, ids, "messages"), text
 
@@ -342,22 +401,77 @@ class ChatEndpoint(Endpoint):
     def _logprobs(self, entries):
         return chat_logprobs(self.ctx.tokenizer, entries, self.req.top_logprobs or 0) if self.req.logprobs else None
 
+    def _parser(self) -> ChatOutputParser:
+        return ChatOutputParser(reasoning=self.reasoning, in_reasoning=self.in_reasoning, tools=self.parse_tools)
+
+    def _tool_call(self, index: int, part: Part) -> dict | None:
+        """The call's OpenAI form, or None for a call past the first when parallel_tool_calls is false."""
+        k = self.num_calls.get(index, 0)
+        if k and not self.parallel:
+            return None
+        self.num_calls[index] = k + 1
+        return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                "function": {"name": part.call.name, "arguments": part.call.arguments}}
+
+    def _finish_reason(self, index: int, reason: str | None) -> str | None:
+        return "tool_calls" if reason == "stop" and self.num_calls.get(index) else reason
+
     def opening_chunks(self, n):
         return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
                 for i in range(n)]
 
     def final_choice(self, index, c):
-        return {"index": index, "message": {"role": "assistant", "content": "".join(c.text)},
-                "logprobs": self._logprobs(c.logprobs if c.has_logprobs else None), "finish_reason": c.finish_reason}
+        parser = self._parser()
+        parts = parser.push("".join(c.text)) + parser.finish()
+        content = "".join(p.text for p in parts if p.kind == "content")
+        calls = [call for call in (self._tool_call(index, p) for p in parts if p.kind == "tool_call") if call]
+        message = {"role": "assistant", "content": content if content or not calls else None}
+        if self.reasoning:
+            message["reasoning_content"] = ("".join(p.text for p in parts if p.kind == "reasoning")
+                                            if any(p.kind == "reasoning" for p in parts) else None)
+        if calls:
+            message["tool_calls"] = calls
+        return {"index": index, "message": message,
+                "logprobs": self._logprobs(c.logprobs if c.has_logprobs else None),
+                "finish_reason": self._finish_reason(index, c.finish_reason)}
 
-    def delta_choice(self, u, c, text_offset):
-        return {"index": u.index, "delta": {"content": u.text} if u.text else {},
-                "logprobs": self._logprobs(u.logprobs), "finish_reason": u.finish_reason}
+    def delta_choices(self, u, c, text_offset):
+        parser = self.parsers.get(u.index)
+        if parser is None:
+            parser = self.parsers[u.index] = self._parser()
+        parts = parser.push(u.text) if u.text else []
+        if u.finish_reason is not None:
+            parts += parser.finish()
+        deltas = []
+        for p in parts:
+            if p.kind == "tool_call":
+                call = self._tool_call(u.index, p)
+                if call is None:
+                    continue
+                k = self.num_calls[u.index] - 1
+                # OpenAI's shape: the id, type and name first (arguments ""), then the argument text
+                deltas.append({"tool_calls": [{"index": k, "id": call["id"], "type": "function",
+                                               "function": {"name": call["function"]["name"], "arguments": ""}}]})
+                deltas.append({"tool_calls": [{"index": k, "function": {"arguments": call["function"]["arguments"]}}]})
+            elif deltas and p.kind == "content" and "content" not in deltas[-1] and "tool_calls" not in deltas[-1]:
+                deltas[-1]["content"] = p.text  # reasoning then content: one delta
+            else:
+                deltas.append({"reasoning_content" if p.kind == "reasoning" else "content": p.text})
+        if u.logprobs is not None:
+            self.pending_logprobs.setdefault(u.index, []).extend(u.logprobs)
+        if not deltas and u.finish_reason is None:
+            return []  # all of its text is held back: nothing to send yet (its logprobs wait for the text)
+        choices = [{"index": u.index, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas or [{}]]
+        if self.req.logprobs:
+            choices[0]["logprobs"] = self._logprobs(self.pending_logprobs.pop(u.index, []))
+        choices[-1]["finish_reason"] = self._finish_reason(u.index, u.finish_reason)
+        return choices
 
 
 class CompletionEndpoint(Endpoint):
     object_name, chunk_object, id_prefix = "text_completion", "text_completion", "cmpl"
     prompt_param = "prompt"
+    unsupported = UNSUPPORTED_COMPLETION
 
     async def prompt(self):
         prompt = self.req.prompt
@@ -379,6 +493,6 @@ class CompletionEndpoint(Endpoint):
                 "logprobs": self._logprobs(c.logprobs if c.has_logprobs else None, 0),
                 "finish_reason": c.finish_reason}
 
-    def delta_choice(self, u, c, text_offset):
-        return {"index": u.index, "text": u.text, "logprobs": self._logprobs(u.logprobs, text_offset),
-                "finish_reason": u.finish_reason}
+    def delta_choices(self, u, c, text_offset):
+        return [{"index": u.index, "text": u.text, "logprobs": self._logprobs(u.logprobs, text_offset),
+                 "finish_reason": u.finish_reason}]

@@ -1,7 +1,9 @@
 """The OpenAI request bodies the server accepts (pydantic validates them) and its error body.
 
-Types are strict (no "0.5" for a number, no true for an integer); unknown fields are ignored, as OpenAI-compatible
-servers do. Range checks that SamplingParams also makes are repeated here so that the 400 names the request's
+Types are strict (no "0.5" for a number, no true for an integer). Fields of OpenAI's (and vLLM's) APIs that xserv
+does not implement are refused with a 400 naming them (`UNSUPPORTED`) unless their value is one that changes
+nothing; fields that only label a request for OpenAI's platform (`user`, `metadata`, ...) are ignored
+(`IGNORED`); other unknown fields are ignored, as OpenAI-compatible servers do. Range checks that SamplingParams also makes are repeated here so that the 400 names the request's
 own field (`max_completion_tokens`, `top_logprobs`).
 """
 from __future__ import annotations
@@ -21,11 +23,16 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
+class _Request(_Body):
+    """A top-level request body: unknown fields are kept (model_extra) so that `unsupported_field` can see them."""
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
 class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _SamplingFields(_Body):
+class _SamplingFields(_Request):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: Finite | None = Field(None, ge=0)
@@ -49,10 +56,25 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it back
+
+
+class ToolCallIn(_Body):
+    """A call of an earlier assistant turn, as the client sends the history back."""
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant turns
+    tool_call_id: str | None = None  # tool turns
+    reasoning_content: str | None = None  # assistant turns (the template may show it again)
 
     def text(self) -> str:
         if self.content is None:
@@ -62,17 +84,109 @@ class ChatMessage(_Body):
         return "".join(part.text for part in self.content)
 
 
+class FunctionDef(_Body):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     chat_template_kwargs: dict | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_SamplingFields):
     prompt: Union[str, list[Annotated[int, Field(ge=0)]]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+
+# ---- fields xserv does not implement ------------------------------------------------------------------------------
+def _absent(v) -> bool:
+    return v is None
+
+
+def _off(v) -> bool:
+    return v is None or v is False
+
+
+def _empty(v) -> bool:
+    return v is None or v == {} or v == [] or v == ""
+
+
+_STRUCTURED = "structured output (response_format / guided_*) is not available yet"
+# field -> (the values that change nothing, why the others are refused); both endpoints unless listed per endpoint
+UNSUPPORTED_COMMON = {
+    "logit_bias": (_empty, "logit_bias is not supported yet"),
+    "response_format": (lambda v: v is None or v == {"type": "text"}, _STRUCTURED),
+    "guided_json": (_absent, _STRUCTURED),
+    "guided_regex": (_absent, _STRUCTURED),
+    "guided_grammar": (_absent, _STRUCTURED),
+    "guided_choice": (_absent, _STRUCTURED),
+    "structured_outputs": (_absent, _STRUCTURED),
+    "use_beam_search": (_off, "beam search is not supported"),
+    "min_tokens": (lambda v: v is None or v == 0, "min_tokens is not supported"),
+    "prompt_logprobs": (_absent, "prompt logprobs are not supported"),
+    "include_stop_str_in_output": (_off, "stop strings are never part of the output here"),
+    "allowed_token_ids": (_absent, "allowed_token_ids is not supported"),
+    "bad_words": (_empty, "bad_words is not supported"),
+    "truncate_prompt_tokens": (_absent, "prompt truncation is not supported"),
+    "echo": (_off, "echo (the prompt in the output) is not supported"),
+}
+UNSUPPORTED_CHAT = UNSUPPORTED_COMMON | {
+    "functions": (_absent, "functions/function_call are deprecated by OpenAI: use tools/tool_choice"),
+    "function_call": (_absent, "functions/function_call are deprecated by OpenAI: use tools/tool_choice"),
+    "audio": (_absent, "audio output is not supported"),
+    "modalities": (lambda v: v is None or v == ["text"], "only text output is supported (modalities: [\"text\"])"),
+    "prediction": (_absent, "predicted outputs are not supported"),
+    "web_search_options": (_absent, "web search is not supported"),
+    "reasoning_effort": (_absent, "reasoning_effort is not supported: switch Qwen3's thinking with "
+                                  "chat_template_kwargs {\"enable_thinking\": false}"),
+    "verbosity": (_absent, "verbosity is not supported"),
+    "continue_final_message": (_off, "continue_final_message is not supported"),
+    "add_generation_prompt": (lambda v: v is None or v is True, "add_generation_prompt false is not supported"),
+    "chat_template": (_absent, "a request's own chat_template is not supported"),
+    "documents": (_absent, "documents are not supported"),
+}
+UNSUPPORTED_COMPLETION = UNSUPPORTED_COMMON | {
+    "suffix": (_empty, "suffix (insertion) is not supported"),
+}
+# accepted and ignored: they label the request for OpenAI's platform and change nothing in the answer
+IGNORED = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "request_id",
+           "priority")
+
+
+def unsupported_field(req, table: dict) -> APIError | None:
+    """A 400 naming the first field of `req` that xserv does not implement, with a value that would matter."""
+    extra = req.model_extra or {}
+    for name, (harmless, why) in table.items():
+        if name in extra and not harmless(extra[name]):
+            return APIError(400, f"{name} is not supported by this server: {why}", name, "unsupported_field")
+    best_of = extra.get("best_of")
+    if best_of is not None and best_of != getattr(req, "n", 1) and "best_of" not in table:
+        return APIError(400, f"best_of is not supported by this server (best_of {best_of!r} with n "
+                             f"{getattr(req, 'n', 1)}): only best_of = n", "best_of", "unsupported_field")
+    return None
 
 
 # ---- errors -------------------------------------------------------------------------------------------------------

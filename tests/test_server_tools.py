@@ -1,0 +1,311 @@
+"""Tool calls, reasoning content and the 400s for fields xserv does not implement, in /v1/chat/completions and
+/v1/completions: the FastAPI app in process (httpx's ASGI transport) with the real Qwen3 tokenizer and chat template,
+in front of a scripted engine that answers every request with text the test writes down, in pieces the test chooses
+(so that a tag can be split at every place). The engine also records the prompt text the template rendered."""
+import asyncio
+import json
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+
+from server_process import ROOT  # noqa: E402
+
+TOKENIZER = ROOT.parent / "shared" / "qwen3-tokenizer"
+if not (TOKENIZER / "tokenizer.json").is_file():
+    from xserv.models.config import presets_dir
+
+    TOKENIZER = presets_dir() / "tokenizer"
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {
+    "zone": {"type": "string"}}}}}
+CALL_1 = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+CALL_2 = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'
+BAD = '<tool_call>\n{"name": oops}\n</tool_call>'
+THINK = "<think>\nThe user wants the weather.\n</think>\n\n"
+
+
+class ScriptedEngine:
+    """Stands in for AsyncEngine: each request's choices get `answer` in `pieces`-character updates (1: a character at a
+    time), then finish with `finish_reason`. `prompts` collects the prompt texts."""
+
+    def __init__(self):
+        self.answer, self.pieces, self.finish_reason = "", 1000, "stop"
+        self.prompts: list[str] = []
+        self.num_in_flight = 0
+        self.error = None
+        self.running = True
+
+    def stats(self):
+        return {}
+
+    async def generate(self, prompt_ids, params, prompt_text=None):
+        from xserv.server.async_engine import Update
+
+        self.prompts.append(prompt_text)
+        text, k = self.answer, self.pieces
+        chunks = [text[i:i + k] for i in range(0, len(text), k)] or [""]
+        for j, piece in enumerate(chunks):
+            last = j == len(chunks) - 1
+            lp = [{"token_id": 9, "logprob": -0.5, "top": []}] * len(piece)  # one "token" per character
+            yield [Update(i, piece, j + 1, lp if params[i].logprobs is not None else None,
+                          self.finish_reason if last else None) for i in range(len(params))]
+
+
+@pytest.fixture(scope="module")
+def app():
+    from xserv.server.app import create_app
+    from xserv.server.openai_api import ServerContext
+    from xserv.tokenizer import Tokenizer
+
+    engine = ScriptedEngine()
+    ctx = ServerContext(engine=engine, tokenizer=Tokenizer.from_folder(TOKENIZER), model_name="m",
+                        max_model_len=4096, vocab_size=151936, max_in_flight=64)
+    a = create_app(ctx)
+    a.engine = engine
+    return a
+
+
+def post(app, path, body, answer=None, pieces=1000, finish="stop"):
+    """(status, json body or list of SSE chunks) of one request."""
+    if answer is not None:
+        app.engine.answer, app.engine.pieces, app.engine.finish_reason = answer, pieces, finish
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://x") as c:
+            r = await c.post(path, json=body)
+            if not body.get("stream") or r.status_code != 200:
+                return r.status_code, r.json()
+            lines = [ln[6:] for ln in r.text.splitlines() if ln.startswith("data: ")]
+            assert lines[-1] == "[DONE]"
+            return r.status_code, [json.loads(ln) for ln in lines[:-1]]
+
+    return asyncio.run(asyncio.wait_for(go(), 30))
+
+
+def chat(app, answer, stream=False, pieces=1000, finish="stop", **body):
+    body = {"messages": [{"role": "user", "content": "Weather in Oslo?"}], "stream": stream, **body}
+    status, out = post(app, "/v1/chat/completions", body, answer, pieces, finish)
+    assert status == 200, out
+    return out
+
+
+def joined(chunks):
+    """(reasoning, content, {call index: (id, name, arguments joined)}, finish_reason, chunks in order) of a stream."""
+    reasoning, content, calls, finish, order = "", "", {}, None, []
+    for c in chunks:
+        for ch in c["choices"]:
+            d = ch["delta"]
+            reasoning += d.get("reasoning_content") or ""
+            content += d.get("content") or ""
+            for tc in d.get("tool_calls") or []:
+                if "id" in tc:
+                    assert tc["index"] not in calls and tc["type"] == "function" and tc["function"]["name"]
+                    calls[tc["index"]] = [tc["id"], tc["function"]["name"], tc["function"].get("arguments", "")]
+                    order.append(("name", tc["index"]))
+                else:
+                    calls[tc["index"]][2] += tc["function"]["arguments"]  # a KeyError: arguments before the name
+                    order.append(("arguments", tc["index"]))
+            finish = ch["finish_reason"] or finish
+    return reasoning, content, {k: tuple(v) for k, v in calls.items()}, finish, order
+
+
+def test_tool_calls_parsed_whole_and_streamed_at_every_split(app):
+    answer = "Checking.\n" + CALL_1 + "\n" + CALL_2
+    whole = chat(app, answer, tools=[WEATHER, TIME])["choices"][0]
+    msg = whole["message"]
+    assert whole["finish_reason"] == "tool_calls" and msg["content"] == "Checking."
+    assert [(c["type"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg["tool_calls"]] == \
+        [("function", "get_weather", {"city": "Oslo"}), ("function", "get_time", {"zone": "CET"})]
+    assert all(c["id"].startswith("call_") for c in msg["tool_calls"])
+    assert len({c["id"] for c in msg["tool_calls"]}) == 2
+    for pieces in (1, 2, 5, 11):  # every split of the tags across updates
+        _, content, calls, finish, order = joined(chat(app, answer, stream=True, pieces=pieces, tools=[WEATHER, TIME]))
+        assert content == "Checking." and "<" not in content and finish == "tool_calls"
+        assert [(name, json.loads(args)) for _, name, args in calls.values()] == \
+            [("get_weather", {"city": "Oslo"}), ("get_time", {"zone": "CET"})]
+        assert order == [("name", 0), ("arguments", 0), ("name", 1), ("arguments", 1)]
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call(app):
+    answer = CALL_1 + "\n" + CALL_2
+    msg = chat(app, answer, tools=[WEATHER, TIME], parallel_tool_calls=False)["choices"][0]["message"]
+    assert [c["function"]["name"] for c in msg["tool_calls"]] == ["get_weather"] and msg["content"] is None
+    _, content, calls, finish, _ = joined(chat(app, answer, stream=True, pieces=4, tools=[WEATHER, TIME],
+                                                parallel_tool_calls=False))
+    assert [name for _, name, _ in calls.values()] == ["get_weather"] and content == "" and finish == "tool_calls"
+
+
+@pytest.mark.parametrize("answer, content, names, finish", [
+    (BAD, BAD, [], "stop"),  # bad JSON inside the block
+    ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', [], "stop"),  # no name
+    (CALL_1 + "\n" + BAD, BAD, ["get_weather"], "tool_calls"),  # the good call stays a call
+    ("Sure.\n" + CALL_1[:30], "Sure.\n" + CALL_1[:30], [], "length"),  # cut off inside the block
+    ("a <tool_ b", "a <tool_ b", [], "stop"),  # looked like a tag for a while
+])
+def test_malformed_tool_output_is_content(app, answer, content, names, finish):
+    reason = "length" if finish == "length" else "stop"
+    whole = chat(app, answer, finish=reason, tools=[WEATHER])["choices"][0]
+    assert whole["message"]["content"] == content and whole["finish_reason"] == finish
+    assert [c["function"]["name"] for c in whole["message"].get("tool_calls", [])] == names
+    _, streamed, calls, sfinish, _ = joined(chat(app, answer, stream=True, pieces=3, finish=reason, tools=[WEATHER]))
+    assert streamed == content and [n for _, n, _ in calls.values()] == names and sfinish == finish
+
+
+def test_tool_choice_none_and_no_tools_leave_the_text_alone(app):
+    answer = "Checking.\n" + CALL_1
+    for body in ({"tools": [WEATHER], "tool_choice": "none"}, {}):
+        msg = chat(app, answer, **body)["choices"][0]["message"]
+        assert msg["content"] == answer and "tool_calls" not in msg
+    assert "<tools>" in app.engine.prompts[-2] and "<tools>" not in app.engine.prompts[-1]  # none: still rendered
+
+
+def test_reasoning_split_whole_and_streamed(app):
+    answer = THINK + "It is sunny."
+    msg = chat(app, answer)["choices"][0]["message"]
+    assert msg == {"role": "assistant", "content": "It is sunny.",
+                   "reasoning_content": "\nThe user wants the weather.\n"}
+    for pieces in (1, 2, 3, 7):
+        reasoning, content, _, _, _ = joined(chat(app, answer, stream=True, pieces=pieces))
+        assert (reasoning, content) == ("\nThe user wants the weather.\n", "It is sunny.")
+    # cut off while thinking: all reasoning, no tag anywhere
+    msg = chat(app, "<think>\nHmm, let me", finish="length")["choices"][0]["message"]
+    assert msg["reasoning_content"] == "\nHmm, let me" and msg["content"] == ""
+    reasoning, content, _, _, _ = joined(chat(app, "<think>\nHmm, let me</thi", stream=True, pieces=1,
+                                              finish="length"))
+    assert (reasoning, content) == ("\nHmm, let me</thi", "")
+    # thinking and a tool call in one answer
+    reasoning, content, calls, finish, _ = joined(chat(app, THINK + CALL_1, stream=True, pieces=2, tools=[WEATHER]))
+    assert reasoning == "\nThe user wants the weather.\n" and content == "" and finish == "tool_calls"
+    assert [n for _, n, _ in calls.values()] == ["get_weather"]
+
+
+def test_thinking_off_is_all_content(app):
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    msg = chat(app, "<think>x</think>y", **off)["choices"][0]["message"]
+    assert msg == {"role": "assistant", "content": "<think>x</think>y"}  # no split, no reasoning_content key
+    assert app.engine.prompts[-1].endswith("<think>\n\n</think>\n\n")
+
+
+def test_streamed_logprobs_of_held_back_text_go_out_with_it(app):
+    answer = THINK + "Yes."
+    chunks = chat(app, answer, stream=True, pieces=1, logprobs=True)
+    n = sum(len(ch["logprobs"]["content"]) for c in chunks[1:] for ch in c["choices"])
+    assert n == len(answer)  # one entry per "token" (character), none lost while the tags were held back
+    assert all(ch["delta"] or ch["finish_reason"] for c in chunks[1:] for ch in c["choices"])  # no empty chunk
+
+
+def test_tool_history_is_rendered_through_the_template(app):
+    messages = [{"role": "user", "content": "Weather in Oslo?"},
+                {"role": "assistant", "content": None, "reasoning_content": "Need a tool.",
+                 "tool_calls": [{"id": "call_1", "type": "function",
+                                 "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'}]
+    out = chat(app, "It is 21 degrees.", tools=[WEATHER], messages=messages)
+    assert out["choices"][0]["message"]["content"] == "It is 21 degrees."
+    prompt = app.engine.prompts[-1]
+    assert ('<|im_start|>assistant\n<think>\nNeed a tool.\n</think>\n\n<tool_call>\n{"name": "get_weather", '
+            '"arguments": {"city": "Oslo"}}\n</tool_call><|im_end|>\n') in prompt
+    assert '<|im_start|>user\n<tool_response>\n{"temp": 21}\n</tool_response><|im_end|>\n' in prompt
+    assert prompt.endswith("<|im_start|>assistant\n")
+
+
+def test_openai_client_tool_loop(app):
+    openai = pytest.importorskip("openai")
+
+    async def go():
+        http_client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://x")
+        client = openai.AsyncOpenAI(base_url="http://x/v1", api_key="k", http_client=http_client, max_retries=0)
+        messages = [{"role": "user", "content": "Weather in Oslo?"}]
+        app.engine.answer, app.engine.pieces, app.engine.finish_reason = THINK + CALL_1, 3, "stop"
+        r = await client.chat.completions.create(model="m", messages=messages, tools=[WEATHER])
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        call = choice.message.tool_calls[0]
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Oslo"}
+        messages += [choice.message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": "21 C"}]
+        # the streamed second turn, with the SDK's own stream accumulation
+        app.engine.answer = "It is 21 C."
+        async with client.beta.chat.completions.stream(model="m", messages=messages, tools=[WEATHER]) as s:
+            final = await s.get_final_completion()
+        assert final.choices[0].message.content == "It is 21 C." and final.choices[0].finish_reason == "stop"
+        assert "<tool_response>\n21 C\n</tool_response>" in app.engine.prompts[-1]
+        # a streamed tool call, accumulated by the SDK
+        app.engine.answer, app.engine.pieces = CALL_1 + "\n" + CALL_2, 2
+        async with client.beta.chat.completions.stream(model="m", messages=messages[:1], tools=[WEATHER, TIME]) as s:
+            final = await s.get_final_completion()
+        calls = final.choices[0].message.tool_calls
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == \
+            [("get_weather", {"city": "Oslo"}), ("get_time", {"zone": "CET"})]
+        await http_client.aclose()
+
+    asyncio.run(asyncio.wait_for(go(), 30))
+
+
+UNSUPPORTED_CHAT = [("echo", True), ("functions", [{"name": "f"}]), ("function_call", "auto"),
+                    ("logit_bias", {"9": 5}), ("response_format", {"type": "json_object"}),
+                    ("guided_json", {"type": "object"}), ("guided_regex", "a+"), ("guided_grammar", "start: 'a'"),
+                    ("audio", {"voice": "x"}), ("modalities", ["text", "audio"]), ("prediction", {"type": "content"}),
+                    ("web_search_options", {}), ("reasoning_effort", "low"), ("use_beam_search", True),
+                    ("min_tokens", 3), ("best_of", 2)]
+UNSUPPORTED_COMPLETION = [("echo", True), ("best_of", 3), ("suffix", "end"), ("logit_bias", {"1": 1}),
+                          ("guided_json", {"type": "object"}), ("response_format", {"type": "json_object"})]
+
+
+@pytest.mark.parametrize("field, value", UNSUPPORTED_CHAT)
+def test_unsupported_chat_fields_are_refused_by_name(app, field, value):
+    status, out = post(app, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], field: value})
+    assert status == 400 and out["error"]["param"] == field and field in out["error"]["message"], out
+
+
+@pytest.mark.parametrize("field, value", UNSUPPORTED_COMPLETION)
+def test_unsupported_completion_fields_are_refused_by_name(app, field, value):
+    status, out = post(app, "/v1/completions", {"prompt": "hi", "max_tokens": 2, field: value})
+    assert status == 400 and out["error"]["param"] == field and field in out["error"]["message"], out
+
+
+def test_harmless_values_and_platform_fields_pass(app):
+    ok = {"echo": False, "logit_bias": {}, "response_format": {"type": "text"}, "modalities": ["text"],
+          "user": "u1", "metadata": {"a": "b"}, "store": False, "n": 2, "best_of": 2, "parallel_tool_calls": True}
+    assert chat(app, "hi", **ok)["choices"][1]["message"]["content"] == "hi"
+    status, out = post(app, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "suffix": None, "echo": False,
+                                                "best_of": 1}, "ok")
+    assert status == 200 and out["choices"][0]["text"] == "ok"
+
+
+@pytest.mark.parametrize("body, param, needle", [
+    ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice", "needs structured output"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice",
+     "needs structured output"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+     "not among the tools"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": [WEATHER, WEATHER]}, "tools", "more than once"),
+    ({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools[0].type", ""),
+    ({"tool_choice": "sometimes", "tools": [WEATHER]}, "tool_choice", ""),
+])
+def test_tool_choice_errors(app, body, param, needle):
+    status, out = post(app, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], **body})
+    assert status == 400 and out["error"]["param"] == param and needle in out["error"]["message"], out
+
+
+def test_tool_call_constraint_schema():
+    from xserv.server.protocol import NamedToolChoice, Tool
+    from xserv.server.tools import tool_call_constraint
+
+    tools = [Tool.model_validate(WEATHER), Tool.model_validate(TIME)]
+    assert tool_call_constraint(tools, "auto") is None and tool_call_constraint(tools, None) is None
+    required = tool_call_constraint(tools, "required")
+    names = [s["properties"]["name"]["const"] for s in required["json_schema"]["anyOf"]]
+    assert names == ["get_weather", "get_time"]
+    assert required["json_schema"]["anyOf"][0]["properties"]["arguments"] == WEATHER["function"]["parameters"]
+    assert '"<tool_call>\\n"' in required["grammar"] and "call)*" in required["grammar"]
+    named = tool_call_constraint(tools, NamedToolChoice.model_validate({"type": "function",
+                                                                        "function": {"name": "get_time"}}))
+    assert named["json_schema"]["properties"]["name"] == {"const": "get_time"}
+    assert named["grammar"].startswith("start: call\n")
