@@ -1,5 +1,8 @@
 // Batched token sampling: one CTA per row of logits, every row with its own parameters (xserv/ops/sampling.py
 // packs them; the column layout below mirrors it). Per row b:
+//   0. the row's logit bias (bias_row >= 0: logit_bias[bias_row] added, one float add per token) and token mask
+//      (mask_row >= 0: tokens whose bit in token_mask[mask_row] is 0 get -inf); the adjusted logits are the row's
+//      "raw" logits for everything below, log-probs included. Rows without either read neither;
 //   1. penalties (row has a penalty slot): repetition penalty on tokens marked in seen[slot] (logit > 0 -> l / r,
 //      else l * r), then l -= presence * (count > 0) + frequency * count with counts[slot];
 //   2. temperature 0 -> greedy argmax (lowest index on ties);
@@ -43,7 +46,8 @@ constexpr float GUMBEL_MAX = 16.7f;        // > -log(-log(1 - 2^-24)) = 16.64, t
 
 // Parameter columns: keep in step with xserv/ops/sampling.py.
 enum { F_TEMPERATURE = 0, F_TOP_P = 1, F_MIN_P = 2, F_REPETITION = 3, F_PRESENCE = 4, F_FREQUENCY = 5, NUM_F = 8 };
-enum { I_TOP_K = 0, I_SEED_LO = 1, I_SEED_HI = 2, I_STEP = 3, I_PENALTY_SLOT = 4, NUM_I = 8 };
+enum { I_TOP_K = 0, I_SEED_LO = 1, I_SEED_HI = 2, I_STEP = 3, I_PENALTY_SLOT = 4, I_MASK_ROW = 5, I_BIAS_ROW = 6,
+       NUM_I = 8 };
 
 // ---- Philox4x32-10 (Salmon et al., SC'11) and the Gumbel noise ------------------------------------------------
 __device__ __forceinline__ uint4 philox4x32_10(uint4 c, uint2 k) {
@@ -178,13 +182,15 @@ struct RowParams {
     float inv_temp, top_p, min_p, rep, presence, freq;
     int top_k;  // 0 = off
     int slot;   // -1 = no penalty state
+    int mask_row, bias_row;  // -1 = none
     uint2 key;
     unsigned step;
     bool greedy, use_seen, use_counts;
 };
 
 __device__ __forceinline__ RowParams load_params(const float* __restrict__ fparams, const int* __restrict__ iparams,
-                                                 int row, int vocab, int num_slots) {
+                                                 int row, int vocab, int num_slots, int num_mask_rows,
+                                                 int num_bias_rows) {
     const float* f = fparams + (long long)row * NUM_F;
     const int* ip = iparams + (long long)row * NUM_I;
     RowParams p;
@@ -200,6 +206,10 @@ __device__ __forceinline__ RowParams load_params(const float* __restrict__ fpara
     if (p.top_k <= 0 || p.top_k >= vocab) p.top_k = 0;
     p.slot = ip[I_PENALTY_SLOT];
     if (p.slot < 0 || p.slot >= num_slots) p.slot = -1;
+    p.mask_row = ip[I_MASK_ROW];
+    if (p.mask_row < 0 || p.mask_row >= num_mask_rows) p.mask_row = -1;
+    p.bias_row = ip[I_BIAS_ROW];
+    if (p.bias_row < 0 || p.bias_row >= num_bias_rows) p.bias_row = -1;
     p.key = make_uint2((unsigned)ip[I_SEED_LO], (unsigned)ip[I_SEED_HI]);
     p.step = (unsigned)ip[I_STEP];
     p.use_seen = p.slot >= 0 && p.rep != 1.f;
@@ -212,17 +222,50 @@ struct Row {
     const float* logits;         // [vocab] this row's raw logits
     const int* counts;           // [vocab] this row's slot of the output-token counts (when p.use_counts)
     const unsigned char* seen;   // [vocab] this row's slot of the seen flags (when p.use_seen)
+    const int* mask;             // [ceil(vocab / 32)] this row's token bitmask, or null
+    const float* bias;           // [vocab] this row's logit bias, or null
     int vocab;
     RowParams p;
 
     __device__ __forceinline__ int groups() const { return (vocab + GROUP - 1) / GROUP; }
 
-    // Raw logits of tokens 4g .. 4g+3; -inf past the end (callers also test i < vocab).
+    // Raw logits of tokens 4g .. 4g+3 (bias added, masked tokens -inf); -inf past the end (callers also test
+    // i < vocab).
     __device__ __forceinline__ float4 load(int g) const {
-        if (VEC) return __ldg(reinterpret_cast<const float4*>(logits) + g);
         const int i = g * GROUP;
-        return make_float4(i < vocab ? logits[i] : NEG_INF, i + 1 < vocab ? logits[i + 1] : NEG_INF,
-                           i + 2 < vocab ? logits[i + 2] : NEG_INF, i + 3 < vocab ? logits[i + 3] : NEG_INF);
+        float4 q;
+        if (VEC)
+            q = __ldg(reinterpret_cast<const float4*>(logits) + g);
+        else
+            q = make_float4(i < vocab ? logits[i] : NEG_INF, i + 1 < vocab ? logits[i + 1] : NEG_INF,
+                            i + 2 < vocab ? logits[i + 2] : NEG_INF, i + 3 < vocab ? logits[i + 3] : NEG_INF);
+        if (bias) {  // -inf + bias stays -inf
+            if (VEC) {
+                const float4 b = __ldg(reinterpret_cast<const float4*>(bias) + g);
+                q = make_float4(__fadd_rn(q.x, b.x), __fadd_rn(q.y, b.y), __fadd_rn(q.z, b.z), __fadd_rn(q.w, b.w));
+            } else {
+                if (i < vocab) q.x = __fadd_rn(q.x, bias[i]);
+                if (i + 1 < vocab) q.y = __fadd_rn(q.y, bias[i + 1]);
+                if (i + 2 < vocab) q.z = __fadd_rn(q.z, bias[i + 2]);
+                if (i + 3 < vocab) q.w = __fadd_rn(q.w, bias[i + 3]);
+            }
+        }
+        if (mask) {  // the 4 tokens of a group share one word (4g is a multiple of 4), bits 4(g % 8) .. +3
+            const unsigned bits = (unsigned)__ldg(mask + (g >> 3)) >> ((g & 7) * GROUP);
+            if (!(bits & 1u)) q.x = NEG_INF;
+            if (!(bits & 2u)) q.y = NEG_INF;
+            if (!(bits & 4u)) q.z = NEG_INF;
+            if (!(bits & 8u)) q.w = NEG_INF;
+        }
+        return q;
+    }
+
+    // Raw logit of one token (as load() gives it).
+    __device__ __forceinline__ float raw(int i) const {
+        float l = logits[i];
+        if (bias) l = __fadd_rn(l, bias[i]);
+        if (mask && !(((unsigned)mask[i >> 5] >> (i & 31)) & 1u)) l = NEG_INF;
+        return l;
     }
 
     // Penalties, then temperature. Explicit _rn operations: no FMA contraction, so that the NumPy reference,
@@ -511,12 +554,17 @@ template <bool VEC>
 __device__ void sample_row(const float* __restrict__ logits, const float* __restrict__ fparams,
                            const int* __restrict__ iparams, int* counts, unsigned char* seen, int* __restrict__ out,
                            float* __restrict__ logprobs, int* __restrict__ top_ids, float* __restrict__ top_logprobs,
-                           int vocab, int top_n, int num_slots) {
+                           const int* __restrict__ token_mask, const float* __restrict__ logit_bias, int vocab,
+                           int top_n, int num_slots, int num_mask_rows, int num_bias_rows) {
     __shared__ Shared sm;
     const int b = blockIdx.x;
-    const RowParams p = load_params(fparams, iparams, b, vocab, counts != nullptr && seen != nullptr ? num_slots : 0);
+    const RowParams p = load_params(fparams, iparams, b, vocab, counts != nullptr && seen != nullptr ? num_slots : 0,
+                                    token_mask != nullptr ? num_mask_rows : 0,
+                                    logit_bias != nullptr ? num_bias_rows : 0);
     const long long slot_base = (long long)(p.slot < 0 ? 0 : p.slot) * vocab;
-    const Row<VEC> row{logits + (long long)b * vocab, counts + slot_base, seen + slot_base, vocab, p};
+    const int* mask = p.mask_row < 0 ? nullptr : token_mask + (long long)p.mask_row * ((vocab + 31) / 32);
+    const float* bias = p.bias_row < 0 ? nullptr : logit_bias + (long long)p.bias_row * vocab;
+    const Row<VEC> row{logits + (long long)b * vocab, counts + slot_base, seen + slot_base, mask, bias, vocab, p};
     // The z buffer serves rows with a filter (temperature alone keeps every token: its draw reads the row).
     const bool collect_c = !p.greedy && (p.top_k > 0 || p.top_p < 1.f || p.min_p > 0.f);
     const bool collect_r = top_n > 0;
@@ -598,7 +646,7 @@ __device__ void sample_row(const float* __restrict__ logits, const float* __rest
 
     if (threadIdx.x == 0) {
         out[b] = token;
-        if (logprobs) logprobs[b] = row.logits[token] - lse;
+        if (logprobs) logprobs[b] = row.raw(token) - lse;
         if (p.slot >= 0) {  // after every read of this slot (the draw ended with a barrier)
             atomicAdd(counts + slot_base + token, 1);
             seen[slot_base + token] = 1;
@@ -618,18 +666,21 @@ __device__ void sample_row(const float* __restrict__ logits, const float* __rest
 
 // logits: [batch, vocab] fp32; fparams: [batch, 8] fp32; iparams: [batch, 8] int32; counts: [num_slots, vocab]
 // int32 or null; seen: [num_slots, vocab] uint8 or null; out: [batch] int32; logprobs: [batch] fp32 or null;
-// top_ids: [batch, top_n] int32 and top_logprobs: [batch, top_n] fp32, or null when top_n == 0.
-// grid = batch, block = 512. _vec: 16-byte loads, needs vocab % 4 == 0 and logits 16-byte aligned.
+// top_ids: [batch, top_n] int32 and top_logprobs: [batch, top_n] fp32, or null when top_n == 0;
+// token_mask: [num_mask_rows, ceil(vocab / 32)] int32 or null; logit_bias: [num_bias_rows, vocab] fp32 or null.
+// grid = batch, block = 512. _vec: 16-byte loads, needs vocab % 4 == 0 and logits (and logit_bias) 16-byte aligned.
 extern "C" __global__ void __launch_bounds__(BLOCK, 2)
 sample_f32_vec(const float* logits, const float* fparams, const int* iparams, int* counts, unsigned char* seen, int* out,
-               float* logprobs, int* top_ids, float* top_logprobs, int vocab, int top_n, int num_slots) {
-    sample_row<true>(logits, fparams, iparams, counts, seen, out, logprobs, top_ids, top_logprobs, vocab, top_n,
-                     num_slots);
+               float* logprobs, int* top_ids, float* top_logprobs, const int* token_mask, const float* logit_bias,
+               int vocab, int top_n, int num_slots, int num_mask_rows, int num_bias_rows) {
+    sample_row<true>(logits, fparams, iparams, counts, seen, out, logprobs, top_ids, top_logprobs, token_mask,
+                     logit_bias, vocab, top_n, num_slots, num_mask_rows, num_bias_rows);
 }
 
 extern "C" __global__ void __launch_bounds__(BLOCK, 2)
 sample_f32(const float* logits, const float* fparams, const int* iparams, int* counts, unsigned char* seen, int* out,
-           float* logprobs, int* top_ids, float* top_logprobs, int vocab, int top_n, int num_slots) {
-    sample_row<false>(logits, fparams, iparams, counts, seen, out, logprobs, top_ids, top_logprobs, vocab, top_n,
-                      num_slots);
+           float* logprobs, int* top_ids, float* top_logprobs, const int* token_mask, const float* logit_bias,
+           int vocab, int top_n, int num_slots, int num_mask_rows, int num_bias_rows) {
+    sample_row<false>(logits, fparams, iparams, counts, seen, out, logprobs, top_ids, top_logprobs, token_mask,
+                      logit_bias, vocab, top_n, num_slots, num_mask_rows, num_bias_rows);
 }

@@ -4,7 +4,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from xserv.ops.sampling import (I_PENALTY_SLOT, I_SEED_LO, I_STEP, MAX_TOP_LOGPROBS, NUM_F, NUM_I, RowParams, gumbel_noise, pack_sampling_params,
+from xserv.ops.sampling import (mask_bits, masked_biased_reference, I_PENALTY_SLOT, I_SEED_LO, I_STEP, MAX_TOP_LOGPROBS, NUM_F, NUM_I, RowParams, gumbel_noise, pack_sampling_params,
                                 penalty_reset, penalty_state, philox4x32_10, sample, sample_reference,
                                 sample_row_reference, sampling_distribution_reference, unpack_row)
 from xserv.tensor import Tensor, float32, int32
@@ -161,13 +161,18 @@ def test_pack_roundtrip_and_layout():
     assert back.seed == 2**64 - 1 and back.step == 2**32 - 1 and back.penalty_slot == 3 and back.top_k == 20
     assert back.temperature == np.float32(0.5) and back.frequency_penalty == np.float32(-0.4)
     assert unpack_row(fp[1], ip[1]).greedy and unpack_row(fp[2], ip[2]).penalty_slot == -1
-    assert np.all(fp[:, 6:] == 0) and np.all(ip[:, 5:] == 0)
+    assert np.all(fp[:, 6:] == 0) and np.all(ip[:, 7:] == 0)
+    assert np.all(ip[:, 5:7] == -1)  # no mask row, no bias row
+    fp, ip = pack_sampling_params([RowParams(mask_row=5, bias_row=2)])
+    back = unpack_row(fp[0], ip[0])
+    assert back.mask_row == 5 and back.bias_row == 2
 
 
 @pytest.mark.parametrize("field, value", [("temperature", -0.1), ("temperature", float("inf")), ("top_p", 0.0),
                                           ("top_p", 1.5), ("min_p", -0.1), ("repetition_penalty", 0.0),
                                           ("presence_penalty", 2.5), ("frequency_penalty", -3.0), ("seed", -1),
                                           ("seed", 2**64), ("step", -1), ("penalty_slot", -2), ("top_k", 1.5),
+                                          ("mask_row", -2), ("bias_row", 2**31),
                                           ("temperature", "hot")])
 def test_bad_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -365,6 +370,110 @@ def test_errors_name_the_argument():
         sample(x, fp, ip, top_ids_out=cpu(np.zeros((2, 3), np.int32)), top_logprobs_out=cpu(np.zeros((2, 3), np.int32)))
     with pytest.raises(ValueError, match="logprobs_out"):
         sample(x, fp, ip, logprobs_out=cpu(np.zeros((2, 1), np.float32)))
+
+
+# ---- token masks and logit bias (structured output, logit_bias) -------------------------------------------------
+def _random_mask(rng, b, v, keep=0.3):
+    """int32 [b, ceil(v / 32)] bitmasks keeping ~keep of the tokens, and the same as bool [b, v]."""
+    allowed = rng.random((b, v)) < keep
+    allowed[:, rng.integers(0, v)] = True  # never empty
+    padded = np.zeros((b, ((v + 31) // 32) * 32), bool)
+    padded[:, :v] = allowed
+    words = np.packbits(padded, axis=1, bitorder="little").view(np.int32)
+    return np.ascontiguousarray(words), allowed
+
+
+def _mask_bias_rows(rng, b, v, slots):
+    """Mixed rows (_mixed_rows) where some rows have a mask, some a bias, some both, some neither; masks in a
+    compact table (row j of the table for the j-th masked row), biases by the row's slot."""
+    rows = _mixed_rows(rng, b, v, slots)
+    m = 0
+    for i, r in enumerate(rows):
+        kind = i % 4  # 0 neither, 1 mask, 2 bias, 3 both
+        rows[i] = replace(r, penalty_slot=i if r.penalty_slot >= 0 else -1,
+                          mask_row=m if kind in (1, 3) else -1, bias_row=i if kind >= 2 else -1)
+        m += kind in (1, 3)
+    masks, allowed = _random_mask(rng, max(m, 1), v)
+    bias = np.zeros((b, v), np.float32)
+    for i in range(b):
+        hit = rng.choice(v, min(v, 40), replace=False)
+        bias[i, hit] = rng.uniform(-100, 100, hit.size).astype(np.float32)
+        bias[i, hit[:3]] = [100.0, -100.0, 7.5]
+    return rows, masks, allowed, bias
+
+
+def test_mask_bits_and_reference_step_zero(rng):
+    v = 1003
+    words, allowed = _random_mask(rng, 3, v)
+    direct = np.array([[(int(words[r, i // 32]) >> (i % 32)) & 1 for i in range(v)] for r in range(3)], bool)
+    np.testing.assert_array_equal(direct, allowed)
+    np.testing.assert_array_equal(mask_bits(words[1], v), allowed[1])
+    x = separated_logits(rng, 1, v)[0]
+    bias = rng.uniform(-100, 100, v).astype(np.float32)
+    z = masked_biased_reference(x, bias, words[2])
+    expect = np.where(allowed[2], (x.astype(np.float32) + bias).astype(np.float32), -np.inf)
+    np.testing.assert_array_equal(z, expect)
+
+
+def test_cpu_mask_and_bias_against_a_direct_computation(rng):
+    """The op with token_mask / logit_bias draws what the unmasked op draws on logits + bias with the masked
+    tokens at -inf (every option: penalties, greedy, filters), and its log-probs are those of that row."""
+    b, v = 16, 1003
+    rows, masks, allowed, bias = _mask_bias_rows(rng, b, v, b)
+    x = separated_logits(rng, b, v)
+    fp, ip = pack_sampling_params(rows)
+    out = poisoned((b,), int32, "cpu")
+    lp = poisoned((b,), float32, "cpu")
+    ids, tlp = poisoned((b, 5), int32, "cpu"), poisoned((b, 5), float32, "cpu")
+    sample(cpu(x), cpu(fp), cpu(ip), out, logprobs_out=lp, top_ids_out=ids, top_logprobs_out=tlp,
+           token_mask=cpu(masks), logit_bias=cpu(bias))
+    direct = x.copy()
+    for i, r in enumerate(rows):
+        if r.bias_row >= 0:
+            direct[i] = direct[i] + bias[r.bias_row]
+        if r.mask_row >= 0:
+            direct[i, ~allowed[r.mask_row]] = -np.inf
+    plain = [replace(r, mask_row=-1, bias_row=-1) for r in rows]
+    want, kw = _run_cpu(direct, plain, top_n=5, logprobs=True)
+    np.testing.assert_array_equal(out.array, want)
+    np.testing.assert_allclose(lp.array, kw["logprobs_out"].array)
+    np.testing.assert_array_equal(ids.array, kw["top_ids_out"].array)
+    for i, r in enumerate(rows):
+        if r.mask_row >= 0:
+            assert allowed[r.mask_row, out.array[i]] and allowed[r.mask_row, ids.array[i]].all()
+    # a row without mask or bias ignores the tables entirely
+    alone, _ = _run_cpu(x[:1], [rows[0]])
+    assert rows[0].mask_row < 0 and rows[0].bias_row < 0 and alone[0] == out.array[0]
+
+
+def test_cpu_bias_forces_and_forbids(rng):
+    v = 500
+    x = separated_logits(rng, 8, v)
+    bias = np.zeros((1, v), np.float32)
+    bias[0, 123] = 100.0
+    rows = [RowParams(temperature=t, seed=s, bias_row=0) for t, s in zip([0.0, 1.0, 1.5, 0.7] * 2, range(8))]
+    fp, ip = pack_sampling_params(rows)
+    out = poisoned((8,), int32, "cpu")
+    sample(cpu(x), cpu(fp), cpu(ip), out, logit_bias=cpu(bias))
+    assert (out.array == 123).all()
+    top = np.argmax(x, axis=1)
+    bias = np.zeros((8, v), np.float32)
+    bias[np.arange(8), top] = -100.0
+    rows = [RowParams(temperature=0.0, bias_row=i) for i in range(8)]
+    fp, ip = pack_sampling_params(rows)
+    sample(cpu(x), cpu(fp), cpu(ip), out, logit_bias=cpu(bias))
+    assert not (out.array == top).any()
+
+
+def test_mask_and_bias_errors_name_the_argument():
+    x = cpu(np.zeros((2, 40), np.float32))
+    fp, ip = (cpu(a) for a in pack_sampling_params([RowParams()] * 2))
+    with pytest.raises(ValueError, match="token_mask"):
+        sample(x, fp, ip, token_mask=cpu(np.zeros((1, 1), np.int32)))  # 40 tokens need 2 words
+    with pytest.raises(ValueError, match="token_mask"):
+        sample(x, fp, ip, token_mask=cpu(np.zeros((1, 2), np.uint8)))
+    with pytest.raises(ValueError, match="logit_bias"):
+        sample(x, fp, ip, logit_bias=cpu(np.zeros((1, 39), np.float32)))
 
 
 # ---- GPU ----------------------------------------------------------------------------------------------------------
@@ -575,6 +684,54 @@ def test_cuda_graph_capture_and_replay(rng):
     np.testing.assert_array_equal(counts.numpy(), ref_counts)
     np.testing.assert_array_equal(seen.numpy(), ref_seen)
     graph.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b, v", [(256, 151936), (13, 151937), (7, 1003)])
+def test_cuda_mask_and_bias_match_reference(rng, b, v):
+    """Token masks and logit bias inside the kernel: mixed rows (neither, mask, bias, both; every filter and
+    penalty kind) against the reference: tokens, log-probs and top-N; every drawn and listed token is allowed."""
+    rows, masks, allowed, bias = _mask_bias_rows(rng, b, v, b)
+    x = separated_logits(rng, b, v, std=3.0)
+    fp, ip = pack_sampling_params(rows)
+    counts, seen = (np.zeros((b, v), np.int32), np.zeros((b, v), np.uint8))
+    ref_counts, ref_seen = counts.copy(), seen.copy()
+    out = poisoned((b,), int32)
+    kw = dict(logprobs_out=poisoned((b,), float32), top_ids_out=poisoned((b, 5), int32),
+              top_logprobs_out=poisoned((b, 5), float32))
+    sample(dev(x), dev(fp), dev(ip), out, penalty_counts=dev(counts), penalty_seen=dev(seen), token_mask=dev(masks),
+           logit_bias=dev(bias), **kw)
+    got = out.numpy()
+    tokens, lps, ids, top_lps = sample_reference(x, fp, ip, ref_counts, ref_seen, 5, token_mask=masks,
+                                                 logit_bias=bias)
+    mismatch = np.flatnonzero(got != tokens)
+    assert mismatch.size <= max(1, b // 100), f"rows {mismatch.tolist()}: {got[mismatch]} vs {tokens[mismatch]}"
+    ok = got == tokens
+    np.testing.assert_allclose(kw["logprobs_out"].numpy()[ok], lps[ok], atol=1e-4)
+    np.testing.assert_array_equal(kw["top_ids_out"].numpy(), ids)
+    np.testing.assert_allclose(kw["top_logprobs_out"].numpy(), top_lps, atol=1e-4)
+    for i, r in enumerate(rows):
+        if r.mask_row >= 0:
+            assert allowed[r.mask_row, got[i]] and allowed[r.mask_row, kw["top_ids_out"].numpy()[i]].all()
+
+
+@pytest.mark.gpu
+def test_cuda_chi_square_with_mask_and_bias(rng):
+    """Draws of a masked, biased row follow the reference distribution of that row."""
+    v = 1000
+    words, allowed = _random_mask(rng, 1, v, keep=0.05)
+    x = separated_logits(rng, 1, v)[0]
+    bias = rng.uniform(-2, 2, v).astype(np.float32)
+    n = 4000
+    rows = [RowParams(temperature=0.8, top_p=0.95, seed=1 + 7919 * i, step=i % 13, mask_row=0, bias_row=0)
+            for i in range(n)]
+    fp, ip = pack_sampling_params(rows)
+    out = poisoned((n,), int32)
+    sample(dev(np.tile(x, (n, 1))), dev(fp), dev(ip), out, token_mask=dev(words), logit_bias=dev(bias[None]))
+    got = out.numpy()
+    assert allowed[0, got].all()
+    p = sampling_distribution_reference(masked_biased_reference(x, bias, words[0]), rows[0])
+    assert chi2_pvalue(np.bincount(got, minlength=v), p) > P_MIN
 
 
 @pytest.mark.gpu

@@ -3,6 +3,9 @@ min-p, and an exact draw with a counter-based RNG (Philox4x32-10 keyed by the ro
 and the token index), so that a seeded row gives the same token whatever else is in the batch.
 
 Per row (docs/kernels/sampling.md has the algorithm and why it is exact):
+0. the row's logit bias (`logit_bias[bias_row]`, when the row has one) is added to the logits, and the tokens its
+   token mask (`token_mask[mask_row]`: bit i % 32 of word i // 32) leaves out get -inf; everything below, the
+   log-probs included, sees these logits as the row's raw logits;
 1. penalties, when the row has a penalty slot and the state tensors are given: repetition penalty on the tokens
    marked in `seen[slot]` (logit > 0 -> logit / r, else logit * r), then
    logit -= presence * (count > 0) + frequency * count with `counts[slot]`;
@@ -33,7 +36,7 @@ from ._launch import aligned, check_alias, check_int32_range
 MAX_TOP_LOGPROBS = MAX_LOGPROBS  # the most top-N log-probs per row (SamplingParams.logprobs' limit)
 F_TEMPERATURE, F_TOP_P, F_MIN_P, F_REPETITION, F_PRESENCE, F_FREQUENCY = range(6)
 NUM_F = 8  # fparams columns (the unused ones are zero)
-I_TOP_K, I_SEED_LO, I_SEED_HI, I_STEP, I_PENALTY_SLOT = range(5)
+I_TOP_K, I_SEED_LO, I_SEED_HI, I_STEP, I_PENALTY_SLOT, I_MASK_ROW, I_BIAS_ROW = range(7)
 NUM_I = 8  # iparams columns
 
 _BLOCK = 512  # threads per row in cuda_src/sampling.cu
@@ -41,7 +44,8 @@ _BLOCK = 512  # threads per row in cuda_src/sampling.cu
 
 @dataclass(frozen=True)
 class RowParams:
-    """One row's sampling parameters (validated). penalty_slot -1 = no penalties and no state update."""
+    """One row's sampling parameters (validated). penalty_slot -1 = no penalties and no state update; mask_row /
+    bias_row: the row of `token_mask` / `logit_bias` this row uses, -1 = none."""
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -52,6 +56,8 @@ class RowParams:
     seed: int = 0
     step: int = 0
     penalty_slot: int = -1
+    mask_row: int = -1
+    bias_row: int = -1
 
     def __post_init__(self):
         for f in fields(self):
@@ -75,6 +81,8 @@ class RowParams:
             ("seed", 0 <= self.seed < 2**64, "in [0, 2**64)"),
             ("step", 0 <= self.step < 2**32, "in [0, 2**32)"),
             ("penalty_slot", -1 <= self.penalty_slot < 2**31, "-1 (none) or a slot index"),
+            ("mask_row", -1 <= self.mask_row < 2**31, "-1 (none) or a row index"),
+            ("bias_row", -1 <= self.bias_row < 2**31, "-1 (none) or a row index"),
         )
         for name, ok, what in checks:
             if not ok:
@@ -104,8 +112,9 @@ def pack_sampling_params(rows) -> tuple[np.ndarray, np.ndarray]:
         fp[:, [F_TEMPERATURE, F_TOP_P, F_MIN_P, F_REPETITION, F_PRESENCE, F_FREQUENCY]] = [
             (r.temperature, r.top_p, r.min_p, r.repetition_penalty, r.presence_penalty, r.frequency_penalty)
             for r in rows]
-        ip[:, [I_TOP_K, I_SEED_LO, I_SEED_HI, I_STEP, I_PENALTY_SLOT]] = [
-            (r.top_k, r.seed & 0xFFFFFFFF, r.seed >> 32, r.step, r.penalty_slot) for r in rows]
+        ip[:, [I_TOP_K, I_SEED_LO, I_SEED_HI, I_STEP, I_PENALTY_SLOT, I_MASK_ROW, I_BIAS_ROW]] = [
+            (r.top_k, r.seed & 0xFFFFFFFF, r.seed >> 32, r.step, r.penalty_slot, r.mask_row, r.bias_row)
+            for r in rows]
     # Seeds and steps are unsigned 32-bit words stored in int32 columns (two's complement).
     return fp, (ip & 0xFFFFFFFF).astype(np.uint32).view(np.int32)
 
@@ -118,7 +127,7 @@ def unpack_row(fparams_row: np.ndarray, iparams_row: np.ndarray) -> RowParams:
                      min_p=float(f[F_MIN_P]), repetition_penalty=float(f[F_REPETITION]),
                      presence_penalty=float(f[F_PRESENCE]), frequency_penalty=float(f[F_FREQUENCY]),
                      seed=int(u[I_SEED_LO]) | int(u[I_SEED_HI]) << 32, step=int(u[I_STEP]),
-                     penalty_slot=int(i[I_PENALTY_SLOT]))
+                     penalty_slot=int(i[I_PENALTY_SLOT]), mask_row=int(i[I_MASK_ROW]), bias_row=int(i[I_BIAS_ROW]))
 
 
 # ---- Philox4x32-10 and the Gumbel noise (the same bits as the kernel) -----------------------------------------
@@ -252,7 +261,24 @@ def top_logprobs_reference(logits_row, n: int) -> tuple[np.ndarray, np.ndarray]:
     return order.astype(np.int32), lp[order]
 
 
-def sample_reference(logits, fparams, iparams, counts=None, seen=None, top_n: int = 0, logprobs: bool = True):
+def mask_bits(mask_row: np.ndarray, vocab: int) -> np.ndarray:
+    """bool [vocab]: token i allowed by an int32 bitmask row (bit i % 32 of word i // 32)."""
+    words = np.ascontiguousarray(mask_row, np.int32)
+    return np.unpackbits(words.view(np.uint8), bitorder="little")[:vocab].astype(bool)
+
+
+def masked_biased_reference(logits_row, bias_row=None, mask_row=None) -> np.ndarray:
+    """Step 0: float32 logits + bias (one float32 addition per token), -inf where the mask has a 0 bit."""
+    z = np.array(logits_row, np.float32)
+    if bias_row is not None:
+        z = z + np.asarray(bias_row, np.float32)
+    if mask_row is not None:
+        z[~mask_bits(mask_row, z.shape[0])] = -np.inf
+    return z
+
+
+def sample_reference(logits, fparams, iparams, counts=None, seen=None, top_n: int = 0, logprobs: bool = True,
+                     token_mask=None, logit_bias=None):
     """NumPy version of `sample` on arrays: (tokens int32 [B], logprobs float64 [B] (zeros unless `logprobs`),
     top ids int32 [B, N], top log-probs float64 [B, N]). Updates counts/seen in place like the kernel."""
     logits = np.asarray(logits, np.float32)
@@ -269,12 +295,18 @@ def sample_reference(logits, fparams, iparams, counts=None, seen=None, top_n: in
             p = replace(p, penalty_slot=-1)
         c_row = counts[slot] if slot >= 0 else None
         s_row = seen[slot] if slot >= 0 else None
-        t = sample_row_reference(logits[r], p, c_row, s_row)
+        row = logits[r]
+        has_mask = token_mask is not None and 0 <= p.mask_row < token_mask.shape[0]
+        has_bias = logit_bias is not None and 0 <= p.bias_row < logit_bias.shape[0]
+        if has_mask or has_bias:
+            row = masked_biased_reference(row, logit_bias[p.bias_row] if has_bias else None,
+                                          token_mask[p.mask_row] if has_mask else None)
+        t = sample_row_reference(row, p, c_row, s_row)
         tokens[r] = t
         if logprobs:
-            lps[r] = _log_softmax(logits[r])[t]
+            lps[r] = _log_softmax(row)[t]
         if top_n:
-            top_ids[r], top_lp[r] = top_logprobs_reference(logits[r], top_n)
+            top_ids[r], top_lp[r] = top_logprobs_reference(row, top_n)
         if slot >= 0:
             counts[slot, t] += 1
             seen[slot, t] = 1
@@ -285,7 +317,8 @@ def sample_reference(logits, fparams, iparams, counts=None, seen=None, top_n: in
 def sample(logits: Tensor, fparams: Tensor, iparams: Tensor, out: Tensor | None = None, *,
            penalty_counts: Tensor | None = None, penalty_seen: Tensor | None = None,
            logprobs_out: Tensor | None = None, top_ids_out: Tensor | None = None,
-           top_logprobs_out: Tensor | None = None) -> Tensor:
+           top_logprobs_out: Tensor | None = None, token_mask: Tensor | None = None,
+           logit_bias: Tensor | None = None) -> Tensor:
     """logits float32 [B, V] (not modified); fparams float32 [B, NUM_F] and iparams int32 [B, NUM_I] from
     pack_sampling_params; out int32 [B]. penalty_counts int32 [S, V] and penalty_seen uint8 [S, V] (1 where the
     token is in the prompt or the output), both or neither: rows with penalty_slot in [0, S) are penalised and
@@ -320,9 +353,18 @@ def sample(logits: Tensor, fparams: Tensor, iparams: Tensor, out: Tensor | None 
         check_tensor("top_logprobs_out", top_logprobs_out, dtype=float32, shape=(batch, top_n))
     if logprobs_out is not None:
         check_tensor("logprobs_out", logprobs_out, dtype=float32, shape=(batch,))
+    mask_rows = bias_rows = 0
+    if token_mask is not None:
+        check_tensor("token_mask", token_mask, dtype=int32, ndim=2)
+        mask_rows = token_mask.shape[0]
+        check_tensor("token_mask", token_mask, shape=(mask_rows, (vocab + 31) // 32))
+    if logit_bias is not None:
+        check_tensor("logit_bias", logit_bias, dtype=float32, ndim=2)
+        bias_rows = logit_bias.shape[0]
+        check_tensor("logit_bias", logit_bias, shape=(bias_rows, vocab))
     device = same_device(logits=logits, fparams=fparams, iparams=iparams, out=out, penalty_counts=penalty_counts,
                          penalty_seen=penalty_seen, logprobs_out=logprobs_out, top_ids_out=top_ids_out,
-                         top_logprobs_out=top_logprobs_out)
+                         top_logprobs_out=top_logprobs_out, token_mask=token_mask, logit_bias=logit_bias)
     out = output("out", out, (batch,), int32, device)
     outputs = {"out": out, "logprobs_out": logprobs_out, "top_ids_out": top_ids_out,
                "top_logprobs_out": top_logprobs_out}
@@ -330,7 +372,7 @@ def sample(logits: Tensor, fparams: Tensor, iparams: Tensor, out: Tensor | None 
         if t is not None:
             check_alias(name, t, "logits", logits, allow_identical=False)
             for other, o in (("fparams", fparams), ("iparams", iparams), ("penalty_counts", penalty_counts),
-                             ("penalty_seen", penalty_seen)):
+                             ("penalty_seen", penalty_seen), ("token_mask", token_mask), ("logit_bias", logit_bias)):
                 if o is not None:
                     check_alias(name, t, other, o, allow_identical=False)
     if batch == 0:
@@ -338,8 +380,10 @@ def sample(logits: Tensor, fparams: Tensor, iparams: Tensor, out: Tensor | None 
     if device == "cpu":
         counts = penalty_counts.array if penalty_counts is not None else None
         seen = penalty_seen.array if penalty_seen is not None else None
-        tokens, lps, ids, top_lps = sample_reference(logits.array, fparams.array, iparams.array, counts, seen, top_n,
-                                                     logprobs=logprobs_out is not None)
+        tokens, lps, ids, top_lps = sample_reference(
+            logits.array, fparams.array, iparams.array, counts, seen, top_n, logprobs=logprobs_out is not None,
+            token_mask=None if token_mask is None else token_mask.array,
+            logit_bias=None if logit_bias is None else logit_bias.array)
         out.array[...] = tokens
         if logprobs_out is not None:
             logprobs_out.array[...] = lps
@@ -349,13 +393,15 @@ def sample(logits: Tensor, fparams: Tensor, iparams: Tensor, out: Tensor | None 
         return out
     from ..runtime import kernel
 
-    name = "sample_f32_vec" if vocab % 4 == 0 and aligned(logits) else "sample_f32"
+    vec = vocab % 4 == 0 and aligned(logits) and (logit_bias is None or aligned(logit_bias))
+    name = "sample_f32_vec" if vec else "sample_f32"
     def ptr(t):  # a missing optional tensor is a null pointer
         return 0 if t is None else t
 
     kernel("sampling", name)(batch, _BLOCK, logits, fparams, iparams, ptr(penalty_counts), ptr(penalty_seen), out,
-                             ptr(logprobs_out), ptr(top_ids_out), ptr(top_logprobs_out), np.int32(vocab),
-                             np.int32(top_n), np.int32(slots))
+                             ptr(logprobs_out), ptr(top_ids_out), ptr(top_logprobs_out), ptr(token_mask),
+                             ptr(logit_bias), np.int32(vocab), np.int32(top_n), np.int32(slots), np.int32(mask_rows),
+                             np.int32(bias_rows))
     return out
 
 
