@@ -12,4 +12,6 @@ python3 -m pip download --no-deps $PLATFORM -d .whl nvmath-python==1.0.0 cuda-co
 # (an SSE chunk costs ~26 us in uvicorn instead of ~160 us with h11, measured on the CPU with a fake engine).
 python3 -m pip download $PLATFORM -d .whl fastapi==0.165.0 uvicorn==0.54.0 httptools==0.9.0 uvloop==0.23.0 \
   openai==3.54.0 httpx==0.28.1
+# Structured output (a core dependency: one abi3 wheel, no dependencies) and jsonschema for its tests.
+python3 -m pip download $PLATFORM -d .whl llguidance==1.9.1 jsonschema==4.26.0
 ls -la .whl

@@ -1,7 +1,7 @@
 """Sampling parameters of a request, validated on construction.
 
-Applied in this order (xserv/engine/sampler.py, through the sampling op): repetition / presence / frequency
-penalties -> temperature (0 = greedy argmax) -> top-k -> top-p -> min-p -> one draw keyed by the request's seed and
+Applied in this order (xserv/engine/sampler.py, through the sampling op): logit_bias and the structured-output
+mask (tokens the grammar does not allow get -inf) -> repetition / presence / frequency penalties -> temperature (0 = greedy argmax) -> top-k -> top-p -> min-p -> one draw keyed by the request's seed and
 the token's position (reproducible whatever else is batched with it).
 """
 from __future__ import annotations
@@ -11,8 +11,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .structured import StructuredOutput
+
 MAX_LOGPROBS = 20  # top-N logprobs per token, at most
 MAX_N = 16  # samples per prompt, at most
+MAX_LOGIT_BIAS = 100.0  # |bias| per token, at most (OpenAI's range)
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,10 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     logprobs: int | None = None  # None: no logprobs; 0: the sampled token's; N <= MAX_LOGPROBS: and the top N
+    # token id -> bias in [-100, 100], added to the logit before everything else (the engine checks the ids
+    # against the model's vocabulary)
+    logit_bias: dict[int, float] | None = field(default=None, hash=False)
+    structured: StructuredOutput | None = None  # the answer's grammar (xserv/structured.py)
 
     def __post_init__(self):
         def number(name):
@@ -99,7 +106,31 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, (bool, np.bool_)):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         object.__setattr__(self, "ignore_eos", bool(self.ignore_eos))
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", _check_logit_bias(self.logit_bias))
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise ValueError(f"structured must be a StructuredOutput (xserv.structured), got {self.structured!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _check_logit_bias(bias) -> dict[int, float] | None:
+    """{token id: bias}: ids non-negative integers (or their decimal strings, as JSON keys arrive), biases finite
+    numbers in [-100, 100]. An empty map is None."""
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be a map of token id -> bias, got {type(bias).__name__}")
+    out = {}
+    for k, v in bias.items():
+        key = k
+        if isinstance(k, str) and k.strip().isdigit():
+            key = int(k)
+        if isinstance(key, bool) or not isinstance(key, (int, np.integer)) or key < 0:
+            raise ValueError(f"logit_bias: token ids must be non-negative integers, got {k!r}")
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not math.isfinite(v):
+            raise ValueError(f"logit_bias[{k!r}] must be a finite number, got {v!r}")
+        if not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias[{k!r}] must be in [-100, 100], got {v}")
+        out[int(key)] = float(v)
+    return out or None

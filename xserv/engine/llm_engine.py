@@ -9,6 +9,10 @@ One `step()`:
    for sequences that stream or have stop strings (others decode their text once, when they finish), stop
    strings, stream buffers.
 A sequence that a stop string ends in (3) already has a row in the step in flight; that token is dropped.
+Structured output: a constrained row's token mask is computed on the host from the sequence's matcher, which must
+have consumed every token before the one being sampled. So a step with constrained rows launches its forward, then
+(after the previous step is booked, when that step was launched ahead) computes the masks while the forward runs,
+and launches the sampling op last.
 When the step in flight is a pure decode step (or a prefill graph's chunk that ends its prompt), the next decode
 step is launched *before* (1), its input tokens gathered on the device (see `_decode_ahead`), so the GPU never
 waits for the host between decode steps.
@@ -48,6 +52,7 @@ class _Launched:
     result: object  # SampleResult, or None when no row samples
     replayed: bool  # a decode step run from a CUDA graph
     prefill_graph: bool = False  # one sequence's prompt chunk run from a prefill CUDA graph
+    logits: object = None  # the forward's logits while the sampling launch waits for the matchers (constrained rows)
 
 
 class LLMEngine:
@@ -73,6 +78,7 @@ class LLMEngine:
         self.step_profile: list | None = None  # set to [] to record GPU timing events per step (benchmarks)
         # where step() spends its time: "wait" (for the GPU, inside "book") and the host work around it
         self.host_seconds = {"book": 0.0, "wait": 0.0, "schedule_launch": 0.0, "emit": 0.0}
+        self._grammar_tokenizer = None  # llguidance's view of the tokenizer, built at the first constrained request
 
     @classmethod
     def from_model(cls, model, tokenizer, config: EngineConfig, *, context_len: int, eos_token_ids) -> "LLMEngine":
@@ -115,6 +121,21 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt token id(s) {bad[:5]} outside the vocabulary (size {self.vocab_size})")
 
+    def check_params(self, params) -> None:
+        """What SamplingParams cannot check alone: logit_bias ids inside the model's vocabulary."""
+        if params.logit_bias:
+            bad = sorted(t for t in params.logit_bias if t >= self.vocab_size)
+            if bad:
+                raise ValueError(f"logit_bias token id(s) {bad[:5]} outside the vocabulary (size {self.vocab_size})")
+
+    def make_constraint(self, structured):
+        """A fresh matcher for one sequence (ValueError when the grammar does not compile against the tokenizer)."""
+        from ..structured import GrammarConstraint, grammar_tokenizer
+
+        if self._grammar_tokenizer is None:
+            self._grammar_tokenizer = grammar_tokenizer(self.tokenizer, self.eos_token_ids)
+        return GrammarConstraint(self._grammar_tokenizer, structured)
+
     def add_request(self, prompt_ids, params, prompt: str | None = None, *, stream: bool = False) -> Sequence:
         """Queue one sequence (params.n must be 1; see `add_samples`). `stream`: text deltas are wanted as tokens
         come (otherwise the text is decoded once, at the end, unless stop strings need it earlier)."""
@@ -122,13 +143,15 @@ class LLMEngine:
             raise ValueError(f"add_request takes n=1 (got n={params.n}); use add_samples for several samples")
         prompt_ids = [int(t) for t in prompt_ids]
         self.check_prompt(prompt_ids)
+        self.check_params(params)
+        constraint = self.make_constraint(params.structured) if params.structured is not None else None
         seq_id = next(self._ids)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         detok = None
         if stream or params.stop:
             detok = self.tokenizer.detokenizer(skip_special_tokens=True, prompt_ids=prompt_ids)
         seq = Sequence(seq_id, prompt_ids, params, seed=self.sampler.request_seed(seq_id, params.seed),
-                       stop_ids=stop_ids, prompt=prompt, detokenizer=detok)
+                       stop_ids=stop_ids, prompt=prompt, detokenizer=detok, constraint=constraint)
         self.scheduler.add(seq)
         return seq
 
@@ -165,6 +188,7 @@ class LLMEngine:
             self.num_steps_ahead += 1
             self._launch([(seq, 1) for seq in rows], ahead=1, token_index=index)
             booked = self._book(self._inflight.popleft())
+            self._sample_deferred()
             t1 = t2 = time.perf_counter()
         else:
             booked = []
@@ -239,7 +263,10 @@ class LLMEngine:
             sampled = [seq for seq, n in scheduled if seq.num_computed + n == len(seq.token_ids)]
         events = self._step_events()
         logits = self.runner.run(scheduled, ahead=ahead, token_index=token_index)
-        result = self.sampler.sample(logits, sampled, ahead) if sampled else None
+        deferred = ahead and any(seq.constraint is not None for seq in sampled)
+        # Constrained rows: the masks are computed here, while the forward runs (the matchers are up to date unless
+        # the step was launched ahead: then after the previous step is booked, in _sample_deferred).
+        result = self.sampler.sample(logits, sampled, ahead) if sampled and not deferred else None
         if events is not None:
             from ..runtime import get_device
 
@@ -247,7 +274,16 @@ class LLMEngine:
             self.step_profile.append((events, len(scheduled), sum(n for _, n in scheduled),
                                       self.runner.last_run_replayed, bool(ahead)))
         self._inflight.append(_Launched(scheduled, sampled, result, self.runner.last_run_replayed,
-                                        self.runner.last_run_prefill_graph))
+                                        self.runner.last_run_prefill_graph, logits if deferred else None))
+
+    def _sample_deferred(self) -> None:
+        """Launch the sampling of the newest step if it waited for its matchers (it was launched ahead with
+        constrained rows, and the step before it is booked now: every sequence's host state has caught up)."""
+        last = self._inflight[-1] if self._inflight else None
+        if last is None or last.logits is None:
+            return
+        last.result = self.sampler.sample(last.logits, last.sampled, 0)
+        last.logits = None
 
     def _step_events(self):
         """With `step_profile` set to a list (benchmarks), each launched step records a pair of timing events."""
@@ -285,11 +321,17 @@ class LLMEngine:
                 top = [] if k == 0 else list(zip(top_ids[i, :k].tolist(), top_logprobs[i, :k].tolist()))
                 seq.logprobs.append({"token_id": token, "logprob": float(logprob[i]), "top": top})
             reason = None
+            constraint = seq.constraint
+            if constraint is not None and token not in seq.stop_ids:
+                constraint.consume(token)
             if token in seq.stop_ids:
                 reason = "stop"
+            elif constraint is not None and constraint.done:  # the grammar is complete: the token is text
+                self.scheduler.finish(seq, "stop")
+                reason = "grammar"
             elif len(ids) - seq.num_prompt_tokens >= seq.params.max_tokens or len(ids) >= max_len:
                 reason = "length"
-            if reason is not None:
+            if reason is not None and reason != "grammar":
                 self.scheduler.finish(seq, reason)
             booked.append((seq, token, reason))
         return booked

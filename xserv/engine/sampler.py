@@ -4,7 +4,13 @@ the CUDA kernel on the GPU, its NumPy reference on the CPU), each row with its o
 Randomness is counter-based (Philox keyed by the request's seed, counter = the token's position), so a seeded
 request draws the same tokens whatever else is in the batch. Penalty state (token counts and the seen set per
 sequence) lives next to the logits, in rows indexed by the sequence's slot; the op updates it as it samples.
-Only token ids (and the logprobs a request asks for) come back to the host, after the step's one sync."""
+Only token ids (and the logprobs a request asks for) come back to the host, after the step's one sync.
+
+Constrained rows (structured output) get a token mask per step: the sequence's matcher fills a row of a host
+bitmask (pinned on CUDA), the rows of the step's constrained sequences are uploaded with one asynchronous copy,
+and the kernel reads row `mask_row` of it. Logit bias lives in a per-slot table [slots, vocab] made at the first
+request that has one, its row written once per sequence. Rows with neither read neither (and a step without any
+uploads nothing)."""
 from __future__ import annotations
 
 import secrets
@@ -14,6 +20,7 @@ import numpy as np
 from ..ops import sampling as op
 from ..ops.argmax import argmax
 from ..runtime import get_device
+from ..structured import mask_words
 from ..tensor import Tensor, float32, int32
 
 _SEED_MIX = 1_000_003
@@ -36,6 +43,13 @@ class Sampler:
         self.iparams = Tensor.zeros((max_rows, op.NUM_I), int32, device)
         self.counts, self.seen = op.penalty_state(max_rows, vocab_size, device)
         self._penalty_owner = np.full(max_rows, -1, np.int64)  # seq_id whose counts a slot's row holds
+        self.mask_words = mask_words(vocab_size)
+        self.token_mask = Tensor.zeros((max_rows, self.mask_words), int32, device)
+        self.logit_bias: Tensor | None = None  # [max_rows, vocab] float32, made at the first biased request
+        self._bias_owner = np.full(max_rows, -1, np.int64)
+        self.mask_seconds = 0.0  # host time spent computing token masks (all steps)
+        self.mask_rows = 0  # token masks computed (all steps)
+        self._host_masks = None  # CPU: the masks are filled straight into token_mask's array
         self._host_tokens = None
         if device == "cuda":  # two steps can be in flight: each reads its tokens back into its own pinned array
             from ..runtime.pinned import Event, PinnedArray
@@ -47,6 +61,13 @@ class Sampler:
             # tokens waits for that: long done by then, the next step's forward lies between).
             self._sampled, self._copied = Event(), Event()
             self._copied_pending = False
+            # Two host masks, used in turn, each with an event after its upload: a host buffer is refilled only
+            # once the copy that read it has run (in practice long before: the step that used it has been booked).
+            self._host_masks = [(PinnedArray((max_rows, self.mask_words), np.int32), Event()) for _ in range(2)]
+            for pinned, _ in self._host_masks:
+                pinned.array[...] = 0  # page-locked memory comes uninitialised; the tail words are never written
+            self._next_mask = 0
+            self._mask_pending = [False, False]
 
     def request_seed(self, seq_id: int, seed: int | None) -> int:
         """A request's own seed; else one derived from the engine's seed and the request id; else (no engine seed)
@@ -68,6 +89,7 @@ class Sampler:
         fparams = np.empty((n, op.NUM_F), np.float32)
         iparams = np.empty((n, op.NUM_I), np.int32)
         greedy_only = True
+        constrained = []
         for i, seq in enumerate(seqs):
             packed = seq.packed_params
             if packed is None:  # a sequence's parameters are packed once; position and slot change per step
@@ -78,10 +100,17 @@ class Sampler:
                 packed = seq.packed_params = (f[0], ip[0], uses_penalties(p), p.temperature == 0.0)
             fparams[i], iparams[i] = packed[0], packed[1]
             iparams[i, op.I_STEP] = len(seq.token_ids) + ahead
-            if packed[2]:
+            live = seq.slot >= 0  # a row whose sequence ended while it was in flight is sampled plain (and dropped)
+            if packed[2] and live:
                 iparams[i, op.I_PENALTY_SLOT] = seq.slot
                 self._prepare_penalties(seq)
-            greedy_only = greedy_only and packed[3] and not packed[2]
+            if seq.params.logit_bias and live:
+                iparams[i, op.I_BIAS_ROW] = seq.slot
+                self._prepare_bias(seq)
+            if seq.constraint is not None and live:
+                iparams[i, op.I_MASK_ROW] = len(constrained)
+                constrained.append(seq)
+            greedy_only = greedy_only and packed[3] and not packed[2] and iparams[i, op.I_BIAS_ROW] < 0
         top_n = max((s.params.logprobs or 0 for s in seqs if s.params.logprobs is not None), default=-1)
         kw = {}
         if top_n >= 0:
@@ -91,7 +120,11 @@ class Sampler:
                 kw["top_logprobs_out"] = self.top_logprobs[:n]
         if self._host_tokens is not None and self._copied_pending:  # the last read-back of the tokens is done
             self._copied.wait_on(get_device().stream_handle)
-        if greedy_only and top_n < 0:
+        if constrained:
+            kw["token_mask"] = self._upload_masks(constrained)
+        if self.logit_bias is not None:
+            kw["logit_bias"] = self.logit_bias
+        if greedy_only and top_n < 0 and not constrained:
             argmax(logits, out=self.tokens[:n])  # the same tokens as the sampler's greedy rows, sooner
         else:
             self.fparams[:n].copy_(fparams)
@@ -111,6 +144,53 @@ class Sampler:
         self._copied.record(copy)
         self._copied_pending = True
         return SampleResult(self, n, top_n, host)
+
+    def _upload_masks(self, seqs) -> Tensor:
+        """Fill the next token's mask of each constrained sequence (row j for seqs[j]) and queue its upload;
+        returns the device rows."""
+        import time
+
+        k = len(seqs)
+        t0 = time.perf_counter()
+        if self._host_masks is None:
+            host = self.token_mask.numpy()
+            for j, seq in enumerate(seqs):
+                host[j] = 0
+                seq.constraint.fill(host[j])
+        else:
+            pinned, event = self._host_masks[self._next_mask]
+            if self._mask_pending[self._next_mask]:
+                event.synchronize()
+            host = pinned.array
+            for j, seq in enumerate(seqs):
+                seq.constraint.fill(host[j])  # the words past the tokenizer's vocabulary stay zero
+            from ..runtime import get_device
+
+            stream = get_device().stream_handle
+            from cuda.bindings import driver
+
+            from ..runtime.errors import check_driver
+
+            check_driver(driver.cuMemcpyHtoDAsync(self.token_mask.ptr, pinned.ptr, k * self.mask_words * 4, stream),
+                         "cuMemcpyHtoDAsync")
+            event.record(stream)
+            self._mask_pending[self._next_mask] = True
+            self._next_mask ^= 1
+        self.mask_seconds += time.perf_counter() - t0
+        self.mask_rows += k
+        return self.token_mask[:k]
+
+    def _prepare_bias(self, seq) -> None:
+        """Make the slot's row of the bias table hold `seq`'s logit_bias."""
+        if self.logit_bias is None:
+            self.logit_bias = Tensor.zeros((self.tokens.shape[0], self.vocab_size), float32, self.device)
+        if self._bias_owner[seq.slot] == seq.seq_id:
+            return
+        row = np.zeros(self.vocab_size, np.float32)
+        for t, b in seq.params.logit_bias.items():
+            row[t] = b
+        self.logit_bias[seq.slot].copy_(row)
+        self._bias_owner[seq.slot] = seq.seq_id
 
     def _prepare_penalties(self, seq) -> None:
         """Make the slot's penalty row describe `seq`: its prompt (and any output so far, after a preemption)."""

@@ -74,7 +74,7 @@ class Sequence:
     stream or have stop strings; the others decode their text once, when they finish."""
 
     def __init__(self, seq_id: int, prompt_ids: list[int], params, *, seed: int, stop_ids: frozenset[int],
-                 prompt: str | None = None, detokenizer=None):
+                 prompt: str | None = None, detokenizer=None, constraint=None):
         self.seq_id = seq_id
         self.prompt = prompt
         self.token_ids = list(prompt_ids)
@@ -91,6 +91,7 @@ class Sequence:
         self.block_keys: list[int] = []  # prefix-cache keys of the full blocks registered so far
         self.slot = -1  # the sampler's per-sequence state row (penalties), -1 when none
         self.packed_params = None  # the sampler's packed form of `params`, made at the first sampling
+        self.constraint = constraint  # structured output's matcher (xserv/structured.py), advanced when booked
         self.finish_reason: str | None = None
         self.final_text: str | None = None
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None

@@ -1,0 +1,165 @@
+"""Structured output: a request's answer constrained to a JSON schema, any JSON object, a regular expression or a
+Lark grammar, through llguidance (https://github.com/guidance-ai/llguidance).
+
+`StructuredOutput` is the request's description (a `SamplingParams.structured` field, validated on construction:
+a bad schema, regex or grammar raises ValueError). `GrammarConstraint` is one sequence's live matcher: before each
+step the engine asks it for the step's token mask (one bit per token, int32 words, bit i of word i // 32), the
+sampling kernel sets the logits of the tokens left out to -inf, and the sampled token advances the matcher when it
+is booked. Tokens past the tokenizer's vocabulary (the model's embedding has more rows) are always left out; the
+model's end-of-sequence tokens are allowed exactly when the grammar accepts the text so far.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+KINDS = ("json_schema", "json_object", "regex", "grammar")
+# Compact JSON (no free whitespace between tokens, ", " and ": " separators): a model that emits whitespace forever
+# (a weak or random one) would otherwise never close its object.
+_JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+def _llg():
+    import llguidance
+
+    return llguidance
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """kind: "json_schema" (spec: the schema, a dict or its JSON text), "json_object" (spec None: any JSON object),
+    "regex" (spec: the pattern, Rust regex syntax, matched against the whole answer) or "grammar" (spec: a Lark
+    grammar in llguidance's dialect, rule `start`). Construct with the class methods or directly."""
+    kind: str
+    spec: str | None = None  # the schema as canonical JSON text, the pattern, or the grammar
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"structured output kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        spec = self.spec
+        if self.kind == "json_object":
+            if spec is not None:
+                raise ValueError("json_object takes no spec (use kind='json_schema' for a schema)")
+        elif self.kind == "json_schema":
+            if isinstance(spec, str):
+                try:
+                    spec = json.loads(spec)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"json_schema: not valid JSON: {e}") from None
+            if isinstance(spec, bool):
+                raise ValueError("json_schema: give an object schema (true/false schemas are not supported)")
+            if not isinstance(spec, dict):
+                raise ValueError(f"json_schema: the schema must be a JSON object, got {type(spec).__name__}")
+            object.__setattr__(self, "spec", json.dumps(spec, sort_keys=True, separators=(",", ":")))
+        else:
+            if not isinstance(spec, str) or not spec:
+                raise ValueError(f"{self.kind}: give the {'pattern' if self.kind == 'regex' else 'grammar'} as a "
+                                 f"non-empty string, got {spec!r}")
+        error = _validate(self.grammar())
+        if error:
+            raise ValueError(f"structured output ({self.kind}): {error}")
+
+    @classmethod
+    def json_schema(cls, schema) -> "StructuredOutput":
+        return cls("json_schema", schema)
+
+    @classmethod
+    def json_object(cls) -> "StructuredOutput":
+        return cls("json_object")
+
+    @classmethod
+    def regex(cls, pattern: str) -> "StructuredOutput":
+        return cls("regex", pattern)
+
+    @classmethod
+    def lark(cls, grammar: str) -> "StructuredOutput":
+        return cls("grammar", grammar)
+
+    @property
+    def schema(self) -> dict | None:
+        """The JSON schema as a dict (json_schema), {"type": "object"} (json_object), else None."""
+        if self.kind == "json_schema":
+            return json.loads(self.spec)
+        return {"type": "object"} if self.kind == "json_object" else None
+
+    def grammar(self) -> str:
+        """llguidance's grammar text for this constraint."""
+        M = _llg().LLMatcher
+        if self.kind in ("json_schema", "json_object"):
+            try:
+                return M.grammar_from_json_schema(self.schema, defaults=_JSON_OPTIONS)
+            except ValueError as e:
+                raise ValueError(f"structured output ({self.kind}): {e}") from None
+        if self.kind == "regex":
+            return M.grammar_from_regex(self.spec)
+        return M.grammar_from_lark(self.spec)
+
+
+def _validate(grammar: str) -> str:
+    is_error, messages = _llg().LLMatcher.validate_grammar_with_warnings(grammar, None)
+    return messages[0].strip() if is_error else ""
+
+
+# ---- the tokenizer llguidance sees ------------------------------------------------------------------------------
+_TOKENIZERS: dict = {}
+_TOKENIZERS_LOCK = threading.Lock()
+
+
+def grammar_tokenizer(tokenizer, eos_token_ids):
+    """llguidance's LLTokenizer for an xserv Tokenizer (built from its tokenizer.json: ~2 s for Qwen3's, so cached
+    per tokenizer content and end-of-sequence ids). Every id in `eos_token_ids` ends an accepted answer."""
+    hf = getattr(tokenizer, "_tok", tokenizer)  # the `tokenizers` object
+    text = hf.to_str()
+    eos = sorted({int(t) for t in eos_token_ids})
+    key = (hashlib.sha1(text.encode()).hexdigest(), tuple(eos))
+    with _TOKENIZERS_LOCK:
+        llt = _TOKENIZERS.get(key)
+        if llt is None:
+            llt = _TOKENIZERS[key] = _llg().LLTokenizer(text, eos_token=eos or None)
+    return llt
+
+
+def mask_words(vocab: int) -> int:
+    """int32 words per row of a token bitmask over `vocab` tokens."""
+    return (vocab + 31) // 32
+
+
+class GrammarConstraint:
+    """One sequence's matcher. `fill(row)` writes the next token's mask into an int32 row of mask_words(model
+    vocab) words (the words past the tokenizer's vocabulary must be zero: they are never written here);
+    `consume(token)` advances it by a sampled token."""
+
+    def __init__(self, llt, structured: StructuredOutput):
+        llg = _llg()
+        self.structured = structured
+        self.matcher = llg.LLMatcher(llt, structured.grammar(), log_level=0)
+        if self.matcher.is_error():
+            raise ValueError(f"structured output ({structured.kind}): {self.matcher.get_error()}")
+        self.words = mask_words(llt.vocab_size)
+
+    def fill(self, row: np.ndarray) -> None:
+        if row.dtype != np.int32 or not row.flags.c_contiguous or row.shape[-1] < self.words:
+            raise ValueError("internal: a token mask row must be contiguous int32 of at least "
+                             f"{self.words} words, got {row.dtype} {row.shape}")
+        self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, self.words * 4)
+
+    def consume(self, token: int) -> bool:
+        """False when the token does not fit the grammar (the matcher is then in its error state)."""
+        return self.matcher.consume_token(int(token))
+
+    @property
+    def done(self) -> bool:
+        """The grammar is complete (nothing but end-of-sequence can follow) or the matcher failed."""
+        return self.matcher.is_stopped()
+
+    @property
+    def accepting(self) -> bool:
+        return self.matcher.is_accepting()
+
+    @property
+    def error(self) -> str:
+        return self.matcher.get_error()
