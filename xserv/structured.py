@@ -109,18 +109,46 @@ _TOKENIZERS: dict = {}
 _TOKENIZERS_LOCK = threading.Lock()
 
 
-def grammar_tokenizer(tokenizer, eos_token_ids):
+def grammar_tokenizer(tokenizer, eos_token_ids, n_vocab: int):
     """llguidance's LLTokenizer for an xserv Tokenizer (built from its tokenizer.json: ~2 s for Qwen3's, so cached
-    per tokenizer content and end-of-sequence ids). Every id in `eos_token_ids` ends an accepted answer."""
+    per tokenizer content, end-of-sequence ids and vocabulary size). Every id in `eos_token_ids` ends an accepted
+    answer. n_vocab: the model's vocabulary (its masks then have the model's row width; the ids past the
+    tokenizer's own are never allowed)."""
     hf = getattr(tokenizer, "_tok", tokenizer)  # the `tokenizers` object
+    if hf.get_vocab_size(with_added_tokens=True) > n_vocab:
+        raise ValueError(f"structured output: the tokenizer has {hf.get_vocab_size(with_added_tokens=True)} tokens, "
+                         f"more than the model's vocabulary ({n_vocab})")
     text = hf.to_str()
     eos = sorted({int(t) for t in eos_token_ids})
-    key = (hashlib.sha1(text.encode()).hexdigest(), tuple(eos))
+    key = (hashlib.sha1(text.encode()).hexdigest(), tuple(eos), n_vocab)
     with _TOKENIZERS_LOCK:
         llt = _TOKENIZERS.get(key)
         if llt is None:
-            llt = _TOKENIZERS[key] = _llg().LLTokenizer(text, eos_token=eos or None)
+            llt = _TOKENIZERS[key] = _llg().LLTokenizer(text, n_vocab=n_vocab, eos_token=eos or None)
     return llt
+
+
+_EXECUTOR = None
+
+
+def fill_masks(constraints, masks: np.ndarray) -> None:
+    """Row j of `masks` (int32 [>= len(constraints), words], C-contiguous) gets constraints[j]'s next-token
+    mask; several at once are computed by llguidance's thread pool (the GIL released)."""
+    global _EXECUTOR
+    if not constraints:
+        return
+    words = constraints[0].words
+    if masks.dtype != np.int32 or not masks.flags.c_contiguous or masks.shape[1] != words \
+            or masks.shape[0] < len(constraints):
+        raise ValueError(f"internal: masks must be C-contiguous int32 [>= {len(constraints)}, {words}], got "
+                         f"{masks.dtype} {masks.shape}")
+    if len(constraints) == 1:
+        constraints[0].fill(masks[0])
+        return
+    if _EXECUTOR is None:
+        _EXECUTOR = _llg().LLExecutor()
+    _EXECUTOR.unsafe_compute_mask_ptr([(c.matcher, j) for j, c in enumerate(constraints)], masks.ctypes.data,
+                                      words * 4, masks.shape[0])
 
 
 def mask_words(vocab: int) -> int:
@@ -129,9 +157,9 @@ def mask_words(vocab: int) -> int:
 
 
 class GrammarConstraint:
-    """One sequence's matcher. `fill(row)` writes the next token's mask into an int32 row of mask_words(model
-    vocab) words (the words past the tokenizer's vocabulary must be zero: they are never written here);
-    `consume(token)` advances it by a sampled token."""
+    """One sequence's matcher. `fill(row)` writes the next token's mask into an int32 row of
+    mask_words(llt.vocab_size) words (the model's vocabulary: see grammar_tokenizer); `consume(token)` advances it
+    by a sampled token."""
 
     def __init__(self, llt, structured: StructuredOutput):
         llg = _llg()
@@ -142,8 +170,8 @@ class GrammarConstraint:
         self.words = mask_words(llt.vocab_size)
 
     def fill(self, row: np.ndarray) -> None:
-        if row.dtype != np.int32 or not row.flags.c_contiguous or row.shape[-1] < self.words:
-            raise ValueError("internal: a token mask row must be contiguous int32 of at least "
+        if row.dtype != np.int32 or not row.flags.c_contiguous or row.shape[-1] != self.words:
+            raise ValueError("internal: a token mask row must be contiguous int32 of "
                              f"{self.words} words, got {row.dtype} {row.shape}")
         self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, self.words * 4)
 

@@ -133,7 +133,7 @@ class LLMEngine:
         from ..structured import GrammarConstraint, grammar_tokenizer
 
         if self._grammar_tokenizer is None:
-            self._grammar_tokenizer = grammar_tokenizer(self.tokenizer, self.eos_token_ids)
+            self._grammar_tokenizer = grammar_tokenizer(self.tokenizer, self.eos_token_ids, self.vocab_size)
         return GrammarConstraint(self._grammar_tokenizer, structured)
 
     def add_request(self, prompt_ids, params, prompt: str | None = None, *, stream: bool = False) -> Sequence:

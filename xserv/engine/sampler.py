@@ -20,7 +20,7 @@ import numpy as np
 from ..ops import sampling as op
 from ..ops.argmax import argmax
 from ..runtime import get_device
-from ..structured import mask_words
+from ..structured import fill_masks, mask_words
 from ..tensor import Tensor, float32, int32
 
 _SEED_MIX = 1_000_003
@@ -64,8 +64,6 @@ class Sampler:
             # Two host masks, used in turn, each with an event after its upload: a host buffer is refilled only
             # once the copy that read it has run (in practice long before: the step that used it has been booked).
             self._host_masks = [(PinnedArray((max_rows, self.mask_words), np.int32), Event()) for _ in range(2)]
-            for pinned, _ in self._host_masks:
-                pinned.array[...] = 0  # page-locked memory comes uninitialised; the tail words are never written
             self._next_mask = 0
             self._mask_pending = [False, False]
 
@@ -152,18 +150,14 @@ class Sampler:
 
         k = len(seqs)
         t0 = time.perf_counter()
+        constraints = [seq.constraint for seq in seqs]
         if self._host_masks is None:
-            host = self.token_mask.numpy()
-            for j, seq in enumerate(seqs):
-                host[j] = 0
-                seq.constraint.fill(host[j])
+            fill_masks(constraints, self.token_mask.numpy())
         else:
             pinned, event = self._host_masks[self._next_mask]
             if self._mask_pending[self._next_mask]:
                 event.synchronize()
-            host = pinned.array
-            for j, seq in enumerate(seqs):
-                seq.constraint.fill(host[j])  # the words past the tokenizer's vocabulary stay zero
+            fill_masks(constraints, pinned.array)
             from ..runtime import get_device
 
             stream = get_device().stream_handle
