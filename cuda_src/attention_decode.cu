@@ -1,6 +1,7 @@
 // Decode attention, the default kernel (v4): one query token per sequence over the paged KV cache (layout in
 // attention.cuh), split-KV ("flash-decoding") with GQA grouping and the split combine folded in. Shared pieces and
 // the arguments: attention_decode.cuh; the fallback (v2): attention_decode_v2.cu.
+// xserv-shapes: head_dim=64,128 group=1,2,3,4,5,6,7,8 (compiled per model shape: XSERV_PIECE in attention_decode.cuh)
 #include "attention_decode.cuh"
 #include "rope.cuh"
 
@@ -644,40 +645,73 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS) {
         decode_split_v4<D, G, 2, 8, 1, true>(XSERV_DECODE_V4_PASS);                                              \
     }
 
-// 2 stages, for every head_dim and group size; 8 warps for the groups of at most 4 (the 16 / W bound holds there).
+// 2 stages, for every head_dim and group size; 8 warps for the groups of at most 4 (the 16 / W bound holds there);
+// lean entries for the head_dim of every Qwen3 size (128); groups of 6 and 8 as 2 subgroups (Qwen3-32B's 64/8 heads),
+// groups of 5 as 5 of one (Qwen3-14B's 40/8), 7 whole. Grouped by the shape piece that has them (XSERV_PIECE: head
+// dim, query heads per kv head; decode.py's _subgroup_counts picks the subgroups).
+#if XSERV_PIECE(64, 1)
 XSERV_DECODE_V4_KERNEL(64, 1, 2)
-XSERV_DECODE_V4_KERNEL(64, 2, 2)
-XSERV_DECODE_V4_KERNEL(64, 3, 2)
-XSERV_DECODE_V4_KERNEL(64, 4, 2)
-XSERV_DECODE_V4_KERNEL(64, 5, 2)
-XSERV_DECODE_V4_KERNEL(64, 6, 2)
-XSERV_DECODE_V4_KERNEL(64, 7, 2)
-XSERV_DECODE_V4_KERNEL(64, 8, 2)
-XSERV_DECODE_V4_KERNEL(128, 1, 2)
-XSERV_DECODE_V4_KERNEL(128, 2, 2)
-XSERV_DECODE_V4_KERNEL(128, 3, 2)
-XSERV_DECODE_V4_KERNEL(128, 4, 2)
-XSERV_DECODE_V4_KERNEL(128, 5, 2)
-XSERV_DECODE_V4_KERNEL(128, 6, 2)
-XSERV_DECODE_V4_KERNEL(128, 7, 2)
-XSERV_DECODE_V4_KERNEL(128, 8, 2)
 XSERV_DECODE_V4_WIDE_KERNEL(64, 1, 2, 8)
+#endif
+#if XSERV_PIECE(64, 2)
+XSERV_DECODE_V4_KERNEL(64, 2, 2)
 XSERV_DECODE_V4_WIDE_KERNEL(64, 2, 2, 8)
+#endif
+#if XSERV_PIECE(64, 3)
+XSERV_DECODE_V4_KERNEL(64, 3, 2)
 XSERV_DECODE_V4_WIDE_KERNEL(64, 3, 2, 8)
+#endif
+#if XSERV_PIECE(64, 4)
+XSERV_DECODE_V4_KERNEL(64, 4, 2)
 XSERV_DECODE_V4_WIDE_KERNEL(64, 4, 2, 8)
-XSERV_DECODE_V4_WIDE_KERNEL(128, 1, 2, 8)
-XSERV_DECODE_V4_WIDE_KERNEL(128, 2, 2, 8)
-XSERV_DECODE_V4_WIDE_KERNEL(128, 3, 2, 8)
-XSERV_DECODE_V4_WIDE_KERNEL(128, 4, 2, 8)
-// lean entries for the head_dim of every Qwen3 size
-XSERV_DECODE_V4_LEAN_KERNEL(128, 1)
-XSERV_DECODE_V4_LEAN_KERNEL(128, 2)
-XSERV_DECODE_V4_LEAN_KERNEL(128, 3)
-XSERV_DECODE_V4_LEAN_KERNEL(128, 4)
-// groups of 6 and 8 as 2 subgroups (Qwen3-32B's 64/8 heads), groups of 5 as 5 of one (Qwen3-14B's 40/8)
-XSERV_DECODE_V4_WIDE_SUBGROUPS_KERNEL(64, 3, 2, 8, 2)
-XSERV_DECODE_V4_WIDE_SUBGROUPS_KERNEL(64, 4, 2, 8, 2)
-XSERV_DECODE_V4_WIDE_SUBGROUPS_KERNEL(128, 3, 2, 8, 2)
-XSERV_DECODE_V4_WIDE_SUBGROUPS_KERNEL(128, 4, 2, 8, 2)
+#endif
+#if XSERV_PIECE(64, 5)
+XSERV_DECODE_V4_KERNEL(64, 5, 2)
 XSERV_DECODE_V4_WIDE_SUBGROUPS_KERNEL(64, 1, 2, 8, 5)
+#endif
+#if XSERV_PIECE(64, 6)
+XSERV_DECODE_V4_KERNEL(64, 6, 2)
+XSERV_DECODE_V4_WIDE_SUBGROUPS_KERNEL(64, 3, 2, 8, 2)
+#endif
+#if XSERV_PIECE(64, 7)
+XSERV_DECODE_V4_KERNEL(64, 7, 2)
+#endif
+#if XSERV_PIECE(64, 8)
+XSERV_DECODE_V4_KERNEL(64, 8, 2)
+XSERV_DECODE_V4_WIDE_SUBGROUPS_KERNEL(64, 4, 2, 8, 2)
+#endif
+#if XSERV_PIECE(128, 1)
+XSERV_DECODE_V4_KERNEL(128, 1, 2)
+XSERV_DECODE_V4_WIDE_KERNEL(128, 1, 2, 8)
+XSERV_DECODE_V4_LEAN_KERNEL(128, 1)
+#endif
+#if XSERV_PIECE(128, 2)
+XSERV_DECODE_V4_KERNEL(128, 2, 2)
+XSERV_DECODE_V4_WIDE_KERNEL(128, 2, 2, 8)
+XSERV_DECODE_V4_LEAN_KERNEL(128, 2)
+#endif
+#if XSERV_PIECE(128, 3)
+XSERV_DECODE_V4_KERNEL(128, 3, 2)
+XSERV_DECODE_V4_WIDE_KERNEL(128, 3, 2, 8)
+XSERV_DECODE_V4_LEAN_KERNEL(128, 3)
+#endif
+#if XSERV_PIECE(128, 4)
+XSERV_DECODE_V4_KERNEL(128, 4, 2)
+XSERV_DECODE_V4_WIDE_KERNEL(128, 4, 2, 8)
+XSERV_DECODE_V4_LEAN_KERNEL(128, 4)
+#endif
+#if XSERV_PIECE(128, 5)
+XSERV_DECODE_V4_KERNEL(128, 5, 2)
 XSERV_DECODE_V4_WIDE_SUBGROUPS_KERNEL(128, 1, 2, 8, 5)
+#endif
+#if XSERV_PIECE(128, 6)
+XSERV_DECODE_V4_KERNEL(128, 6, 2)
+XSERV_DECODE_V4_WIDE_SUBGROUPS_KERNEL(128, 3, 2, 8, 2)
+#endif
+#if XSERV_PIECE(128, 7)
+XSERV_DECODE_V4_KERNEL(128, 7, 2)
+#endif
+#if XSERV_PIECE(128, 8)
+XSERV_DECODE_V4_KERNEL(128, 8, 2)
+XSERV_DECODE_V4_WIDE_SUBGROUPS_KERNEL(128, 4, 2, 8, 2)
+#endif

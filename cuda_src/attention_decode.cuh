@@ -17,6 +17,20 @@
 
 #include "attention.cuh"
 
+// Shape pieces. attention_decode.cu and attention_decode_v2.cu declare `// xserv-shapes: head_dim=... group=...`:
+// compiled as they are (the harness, CI) they instantiate every kernel; the runtime compiles them per model shape,
+// with -DXSERV_HEAD_DIM=D -DXSERV_GROUP=Q (the piece "<family>:d<D>_g<Q>", xserv/runtime/compiler.py), and then
+// instantiates only the kernels that a model with head dim D and Q query heads per kv head launches. Each
+// instantiation stands under `#if XSERV_PIECE(D, Q)`; a kernel's code is the same in every piece that has it.
+#if defined(XSERV_HEAD_DIM) != defined(XSERV_GROUP)
+#error "a shape piece defines both XSERV_HEAD_DIM and XSERV_GROUP"
+#endif
+#if defined(XSERV_HEAD_DIM)
+#define XSERV_PIECE(D, Q) ((D) == XSERV_HEAD_DIM && (Q) == XSERV_GROUP)
+#else
+#define XSERV_PIECE(D, Q) 1
+#endif
+
 namespace xserv {
 namespace decode {
 

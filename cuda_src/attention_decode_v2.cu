@@ -13,6 +13,7 @@
 //
 // Arguments: XSERV_DECODE_ARGS (attention_decode.cuh). The fallback of v4 (attention_decode.cu) where a split's pages
 // would overflow v4's shared page table (a block size below 8 with a very long context).
+// xserv-shapes: head_dim=64,128 group=1,2,3,4,5,6,7,8 (compiled per model shape: XSERV_PIECE in attention_decode.cuh)
 #include "attention_decode.cuh"
 
 using namespace xserv;
@@ -158,22 +159,54 @@ __device__ void decode_split(const __nv_bfloat16* __restrict__ q, long long q_ro
         decode_split<D, G>(XSERV_DECODE_PASS);                                                                   \
     }
 
+#if XSERV_PIECE(64, 1)
 XSERV_DECODE_KERNEL(64, 1)
+#endif
+#if XSERV_PIECE(64, 2)
 XSERV_DECODE_KERNEL(64, 2)
+#endif
+#if XSERV_PIECE(64, 3)
 XSERV_DECODE_KERNEL(64, 3)
+#endif
+#if XSERV_PIECE(64, 4)
 XSERV_DECODE_KERNEL(64, 4)
+#endif
+#if XSERV_PIECE(64, 5)
 XSERV_DECODE_KERNEL(64, 5)
+#endif
+#if XSERV_PIECE(64, 6)
 XSERV_DECODE_KERNEL(64, 6)
+#endif
+#if XSERV_PIECE(64, 7)
 XSERV_DECODE_KERNEL(64, 7)
+#endif
+#if XSERV_PIECE(64, 8)
 XSERV_DECODE_KERNEL(64, 8)
+#endif
+#if XSERV_PIECE(128, 1)
 XSERV_DECODE_KERNEL(128, 1)
+#endif
+#if XSERV_PIECE(128, 2)
 XSERV_DECODE_KERNEL(128, 2)
+#endif
+#if XSERV_PIECE(128, 3)
 XSERV_DECODE_KERNEL(128, 3)
+#endif
+#if XSERV_PIECE(128, 4)
 XSERV_DECODE_KERNEL(128, 4)
+#endif
+#if XSERV_PIECE(128, 5)
 XSERV_DECODE_KERNEL(128, 5)
+#endif
+#if XSERV_PIECE(128, 6)
 XSERV_DECODE_KERNEL(128, 6)
+#endif
+#if XSERV_PIECE(128, 7)
 XSERV_DECODE_KERNEL(128, 7)
+#endif
+#if XSERV_PIECE(128, 8)
 XSERV_DECODE_KERNEL(128, 8)
+#endif
 
 // out[s, h, :] = sum_i 2^(lse_i - M) o_i / sum_i 2^(lse_i - M) over the ceil(kv_len / chunk_len) splits holding
 // keys (M = their max lse). grid (Hq, num_seqs), block D.

@@ -21,6 +21,14 @@
 // shapes leave part of the bandwidth unused and need separate kernels for the norm, the activation and the
 // residual add, each a launch and a round trip through memory.
 //
+// xserv-shapes: rows=1,8,16 (compiled as three pieces, gemv:m1 = gemv_row, gemv:m8 / gemv:m16 = gemv_mma_m8 /
+// _m16: a start-up compiles all three in parallel; compiled whole, as the harness and CI do, it has them all)
+#if !defined(XSERV_ROWS)
+#define XSERV_ROWS_HAS(M) 1
+#else
+#define XSERV_ROWS_HAS(M) ((M) == XSERV_ROWS)
+#endif
+//
 // Two kernels share the prologues and epilogues (docs/kernels/gemv.md has the versions and their measurements):
 //   gemv_row        one x row, CUDA cores. A CTA of 4 warps; a row group is 4 weight rows, each lane holding
 //                   U = 4 16-byte chunks of each in flight (16 loads), the lanes of a warp reading 512 contiguous
@@ -574,6 +582,7 @@ __device__ __forceinline__ void gemv(const void* x, long long x_stride, const in
         row::gemv<PROLOGUE, EPILOGUE, FREE_WARPS, true>(x, x_stride, x_rows, norm_w, eps, W, out, N, K, split,       \
                                                         early_trigger);                                               \
     }
+#if XSERV_ROWS_HAS(1)
 XSERV_GEMV_ROW(bf16_bf16, kBf16, kStoreBf16, false)
 XSERV_GEMV_ROW(bf16_f32, kBf16, kStoreF32, false)
 XSERV_GEMV_ROW(bf16_add, kBf16, kAddResidual, false)
@@ -581,6 +590,7 @@ XSERV_GEMV_ROW(rmsnorm_bf16, kRmsNorm, kStoreBf16, false)
 XSERV_GEMV_ROW(rmsnorm_f32, kRmsNorm, kStoreF32, true)  // the lm_head
 XSERV_GEMV_ROW(rmsnorm_silu_mul, kRmsNorm, kSiluMulBf16, false)
 XSERV_GEMV_ROW(silu_mul_add, kSiluMul, kAddResidual, false)
+#endif
 #undef XSERV_GEMV_ROW
 
 // gemv_mma_m<M>: m <= M, block 256, dynamic shared memory (8 * 32 * 4 * NT + M * 8) * 4 + m * (K + 32) * 2 bytes.
@@ -603,8 +613,12 @@ XSERV_GEMV_ROW(silu_mul_add, kSiluMul, kAddResidual, false)
         mma::gemv<NT>(x, x_stride, x_rows, norm_w, eps, W, out, out_stride, m, N, K, split, slices, kc, partials,    \
                       counters, prologue, epilogue);                                                                  \
     }
+#if XSERV_ROWS_HAS(8)
 XSERV_GEMV_MMA(8, 1)
+#endif
+#if XSERV_ROWS_HAS(16)
 XSERV_GEMV_MMA(16, 2)
+#endif
 #undef XSERV_GEMV_MMA
 
 // The plain bf16 -> bf16 projection (the model's few-row steps: linear_gemv), unsliced, its prologue and epilogue
@@ -616,6 +630,10 @@ XSERV_GEMV_MMA(16, 2)
         mma::gemv<NT, kBf16, kStoreBf16>(x, x_stride, x_rows, norm_w, eps, W, out, out_stride, m, N, K, split, 1, K, \
                                          nullptr, nullptr, 0, 0);                                                     \
     }
+#if XSERV_ROWS_HAS(8)
 XSERV_GEMV_MMA_PLAIN(8, 1)
+#endif
+#if XSERV_ROWS_HAS(16)
 XSERV_GEMV_MMA_PLAIN(16, 2)
+#endif
 #undef XSERV_GEMV_MMA_PLAIN

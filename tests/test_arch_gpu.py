@@ -34,8 +34,9 @@ def test_startup_families_load_and_pdl_matches_the_path():
     from xserv.runtime.compiler import ensure_compiled, startup_families
 
     dev = get_device()
-    ensure_compiled(dev.arch, progress=False)
-    for family in startup_families(dev.arch):
+    shapes = {"head_dim": 128, "group": 4}  # a Qwen3-8B-shaped model's pieces (runtime/compiler.py kernel_shapes)
+    ensure_compiled(dev.arch, progress=False, shapes=shapes)
+    for family in startup_families(dev.arch, shapes):
         get_runtime().kernels.load_family(family)  # every cubin loads on this device
     assert kernel("fill", "fill_f32")._pdl_supported == pdl_enabled(dev.arch)
 

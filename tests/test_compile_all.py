@@ -8,22 +8,28 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from xserv.runtime import CompileError
-from xserv.runtime.compiler import (cache_key, compile_families, compile_family, families_for, family_source,
-                                    kernel_code_sizes, list_dev_families, list_families, ptx_to_cubin)
+from xserv.runtime.compiler import (cache_key, compile_families, compile_family, families_for, family_shapes,
+                                    family_source, kernel_code_sizes, kernel_shapes, list_dev_families, list_families,
+                                    ptx_to_cubin, startup_families)
 
 CI_ARCHES = ("sm_80", "sm_89", "sm_90a", "sm_100a", "sm_120a")  # tools/kernel_harness.py CI_ARCHES
-PAIRS = [(arch, family) for arch in CI_ARCHES for family in families_for(arch)]
-# sm_90a (the lent GPU's arch; the runtime's own cache entries) compiles as the runtime does. The other four compile
-# with NVRTC's --Ofast-compile=max unless XSERV_TEST_FULL_ARCHES=1: every template is still instantiated and every
-# instruction assembled for the arch, which is what can fail there, at a tenth of the CPU (at full optimisation the
-# four cost ~4x sm_90a's ~30 CPU-s, over the suite's budget; docs/kernels/portability.md). Not cached: the runtime
-# never loads these.
+# Every family whole (every kernel and shape instantiation) for every arch, and sm_90a's start-up pieces for a
+# Qwen3-0.6B-shaped model (head_dim 128, 2 query heads per kv head): the runtime's own entries.
+QWEN3_0_6B = kernel_shapes(type("Config", (), {"head_dim": 128, "num_attention_heads": 16, "num_key_value_heads": 8}))
+PIECES = [p for p in startup_families("sm_90a", QWEN3_0_6B) if ":" in p]
+PAIRS = [(arch, family) for arch in CI_ARCHES for family in families_for(arch)] + [("sm_90a", p) for p in PIECES]
+# sm_90a (the lent GPU's arch) compiles what the runtime loads as the runtime does, into its cache: every family
+# compiled whole, and the pieces above. Everything else compiles with NVRTC's --Ofast-compile=max unless
+# XSERV_TEST_FULL_ARCHES=1: every template is still instantiated and every instruction assembled for the arch, which
+# is what can fail there, at a sixth of the CPU (docs/kernels/portability.md). Not cached: the runtime never loads
+# these. That includes sm_90a's whole attention_decode, attention_decode_v2 and gemv, which the runtime loads as
+# pieces (their kernels are the same code in both: tests/test_shape_pieces.py).
 FULL = os.environ.get("XSERV_TEST_FULL_ARCHES") == "1"
 FAST_OPTIONS = ("--Ofast-compile=max",)
 
 
 def _compile(arch: str, family: str) -> bytes:
-    if arch == "sm_90a" or FULL:
+    if FULL or (arch == "sm_90a" and (":" in family or family_shapes(family) is None)):
         return compile_family(family, arch)
     return compile_family(family, arch, extra_options=FAST_OPTIONS, use_cache=False)
 
@@ -60,6 +66,7 @@ def test_family_compiles(arch, family, cubins):
 
 def test_every_family_is_compiled_for_every_arch_that_admits_it():
     assert families_for("sm_90a") == list_families()
+    assert PIECES == ["attention_decode:d128_g2", "attention_decode_v2:d128_g2", "gemv:m1", "gemv:m8", "gemv:m16"]
     for arch in CI_ARCHES:
         assert set(list_families()) - set(families_for(arch)) <= {"attention_prefill_sm90"}
 
@@ -84,7 +91,9 @@ def test_decode_chain_gemv_entries_stay_small(hopper_cubins):
     """kernel_code_sizes reads each entry's machine code from the cubin. The GEMV entries of the decode chain carry
     only their own prologue and epilogue: one generic entry (62 KB) cost 3-4% of a batch-1 step, each launch running
     its code from a cold instruction cache (docs/kernels/gemv.md, "v12")."""
-    sizes = kernel_code_sizes(hopper_cubins["gemv"])
+    sizes = {}
+    for rows in (1, 8, 16):  # the runtime's pieces of gemv
+        sizes.update(kernel_code_sizes(hopper_cubins[f"gemv:m{rows}"]))
     row = ["gemv_row_rmsnorm_bf16", "gemv_row_bf16_add", "gemv_row_rmsnorm_silu_mul", "gemv_row_rmsnorm_f32"]
     chain = row + [name + "_1step" for name in row] + ["gemv_mma_m8_bf16_bf16", "gemv_mma_m16_bf16_bf16"]
     assert all(0 < sizes[name] < 48 * 1024 for name in chain), {name: sizes.get(name) for name in chain}
@@ -97,7 +106,7 @@ def test_decode_chain_gemv_entries_stay_small(hopper_cubins):
 def test_harness_prints_the_sizes(hopper_cubins, capsys):
     from tools.kernel_harness import main
 
-    assert main(["sizes", "gemv", "--arch", "sm_90a"]) == 0
+    assert main(["sizes", "gemv:m1", "gemv:m8", "--arch", "sm_90a"]) == 0
     out = capsys.readouterr().out
     assert "gemv_row_bf16_add" in out and "gemv_mma_m8_bf16_bf16" in out and " KB" in out
     assert main(["sizes", "no_such_family", "--arch", "sm_90a"]) == 2

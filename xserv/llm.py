@@ -188,10 +188,10 @@ class LLM:
         thread_setup = None
         if self.device == "cuda":
             from .runtime import get_device
-            from .runtime.compiler import ensure_compiled
+            from .runtime.compiler import ensure_compiled, kernel_shapes
 
             start = time.perf_counter()
-            ensure_compiled(get_device().arch, progress=progress)
+            ensure_compiled(get_device().arch, progress=progress, shapes=kernel_shapes(config))
             self.kernel_compile_s = time.perf_counter() - start
             thread_setup = get_device().bind_to_thread
         with _open_lock:  # counted from here: a failure below releases what was made (see _release)

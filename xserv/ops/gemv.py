@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..runtime import get_device, kernel
+from ..runtime.compiler import piece
 from ..tensor import Tensor, bfloat16, float32, int32
 from ._checks import check_tensor, output, same_device
 from ._launch import aligned, cdiv, check_alias, check_eps, pooled_buffer, round_up
@@ -353,4 +354,9 @@ def _launch(prologue: str, x: Tensor, x_stride: int, rows: Tensor | None, norm_w
             sliced = (np.int32(slices), np.int32(slice_k), partials, counters)
         args = (x, np.int64(x_stride), x_rows, norm, np.float32(eps32), weight, out, np.int64(out.shape[1]),
                 np.int32(m), np.int32(n), np.int32(k), np.int32(split), *sliced, *modes)
-    kernel("gemv", name)(grid, threads, *args, smem=_smem(m, slice_k), pdl=True)
+    kernel(_PIECES[m == 1, m <= 8], name)(grid, threads, *args, smem=_smem(m, slice_k), pdl=True)
+
+
+# gemv.cu is compiled as three pieces that a start-up compiles in parallel (runtime/compiler.py, "shape pieces"):
+# gemv:m1 (gemv_row), gemv:m8 (gemv_mma_m8*), gemv:m16 (gemv_mma_m16*); keyed by (m == 1, m <= 8).
+_PIECES = {(True, True): piece("gemv", rows=1), (False, True): piece("gemv", rows=8), (False, False): piece("gemv", rows=16)}

@@ -13,6 +13,14 @@ Targets (runtime/arch.py): "sm_90a" compiles for that arch; "sm_80@sm_90a" (XSER
 the source as for sm_80 (NVRTC to compute_80 PTX; a PTX family's sm_80 form) and assembles that PTX for sm_90a.
 A family restricted to some archs says so in a line of its source, `// xserv-arch: sm_90a (why)`; it is compiled
 for those code archs only (families_for), and asking for another raises a CompileError naming the family.
+
+Shape pieces: a family whose kernels are template instantiations per model shape declares them in a line of its
+source, `// xserv-shapes: head_dim=64,128 group=1,2,3,4,5,6,7,8` (SHAPE_KEYS: head dim, query heads per kv head). It
+is then compiled per shape as a *piece*, "attention_decode:d128_g4" = the family's one source with
+-DXSERV_HEAD_DIM=128 -DXSERV_GROUP=4, holding only the kernels a model of that shape launches (its own module and
+cache entry); the launcher names the piece from the shapes it launches for (piece()), so another shape compiles on
+first use. The family compiled by its own name still instantiates everything (the harness, CI). A start-up
+compiles the pieces of the loaded model's shapes only (startup_families(target, shapes)).
 """
 from __future__ import annotations
 
@@ -107,7 +115,9 @@ def _check_family_arch(family: str, path: Path, target: str) -> None:
 
 
 def family_source(family: str) -> Path:
-    """The source file of a family ("rope", "activation", "dev/attention_decode_dev")."""
+    """The source file of a family ("rope", "activation", "dev/attention_decode_dev") or of a piece's family
+    ("attention_decode:d128_g4" -> attention_decode.cu)."""
+    family = family.partition(PIECE_SEP)[0]
     src_dir = kernel_source_dir()
     found = [src_dir / f"{family}{suffix}" for suffix in _SUFFIXES if (src_dir / f"{family}{suffix}").is_file()]
     if not found:
@@ -115,6 +125,98 @@ def family_source(family: str) -> Path:
     if len(found) > 1:
         raise CompileError(f"kernel family {family!r} has both {found[0].name} and {found[1].name}; keep one")
     return found[0]
+
+
+# ---- shape pieces ------------------------------------------------------------------------------------------------
+# key of `// xserv-shapes:` -> (its letter in a piece name, the macro a piece defines). head_dim and group are the
+# model's (MODEL_KEYS: a start-up compiles the model's piece); any other key splits a family only so that its pieces
+# compile in parallel (gemv's rows: 1, 8, 16; a start-up compiles every value). Every family is bf16 only, so the
+# model's dtype picks nothing (a float16/float32 checkpoint is cast to bf16 on load).
+SHAPE_KEYS = {"head_dim": ("d", "XSERV_HEAD_DIM"), "group": ("g", "XSERV_GROUP"), "rows": ("m", "XSERV_ROWS")}
+MODEL_KEYS = ("head_dim", "group")
+PIECE_SEP = ":"
+_SHAPES_LINE = re.compile(r"^//\s*xserv-shapes:((?:[ \t]+\w+=\S+)+)(.*)$", re.MULTILINE)  # then a why
+_PIECE_PART = re.compile(r"([a-z])(\d+)")
+
+
+@lru_cache(maxsize=None)
+def _declared_shapes(path: Path, mtime_ns: int) -> dict[str, tuple[int, ...]] | None:
+    m = _SHAPES_LINE.search(path.read_text(errors="replace"))
+    if m is None:
+        return None
+    shapes = {}
+    for item in m.group(1).split():
+        key, _, values = item.partition("=")
+        if key not in SHAPE_KEYS or not re.fullmatch(r"\d+(,\d+)*", values):
+            raise CompileError(f"{path.name}: bad `// xserv-shapes:` item {item!r}: expected <key>=<n>[,<n>...] with "
+                               f"a key among {', '.join(SHAPE_KEYS)}")
+        shapes[key] = tuple(int(v) for v in values.split(","))
+    return shapes
+
+
+def family_shapes(family: str) -> dict[str, tuple[int, ...]] | None:
+    """The shapes a family is compiled per (its `// xserv-shapes:` line: key -> the values it has kernels for), or
+    None for a family compiled whole."""
+    path = family_source(family)
+    return _declared_shapes(path, path.stat().st_mtime_ns)
+
+
+def kernel_shapes(config) -> dict[str, int]:
+    """The shapes the kernels of a model config need (anything with num_attention_heads, num_key_value_heads and
+    head_dim: a ModelConfig): head dim and query heads per kv head (the same on every tensor-parallel rank)."""
+    return {"head_dim": int(config.head_dim), "group": int(config.num_attention_heads // config.num_key_value_heads)}
+
+
+@lru_cache(maxsize=None)
+def _piece(family: str, items: tuple) -> str:
+    declared = family_shapes(family)
+    if declared is None:
+        return family
+    shape = dict(items)
+    missing = [k for k in declared if k not in shape]
+    if missing:
+        raise CompileError(f"kernel family {family!r} is compiled per {', '.join(declared)}: "
+                           f"no {', '.join(missing)} given")
+    return family + PIECE_SEP + "_".join(f"{SHAPE_KEYS[k][0]}{shape[k]}" for k in declared)
+
+
+def piece(family: str, **shape: int) -> str:
+    """What a launcher asks the kernel cache for: the family itself, or for a family compiled per shape its piece
+    for these shapes (piece("attention_decode", head_dim=128, group=4) -> "attention_decode:d128_g4"). Keys the
+    family does not declare are ignored."""
+    return _piece(family, tuple(sorted(shape.items())))
+
+
+def family_pieces(family: str) -> list[str]:
+    """Every piece of a family compiled per shape (every combination of its declared values); [family] else."""
+    declared = family_shapes(family)
+    if declared is None:
+        return [family]
+    import itertools
+
+    keys = list(declared)
+    return [piece(family, **dict(zip(keys, combo))) for combo in itertools.product(*(declared[k] for k in keys))]
+
+
+def piece_options(name: str) -> tuple[str, ...]:
+    """The -D options that make a piece of its family's source ("attention_decode:d128_g4" -> -DXSERV_HEAD_DIM=128
+    -DXSERV_GROUP=4); () for a family's own name. A shape the family has no kernels for raises a CompileError."""
+    family, sep, label = name.partition(PIECE_SEP)
+    if not sep:
+        return ()
+    declared = family_shapes(family)
+    if declared is None:
+        raise CompileError(f"kernel family {family!r} is not compiled per shape (no `// xserv-shapes:` line): "
+                           f"no piece {name!r}")
+    by_letter = {letter: key for key, (letter, _) in SHAPE_KEYS.items()}
+    found = dict((by_letter.get(letter, letter), int(v)) for letter, v in _PIECE_PART.findall(label))
+    if "_".join(f"{SHAPE_KEYS[k][0]}{found[k]}" for k in declared if k in found) != label or set(found) != set(declared):
+        raise CompileError(f"{name!r}: expected {family}:" + "_".join(f"{SHAPE_KEYS[k][0]}<n>" for k in declared))
+    for key, value in found.items():
+        if value not in declared[key]:
+            raise CompileError(f"kernel family {family!r} has no kernels for {key} {value} (it has "
+                               f"{', '.join(map(str, declared[key]))}): no piece {name!r}")
+    return tuple(f"-D{SHAPE_KEYS[k][1]}={found[k]}" for k in declared)
 
 
 @lru_cache(maxsize=None)
@@ -148,8 +250,9 @@ def _sources_of(path: Path, seen: dict[Path, bytes]) -> None:
                 break
 
 
-def _options_for(path: Path, extra_options: tuple[str, ...]) -> tuple[str, ...]:
-    return (PTX_OPTIONS if path.suffix == ".ptx" else DEFAULT_OPTIONS) + tuple(extra_options)
+def _options_for(path: Path, extra_options: tuple[str, ...], name: str = "") -> tuple[str, ...]:
+    """The compile options of a family or piece (`name`: its piece options come after the defaults)."""
+    return (PTX_OPTIONS if path.suffix == ".ptx" else DEFAULT_OPTIONS) + piece_options(name) + tuple(extra_options)
 
 
 def cache_key(family: str, arch: str, options: tuple[str, ...]) -> str:
@@ -171,15 +274,17 @@ def cache_key(family: str, arch: str, options: tuple[str, ...]) -> str:
 
 
 def _cached_path(family: str, arch: str, key: str) -> Path:
-    return cache_dir() / f"{family}-{arch}-{key}.cubin"  # "dev/x" families land in cache_dir()/dev/
+    # "dev/x" families land in cache_dir()/dev/; a piece "x:d128_g4" is the file x.d128_g4-<arch>-<key>.cubin
+    return cache_dir() / f"{family.replace(PIECE_SEP, '.')}-{arch}-{key}.cubin"
 
 
 def compile_family(family: str, arch: str, extra_options: tuple[str, ...] = (), use_cache: bool = True) -> bytes:
     """Return the cubin of family `family` for the target `arch` ("sm_90a", or "sm_80@sm_90a": see the module
-    docstring), compiling it on a cache miss. A family restricted to other archs raises CompileError."""
+    docstring), compiling it on a cache miss. `family` may be a piece ("attention_decode:d128_g4": the module
+    docstring). A family restricted to other archs raises CompileError."""
     path = family_source(family)
     _check_family_arch(family, path, arch)
-    options = _options_for(path, extra_options)
+    options = _options_for(path, extra_options, family)
     cached = _cached_path(family, arch, cache_key(family, arch, options))
     if use_cache and cached.is_file():
         return cached.read_bytes()
@@ -331,19 +436,41 @@ def _ptx_assemble(path: Path, target: str, options: tuple[str, ...]) -> bytes:
 
 # ---- a first start: every family, in parallel -------------------------------------------------------------------
 
-def startup_families(target: str) -> list[str]:
+def startup_families(target: str, shapes: dict[str, int] | None = None) -> list[str]:
     """What a start-up compiles: the families that compile for the target (families_for) less those the ops launch
     on the other path only (arch.KERNEL_PATHS; on sm_90a attention_prefill, whose v3 and simple kernels then compile
-    on first use, when a test or benchmark names them). A family the table does not name is compiled."""
+    on first use, when a test or benchmark names them). A family the table does not name is compiled. A family
+    compiled per shape (`// xserv-shapes:`) contributes its piece for the model's `shapes` (kernel_shapes(config));
+    without shapes, or for a shape it has no kernels for, nothing: its pieces compile on first use. A family
+    split by another key (gemv's rows) contributes every piece."""
     path = arch_path(target)
     elsewhere = set().union(*(families_of(p) for p in type(path) if p is not path)) - families_of(path)
-    return [f for f in families_for(target) if f not in elsewhere]
+    import itertools
+
+    names = []
+    for f in families_for(target):
+        if f in elsewhere:
+            continue
+        declared = family_shapes(f)
+        if declared is None:
+            names.append(f)
+            continue
+        given = {k: ((shapes or {}).get(k),) if k in MODEL_KEYS else v for k, v in declared.items()}
+        if all(value in declared[k] for k, values in given.items() for value in values):
+            names += [piece(f, **dict(zip(given, combo))) for combo in itertools.product(*given.values())]
+    return names
 
 
-def missing_families(arch: str, extra_options: tuple[str, ...] = ()) -> list[str]:
-    """The families a start-up on target `arch` compiles (startup_families) whose cubin is not in the disk cache."""
-    return [f for f in startup_families(arch)
-            if not _cached_path(f, arch, cache_key(f, arch, _options_for(family_source(f), extra_options))).is_file()]
+def is_cached(family: str, arch: str, extra_options: tuple[str, ...] = ()) -> bool:
+    """Is the cubin of this family or piece for `arch` in the disk cache?"""
+    path = family_source(family)
+    return _cached_path(family, arch, cache_key(family, arch, _options_for(path, extra_options, family))).is_file()
+
+
+def missing_families(arch: str, extra_options: tuple[str, ...] = (), shapes: dict[str, int] | None = None) -> list[str]:
+    """The families and pieces a start-up on target `arch` compiles (startup_families) whose cubin is not in the
+    disk cache."""
+    return [f for f in startup_families(arch, shapes) if not is_cached(f, arch, extra_options)]
 
 
 def compile_families(families: list[str], arch: str, use_cache: bool = True, workers: int | None = None,
@@ -387,13 +514,14 @@ def compile_families(families: list[str], arch: str, use_cache: bool = True, wor
     return times
 
 
-def ensure_compiled(arch: str, progress: bool = True) -> list[str]:
+def ensure_compiled(arch: str, progress: bool = True, shapes: dict[str, int] | None = None) -> list[str]:
     """Compile every family the ops launch on the target's kernel path (startup_families: on sm_90a all but
     attention_prefill, whose v3 and simple kernels run there only when a test or benchmark asks; elsewhere all but
-    the sm_90a-only attention_prefill_sm90) that is missing from the disk cache (a first run takes seconds; later starts load the
-    cubins in milliseconds), on parallel threads, with a progress bar when stderr is a terminal. Returns the
-    families compiled."""
-    todo = missing_families(arch)
+    the sm_90a-only attention_prefill_sm90), the families compiled per shape as their pieces for the model's
+    `shapes` (kernel_shapes(config); other shapes compile on first use), that are missing from the disk cache (a
+    first run takes seconds; later starts load the cubins in milliseconds), on parallel threads, with a progress
+    bar when stderr is a terminal. Returns the families and pieces compiled."""
+    todo = missing_families(arch, shapes=shapes)
     if not todo:
         return []
     from ..progress import progress_bar  # only a first start on a terminal draws a bar

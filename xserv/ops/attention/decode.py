@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...runtime import get_device, kernel
+from ...runtime.compiler import piece
 from ...tensor import Tensor, bfloat16, float32, int32
 from .._checks import check_aligned, check_tensor, output, same_device
 from .._launch import check_alias, check_eps, pooled_buffer
@@ -354,12 +355,21 @@ def _launch(plan: tuple[DecodeKernel, int, int], q: Tensor, k_cache: Tensor, v_c
             smem = spread_smem(smem, splits * heads * num_seqs, dev.multiprocessor_count,
                                dev.info.max_shared_memory_per_block_optin)
     name = k.name(head_dim, group) + ("_lean" if fused and lean_entry(k, head_dim, group, splits) else "")
+    family = _module(k.family, head_dim, group)
     # v4 waits for the previous kernel itself (pdl_wait): it may be launched with programmatic dependent launch
-    kernel(k.family, name)(grid, (32 * k.warps, 1, 1), *args, smem=smem, pdl=pdl)
+    kernel(family, name)(grid, (32 * k.warps, 1, 1), *args, smem=smem, pdl=pdl)
     if k.generation == 2 and splits > 1:
-        kernel(k.family, "attention_decode_combine")(
+        kernel(family, "attention_decode_combine")(
             (num_q_heads, num_seqs, 1), (head_dim, 1, 1), part_o, part_lse, kv_lens, np.int32(chunk),
             np.int32(splits), np.int32(head_dim), out)
+
+
+@functools.lru_cache(maxsize=None)
+def _module(family: str, head_dim: int, group: int) -> str:
+    """What the kernels of `family` for this shape load from: attention_decode and attention_decode_v2 are compiled
+    per (head dim, query heads per kv head) as the pieces "attention_decode:d128_g4" (runtime/compiler.py; a start-up
+    compiles the model's, another shape compiles on first use); the dev family whole."""
+    return piece(family, head_dim=head_dim, group=group)
 
 
 def lean_entry(k: DecodeKernel, head_dim: int, group: int, splits: int) -> bool:
