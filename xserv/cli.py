@@ -142,6 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .models import make_test_model
 
+    info = sub.add_parser("info", help="print the GPU, kernel path, library versions and kernel cache (for bug reports)",
+                          description="Print what a bug report needs: the GPU and its compute capability, the kernel "
+                                      "target and path xserv picks (XSERV_ARCH), driver / NVRTC / nvJitLink / cuBLAS "
+                                      "versions, free memory, the kernel cache and whether the start-up kernels are "
+                                      "in it. Works without a GPU.")
+    info.add_argument("--json", action="store_true", help="print it as JSON")
+
     maker = sub.add_parser("make-test-model", help="write a model folder with random weights at a preset's shapes",
                            description=make_test_model.DESCRIPTION,
                            epilog=make_test_model.EPILOG.format(prog="xserv make-test-model"),
@@ -373,6 +380,10 @@ def main(argv=None) -> int:
             return cmd_serve(args)
         if args.command == "make-test-model":
             return cmd_make_test_model(args)
+        if args.command == "info":
+            from .info import main as info_main
+
+            return info_main(as_json=args.json)
         if args.command == "bench":
             from .bench import options as bench_options
 
