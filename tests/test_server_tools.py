@@ -36,6 +36,7 @@ class ScriptedEngine:
     def __init__(self):
         self.answer, self.pieces, self.finish_reason = "", 1000, "stop"
         self.prompts: list[str] = []
+        self.params: list = []  # each request's SamplingParams (one per choice)
         self.num_in_flight = 0
         self.error = None
         self.running = True
@@ -47,6 +48,7 @@ class ScriptedEngine:
         from xserv.server.async_engine import Update
 
         self.prompts.append(prompt_text)
+        self.params.append(params)
         text, k = self.answer, self.pieces
         chunks = [text[i:i + k] for i in range(0, len(text), k)] or [""]
         for j, piece in enumerate(chunks):
@@ -248,13 +250,11 @@ def test_openai_client_tool_loop(app):
 
 
 UNSUPPORTED_CHAT = [("echo", True), ("functions", [{"name": "f"}]), ("function_call", "auto"),
-                    ("logit_bias", {"9": 5}), ("response_format", {"type": "json_object"}),
-                    ("guided_json", {"type": "object"}), ("guided_regex", "a+"), ("guided_grammar", "start: 'a'"),
+                    ("guided_whitespace_pattern", " *"),
                     ("audio", {"voice": "x"}), ("modalities", ["text", "audio"]), ("prediction", {"type": "content"}),
                     ("web_search_options", {}), ("reasoning_effort", "low"), ("use_beam_search", True),
                     ("min_tokens", 3), ("best_of", 2)]
-UNSUPPORTED_COMPLETION = [("echo", True), ("best_of", 3), ("suffix", "end"), ("logit_bias", {"1": 1}),
-                          ("guided_json", {"type": "object"}), ("response_format", {"type": "json_object"})]
+UNSUPPORTED_COMPLETION = [("echo", True), ("best_of", 3), ("suffix", "end"), ("guided_whitespace_pattern", " *")]
 
 
 @pytest.mark.parametrize("field, value", UNSUPPORTED_CHAT)
@@ -279,9 +279,10 @@ def test_harmless_values_and_platform_fields_pass(app):
 
 
 @pytest.mark.parametrize("body, param, needle", [
-    ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice", "needs structured output"),
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice",
-     "needs structured output"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format",
+     "tool_choice 'required' and response_format both constrain"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "minProperties": "x"}}}],
+      "tool_choice": "required"}, "tools", "do not compile"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
      "not among the tools"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
@@ -304,8 +305,107 @@ def test_tool_call_constraint_schema():
     names = [s["properties"]["name"]["const"] for s in required["json_schema"]["anyOf"]]
     assert names == ["get_weather", "get_time"]
     assert required["json_schema"]["anyOf"][0]["properties"]["arguments"] == WEATHER["function"]["parameters"]
-    assert '"<tool_call>\\n"' in required["grammar"] and "call)*" in required["grammar"]
+    assert 'call: <tool_call> "\\n" json_call "\\n" </tool_call>' in required["grammar"]
+    assert "call)*" in required["grammar"]
+    text = tool_call_constraint(tools, "required", tag_tokens=False)["grammar"]
+    assert 'call: "<tool_call>" "\\n" json_call "\\n" "</tool_call>"' in text
     named = tool_call_constraint(tools, NamedToolChoice.model_validate({"type": "function",
                                                                         "function": {"name": "get_time"}}))
     assert named["json_schema"]["properties"]["name"] == {"const": "get_time"}
     assert named["grammar"].startswith("start: call\n")
+
+
+# ---- reasoning first, then the constraint ---------------------------------------------------------------------------
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def matcher():
+    """accepts(structured, text): the text's tokens (the Qwen3 tokenizer: <think> and </think> one token each) fit the
+    constraint and complete it."""
+    from xserv.structured import GrammarConstraint, grammar_tokenizer
+    from xserv.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_folder(TOKENIZER)
+    llt = grammar_tokenizer(tok, [151645, 151643], 151936)
+
+    def accepts(structured, text):
+        c = GrammarConstraint(llt, structured)
+        return all(c.consume(t) for t in tok.encode(text)) and c.accepting
+    return accepts
+
+
+def last_constraint(app):
+    return app.engine.params[-1][0].structured
+
+
+def test_the_constraint_follows_the_reasoning(app, matcher):
+    from xserv.structured import StructuredOutput
+
+    rf = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA, "strict": True}}
+    msg = chat(app, THINK + '{"a":1}', response_format=rf)["choices"][0]["message"]
+    assert msg["reasoning_content"] == "\nThe user wants the weather.\n" and msg["content"] == '{"a":1}'
+    s = last_constraint(app)
+    assert s.kind == "grammar" and s.spec.startswith("start: think? answer\n")
+    assert matcher(s, THINK + '{"a":1}')  # the reasoning is free text, the answer follows the schema
+    assert matcher(s, '<think>\n{ not json: "}" \n</think>\n\n{"a":12}')
+    assert matcher(s, '{"a":1}')  # no think block at all
+    assert not matcher(s, THINK + "It is sunny.") and not matcher(s, THINK + '{"a":"x"}')
+    assert not matcher(s, "It is sunny.")
+    # thinking off and the completions endpoint: the constraint alone
+    chat(app, '{"a":1}', response_format=rf, chat_template_kwargs={"enable_thinking": False})
+    assert last_constraint(app) == StructuredOutput.json_schema(SCHEMA)
+    status, _ = post(app, "/v1/completions", {"prompt": "x", "response_format": rf}, '{"a":1}')
+    assert status == 200 and last_constraint(app) == StructuredOutput.json_schema(SCHEMA)
+
+
+@pytest.mark.parametrize("body, good, bad", [
+    ({"response_format": {"type": "json_object"}}, '{"k":[1]}', "[1]"),
+    ({"guided_regex": r"[a-c]{3}/\}"}, "abc/}", "abcd"),
+    ({"guided_grammar": 'start: "hi " NAME\nNAME: /[A-Z][a-z]+/\n'}, "hi Bob", "hi bob"),
+    ({"guided_grammar": 'root ::= "yes" | "no"'}, "no", "maybe"),  # GBNF, converted
+    ({"guided_choice": ["a.b", "c|d", "(e)"]}, "c|d", "a"),
+    ({"structured_outputs": {"choice": ["x y", "z"]}}, "x y", "x"),
+])
+def test_every_kind_follows_the_reasoning(app, matcher, body, good, bad):
+    chat(app, "ok", **body)
+    s = last_constraint(app)
+    assert s.spec.startswith("start: think? answer\n")
+    assert matcher(s, THINK + good) and matcher(s, good)
+    assert not matcher(s, THINK + bad)
+    chat(app, "ok", chat_template_kwargs={"enable_thinking": False}, **body)
+    off = last_constraint(app)
+    assert matcher(off, good) and not matcher(off, bad) and not matcher(off, THINK + good)
+
+
+def test_required_tool_call_follows_the_reasoning(app, matcher):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    msg = chat(app, THINK + CALL_1, tools=[WEATHER, TIME], tool_choice="required")["choices"][0]
+    assert msg["finish_reason"] == "tool_calls" and msg["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    s = last_constraint(app)
+    assert matcher(s, THINK + CALL_1 + "\n" + CALL_2) and matcher(s, CALL_1)
+    assert not matcher(s, THINK + "Sure.") and not matcher(s, THINK + CALL_1.replace('"Oslo"', "1"))
+    chat(app, CALL_1, tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False)
+    s = last_constraint(app)
+    assert matcher(s, THINK + CALL_1) and not matcher(s, THINK + CALL_1 + "\n" + CALL_2)
+    chat(app, CALL_2, tools=[WEATHER, TIME], tool_choice=named, chat_template_kwargs={"enable_thinking": False})
+    s = last_constraint(app)
+    assert matcher(s, CALL_1) and not matcher(s, CALL_2) and not matcher(s, THINK + CALL_1)
+
+
+def test_reasoning_first_opened_block_and_text_tags(matcher):
+    from xserv.server.constraints import reasoning_first
+    from xserv.structured import StructuredOutput
+
+    s = StructuredOutput.regex("[0-9]+")
+    opened = reasoning_first(s, opened=True, think_tokens=True)  # the prompt ends with <think>\n
+    assert matcher(opened, "\nhmm\n</think>\n\n42") and not matcher(opened, "<think>\nhmm\n</think>\n\n42")
+    assert not matcher(opened, "42")
+    text = reasoning_first(s, opened=False, think_tokens=False)  # <think> spelled in text tokens
+    from xserv.structured import GrammarConstraint, grammar_tokenizer
+    from xserv.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_folder(TOKENIZER)
+    c = GrammarConstraint(grammar_tokenizer(tok, [151645], 151936), text)
+    ids = [27, 26865, 29] + tok.encode("\nhmm 7\n") + [522, 26865, 29] + tok.encode("\n\n42")  # <think> ... </think>
+    assert all(c.consume(t) for t in ids) and c.accepting

@@ -11,11 +11,14 @@ from typing import AsyncIterator
 
 from ..chat_output import THINK_END, THINK_START, ChatOutputParser, Part
 from ..sampling import SamplingParams
+from ..structured import StructuredOutput
 from .async_engine import AsyncEngine, EngineBroken, EngineStopped, Update
 from .metrics import ServerMetrics
 from .protocol import (MAX_STOP_STRINGS, UNSUPPORTED_CHAT, UNSUPPORTED_COMPLETION, APIError, ChatCompletionRequest,
                        error_body, unsupported_field)
-from .tools import check_tool_choice
+from .constraints import (THINK_TOKENS, TOOL_TOKENS, has_tokens, logit_bias_of, reasoning_first,
+                          request_constraint)
+from .tools import check_tool_choice, tool_call_constraint
 
 # SamplingParams fields a request may leave to the model's generation_config.json defaults
 _DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
@@ -104,7 +107,8 @@ def prompt_ids_of(ctx: ServerContext, prompt, param: str) -> list[int]:
 
 
 def sampling_params(ctx: ServerContext, req, num_prompt_tokens: int, *, max_tokens: int | None,
-                    max_tokens_param: str, logprobs: int | None) -> list[SamplingParams]:
+                    max_tokens_param: str, logprobs: int | None, structured: StructuredOutput | None = None,
+                    logit_bias: dict | None = None) -> list[SamplingParams]:
     """One SamplingParams per choice (n of them: the same values, seed + i when a seed is given)."""
     room = ctx.max_model_len - num_prompt_tokens
     if max_tokens is None:
@@ -125,7 +129,8 @@ def sampling_params(ctx: ServerContext, req, num_prompt_tokens: int, *, max_toke
     kw = {k: v for k, v in kw.items() if v is not None}
     try:
         params = [SamplingParams(max_tokens=max_tokens, stop=stop, stop_token_ids=list(req.stop_token_ids or []),
-                                 ignore_eos=req.ignore_eos, logprobs=logprobs,
+                                 ignore_eos=req.ignore_eos, logprobs=logprobs, structured=structured,
+                                 logit_bias=logit_bias,
                                  seed=None if req.seed is None else (req.seed + i) % 2**64, **kw)
                   for i in range(req.n)]
     except ValueError as e:
@@ -267,6 +272,8 @@ class Endpoint:
         self.created = int(time.time())
 
     unsupported: dict = {}
+    structured: StructuredOutput | None = None  # the answer's constraint (set by check_request)
+    structured_param: str | None = None  # the request field it came from
 
     async def prepare(self, start: float) -> RequestRun:
         ctx, req = self.ctx, self.req
@@ -275,11 +282,17 @@ class Endpoint:
         if error is not None:
             raise error
         self.check_request()
+        logit_bias = logit_bias_of(req.logit_bias, ctx.vocab_size)
         ctx.check_serving(req.n)
         prompt_ids, prompt_text = await self.prompt()
         params = sampling_params(ctx, req, len(prompt_ids), max_tokens=self.max_tokens(),
-                                 max_tokens_param=self.max_tokens_param(), logprobs=self.engine_logprobs())
+                                 max_tokens_param=self.max_tokens_param(), logprobs=self.engine_logprobs(),
+                                 structured=self.final_constraint(), logit_bias=logit_bias)
         return RequestRun(ctx, prompt_ids, params, prompt_text, start)
+
+    def final_constraint(self) -> StructuredOutput | None:
+        """The constraint the engine gets (after the prompt is rendered)."""
+        return self.structured
 
     def envelope(self, choices: list, object_name: str) -> dict:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.ctx.model_name,
@@ -336,7 +349,9 @@ class Endpoint:
 
     # hooks
     def check_request(self) -> None:
-        pass
+        given = request_constraint(self.req)
+        if given is not None:
+            self.structured_param, self.structured = given
 
     async def prompt(self) -> tuple[list[int], str | None]:
         raise NotImplementedError
@@ -374,6 +389,20 @@ class ChatEndpoint(Endpoint):
         self.parse_tools = bool(req.tools) and req.tool_choice != "none"
         self.parallel = req.parallel_tool_calls is not False
         check_tool_choice(req.tools, req.tool_choice)
+        super().check_request()
+        tool = tool_call_constraint(req.tools, req.tool_choice, self.parallel,
+                                    tag_tokens=has_tokens(self.ctx.tokenizer, TOOL_TOKENS))
+        if tool is not None:
+            label = "'required'" if req.tool_choice == "required" else "naming a function"
+            if self.structured is not None:
+                raise APIError(400, f"tool_choice {label} and {self.structured_param} both constrain the answer: "
+                                    f"give one of them", self.structured_param, "invalid_value")
+            try:
+                self.structured = StructuredOutput.lark(tool["grammar"])
+            except ValueError as e:  # a tool's parameters are not a schema llguidance can compile
+                raise APIError(400, f"tools: the parameters of the tool_choice {label} do not compile: {e}",
+                               "tools", "invalid_value") from None
+            self.structured_param = "tool_choice"
         template = getattr(self.ctx.tokenizer, "chat_template", None) or ""
         self.reasoning = THINK_START in template and enable_thinking_of(req)
         self.in_reasoning = False
@@ -388,6 +417,16 @@ class ChatEndpoint(Endpoint):
         self.in_reasoning = self.reasoning and tail.endswith(THINK_START) and not tail.endswith(THINK_END)
         ids = await asyncio.to_thread(self.ctx.tokenizer.encode, text)
         return prompt_ids_of(self.ctx, ids, "messages"), text
+
+    def final_constraint(self):
+        """With thinking on, the constraint applies to the answer after the think block (constraints.py)."""
+        if self.structured is None or not self.reasoning:
+            return self.structured
+        try:
+            return reasoning_first(self.structured, opened=self.in_reasoning,
+                                   think_tokens=has_tokens(self.ctx.tokenizer, THINK_TOKENS))
+        except ValueError as e:  # pragma: no cover - the constraint alone compiled
+            raise APIError(400, f"{self.structured_param}: {e}", self.structured_param, "invalid_value") from None
 
     def max_tokens(self):
         return self.req.max_completion_tokens if self.req.max_completion_tokens is not None else self.req.max_tokens

@@ -32,6 +32,20 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(_Body):
+    """response_format's json_schema: {"name", "description", "schema", "strict"}. The schema is always enforced
+    (strict true or false: xserv constrains the tokens either way)."""
+    name: str
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
 class _SamplingFields(_Request):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -49,6 +63,15 @@ class _SamplingFields(_Request):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # the answer's constraint (xserv/server/constraints.py: at most one of them) and logit_bias (checked there too,
+    # so that every problem names the field)
+    response_format: ResponseFormat | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
+    structured_outputs: dict | None = None
+    logit_bias: dict | None = None
 
 
 class TextPart(_Body):
@@ -134,16 +157,9 @@ def _empty(v) -> bool:
     return v is None or v == {} or v == [] or v == ""
 
 
-_STRUCTURED = "structured output (response_format / guided_*) is not available yet"
 # field -> (the values that change nothing, why the others are refused); both endpoints unless listed per endpoint
 UNSUPPORTED_COMMON = {
-    "logit_bias": (_empty, "logit_bias is not supported yet"),
-    "response_format": (lambda v: v is None or v == {"type": "text"}, _STRUCTURED),
-    "guided_json": (_absent, _STRUCTURED),
-    "guided_regex": (_absent, _STRUCTURED),
-    "guided_grammar": (_absent, _STRUCTURED),
-    "guided_choice": (_absent, _STRUCTURED),
-    "structured_outputs": (_absent, _STRUCTURED),
+    "guided_whitespace_pattern": (_absent, "guided_whitespace_pattern is not supported (JSON answers are compact)"),
     "use_beam_search": (_off, "beam search is not supported"),
     "min_tokens": (lambda v: v is None or v == 0, "min_tokens is not supported"),
     "prompt_logprobs": (_absent, "prompt logprobs are not supported"),

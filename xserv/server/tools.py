@@ -2,8 +2,8 @@
 function need (the answer must be Qwen3's `<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>` blocks whose
 JSON validates against the tools' schemas).
 
-That constraint is enforced by structured output (a SamplingParams constraint); until the server wires it,
-`check_tool_choice` answers "required" and named functions with a 400 instead of returning unconstrained text.
+That constraint is enforced by structured output: the grammar below becomes the request's SamplingParams.structured
+(and with thinking on it follows the think block: constraints.reasoning_first).
 """
 from __future__ import annotations
 
@@ -11,9 +11,12 @@ import json
 
 from .protocol import APIError, NamedToolChoice, Tool
 
-# Set when the engine's structured output is wired to tool_choice "required" / named (tool_call_constraint's
-# grammar as the request's constraint).
-STRUCTURED_TOOL_CHOICE = False
+# tool_choice "required" / named are served (tool_call_constraint's grammar as the request's constraint); False
+# answers them with a 400 instead.
+STRUCTURED_TOOL_CHOICE = True
+# The call's JSON as Qwen3's template writes it (json.dumps' separators, no other whitespace): a model that may emit
+# whitespace anywhere (a weak or random one) would otherwise never close the object.
+_CALL_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 _ANY_OBJECT = {"type": "object"}
 
@@ -25,10 +28,13 @@ def _call_schema(tool: Tool) -> dict:
             "required": ["name", "arguments"], "additionalProperties": False}
 
 
-def tool_call_constraint(tools: list[Tool] | None, tool_choice, parallel: bool = True) -> dict | None:
+def tool_call_constraint(tools: list[Tool] | None, tool_choice, parallel: bool = True,
+                         tag_tokens: bool = True) -> dict | None:
     """None for "auto"/"none"/no choice; else {"json_schema": one call's schema, "grammar": the whole answer as a
     Lark grammar in llguidance's dialect}: for "required" one or more calls (one when `parallel` is false) of any
-    of the tools, for a named function exactly one call of it."""
+    of the tools, for a named function exactly one call of it. tag_tokens: `<tool_call>` and `</tool_call>` are
+    single tokens of the tokenizer (Qwen3's; llguidance treats them as special tokens, which a string literal
+    does not match: the grammar names them `<tool_call>`), else they are text."""
     if tool_choice is None or tool_choice in ("auto", "none"):
         return None
     if isinstance(tool_choice, NamedToolChoice):
@@ -38,7 +44,9 @@ def tool_call_constraint(tools: list[Tool] | None, tool_choice, parallel: bool =
         chosen = list(tools or [])
     schemas = [_call_schema(t) for t in chosen]
     schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    call = 'call: "<tool_call>\\n" json_call "\\n</tool_call>"\n' f"json_call: %json {json.dumps(schema)}\n"
+    open_, close = ("<tool_call>", "</tool_call>") if tag_tokens else ('"<tool_call>"', '"</tool_call>"')
+    call = (f'call: {open_} "\\n" json_call "\\n" {close}\n'
+            f"json_call: %json {json.dumps({**schema, 'x-guidance': _CALL_JSON})}\n")
     start = 'start: call ("\\n" call)*\n' if parallel else "start: call\n"
     return {"json_schema": schema, "grammar": start + call}
 
