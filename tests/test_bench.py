@@ -88,3 +88,49 @@ def test_bench_decode_rejects_a_bad_gemv_setting(capsys, setting):
     with pytest.raises(SystemExit) as exc:
         main(["--model", "/nowhere", "--gemv-set", setting])
     assert exc.value.code == 2 and "--gemv-set" in capsys.readouterr().err
+
+
+def test_bench_serve_json_schema_sends_the_field(tmp_path, capsys):
+    """--json-schema FILE: every request carries it as response_format json_schema; the answers are counted (a fake
+    server: three answers parse and validate, one is not JSON). The real server's run is in test_server_structured."""
+    import argparse
+    import asyncio
+
+    httpx = pytest.importorskip("httpx")
+    from xserv.bench import serve
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    bodies = []
+
+    def handler(request):
+        body = json.loads(request.content)
+        bodies.append(body)
+        text = '{"a": 1}' if body["seed"] % 4 else "nope"
+        chunks = [{"choices": [{"index": 0, "text": text[:3], "finish_reason": None}]},
+                  {"choices": [{"index": 0, "text": text[3:], "finish_reason": "stop"}]},
+                  {"choices": [], "usage": {"completion_tokens": 2}}]
+        sse = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+        return httpx.Response(200, content=sse.encode(), headers={"content-type": "text/event-stream"})
+
+    p = argparse.ArgumentParser()
+    serve.add_arguments(p)
+    args = p.parse_args(["--num-prompts", "4", "--input-len", "3", "--output-len", "5", "--json-schema", str(path)])
+    prompts, lens = make_workload(4, (3, 3), (5, 5), seed=0, vocab=151936)
+    results, elapsed = asyncio.run(serve.run_clients(args, prompts, lens, "m", transport=httpx.MockTransport(handler)))
+    assert len(bodies) == 4
+    for b in bodies:
+        assert b["response_format"] == {"type": "json_schema",
+                                        "json_schema": {"name": "bench", "schema": schema, "strict": True}}
+        assert b["ignore_eos"] is False and b["stream"] is True
+    counts = serve.count_answers(results, schema)
+    assert counts["answers_parsed"] == 3
+    assert counts["answers_valid"] == (3 if counts["answers_valid"] is not None else None)
+    # without the option: no response_format, EOS ignored as before
+    bodies.clear()
+    args = p.parse_args(["--num-prompts", "2", "--input-len", "3", "--output-len", "5"])
+    asyncio.run(serve.run_clients(args, prompts[:2], lens[:2], "m", transport=httpx.MockTransport(handler)))
+    assert all("response_format" not in b and b["ignore_eos"] is True for b in bodies)
+    with pytest.raises(ValueError, match="--json-schema"):
+        serve.load_schema(str(tmp_path / "missing.json"))

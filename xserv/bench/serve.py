@@ -2,7 +2,11 @@
 like `vllm bench serve`. The workload is `xserv bench throughput`'s (the same seed gives the same random-token
 prompts and output lengths, `ignore_eos`), sent to /v1/completions as token ids, all at once, at a Poisson
 `--request-rate`, or with at most `--max-concurrency` in flight. Prints throughput and TTFT, TPOT (time per output
-token after the first), ITL (time between streamed chunks) and end-to-end latency at p50/p90/p99."""
+token after the first), ITL (time between streamed chunks) and end-to-end latency at p50/p90/p99.
+
+`--json-schema FILE`: every request carries the schema as `response_format` json_schema (structured output: each
+answer ends when its JSON is complete, so the output lengths are the schema's, not the workload's); the bench then
+counts the answers that parse as JSON and, with `jsonschema` installed (the dev extra), those that validate."""
 from __future__ import annotations
 
 import asyncio
@@ -35,6 +39,9 @@ def add_arguments(p) -> None:
                       help="requests per second, Poisson arrivals (default inf: all at once)")
     rate.add_argument("--max-concurrency", type=int, default=None, metavar="C",
                       help="at most C requests in flight, each new one sent as one ends")
+    g.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="a JSON schema file: every request constrained to it (response_format json_schema); "
+                        "prints how many answers parsed")
     add_workload_arguments(g)  # --seed also seeds the arrivals here
 
 
@@ -47,13 +54,14 @@ class RequestResult:
     ttft: float = math.nan
     e2e: float = math.nan
     itl: list[float] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)  # the streamed answer, kept with --json-schema
 
     @property
     def tpot(self) -> float:
         return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else math.nan
 
 
-async def stream_one(client, url: str, body: dict) -> RequestResult:
+async def stream_one(client, url: str, body: dict, keep_text: bool = False) -> RequestResult:
     """One streaming /v1/completions request; times its chunks (each carries one or more new tokens)."""
     result = RequestResult(prompt_tokens=len(body["prompt"]))
     start = time.perf_counter()
@@ -76,6 +84,8 @@ async def stream_one(client, url: str, body: dict) -> RequestResult:
                     return result
                 now = time.perf_counter()
                 if chunk.get("choices"):
+                    if keep_text:
+                        result.text.append(chunk["choices"][0].get("text") or "")
                     if last is None:
                         result.ttft = now - start
                     else:
@@ -93,7 +103,22 @@ async def stream_one(client, url: str, body: dict) -> RequestResult:
     return result
 
 
-async def run_clients(args, prompts: list[list[int]], out_lens: list[int], model: str | None) -> tuple[list, float]:
+def load_schema(path: str | None) -> dict | None:
+    if path is None:
+        return None
+    try:
+        with open(path) as f:
+            schema = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--json-schema {path}: {e}") from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"--json-schema {path}: the schema must be a JSON object")
+    return schema
+
+
+async def run_clients(args, prompts: list[list[int]], out_lens: list[int], model: str | None,
+                      transport=None) -> tuple[list, float]:
+    """transport: httpx's, for tests (a fake server)."""
     import httpx
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -101,17 +126,22 @@ async def run_clients(args, prompts: list[list[int]], out_lens: list[int], model
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     gate = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     arrivals = np.random.default_rng(args.seed + 1)
-    async with httpx.AsyncClient(headers=headers, limits=limits, timeout=args.timeout) as client:
+    schema = load_schema(getattr(args, "json_schema", None))
+    async with httpx.AsyncClient(headers=headers, limits=limits, timeout=args.timeout, transport=transport) as client:
         async def one(i):
-            body = {"prompt": prompts[i], "max_tokens": out_lens[i], "ignore_eos": True, "stream": True,
+            # with a schema the answer ends where its JSON does (EOS is allowed only there)
+            body = {"prompt": prompts[i], "max_tokens": out_lens[i], "ignore_eos": schema is None, "stream": True,
                     "stream_options": {"include_usage": True}, "temperature": args.temperature,
                     "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed + i}
             if model is not None:
                 body["model"] = model
+            if schema is not None:
+                body["response_format"] = {"type": "json_schema",
+                                           "json_schema": {"name": "bench", "schema": schema, "strict": True}}
             if gate is None:
-                return await stream_one(client, url, body)
+                return await stream_one(client, url, body, schema is not None)
             async with gate:
-                return await stream_one(client, url, body)
+                return await stream_one(client, url, body, schema is not None)
 
         start = time.perf_counter()
         tasks = []
@@ -159,6 +189,30 @@ def summarize(results: list[RequestResult], elapsed: float) -> dict:
     }
 
 
+def count_answers(results: list[RequestResult], schema: dict) -> dict:
+    """How many of the finished answers parse as JSON, and validate against the schema (None without jsonschema)."""
+    try:
+        import jsonschema
+    except ImportError:
+        jsonschema = None
+    parsed = valid = 0
+    for r in results:
+        if not r.ok:
+            continue
+        try:
+            value = json.loads("".join(r.text))
+        except ValueError:
+            continue
+        parsed += 1
+        if jsonschema is not None:
+            try:
+                jsonschema.validate(value, schema)
+                valid += 1
+            except jsonschema.ValidationError:
+                pass
+    return {"answers_parsed": parsed, "answers_valid": valid if jsonschema is not None else None}
+
+
 def run(args) -> int:
     try:
         import httpx  # noqa: F401
@@ -170,6 +224,7 @@ def run(args) -> int:
         raise ValueError(f"--request-rate must be > 0, got {args.request_rate}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    schema = load_schema(getattr(args, "json_schema", None))
     model = args.model or _first_model(args)
     prompts, out_lens = make_workload(args.num_prompts, args.input_len, args.output_len, args.seed, QWEN3_VOCAB)
     results, elapsed = asyncio.run(run_clients(args, prompts, out_lens, model))
@@ -179,6 +234,9 @@ def run(args) -> int:
               "max_concurrency": args.max_concurrency, "input_len": list(args.input_len),
               "output_len": list(args.output_len), "temperature": args.temperature, "top_p": args.top_p,
               "top_k": args.top_k, "seed": args.seed, **summary}
+    if schema is not None:
+        result["json_schema"] = args.json_schema
+        result.update(count_answers(results, schema))
     print(format_summary(result))
     errors = [r.error for r in results if not r.ok]
     if errors:
@@ -196,4 +254,8 @@ def format_summary(r: dict) -> str:
     for key, name in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E")):
         s = r[key]
         lines.append(f"  {name:<6}" + "".join(f"{s[k] * 1e3:>10.1f}" for k in ("mean", "p50", "p90", "p99")))
+    if "answers_parsed" in r:
+        valid = "" if r["answers_valid"] is None else f", {r['answers_valid']} valid against the schema"
+        lines.append(f"  json schema {r['json_schema']}: {r['answers_parsed']} of {r['completed']} answers parsed as "
+                     f"JSON{valid}")
     return "\n".join(lines)
