@@ -22,7 +22,8 @@ HAS_GPU = cuda_available()
 # whole file in this order, so that the long ones start early and the workers finish together; whole files keep a
 # module's fixtures (a server process, a loaded model) to one worker.
 HEAVY_FIRST = ("test_compile_all.py", "test_engine.py", "test_llm_threads.py", "test_server.py", "test_server_limits.py",
-               "test_server_edges.py", "test_cli.py", "test_sampling_op.py", "test_sampling.py")
+               "test_server_edges.py", "test_server_structured.py", "test_structured.py", "test_cli.py",
+               "test_sampling_op.py", "test_sampling.py")
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: without the plugin (the GPU machine) it is never called

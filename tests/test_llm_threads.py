@@ -312,3 +312,21 @@ def test_cuda_memory_comes_back_after_close(tiny_model_dir):  # noqa: F811
     print(f"\n{device.name}: the first LLM of the process kept {kept / 2**20:.1f} MiB (modules, cuBLAS) and sized "
           f"{first_kv} KV tokens; then free MiB before / while held / after, per LLM: {report}; KV tokens: {sizes}")
     assert len(set(sizes)) == 1, sizes
+
+
+def test_chat_constraint_applies_after_the_think_block(llm):
+    """LLM.chat with thinking on: the think block comes first (pushed through by logit_bias), the schema binds the
+    answer after it, as the server does (the tiny model's output is noise: only the grammar makes the JSON)."""
+    import json
+
+    from xserv.structured import StructuredOutput
+
+    think, end = (llm.tokenizer.token_to_id(t) for t in ("<think>", "</think>"))
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    params = SamplingParams(temperature=1.0, max_tokens=40, seed=3, structured=StructuredOutput.json_schema(schema),
+                            logit_bias={think: 100.0, end: 100.0})
+    out = llm.chat([{"role": "user", "content": "A digit?"}], params, enable_thinking=True)[0]
+    assert out.token_ids[:2] == [think, end], out.token_ids[:4]
+    answer = llm.tokenizer.decode(out.token_ids[2:], skip_special_tokens=True).strip()
+    assert 0 <= json.loads(answer)["n"] <= 9 and out.finish_reason == "stop", answer

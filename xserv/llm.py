@@ -339,13 +339,24 @@ class LLM:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=enable_thinking)
 
     def chat(self, messages, params=None, enable_thinking: bool = True) -> list[RequestOutput]:
-        """messages: one conversation (a list of {"role", "content"} dicts) or a list of conversations."""
+        """messages: one conversation (a list of {"role", "content"} dicts) or a list of conversations. With
+        thinking on, a `structured` constraint applies to the answer after the `<think>` block."""
         if messages and isinstance(messages[0], dict):
             conversations = [messages]
         else:
             conversations = list(messages)
         prompts = [self.chat_prompt(c, enable_thinking) for c in conversations]
-        return self.generate(prompts, params)
+        params_list = self._params_list(params, len(prompts))
+        if enable_thinking and "<think>" in (self.tokenizer.chat_template or ""):
+            params_list = [self._answer_after_reasoning(p, prompt) for p, prompt in zip(params_list, prompts)]
+        return self.generate(prompts, params_list)
+
+    def _answer_after_reasoning(self, params, prompt: str):
+        if params.structured is None:
+            return params
+        from .structured import after_reasoning
+
+        return dataclasses.replace(params, structured=after_reasoning(params.structured, prompt, self.tokenizer))
 
     def stream(self, prompt, params=None) -> "TextStream":
         """Text deltas as tokens come (never past a stop string). Closing the iterator early (or an exception in

@@ -191,3 +191,57 @@ class GrammarConstraint:
     @property
     def error(self) -> str:
         return self.matcher.get_error()
+
+
+# ---- a chat answer that thinks first ---------------------------------------------------------------------------------
+# With thinking on, Qwen3 writes `<think>...</think>` before its answer: the constraint belongs to the answer. The
+# grammar that puts it there, and why it names the tags as tokens: xserv/server/constraints.py's module docstring.
+THINK_TOKENS = ("<think>", "</think>")
+
+
+def has_tokens(tokenizer, tags) -> bool:
+    """Every tag is one token of `tokenizer` (Qwen3: <think>, </think>, <tool_call>, </tool_call>)."""
+    to_id = getattr(tokenizer, "token_to_id", None)
+    if to_id is None:
+        return False
+    try:
+        return all(to_id(tag) is not None for tag in tags)
+    except Exception:  # noqa: BLE001 - a tokenizer without the lookup: text tags
+        return False
+
+
+def _answer_rule(s: StructuredOutput) -> str:
+    if s.kind in ("json_schema", "json_object"):
+        # the schema as the core compiles it (its x-guidance options: compact JSON), inline
+        grammars = json.loads(s.grammar())["grammars"]
+        return "answer: %json " + json.dumps(grammars[0]["json_schema"]) + "\n"
+    if s.kind == "regex":
+        lark = json.loads(s.grammar())["grammars"][0]["lark_grammar"]
+    else:
+        lark = s.spec
+    return "answer: %lark {\n" + lark + "\n}\n"
+
+
+def reasoning_first(s: StructuredOutput, *, opened: bool, think_tokens: bool) -> StructuredOutput:
+    """`s` applied to the answer after an optional think block (see the module's docstring). opened: the prompt
+    already opened the block (the answer starts inside it). think_tokens: <think> and </think> are single tokens of
+    the tokenizer (Qwen3's)."""
+    if think_tokens:
+        body, end = "/(.|\\n)*/ </think>", "<think> "
+    else:
+        body, end = "think_text", '"<think>" '
+    if opened:
+        start = f"start: {body} /\\n{{0,2}}/ answer\n"
+    else:
+        start = f"start: think? answer\nthink: {end}{body} /\\n{{0,2}}/\n"
+    if not think_tokens:
+        start += "think_text[lazy]: /(.|\\n)*<\\/think>/\n"
+    return StructuredOutput.lark(start + _answer_rule(s))
+
+
+def after_reasoning(s: StructuredOutput, prompt: str, tokenizer) -> StructuredOutput:
+    """`s` for the answer of a chat prompt rendered with thinking on: it applies after the think block (which the
+    prompt may already have opened)."""
+    tail = prompt.rstrip()
+    opened = tail.endswith(THINK_TOKENS[0]) and not tail.endswith(THINK_TOKENS[1])
+    return reasoning_first(s, opened=opened, think_tokens=has_tokens(tokenizer, THINK_TOKENS))

@@ -24,25 +24,14 @@ from __future__ import annotations
 import json
 import math
 
-from ..structured import StructuredOutput
+from ..structured import StructuredOutput, has_tokens, reasoning_first  # noqa: F401 (re-exported)
 from .protocol import APIError
 
 # the request fields that constrain the answer, in the order a conflict names them
 CONSTRAINT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_grammar", "guided_choice",
                      "structured_outputs")
-THINK_TOKENS = ("<think>", "</think>")
+from ..structured import THINK_TOKENS  # noqa: E402,F401 (re-exported)
 TOOL_TOKENS = ("<tool_call>", "</tool_call>")
-
-
-def has_tokens(tokenizer, tags) -> bool:
-    """Every tag is one token of `tokenizer` (Qwen3: <think>, </think>, <tool_call>, </tool_call>)."""
-    to_id = getattr(tokenizer, "token_to_id", None)
-    if to_id is None:
-        return False
-    try:
-        return all(to_id(tag) is not None for tag in tags)
-    except Exception:  # noqa: BLE001 - a tokenizer without the lookup: text tags
-        return False
 
 
 def _regex_escape(text: str) -> str:
@@ -190,33 +179,3 @@ def logit_bias_of(bias, vocab_size: int) -> dict[int, float] | None:
                            "logit_bias", "invalid_value")
         out[token] = float(value)
     return out or None
-
-
-# ---- reasoning first -------------------------------------------------------------------------------------------------
-def _answer_rule(s: StructuredOutput) -> str:
-    if s.kind in ("json_schema", "json_object"):
-        # the schema as the core compiles it (its x-guidance options: compact JSON), inline
-        grammars = json.loads(s.grammar())["grammars"]
-        return "answer: %json " + json.dumps(grammars[0]["json_schema"]) + "\n"
-    if s.kind == "regex":
-        lark = json.loads(s.grammar())["grammars"][0]["lark_grammar"]
-    else:
-        lark = s.spec
-    return "answer: %lark {\n" + lark + "\n}\n"
-
-
-def reasoning_first(s: StructuredOutput, *, opened: bool, think_tokens: bool) -> StructuredOutput:
-    """`s` applied to the answer after an optional think block (see the module's docstring). opened: the prompt
-    already opened the block (the answer starts inside it). think_tokens: <think> and </think> are single tokens of
-    the tokenizer (Qwen3's)."""
-    if think_tokens:
-        body, end = "/(.|\\n)*/ </think>", "<think> "
-    else:
-        body, end = "think_text", '"<think>" '
-    if opened:
-        start = f"start: {body} /\\n{{0,2}}/ answer\n"
-    else:
-        start = f"start: think? answer\nthink: {end}{body} /\\n{{0,2}}/\n"
-    if not think_tokens:
-        start += "think_text[lazy]: /(.|\\n)*<\\/think>/\n"
-    return StructuredOutput.lark(start + _answer_rule(s))
