@@ -21,12 +21,15 @@
 // shapes leave part of the bandwidth unused and need separate kernels for the norm, the activation and the
 // residual add, each a launch and a round trip through memory.
 //
-// xserv-shapes: rows=1,8,16 (compiled as three pieces, gemv:m1 = gemv_row, gemv:m8 / gemv:m16 = gemv_mma_m8 /
-// _m16: a start-up compiles all three in parallel; compiled whole, as the harness and CI do, it has them all)
+// xserv-shapes: rows=1,8,16 part=0,1 (compiled as six pieces: gemv:m1_* = gemv_row, gemv:m8_* / gemv:m16_* =
+// gemv_mma_m8 / _m16; part 0 = the fused one-row chain's entries / the plain _bf16_bf16 mma entry, part 1 = the
+// others; compiled whole, as the harness and CI do, it has them all)
+// xserv-startup: m1_p0 m8_p0 m8_p1 (what a Qwen3 step launches: one row, the fused chain's four entries; 2..8 rows,
+// the mma entries ops/gemv.py's MMA_PREFERRED takes, _sliced for 1.7B's down projection; 9..16 rows: cuBLASLt)
 #if !defined(XSERV_ROWS)
-#define XSERV_ROWS_HAS(M) 1
+#define XSERV_GEMV_PIECE(M, P) 1
 #else
-#define XSERV_ROWS_HAS(M) ((M) == XSERV_ROWS)
+#define XSERV_GEMV_PIECE(M, P) ((M) == XSERV_ROWS && (P) == XSERV_PART)
 #endif
 //
 // Two kernels share the prologues and epilogues (docs/kernels/gemv.md has the versions and their measurements):
@@ -582,13 +585,16 @@ __device__ __forceinline__ void gemv(const void* x, long long x_stride, const in
         row::gemv<PROLOGUE, EPILOGUE, FREE_WARPS, true>(x, x_stride, x_rows, norm_w, eps, W, out, N, K, split,       \
                                                         early_trigger);                                               \
     }
-#if XSERV_ROWS_HAS(1)
-XSERV_GEMV_ROW(bf16_bf16, kBf16, kStoreBf16, false)
-XSERV_GEMV_ROW(bf16_f32, kBf16, kStoreF32, false)
+// part 0: the fused one-token decode step's entries (models/dense.py _forward_fused); part 1: the others
+#if XSERV_GEMV_PIECE(1, 0)
 XSERV_GEMV_ROW(bf16_add, kBf16, kAddResidual, false)
 XSERV_GEMV_ROW(rmsnorm_bf16, kRmsNorm, kStoreBf16, false)
 XSERV_GEMV_ROW(rmsnorm_f32, kRmsNorm, kStoreF32, true)  // the lm_head
 XSERV_GEMV_ROW(rmsnorm_silu_mul, kRmsNorm, kSiluMulBf16, false)
+#endif
+#if XSERV_GEMV_PIECE(1, 1)
+XSERV_GEMV_ROW(bf16_bf16, kBf16, kStoreBf16, false)
+XSERV_GEMV_ROW(bf16_f32, kBf16, kStoreF32, false)
 XSERV_GEMV_ROW(silu_mul_add, kSiluMul, kAddResidual, false)
 #endif
 #undef XSERV_GEMV_ROW
@@ -613,10 +619,10 @@ XSERV_GEMV_ROW(silu_mul_add, kSiluMul, kAddResidual, false)
         mma::gemv<NT>(x, x_stride, x_rows, norm_w, eps, W, out, out_stride, m, N, K, split, slices, kc, partials,    \
                       counters, prologue, epilogue);                                                                  \
     }
-#if XSERV_ROWS_HAS(8)
+#if XSERV_GEMV_PIECE(8, 1)
 XSERV_GEMV_MMA(8, 1)
 #endif
-#if XSERV_ROWS_HAS(16)
+#if XSERV_GEMV_PIECE(16, 1)
 XSERV_GEMV_MMA(16, 2)
 #endif
 #undef XSERV_GEMV_MMA
@@ -630,10 +636,10 @@ XSERV_GEMV_MMA(16, 2)
         mma::gemv<NT, kBf16, kStoreBf16>(x, x_stride, x_rows, norm_w, eps, W, out, out_stride, m, N, K, split, 1, K, \
                                          nullptr, nullptr, 0, 0);                                                     \
     }
-#if XSERV_ROWS_HAS(8)
+#if XSERV_GEMV_PIECE(8, 0)
 XSERV_GEMV_MMA_PLAIN(8, 1)
 #endif
-#if XSERV_ROWS_HAS(16)
+#if XSERV_GEMV_PIECE(16, 0)
 XSERV_GEMV_MMA_PLAIN(16, 2)
 #endif
 #undef XSERV_GEMV_MMA_PLAIN

@@ -28,6 +28,15 @@
 // masses with atomics, so a token exactly at a top-p boundary may flip between runs (a float near-tie only).
 #include "common.cuh"
 
+// xserv-shapes: vec=0,1 (compiled as two pieces: sampling:v1 = sample_f32_vec, sampling:v0 = sample_f32; compiled
+// whole, as the harness and CI do, it has both)
+// xserv-startup: v1 (the entry for a vocab % 4 == 0 and aligned logits: every Qwen3; sample_f32 on first use)
+#if !defined(XSERV_VEC)
+#define XSERV_SAMPLE_PIECE(V) 1
+#else
+#define XSERV_SAMPLE_PIECE(V) ((V) == XSERV_VEC)
+#endif
+
 namespace {
 
 constexpr int BLOCK = 512;                 // threads per CTA (one row)
@@ -669,6 +678,7 @@ __device__ void sample_row(const float* __restrict__ logits, const float* __rest
 // top_ids: [batch, top_n] int32 and top_logprobs: [batch, top_n] fp32, or null when top_n == 0;
 // token_mask: [num_mask_rows, ceil(vocab / 32)] int32 or null; logit_bias: [num_bias_rows, vocab] fp32 or null.
 // grid = batch, block = 512. _vec: 16-byte loads, needs vocab % 4 == 0 and logits (and logit_bias) 16-byte aligned.
+#if XSERV_SAMPLE_PIECE(1)
 extern "C" __global__ void __launch_bounds__(BLOCK, 2)
 sample_f32_vec(const float* logits, const float* fparams, const int* iparams, int* counts, unsigned char* seen, int* out,
                float* logprobs, int* top_ids, float* top_logprobs, const int* token_mask, const float* logit_bias,
@@ -676,7 +686,9 @@ sample_f32_vec(const float* logits, const float* fparams, const int* iparams, in
     sample_row<true>(logits, fparams, iparams, counts, seen, out, logprobs, top_ids, top_logprobs, token_mask,
                      logit_bias, vocab, top_n, num_slots, num_mask_rows, num_bias_rows);
 }
+#endif
 
+#if XSERV_SAMPLE_PIECE(0)
 extern "C" __global__ void __launch_bounds__(BLOCK, 2)
 sample_f32(const float* logits, const float* fparams, const int* iparams, int* counts, unsigned char* seen, int* out,
            float* logprobs, int* top_ids, float* top_logprobs, const int* token_mask, const float* logit_bias,
@@ -684,3 +696,4 @@ sample_f32(const float* logits, const float* fparams, const int* iparams, int* c
     sample_row<false>(logits, fparams, iparams, counts, seen, out, logprobs, top_ids, top_logprobs, token_mask,
                       logit_bias, vocab, top_n, num_slots, num_mask_rows, num_bias_rows);
 }
+#endif

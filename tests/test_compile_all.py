@@ -66,7 +66,8 @@ def test_family_compiles(arch, family, cubins):
 
 def test_every_family_is_compiled_for_every_arch_that_admits_it():
     assert families_for("sm_90a") == list_families()
-    assert PIECES == ["attention_decode:d128_g2", "attention_decode_v2:d128_g2", "gemv:m1", "gemv:m8", "gemv:m16"]
+    assert PIECES == ["attention_decode:d128_g2", "attention_decode_v2:d128_g2", "gemv:m1_p0", "gemv:m8_p0",
+                      "gemv:m8_p1", "sampling:v1"]
     for arch in CI_ARCHES:
         assert set(list_families()) - set(families_for(arch)) <= {"attention_prefill_sm90"}
 
@@ -92,8 +93,9 @@ def test_decode_chain_gemv_entries_stay_small(hopper_cubins):
     only their own prologue and epilogue: one generic entry (62 KB) cost 3-4% of a batch-1 step, each launch running
     its code from a cold instruction cache (docs/kernels/gemv.md, "v12")."""
     sizes = {}
-    for rows in (1, 8, 16):  # the runtime's pieces of gemv
-        sizes.update(kernel_code_sizes(hopper_cubins[f"gemv:m{rows}"]))
+    for name in ("gemv:m1_p0", "gemv:m8_p0", "gemv:m8_p1"):  # the start-up's pieces of gemv
+        sizes.update(kernel_code_sizes(hopper_cubins[name]))
+    sizes.update(kernel_code_sizes(compile_family("gemv:m16_p0", "sm_90a")))  # first use: 9..16 rows
     row = ["gemv_row_rmsnorm_bf16", "gemv_row_bf16_add", "gemv_row_rmsnorm_silu_mul", "gemv_row_rmsnorm_f32"]
     chain = row + [name + "_1step" for name in row] + ["gemv_mma_m8_bf16_bf16", "gemv_mma_m16_bf16_bf16"]
     assert all(0 < sizes[name] < 48 * 1024 for name in chain), {name: sizes.get(name) for name in chain}
@@ -106,7 +108,7 @@ def test_decode_chain_gemv_entries_stay_small(hopper_cubins):
 def test_harness_prints_the_sizes(hopper_cubins, capsys):
     from tools.kernel_harness import main
 
-    assert main(["sizes", "gemv:m1", "gemv:m8", "--arch", "sm_90a"]) == 0
+    assert main(["sizes", "gemv:m1_p0", "gemv:m8_p0", "--arch", "sm_90a"]) == 0
     out = capsys.readouterr().out
     assert "gemv_row_bf16_add" in out and "gemv_mma_m8_bf16_bf16" in out and " KB" in out
     assert main(["sizes", "no_such_family", "--arch", "sm_90a"]) == 2

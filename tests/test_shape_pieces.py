@@ -1,9 +1,11 @@
-"""Shape pieces (runtime/compiler.py): attention_decode, attention_decode_v2 and gemv are compiled per shape, the
-runtime loading the piece of the shape it launches ("attention_decode:d128_g4", "gemv:m1"), a start-up compiling the
-model's pieces only. CPU tests: names, options, what a start-up compiles, and that every kernel a launcher can pick
-for a shape is instantiated in that shape's piece (read from the sources' `#if XSERV_PIECE(D, Q)` /
-`#if XSERV_ROWS_HAS(M)` blocks); one real NVRTC compile of a tiny family with a shapes line. The pieces of the
-shipped families are compiled for sm_90a in tests/test_compile_all.py."""
+"""Shape pieces (runtime/compiler.py): attention_decode, attention_decode_v2, gemv and sampling are compiled per
+shape or per entry set, the runtime loading the piece of what it launches ("attention_decode:d128_g4", "gemv:m1_p0",
+"sampling:v1"), a start-up compiling the model's pieces and the `// xserv-startup:` ones only. CPU tests: names,
+options, what a start-up compiles, that every kernel a launcher can pick is instantiated in the piece it names (read
+from the sources' `#if XSERV_PIECE(D, Q)` / `#if XSERV_GEMV_PIECE(M, P)` / `#if XSERV_SAMPLE_PIECE(V)` blocks) and
+in exactly one, and that the GEMV entries a Qwen3 step launches are in start-up pieces; one real NVRTC compile of a
+tiny family with a shapes line. The pieces of the shipped families are compiled for sm_90a in
+tests/test_compile_all.py."""
 import dataclasses
 import re
 
@@ -12,10 +14,11 @@ import pytest
 import xserv.ops.attention as A
 import xserv.ops.attention.decode as D
 import xserv.ops.gemv as G
+import xserv.ops.sampling as S
 from xserv.runtime import CompileError
 from xserv.runtime import compiler
-from xserv.runtime.compiler import (family_pieces, family_shapes, family_source, kernel_code_sizes, kernel_shapes,
-                                    piece, piece_options, startup_families)
+from xserv.runtime.compiler import (family_pieces, family_shapes, family_source, family_startup, kernel_code_sizes,
+                                    kernel_shapes, piece, piece_options, startup_families)
 
 
 class Config:
@@ -26,13 +29,17 @@ class Config:
 def test_names_and_options():
     assert family_shapes("attention_decode") == {"head_dim": (64, 128), "group": tuple(range(1, 9))}
     assert family_shapes("attention_decode_v2") == family_shapes("attention_decode")
-    assert family_shapes("gemv") == {"rows": (1, 8, 16)}
+    assert family_shapes("gemv") == {"rows": (1, 8, 16), "part": (0, 1)}
+    assert family_startup("gemv") == ({"rows": 1, "part": 0}, {"rows": 8, "part": 0}, {"rows": 8, "part": 1})
+    assert family_shapes("sampling") == {"vec": (0, 1)} and family_startup("sampling") == ({"vec": 1},)
+    assert family_startup("attention_decode") is None  # model keys only: the model's piece
     assert family_shapes("rope") is None and family_shapes("dev/attention_decode_dev") is None
     assert piece("attention_decode", head_dim=128, group=4) == "attention_decode:d128_g4"
     assert piece("rope", head_dim=128, group=4) == "rope"  # not compiled per shape: the family itself
-    assert piece("gemv", rows=16, head_dim=128) == "gemv:m16"  # keys a family does not declare are ignored
+    assert piece("gemv", rows=16, part=0, head_dim=128) == "gemv:m16_p0"  # keys a family does not declare: ignored
     assert piece_options("attention_decode:d64_g8") == ("-DXSERV_HEAD_DIM=64", "-DXSERV_GROUP=8")
-    assert piece_options("gemv:m8") == ("-DXSERV_ROWS=8",) and piece_options("gemv") == ()
+    assert piece_options("gemv:m8_p1") == ("-DXSERV_ROWS=8", "-DXSERV_PART=1") and piece_options("gemv") == ()
+    assert piece_options("sampling:v0") == ("-DXSERV_VEC=0",) and len(family_pieces("gemv")) == 6
     assert family_source("attention_decode:d64_g8") == family_source("attention_decode")
     assert len(family_pieces("attention_decode")) == 16 and family_pieces("rope") == ["rope"]
     for bad, match in [("attention_decode:d96_g4", "head_dim 96"), ("attention_decode:d128_g9", "group 9"),
@@ -50,7 +57,8 @@ def test_startup_compiles_the_models_pieces_only():
     for target in ("sm_90a", "sm_80@sm_90a", "sm_89", "sm_120a"):
         names = startup_families(target, kernel_shapes(Config(32, 8)))
         pieces = [n for n in names if ":" in n]
-        assert pieces == ["attention_decode:d128_g4", "attention_decode_v2:d128_g4", "gemv:m1", "gemv:m8", "gemv:m16"]
+        assert pieces == ["attention_decode:d128_g4", "attention_decode_v2:d128_g4", "gemv:m1_p0", "gemv:m8_p0",
+                          "gemv:m8_p1", "sampling:v1"]
         # without shapes: the same less the model's pieces (left to first use)
         assert set(names) - set(startup_families(target)) == {"attention_decode:d128_g4", "attention_decode_v2:d128_g4"}
         assert not any(n.startswith("attention_decode") for n in startup_families(target))
@@ -71,7 +79,7 @@ def _blocks(family: str, guard: str, once: bool = True) -> dict[tuple[int, ...],
 
 
 def _instantiations(text: str) -> list[str]:
-    return re.findall(r"^XSERV_(?:DECODE|GEMV)\w*\([^)]*\)$", text, re.M)
+    return re.findall(r"^(XSERV_(?:DECODE|GEMV)\w*\([^)]*\))(?:\s*//.*)?$", text, re.M)  # a comment may follow
 
 
 @pytest.mark.parametrize("family", ["attention_decode", "attention_decode_v2"])
@@ -125,19 +133,70 @@ def test_each_piece_has_the_kernels_its_shape_launches():
     assert D._module("dev/attention_decode_dev", 128, 4) == "dev/attention_decode_dev"
 
 
-def test_gemv_pieces_by_rows():
-    blocks = _blocks("gemv", "XSERV_ROWS_HAS", once=False)
-    assert sorted(blocks) == [(1,), (8,), (16,)]
-    assert all(line.startswith("XSERV_GEMV_ROW(") for line in _instantiations(blocks[1,]))
-    assert sorted(_instantiations(blocks[8,])) == ["XSERV_GEMV_MMA(8, 1)", "XSERV_GEMV_MMA_PLAIN(8, 1)"]
-    assert sorted(_instantiations(blocks[16,])) == ["XSERV_GEMV_MMA(16, 2)", "XSERV_GEMV_MMA_PLAIN(16, 2)"]
+def _entries(text: str) -> set[str]:
+    """The kernel entries of gemv.cu's instantiation lines in `text` (the macros expanded as gemv.cu names them)."""
+    names = set()
+    for macro, args in re.findall(r"^XSERV_GEMV(\w*)\(([^)]*)\)(?:\s*//.*)?$", text, re.M):
+        a = [x.strip() for x in args.split(",")]
+        names |= {"_ROW": {f"gemv_row_{a[0]}", f"gemv_row_{a[0]}_1step"},
+                  "_MMA": {f"gemv_mma_m{a[0]}", f"gemv_mma_m{a[0]}_sliced"},
+                  "_MMA_PLAIN": {f"gemv_mma_m{a[0]}_bf16_bf16"}}[macro]
+    return names
+
+
+def test_gemv_pieces_hold_what_the_launcher_picks():
+    blocks = _blocks("gemv", "XSERV_GEMV_PIECE")
+    assert sorted(blocks) == [(m, p) for m in (1, 8, 16) for p in (0, 1)]
     inside = sum((_instantiations(b) for b in blocks.values()), [])
-    assert sorted(inside) == sorted(_instantiations(family_source("gemv").read_text()))
-    assert G._PIECES == {(True, True): "gemv:m1", (False, True): "gemv:m8", (False, False): "gemv:m16"}
-    for m in (1, 2, 8, 9, 16):  # the launcher's key for m rows -> the piece holding plan()'s kernel
+    assert sorted(inside) == sorted(_instantiations(family_source("gemv").read_text())), "an unguarded instantiation"
+    # G._PIECES names every entry the launcher can form (_launch: plan()'s base name + the row entry's suffix and
+    # _1step, or the mma entry's _bf16_bf16 / _sliced / nothing), each in the piece that instantiates it
+    launchable = {f"gemv_row_{e}{s}" for e in G._ROW_ENTRY.values() for s in ("", "_1step")}
+    launchable |= {f"gemv_mma_m{m}{s}" for m in (8, 16) for s in ("", "_sliced", "_bf16_bf16")}
+    assert set(G._PIECES) == launchable
+    for (m, p), body in blocks.items():
+        assert {n for n, name in G._PIECES.items() if name == f"gemv:m{m}_p{p}"} == _entries(body), (m, p)
+    for m in (1, 2, 8, 9, 16):  # plan()'s kernel for m rows lies in a piece of that row count
         name = G.plan(m, 4096, 132, k=4096)[0]
-        assert G._PIECES[m == 1, m <= 8] == {"gemv_row": "gemv:m1", "gemv_mma_m8": "gemv:m8",
-                                              "gemv_mma_m16": "gemv:m16"}[name]
+        assert {G._PIECES[n] for n in launchable if n.startswith(name + "_") or n == name} <= \
+            {f"gemv:m{1 if m == 1 else 8 if m <= 8 else 16}_p{p}" for p in (0, 1)}
+
+
+QWEN3 = {  # hidden, heads, kv heads, intermediate (head_dim 128, vocab 151936)
+    "0.6B": (1024, 16, 8, 3072), "1.7B": (2048, 16, 8, 6144), "4B": (2560, 32, 8, 9728), "8B": (4096, 32, 8, 12288),
+    "14B": (5120, 40, 8, 17408), "32B": (5120, 64, 8, 25600)}
+
+
+def qwen3_gemv_entries(hidden: int, heads: int, kv_heads: int, inter: int, sms: int = 132) -> set[str]:
+    """Every GEMV entry a Qwen3 forward launches (models/dense.py): the fused one-token step's four one-row entries
+    (either form), and for 2..16 tokens (decode batches, short prefills) the projections prefer_gemv gives the mma
+    kernel, as _launch names them (bf16 out; the lm_head's fp32 logits)."""
+    q, vocab = heads * 128, 151936
+    names = {f"gemv_row_{e}{s}" for e in G._FUSED_ROW_ENTRIES for s in ("", "_1step")}
+    for m in range(2, G.MAX_M + 1):
+        for n, k, fp32 in ((q + 2 * kv_heads * 128, hidden, False), (hidden, q, False), (2 * inter, hidden, False),
+                           (hidden, inter, False), (vocab, hidden, True)):
+            if G.prefer_gemv(m, n, k):
+                name, *_, slices = G.plan(m, n, sms, k=k)
+                names.add(name + ("_sliced" if slices > 1 else "" if fp32 else "_bf16_bf16"))
+    return names
+
+
+@pytest.mark.parametrize("model", list(QWEN3))
+def test_a_qwen3_step_launches_startup_pieces_only(model):
+    hidden, heads, kv_heads, inter = QWEN3[model]
+    startup = startup_families("sm_90a", kernel_shapes(Config(heads, kv_heads)))
+    assert {G._PIECES[n] for n in qwen3_gemv_entries(hidden, heads, kv_heads, inter)} <= set(startup)
+    assert S._PIECES[True] in startup  # Qwen3's vocab is a multiple of 4: the _vec entry
+
+
+def test_sampling_pieces():
+    blocks = _blocks("sampling", "XSERV_SAMPLE_PIECE")
+    entries = {key: re.findall(r"^(sample_\w+)\(", body, re.M) for key, body in blocks.items()}
+    assert entries == {(1,): ["sample_f32_vec"], (0,): ["sample_f32"]}
+    src = family_source("sampling").read_text()
+    assert sorted(re.findall(r'__global__[^\n]*\n(\w+)\(', src)) == ["sample_f32", "sample_f32_vec"]  # all guarded
+    assert S._PIECES == {True: "sampling:v1", False: "sampling:v0"}  # the launcher: vec -> sample_f32_vec's piece
 
 
 TINY = """// xserv-shapes: head_dim=64,128 group=1,2 (a test family)
@@ -173,3 +232,14 @@ def test_pieces_compile_and_cache_separately(tmp_path, monkeypatch):
     assert compiler.cache_key("tiny:d64_g1", "sm_90a", compiler._options_for(tmp_path / "tiny.cu", (), "tiny:d64_g1")) \
         != compiler.cache_key("tiny", "sm_90a", compiler._options_for(tmp_path / "tiny.cu", ()))
     assert set(kernel_code_sizes(compiler.compile_family("tiny:d64_g2", "sm_90a"))) == {"k_every"}  # declared, empty
+
+
+def test_startup_line_names_pieces_of_the_other_keys(tmp_path, monkeypatch):
+    monkeypatch.setattr(compiler, "kernel_source_dir", lambda: tmp_path)
+    (tmp_path / "split.cu").write_text("// xserv-shapes: rows=1,8 part=0,1\n// xserv-startup: m1_p0 m8_p1 (why)\n")
+    (tmp_path / "whole.cu").write_text("// xserv-shapes: vec=0,1\n")
+    assert compiler.startup_families("sm_90a") == ["split:m1_p0", "split:m8_p1", "whole:v0", "whole:v1"]
+    (tmp_path / "whole.cu").write_text("// xserv-shapes: vec=0,1\n// xserv-startup: m1\n")
+    with pytest.raises(CompileError, match="names 'm1'"):
+        compiler.startup_families("sm_90a")
+

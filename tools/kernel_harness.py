@@ -2,8 +2,8 @@
 
     python -m tools.kernel_harness list
     python -m tools.kernel_harness compile [--arch sm_90a|sm_80,sm_89|ci] [--dev]  # no GPU needed; --dev: dev/ too
-    python -m tools.kernel_harness sizes [FAMILY ...] [--arch sm_90a]  # machine code per kernel entry, no GPU; FAMILY may be a piece (gemv:m1)
-                                              # (FAMILY may be a piece: gemv:m1, attention_decode:d128_g4)
+    python -m tools.kernel_harness sizes [FAMILY ...] [--arch sm_90a]  # machine code per kernel entry, no GPU; FAMILY may be a piece (gemv:m1_p0)
+                                              # (FAMILY may be a piece: gemv:m1_p0, attention_decode:d128_g4)
     python -m tools.kernel_harness check OP [--shapes 8192x4096,1x128] [--seed N] [--variant NAME]
     python -m tools.kernel_harness bench OP [--shapes ...] [--vs torch] [--variant NAME] [--graph]
     python -m tools.kernel_harness ceilings                          # copy bandwidth and a large cuBLAS GEMM

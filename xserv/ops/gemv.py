@@ -354,9 +354,15 @@ def _launch(prologue: str, x: Tensor, x_stride: int, rows: Tensor | None, norm_w
             sliced = (np.int32(slices), np.int32(slice_k), partials, counters)
         args = (x, np.int64(x_stride), x_rows, norm, np.float32(eps32), weight, out, np.int64(out.shape[1]),
                 np.int32(m), np.int32(n), np.int32(k), np.int32(split), *sliced, *modes)
-    kernel(_PIECES[m == 1, m <= 8], name)(grid, threads, *args, smem=_smem(m, slice_k), pdl=True)
+    kernel(_PIECES[name], name)(grid, threads, *args, smem=_smem(m, slice_k), pdl=True)
 
 
-# gemv.cu is compiled as three pieces that a start-up compiles in parallel (runtime/compiler.py, "shape pieces"):
-# gemv:m1 (gemv_row), gemv:m8 (gemv_mma_m8*), gemv:m16 (gemv_mma_m16*); keyed by (m == 1, m <= 8).
-_PIECES = {(True, True): piece("gemv", rows=1), (False, True): piece("gemv", rows=8), (False, False): piece("gemv", rows=16)}
+# gemv.cu is compiled as pieces by rows and part (runtime/compiler.py, "shape pieces"): gemv:m1_* (gemv_row_*),
+# gemv:m8_* (gemv_mma_m8*), gemv:m16_* (gemv_mma_m16*); part 0 = the entries a Qwen3 decode step launches (one row:
+# the fused chain's four, with their _1step forms; more rows: the plain _bf16_bf16 entry), which a start-up compiles
+# (gemv.cu's `// xserv-startup:` line: m1 and m8), part 1 = the rest, compiled on first use. Entry -> piece.
+_FUSED_ROW_ENTRIES = ("bf16_add", "rmsnorm_bf16", "rmsnorm_f32", "rmsnorm_silu_mul")
+_PIECES = {f"gemv_row_{entry}{step}": piece("gemv", rows=1, part=int(entry not in _FUSED_ROW_ENTRIES))
+           for entry in _ROW_ENTRY.values() for step in ("", "_1step")}
+_PIECES.update({f"gemv_mma_m{rows}{suffix}": piece("gemv", rows=rows, part=int(suffix != "_bf16_bf16"))
+                for rows in (8, 16) for suffix in ("", "_sliced", "_bf16_bf16")})

@@ -32,6 +32,7 @@ from ..tensor import Tensor, float32, int32, uint8
 from ._checks import check_tensor, output, same_device
 from ..sampling import MAX_LOGPROBS
 from ._launch import aligned, check_alias, check_int32_range
+from ..runtime.compiler import piece
 
 MAX_TOP_LOGPROBS = MAX_LOGPROBS  # the most top-N log-probs per row (SamplingParams.logprobs' limit)
 F_TEMPERATURE, F_TOP_P, F_MIN_P, F_REPETITION, F_PRESENCE, F_FREQUENCY = range(6)
@@ -40,6 +41,9 @@ I_TOP_K, I_SEED_LO, I_SEED_HI, I_STEP, I_PENALTY_SLOT, I_MASK_ROW, I_BIAS_ROW = 
 NUM_I = 8  # iparams columns
 
 _BLOCK = 512  # threads per row in cuda_src/sampling.cu
+# sampling.cu is compiled as two pieces (runtime/compiler.py, "shape pieces"): sampling:v1 = sample_f32_vec, which a
+# start-up compiles (every Qwen3's vocab is a multiple of 4), sampling:v0 = sample_f32, compiled on first use.
+_PIECES = {True: piece("sampling", vec=1), False: piece("sampling", vec=0)}
 
 
 @dataclass(frozen=True)
@@ -398,7 +402,7 @@ def sample(logits: Tensor, fparams: Tensor, iparams: Tensor, out: Tensor | None 
     def ptr(t):  # a missing optional tensor is a null pointer
         return 0 if t is None else t
 
-    kernel("sampling", name)(batch, _BLOCK, logits, fparams, iparams, ptr(penalty_counts), ptr(penalty_seen), out,
+    kernel(_PIECES[vec], name)(batch, _BLOCK, logits, fparams, iparams, ptr(penalty_counts), ptr(penalty_seen), out,
                              ptr(logprobs_out), ptr(top_ids_out), ptr(top_logprobs_out), ptr(token_mask),
                              ptr(logit_bias), np.int32(vocab), np.int32(top_n), np.int32(slots), np.int32(mask_rows),
                              np.int32(bias_rows))

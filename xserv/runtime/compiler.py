@@ -20,7 +20,10 @@ is then compiled per shape as a *piece*, "attention_decode:d128_g4" = the family
 -DXSERV_HEAD_DIM=128 -DXSERV_GROUP=4, holding only the kernels a model of that shape launches (its own module and
 cache entry); the launcher names the piece from the shapes it launches for (piece()), so another shape compiles on
 first use. The family compiled by its own name still instantiates everything (the harness, CI). A start-up
-compiles the pieces of the loaded model's shapes only (startup_families(target, shapes)).
+compiles the pieces of the loaded model's shapes only (startup_families(target, shapes)). A family may also be split
+by keys that are not the model's (gemv's rows and part, sampling's vec: by the entries its launcher picks); a start-up
+compiles the pieces its `// xserv-startup: m1_p0 m8_p0 m8_p1` line names (every piece without one), the others
+on first use.
 """
 from __future__ import annotations
 
@@ -129,13 +132,17 @@ def family_source(family: str) -> Path:
 
 # ---- shape pieces ------------------------------------------------------------------------------------------------
 # key of `// xserv-shapes:` -> (its letter in a piece name, the macro a piece defines). head_dim and group are the
-# model's (MODEL_KEYS: a start-up compiles the model's piece); any other key splits a family only so that its pieces
-# compile in parallel (gemv's rows: 1, 8, 16; a start-up compiles every value). Every family is bf16 only, so the
-# model's dtype picks nothing (a float16/float32 checkpoint is cast to bf16 on load).
-SHAPE_KEYS = {"head_dim": ("d", "XSERV_HEAD_DIM"), "group": ("g", "XSERV_GROUP"), "rows": ("m", "XSERV_ROWS")}
+# model's (MODEL_KEYS: a start-up compiles the model's piece); any other key splits a family by the entries its
+# launcher picks (gemv's rows 1, 8, 16 and part 0, 1; sampling's vec 0, 1): a start-up compiles the pieces its
+# `// xserv-startup:` line names by these keys (family_startup; every one without a line), so that the entries a
+# model's steps launch compile, in parallel, and the rest on first use. Every family is bf16 only, so the model's
+# dtype picks nothing (a float16/float32 checkpoint is cast to bf16 on load).
+SHAPE_KEYS = {"head_dim": ("d", "XSERV_HEAD_DIM"), "group": ("g", "XSERV_GROUP"), "rows": ("m", "XSERV_ROWS"),
+              "part": ("p", "XSERV_PART"), "vec": ("v", "XSERV_VEC")}
 MODEL_KEYS = ("head_dim", "group")
 PIECE_SEP = ":"
 _SHAPES_LINE = re.compile(r"^//\s*xserv-shapes:((?:[ \t]+\w+=\S+)+)(.*)$", re.MULTILINE)  # then a why
+_STARTUP_LINE = re.compile(r"^//\s*xserv-startup:((?:[ \t]+[a-z]\d+(?:_[a-z]\d+)*)+)(.*)$", re.MULTILINE)  # a why
 _PIECE_PART = re.compile(r"([a-z])(\d+)")
 
 
@@ -154,11 +161,37 @@ def _declared_shapes(path: Path, mtime_ns: int) -> dict[str, tuple[int, ...]] | 
     return shapes
 
 
+@lru_cache(maxsize=None)
+def _declared_startup(path: Path, mtime_ns: int) -> tuple[dict[str, int], ...] | None:
+    m = _STARTUP_LINE.search(path.read_text(errors="replace"))
+    if m is None:
+        return None
+    declared = _declared_shapes(path, mtime_ns) or {}
+    others = [k for k in declared if k not in MODEL_KEYS]
+    by_letter = {letter: key for key, (letter, _) in SHAPE_KEYS.items()}
+    combos = []
+    for label in m.group(1).split():
+        combo = {by_letter.get(letter, letter): int(v) for letter, v in _PIECE_PART.findall(label)}
+        if "_".join(f"{SHAPE_KEYS[k][0]}{combo[k]}" for k in others if k in combo) != label or \
+                any(combo[k] not in declared[k] for k in others):
+            raise CompileError(f"{path.name}: `// xserv-startup:` names {label!r}: expected a piece label of the "
+                               f"keys {', '.join(others) or '(none)'} of its `// xserv-shapes:` line and their values")
+        combos.append(combo)
+    return tuple(combos)
+
+
 def family_shapes(family: str) -> dict[str, tuple[int, ...]] | None:
     """The shapes a family is compiled per (its `// xserv-shapes:` line: key -> the values it has kernels for), or
     None for a family compiled whole."""
     path = family_source(family)
     return _declared_shapes(path, path.stat().st_mtime_ns)
+
+
+def family_startup(family: str) -> tuple[dict[str, int], ...] | None:
+    """The values of a family's non-model keys (gemv's rows and part) a start-up compiles, one dict per piece (its
+    `// xserv-startup: m1_p0 m8_p0` line), or None: every combination (no such line)."""
+    path = family_source(family)
+    return _declared_startup(path, path.stat().st_mtime_ns)
 
 
 def kernel_shapes(config) -> dict[str, int]:
@@ -442,7 +475,8 @@ def startup_families(target: str, shapes: dict[str, int] | None = None) -> list[
     on first use, when a test or benchmark names them). A family the table does not name is compiled. A family
     compiled per shape (`// xserv-shapes:`) contributes its piece for the model's `shapes` (kernel_shapes(config));
     without shapes, or for a shape it has no kernels for, nothing: its pieces compile on first use. A family
-    split by another key (gemv's rows) contributes every piece."""
+    split by another key (gemv's rows and part, sampling's vec) contributes the pieces its `// xserv-startup:` line
+    names (family_startup: the entries a model's steps launch), every piece without one."""
     path = arch_path(target)
     elsewhere = set().union(*(families_of(p) for p in type(path) if p is not path)) - families_of(path)
     import itertools
@@ -455,9 +489,14 @@ def startup_families(target: str, shapes: dict[str, int] | None = None) -> list[
         if declared is None:
             names.append(f)
             continue
-        given = {k: ((shapes or {}).get(k),) if k in MODEL_KEYS else v for k, v in declared.items()}
-        if all(value in declared[k] for k, values in given.items() for value in values):
-            names += [piece(f, **dict(zip(given, combo))) for combo in itertools.product(*given.values())]
+        model = {k: (shapes or {}).get(k) for k in declared if k in MODEL_KEYS}
+        if any(value not in declared[k] for k, value in model.items()):
+            continue
+        others = [k for k in declared if k not in MODEL_KEYS]
+        combos = family_startup(f)
+        if combos is None:
+            combos = [dict(zip(others, c)) for c in itertools.product(*(declared[k] for k in others))]
+        names += [piece(f, **model, **combo) for combo in combos]
     return names
 
 
