@@ -35,6 +35,13 @@ def http() -> httpx.Client:
     return httpx.Client(timeout=5.0, limits=httpx.Limits(max_keepalive_connections=0))
 
 
+def openai_client(server, **options):
+    """The official client against a test server (no retries: a failure shows at once)."""
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, **options)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -10,7 +10,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 
 from qwen3_reference import perturbed_model_dir  # noqa: E402,F401
-from server_process import ServerProcess, http, skip_unless_installed, stream_text  # noqa: E402
+from server_process import ServerProcess, http, skip_unless_installed, stream_text, openai_client  # noqa: E402
 
 skip_unless_installed("fastapi", "uvicorn", "openai")
 
@@ -27,9 +27,7 @@ def server(perturbed_model_dir):  # noqa: F811
 
 @pytest.fixture(scope="module")
 def client(server):
-    import openai
-
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    return openai_client(server)
 
 
 def test_models_and_health(server, client):

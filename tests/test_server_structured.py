@@ -12,7 +12,7 @@ httpx = pytest.importorskip("httpx")
 jsonschema = pytest.importorskip("jsonschema")
 
 from qwen3_reference import tiny_model_dir  # noqa: E402,F401
-from server_process import ServerProcess, http, skip_unless_installed  # noqa: E402
+from server_process import ServerProcess, http, skip_unless_installed, openai_client  # noqa: E402
 
 skip_unless_installed("fastapi", "uvicorn", "openai", "llguidance")
 
@@ -51,9 +51,7 @@ def server(tiny_model_dir):  # noqa: F811
 
 @pytest.fixture(scope="module")
 def client(server):
-    import openai
-
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server, timeout=120)
 
 
 @pytest.fixture(scope="module")
