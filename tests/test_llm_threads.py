@@ -160,6 +160,17 @@ def test_exception_in_on_step_ends_only_that_call(llm):
 
 
 @pytest.mark.timeout(60)
+def test_a_call_from_on_step_is_refused_not_deadlocked(llm):
+    def reenter(_):
+        llm.logits([1, 2])
+
+    with pytest.raises(RuntimeError, match="on_step"):
+        llm.generate("Hello", SamplingParams(temperature=0.0, max_tokens=4), on_step=reenter)
+    _wait_idle(llm)
+    assert llm.generate("Hello", SamplingParams(temperature=0.0, max_tokens=4))[0].token_ids
+
+
+@pytest.mark.timeout(60)
 def test_logits_beside_running_requests(llm):
     ids = llm.tokenizer.encode("The capital of France is")
     alone = llm.logits(ids)

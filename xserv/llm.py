@@ -243,6 +243,15 @@ class LLM:
             raise LLMClosed("this LLM has been closed (close() or a `with` block's end): make a new LLM(...)")
         return state
 
+    def _caller(self) -> _DeviceState:
+        """The state, for a call that waits on the engine thread: never from that thread itself (an on_step
+        callback), which would wait for itself forever."""
+        state = self._live()
+        if state.thread.on_engine_thread:
+            raise RuntimeError("an LLM call from inside an on_step callback (the engine thread) would wait for "
+                               "itself: call it from another thread")
+        return state
+
     @property
     def model(self):
         return self._live().model
@@ -295,7 +304,7 @@ class LLM:
     def _submit(self, requests: list[tuple[list[int], object, str | None]], *, stream: bool,
                 on_step=None) -> list[_Request]:
         """Hand prompts to the engine thread, all in one command (they join the same step); one _Request each."""
-        state = self._live()
+        state = self._caller()
         engine = state.engine
         for ids, _, _ in requests:
             engine.check_prompt(ids)  # reads only fixed sizes: safe beside the engine thread
@@ -370,7 +379,7 @@ class LLM:
     def logits(self, token_ids) -> np.ndarray:
         """float32 [len(token_ids), vocab]: the next-token logits at every position."""
         ids = list(token_ids)
-        return self._live().thread.call(lambda engine: engine.logits(ids)).result()
+        return self._caller().thread.call(lambda engine: engine.logits(ids)).result()
 
 
 class TextStream:
