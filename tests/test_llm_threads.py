@@ -267,18 +267,19 @@ def test_cuda_threads_equal_sequential_up_to_near_ties(tiny_model_dir):  # noqa:
         assert streams == [o.text for o in alone]  # the same request in one process: exact
 
         def call(i):
+            """(streamed text or None, the RequestOutput)"""
             if i % 2:
-                text = "".join(llm.stream(PROMPTS[i], params[i]))
-                return text
-            return llm.generate(PROMPTS[i], params[i])[0]
+                stream = llm.stream(PROMPTS[i], params[i])
+                text = "".join(stream)
+                return text, stream.output
+            return None, llm.generate(PROMPTS[i], params[i])[0]
 
         got = _in_threads(call, 8)
         for i, g in enumerate(got):
             assert not isinstance(g, BaseException), f"thread {i} raised {g!r}"
-            if i % 2 == 0:
-                assert _agree_until_near_tie(alone[i], g), f"thread {i}"
-            else:
-                assert g == alone[i].text or _agree_until_near_tie(alone[i], alone[i]), f"thread {i}"
+            text, out = g
+            assert text is None or text == out.text, f"thread {i}: the streamed text is not the request's text"
+            assert _agree_until_near_tie(alone[i], out), f"thread {i}"
         _wait_idle(llm)
         assert llm.engine.blocks.num_free == llm.kv_cache.num_blocks
 
