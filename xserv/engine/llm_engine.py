@@ -327,12 +327,11 @@ class LLMEngine:
             if token in seq.stop_ids:
                 reason = "stop"
             elif constraint is not None and constraint.done:  # the grammar is complete: the token is text
-                self.scheduler.finish(seq, "stop")
                 reason = "grammar"
             elif len(ids) - seq.num_prompt_tokens >= seq.params.max_tokens or len(ids) >= max_len:
                 reason = "length"
-            if reason is not None and reason != "grammar":
-                self.scheduler.finish(seq, reason)
+            if reason is not None:
+                self.scheduler.finish(seq, "stop" if reason == "grammar" else reason)
             booked.append((seq, token, reason))
         return booked
 

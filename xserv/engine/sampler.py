@@ -14,6 +14,7 @@ uploads nothing)."""
 from __future__ import annotations
 
 import secrets
+import time
 
 import numpy as np
 
@@ -146,8 +147,6 @@ class Sampler:
     def _upload_masks(self, seqs) -> Tensor:
         """Fill the next token's mask of each constrained sequence (row j for seqs[j]) and queue its upload;
         returns the device rows."""
-        import time
-
         k = len(seqs)
         t0 = time.perf_counter()
         constraints = [seq.constraint for seq in seqs]
@@ -158,15 +157,8 @@ class Sampler:
             if self._mask_pending[self._next_mask]:
                 event.synchronize()
             fill_masks(constraints, pinned.array)
-            from ..runtime import get_device
-
             stream = get_device().stream_handle
-            from cuda.bindings import driver
-
-            from ..runtime.errors import check_driver
-
-            check_driver(driver.cuMemcpyHtoDAsync(self.token_mask.ptr, pinned.ptr, k * self.mask_words * 4, stream),
-                         "cuMemcpyHtoDAsync")
+            pinned.copy_to_async(self.token_mask, k * self.mask_words * 4, stream)
             event.record(stream)
             self._mask_pending[self._next_mask] = True
             self._next_mask ^= 1

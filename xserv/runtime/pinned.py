@@ -30,6 +30,12 @@ class PinnedArray:
             check_driver(driver.cuMemcpyDtoHAsync(self.ptr, tensor.ptr, tensor.nbytes, stream), "cuMemcpyDtoHAsync")
         return view
 
+    def copy_to_async(self, tensor, nbytes: int, stream: int) -> None:
+        """Queue a copy of this array's first `nbytes` into device `tensor` (contiguous, large enough). The array
+        must not be refilled before an event recorded after this call has completed."""
+        if nbytes:
+            check_driver(driver.cuMemcpyHtoDAsync(tensor.ptr, self.ptr, nbytes, stream), "cuMemcpyHtoDAsync")
+
     def __del__(self):
         ptr, self.ptr = getattr(self, "ptr", 0), 0
         if ptr:
