@@ -4,12 +4,7 @@
 # prefill attention (portable v3, Hopper v5) against PyTorch SDPA's flash and cuDNN kernels.
 #   bash tools/gpu_bench_paths.sh [0.6b] [8b]
 set -u
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/xserv-out}; mkdir -p "$OUT"
-bash tools/gpu_session.sh env >/dev/null 2>&1
-export PYTHONUNBUFFERED=1 XSERV_CACHE_DIR=/tmp/xserv-cache
-[ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$PWD || export PYTHONPATH=$PWD
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+source "$(dirname "$0")/gpu_env.sh"
 python3 -m tools.kernel_harness ceilings 2>&1 | tail -3
 for preset in "${@:-0.6b}"; do
   m=/tmp/model-$preset

@@ -4,11 +4,7 @@
 # (response_format json_schema), same workload, same server: the constrained / unconstrained output tok/s ratio.
 #   bash tools/gpu_bench_structured.sh [MODEL_DIR] [SCHEMA_FILE]
 set -u
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/xserv-out}; mkdir -p "$OUT"
-bash tools/gpu_session.sh env >/dev/null 2>&1
-export PYTHONUNBUFFERED=1 XSERV_CACHE_DIR=/tmp/xserv-cache
-[ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$PWD || export PYTHONPATH=$PWD
+source "$(dirname "$0")/gpu_env.sh"
 m=${1:-/tmp/model-0.6b}
 [ -d $m ] || python3 -m tools.make_test_model --preset 0.6b --out $m --no-progress >/dev/null
 schema=${2:-$OUT/schema.json}
@@ -26,7 +22,6 @@ for _ in range(300):
         pass
     time.sleep(1)
 PY
-nvidia-smi --query-gpu=name --format=csv,noheader
 echo "=== unconstrained"; python3 -m xserv bench serve --url http://127.0.0.1:8012 --json $OUT/free.json 2>&1 | tail -4
 echo "=== every request constrained by $(cat $schema)"
 python3 -m xserv bench serve --url http://127.0.0.1:8012 --json-schema $schema --json $OUT/constrained.json 2>&1 | tail -5

@@ -3,12 +3,8 @@
 # engine thread's cost, then the rest of the GPU suite outside the kernel files as far as time allows.
 #   bash tools/gpu_check_library.sh [SECONDS for the broad suite, default 240]
 set -u
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/xserv-out}; mkdir -p "$OUT"
-bash tools/gpu_session.sh env compile >/dev/null
-export PYTHONUNBUFFERED=1 XSERV_CACHE_DIR=/tmp/xserv-cache
-[ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$PWD || export PYTHONPATH=$PWD
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+source "$(dirname "$0")/gpu_env.sh"
+bash tools/gpu_session.sh compile >/dev/null
 echo "=== library GPU tests"
 python3 -m pytest -q -m gpu -p no:cacheprovider -s tests/test_llm_threads.py tests/test_llm.py tests/test_server_gpu.py \
   2>&1 | grep -v "^$" | tail -15
