@@ -56,6 +56,7 @@
 //
 // Requirements (the launcher checks): K % 8 == 0, W and x rows 16-byte aligned (x_stride a multiple of 8 bf16 /
 // 4 fp32 values), dynamic shared memory for the reduction buffers and the staged x.
+#include "mma.cuh"
 #include "norm.cuh"
 
 namespace {
@@ -83,13 +84,6 @@ __device__ __forceinline__ void store_out(void* out, long long o, float v, int e
 __device__ __forceinline__ void store_row(void* out, long long o, float v, float resid, int epilogue) {
     if (epilogue == kAddResidual) static_cast<float*>(out)[o] = resid + xserv::round_bf16(v);
     else store_out(out, o, v, epilogue);
-}
-
-// silu(g) = g / (1 + 2^(-g * log2 e)) with ex2.approx and an IEEE division, exactly as activation.ptx.
-__device__ __forceinline__ float silu(float g) {
-    float e;
-    asm("ex2.approx.f32 %0, %1;" : "=f"(e) : "f"(-g * 1.4426950408889634f));
-    return __fdiv_rn(g, 1.f + e);
 }
 
 // The RMSNorm prologue's arithmetic on 8 values, shared by its two forms below (the same expressions, so the same
@@ -213,7 +207,7 @@ __device__ __forceinline__ void stage_x(__nv_bfloat16* xs, int KS, float* scratc
             xserv::load8(row + k0 + c * 8, g);
             xserv::load8(row + K + k0 + c * 8, u);
 #pragma unroll
-            for (int j = 0; j < 8; ++j) g[j] = xserv::round_bf16(silu(g[j])) * u[j];
+            for (int j = 0; j < 8; ++j) g[j] = xserv::round_bf16(xserv::silu(g[j])) * u[j];
             xserv::store8(xs + (long long)i * KS + c * 8, g);
         }
     } else {
@@ -370,7 +364,7 @@ __device__ __forceinline__ void gemv(const void* x, long long x_stride, const in
             if (paired) {  // the up slot's warps follow this one's: warp + split
                 float up = 0.f;
                 for (int p = 0; p < split; ++p) up += partial[warp + split + p][lane];
-                const float act = xserv::round_bf16(silu(xserv::round_bf16(v))) * xserv::round_bf16(up);
+                const float act = xserv::round_bf16(xserv::silu(xserv::round_bf16(v))) * xserv::round_bf16(up);
                 static_cast<__nv_bfloat16*>(out)[n0 + lane] = __float2bfloat16_rn(act);
             } else {
                 store_row(out, n0 + lane, v, resid, epilogue);

@@ -110,9 +110,11 @@ def test_kernel_paths_name_what_the_runtime_compiles():
 
     for path, target in ((KernelPath.PORTABLE, "sm_80"), (KernelPath.HOPPER, "sm_90a")):
         assert families_of(path) <= set(families_for(target)), path  # each compiles for its path
-        assert startup(target) == families_of(path)
-    assert set(list_families()) - startup("sm_90a") == {"attention_prefill"}  # v3, simple: on request
-    assert set(list_families()) - startup("sm_80@sm_90a") == {"attention_prefill_sm90"}
+        assert startup(target) == families_of(path) - {"moe"}  # a dense model's start-up: no moe piece
+        moe = {name.partition(":")[0] for name in startup_families(target, {**shapes, "moe": 1})}
+        assert moe == families_of(path)
+    assert set(list_families()) - startup("sm_90a") == {"attention_prefill", "moe"}  # v3, simple: on request
+    assert set(list_families()) - startup("sm_80@sm_90a") == {"attention_prefill_sm90", "moe"}
     for op, by_path in KERNEL_PATHS.items():
         assert set(by_path) == set(KernelPath), op  # every op has a kernel on every path (none is missing today)
     assert default_variant("attention_prefill", "sm_90a") == "v5"

@@ -178,6 +178,8 @@ KERNEL_PATHS: dict[str, dict[KernelPath, tuple[Route, ...]]] = {
     "sample": {p: (r,) for p, r in _both(Route("sampling", "fused penalties + top-k/top-p + draw")).items()},
     "cast": {p: (r,) for p, r in _both(Route("cast", "bf16/fp16/fp32 conversions")).items()},
     "add": {p: (r,) for p, r in _both(Route("elementwise", "vector and scalar forms")).items()},
+    "moe_experts": {p: (r,) for p, r in _both(Route("moe", "route + sorted list (one CTA), grouped GEMMs (mma.sync "
+                                                   "m16n8k16, cp.async ring), combine; no wgmma form yet")).items()},
     "fill (benchmarks)": {p: (r,) for p, r in _both(Route("fill", "fill_f32")).items()},
 }
 

@@ -138,8 +138,8 @@ def family_source(family: str) -> Path:
 # model's steps launch compile, in parallel, and the rest on first use. Every family is bf16 only, so the model's
 # dtype picks nothing (a float16/float32 checkpoint is cast to bf16 on load).
 SHAPE_KEYS = {"head_dim": ("d", "XSERV_HEAD_DIM"), "group": ("g", "XSERV_GROUP"), "rows": ("m", "XSERV_ROWS"),
-              "part": ("p", "XSERV_PART"), "vec": ("v", "XSERV_VEC")}
-MODEL_KEYS = ("head_dim", "group")
+              "part": ("p", "XSERV_PART"), "vec": ("v", "XSERV_VEC"), "moe": ("e", "XSERV_MOE")}
+MODEL_KEYS = ("head_dim", "group", "moe")  # moe=1: a mixture-of-experts model (the moe family's one piece)
 PIECE_SEP = ":"
 _SHAPES_LINE = re.compile(r"^//\s*xserv-shapes:((?:[ \t]+\w+=\S+)+)(.*)$", re.MULTILINE)  # then a why
 _STARTUP_LINE = re.compile(r"^//\s*xserv-startup:((?:[ \t]+[a-z]\d+(?:_[a-z]\d+)*)+)(.*)$", re.MULTILINE)  # a why
@@ -196,8 +196,12 @@ def family_startup(family: str) -> tuple[dict[str, int], ...] | None:
 
 def kernel_shapes(config) -> dict[str, int]:
     """The shapes the kernels of a model config need (anything with num_attention_heads, num_key_value_heads and
-    head_dim: a ModelConfig): head dim and query heads per kv head (the same on every tensor-parallel rank)."""
-    return {"head_dim": int(config.head_dim), "group": int(config.num_attention_heads // config.num_key_value_heads)}
+    head_dim: a ModelConfig): head dim and query heads per kv head (the same on every tensor-parallel rank), and
+    moe=1 for a mixture-of-experts config (one with num_experts > 0: its start-up compiles the moe family)."""
+    shapes = {"head_dim": int(config.head_dim), "group": int(config.num_attention_heads // config.num_key_value_heads)}
+    if getattr(config, "num_experts", 0):
+        shapes["moe"] = 1
+    return shapes
 
 
 @lru_cache(maxsize=None)

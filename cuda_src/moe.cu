@@ -1,0 +1,361 @@
+// Mixture-of-experts feed-forward (Qwen3-MoE's sparse block), after the router projection (a linear):
+//
+//   moe_route          one CTA: softmax over each token's router logits (fp32), its top-k experts (ties: the lower
+//                      id), the weights (renormalised when asked), then the expert-sorted entry list: an entry is
+//                      (token, slot) = token * k + slot; each expert's entries are padded to whole token tiles, and
+//                      tile_expert names the expert of each tile. Everything stays on the GPU (no host round trip),
+//                      so a decode step's forward is captured in a CUDA graph with device-side expert ids.
+//   moe_gemm_gate_up   grouped GEMM: a CTA multiplies one token tile (up to TILE entries of one expert) by a slab of
+//                      that expert's [gate; up] rows, pairs gate row j with up row j in its registers and writes
+//                      act = bf16(bf16(silu(bf16(gate))) * bf16(up)) in expert-sorted row order.
+//   moe_gemm_down      grouped GEMM over the same tiles: act @ down[e]^T, rounded to bf16 and written straight to the
+//                      entry's row of y [T * k, H] (the scatter back to token order is the store).
+//   moe_combine_*      out[t] = bf16(sum_j w[t, j] * y[t * k + j]) in slot order (stored, or added to the fp32
+//                      residual stream). A fixed order, so results never depend on timing: the routing's atomics
+//                      only choose which row of a tile an entry takes, and rows of a tile are independent.
+//
+// The grouped GEMMs (mma.sync m16n8k16, cp.async ring, ldmatrix; every arch from sm_80) put the weights on the mma's
+// M side and the tokens on its N side (8 per n-tile): a decode step with a handful of tokens per expert still
+// streams each selected expert's weights once, at full width, which is what bounds it. Two shapes:
+//   small  (decode-sized steps)  TILE = 8 tokens, 32 weight rows a CTA, 4 warps splitting each 64-wide K chunk
+//                                (their partial sums added in warp order), 4 stages: many small CTAs keep the
+//                                weight stream's bytes in flight on every SM.
+//   large  (prefill)             TILE = 64 tokens, 128 weight rows a CTA, 4 warps of 32 rows x 64 tokens, 3 stages.
+// A tile's rows past its expert's entries are padding (entry -1): they load zeros and store nothing.
+//
+// Requirements (ops/moe.py checks): H and I multiples of 8 (16-byte rows), E <= 512, k <= 32, 16-byte aligned
+// tensors. K tails (K % 64) and N tails are predicated (zero-filled loads, skipped stores).
+//
+// xserv-shapes: moe=1 (compiled as the piece moe:e1 at the start of a MoE model only; a dense model never loads it)
+#include "mma.cuh"
+#include "norm.cuh"
+
+namespace {
+
+using bf16 = __nv_bfloat16;
+using xserv::cp_async16;
+using xserv::cp_async_commit;
+using xserv::cp_async_wait;
+using xserv::ldmatrix_x2;
+using xserv::ldmatrix_x4;
+using xserv::mma_bf16_16816;
+using xserv::round_bf16;
+using xserv::smem_u32;
+using xserv::swizzled_chunk;
+
+constexpr int kBK = 64;            // K elements per pipeline stage: one 128-byte tile row
+constexpr int kChunks = kBK / 8;   // 16-byte chunks per tile row
+constexpr int kMaxPerLane = 16;    // moe_route: 512 experts / 32 lanes
+
+__device__ __forceinline__ int cdiv(int a, int b) { return (a + b - 1) / b; }
+
+}  // namespace
+
+// ---- routing ------------------------------------------------------------------------------------------------------
+// logits fp32 [T, E] -> ids int32 [T * k], weights fp32 [T * k], sorted int32 [tiles * tile] (entry per row, -1 =
+// padding), tile_expert int32 [1 + tiles] ([0] = the tile count). One CTA, a warp per token; dynamic shared memory
+// 3 * E ints (count, first row, cursor per expert).
+extern "C" __global__ void __launch_bounds__(1024) moe_route(const float* __restrict__ logits, int* ids, float* weights,
+                                                             int* __restrict__ sorted, int* __restrict__ tile_expert,
+                                                             int T, int E, int K, int renormalize, int tile,
+                                                             int max_tiles) {
+    extern __shared__ int route_smem[];
+    int* count = route_smem;
+    int* first = route_smem + E;
+    int* cursor = route_smem + 2 * E;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] = cursor[e] = 0;
+    __syncthreads();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const int per_lane = cdiv(E, 32);
+    for (int t = warp; t < T; t += warps) {
+        const float* row = logits + (long long)t * E;
+        float p[kMaxPerLane];
+        float m = -__int_as_float(0x7f800000);
+#pragma unroll
+        for (int j = 0; j < kMaxPerLane; ++j) {
+            const int e = lane + 32 * j;
+            p[j] = (j < per_lane && e < E) ? row[e] : -__int_as_float(0x7f800000);
+            m = fmaxf(m, p[j]);
+        }
+        m = xserv::warp_max(m);
+        float s = 0.f;
+#pragma unroll
+        for (int j = 0; j < kMaxPerLane; ++j) {
+            const bool real = j < per_lane && lane + 32 * j < E;
+            p[j] = real ? expf(p[j] - m) : 0.f;
+            s += p[j];
+        }
+        s = xserv::warp_sum(s);
+#pragma unroll
+        for (int j = 0; j < kMaxPerLane; ++j) {  // probabilities; -1 marks the padding (never picked)
+            const bool real = j < per_lane && lane + 32 * j < E;
+            p[j] = real ? __fdiv_rn(p[j], s) : -1.f;
+        }
+        // k rounds of a warp argmax (the larger probability; equal ones: the lower expert id). Lane j keeps pick j.
+        float picked = 0.f, total = 0.f;
+        int picked_id = 0;
+        for (int j = 0; j < K; ++j) {
+            float best = -2.f;
+            int best_id = 0x7fffffff;
+#pragma unroll
+            for (int i = 0; i < kMaxPerLane; ++i)
+                if (p[i] > best) best = p[i], best_id = lane + 32 * i;  // ascending ids: ties keep the lower
+#pragma unroll
+            for (int off = 16; off; off >>= 1) {
+                const float ob = __shfl_xor_sync(0xffffffffu, best, off);
+                const int oi = __shfl_xor_sync(0xffffffffu, best_id, off);
+                if (ob > best || (ob == best && oi < best_id)) best = ob, best_id = oi;
+            }
+#pragma unroll
+            for (int i = 0; i < kMaxPerLane; ++i)
+                if (lane + 32 * i == best_id) p[i] = -2.f;  // taken
+            if (lane == j) picked = best, picked_id = best_id;
+            total += best;
+        }
+        if (lane < K) {
+            ids[t * K + lane] = picked_id;
+            weights[t * K + lane] = renormalize ? __fdiv_rn(picked, total) : picked;
+            atomicAdd(&count[picked_id], 1);
+        }
+    }
+    __syncthreads();
+    // Tile offsets: warp 0 scans the per-expert tile counts (lane l holds a contiguous run of experts).
+    if (warp == 0) {
+        const int run = cdiv(E, 32);
+        int local = 0;
+        for (int i = 0; i < run; ++i) {
+            const int e = lane * run + i;
+            if (e < E) local += cdiv(count[e], tile);
+        }
+        int inclusive = local;
+#pragma unroll
+        for (int off = 1; off < 32; off <<= 1) {
+            const int v = __shfl_up_sync(0xffffffffu, inclusive, off);
+            if (lane >= off) inclusive += v;
+        }
+        if (__shfl_sync(0xffffffffu, inclusive, 31) > max_tiles) __trap();  // the launcher sized the grid wrong
+        int next = inclusive - local;
+        for (int i = 0; i < run; ++i) {
+            const int e = lane * run + i;
+            if (e >= E) break;
+            first[e] = next * tile;
+            const int n = cdiv(count[e], tile);
+            for (int q = 0; q < n; ++q) tile_expert[1 + next + q] = e;
+            next += n;
+        }
+        if (lane == 31) tile_expert[0] = inclusive;
+    }
+    __syncthreads();
+    // Scatter the entries (ids were written by this CTA above: visible after the barrier) and mark the padding.
+    const int entries = T * K;
+    for (int i = threadIdx.x; i < entries; i += blockDim.x) {
+        const int e = ids[i];
+        sorted[first[e] + atomicAdd(&cursor[e], 1)] = i;
+    }
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        const int n = count[e];
+        for (int r = n; r < cdiv(n, tile) * tile; ++r) sorted[first[e] + r] = -1;
+    }
+}
+
+// ---- grouped GEMM ---------------------------------------------------------------------------------------------------
+// out rows for the CTA's token tile (blockIdx.y) and weight slab (blockIdx.x). K = the reduced dimension (H for
+// gate/up, I for down), N = the output width (I for gate/up: the CTA takes ROWS / 2 gate rows and the same up rows;
+// H for down). x: gate/up reads token rows x[entry / top_k]; down reads act rows in sorted order.
+template <int WARPS_M, int WARPS_K, int TILE, int STAGES, bool GATE_UP>
+__device__ __forceinline__ void moe_gemm(const bf16* __restrict__ x, const bf16* __restrict__ w,
+                                         const int* __restrict__ sorted, const int* __restrict__ tile_expert,
+                                         bf16* __restrict__ out, int top_k, int K, int N) {
+    constexpr int ROWS = 32 * WARPS_M;  // a warp: 32 weight rows (two m-tiles; gate/up: one gate, one up)
+    constexpr int THREADS = 32 * WARPS_M * WARPS_K;
+    constexpr int NT = TILE / 8;  // n-tiles (8 tokens each) per warp
+    constexpr int STAGE = (ROWS + TILE) * kBK;  // bf16 elements per stage
+    constexpr int KSTEPS = kBK / 16 / WARPS_K;  // k16 steps per chunk per warp
+    static_assert(TILE % 8 == 0 && (kBK / 16) % WARPS_K == 0, "tile shape");
+    extern __shared__ __align__(128) bf16 gemm_smem[];
+    __shared__ int entry_of[TILE];
+
+    const int tile = blockIdx.y;
+    if (tile >= tile_expert[0]) return;  // the grid covers the most tiles any routing can need
+    const int expert = tile_expert[1 + tile];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = warp % WARPS_M, wk = warp / WARPS_M;
+    for (int i = tid; i < TILE; i += THREADS) entry_of[i] = sorted[tile * TILE + i];
+    __syncthreads();
+
+    const bf16* wexp = w + (long long)expert * (GATE_UP ? 2 : 1) * N * K;
+    const int row0 = blockIdx.x * (GATE_UP ? ROWS / 2 : ROWS);
+
+    auto load = [&](int chunk, int stage) {
+        bf16* sw = gemm_smem + stage * STAGE;
+        bf16* sx = sw + ROWS * kBK;
+        const int k0 = chunk * kBK;
+        for (int i = tid; i < (ROWS + TILE) * kChunks; i += THREADS) {
+            const int r = i / kChunks, c = i % kChunks, k = k0 + c * 8;
+            const bf16* src;
+            bf16* dst;
+            bool valid;
+            if (r < ROWS) {
+                int wrow;
+                if (GATE_UP) {  // rows [0, ROWS/2): gate rows row0.., [ROWS/2, ROWS): the same up rows
+                    const int j = row0 + r % (ROWS / 2);
+                    valid = j < N;
+                    wrow = r < ROWS / 2 ? j : N + j;
+                } else {
+                    wrow = row0 + r;
+                    valid = wrow < N;
+                }
+                valid = valid && k < K;
+                src = valid ? wexp + (long long)wrow * K + k : w;
+                dst = sw + r * kBK + swizzled_chunk(r, c) * 8;
+            } else {
+                const int q = r - ROWS, e = entry_of[q];
+                valid = e >= 0 && k < K;
+                const long long xrow = GATE_UP ? e / top_k : (long long)tile * TILE + q;
+                src = valid ? x + xrow * K + k : x;
+                dst = sx + q * kBK + swizzled_chunk(q, c) * 8;
+            }
+            cp_async16(smem_u32(dst), src, valid);
+        }
+    };
+
+    const int chunks = cdiv(K, kBK);
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < chunks) load(s, s);
+        cp_async_commit();
+    }
+    float acc[2][NT][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
+    // The warp's two m-tiles: gate/up pairs gate rows [16 wm, +16) with up rows [ROWS/2 + 16 wm, +16).
+    const int mrow0 = GATE_UP ? 16 * wm : 32 * wm;
+    const int mrow1 = GATE_UP ? ROWS / 2 + 16 * wm : 32 * wm + 16;
+
+    for (int c = 0; c < chunks; ++c) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();  // chunk c landed for every thread; chunk c - 1's stage is free
+        if (c + STAGES - 1 < chunks) load(c + STAGES - 1, (c + STAGES - 1) % STAGES);
+        cp_async_commit();
+        const bf16* sw = gemm_smem + (c % STAGES) * STAGE;
+        const bf16* sx = sw + ROWS * kBK;
+#pragma unroll
+        for (int s = 0; s < KSTEPS; ++s) {
+            const int ks = wk * KSTEPS + s;
+            unsigned a[2][4];
+            {
+                const int r0 = mrow0 + (lane & 15), r1 = mrow1 + (lane & 15), ch = 2 * ks + (lane >> 4);
+                ldmatrix_x4(a[0], smem_u32(sw + r0 * kBK + swizzled_chunk(r0, ch) * 8));
+                ldmatrix_x4(a[1], smem_u32(sw + r1 * kBK + swizzled_chunk(r1, ch) * 8));
+            }
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                unsigned b[2];
+                const int r = nt * 8 + (lane & 7), ch = 2 * ks + ((lane >> 3) & 1);
+                ldmatrix_x2(b, smem_u32(sx + r * kBK + swizzled_chunk(r, ch) * 8));
+                mma_bf16_16816(acc[0][nt], a[0], b[0], b[1]);
+                mma_bf16_16816(acc[1][nt], a[1], b[0], b[1]);
+            }
+        }
+    }
+    cp_async_wait<0>();
+
+    if constexpr (WARPS_K > 1) {  // add the K-split warps' partial sums in warp order (deterministic)
+        constexpr int V = 2 * NT * 4;
+        float* red = reinterpret_cast<float*>(gemm_smem);
+        __syncthreads();  // every warp is done reading the ring
+        if (wk > 0) {
+            const float* flat = &acc[0][0][0];
+#pragma unroll
+            for (int i = 0; i < V; ++i) red[(warp * 32 + lane) * V + i] = flat[i];
+        }
+        __syncthreads();
+        if (wk > 0) return;
+        float* flat = &acc[0][0][0];
+        for (int q = 1; q < WARPS_K; ++q)
+#pragma unroll
+            for (int i = 0; i < V; ++i) flat[i] += red[((q * WARPS_M + wm) * 32 + lane) * V + i];
+    }
+
+    // C fragment: acc[mt][nt][i] is weight row (g + 8 (i >> 1)) of m-tile mt and token column nt * 8 + cq + (i & 1).
+    const int g = lane >> 2, cq = 2 * (lane & 3);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int n = nt * 8 + cq + (i & 1), e = entry_of[n];
+            if (e < 0) continue;
+            const int dr = g + 8 * (i >> 1);
+            if (GATE_UP) {
+                const int j = row0 + 16 * wm + dr;
+                if (j >= N) continue;
+                const float gate = round_bf16(acc[0][nt][i]), up = round_bf16(acc[1][nt][i]);
+                out[((long long)tile * TILE + n) * N + j] = __float2bfloat16_rn(round_bf16(xserv::silu(gate)) * up);
+            } else {
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt) {
+                    const int h = row0 + 32 * wm + 16 * mt + dr;
+                    if (h < N) out[(long long)e * N + h] = __float2bfloat16_rn(acc[mt][nt][i]);
+                }
+            }
+        }
+}
+
+// ops/moe.py's _GEMM table mirrors these shapes (rows = 32 * WARPS_M, threads, the ring's shared memory).
+#define XSERV_MOE_GEMM(NAME, WARPS_M, WARPS_K, TILE, STAGES, GATE_UP)                                               \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS_M * WARPS_K)                                             \
+        NAME(const bf16* __restrict__ x, const bf16* __restrict__ w, const int* __restrict__ sorted,                 \
+             const int* __restrict__ tile_expert, bf16* __restrict__ out, int top_k, int K, int N) {                  \
+        moe_gemm<WARPS_M, WARPS_K, TILE, STAGES, GATE_UP>(x, w, sorted, tile_expert, out, top_k, K, N);             \
+    }
+XSERV_MOE_GEMM(moe_gemm_gate_up_small, 1, 4, 8, 4, true)
+XSERV_MOE_GEMM(moe_gemm_down_small, 1, 4, 8, 4, false)
+XSERV_MOE_GEMM(moe_gemm_gate_up_large, 4, 1, 64, 3, true)
+XSERV_MOE_GEMM(moe_gemm_down_large, 4, 1, 64, 3, false)
+
+// ---- combine --------------------------------------------------------------------------------------------------------
+// A thread per (token, 8 columns): acc = sum_j w[t, j] * y[t * k + j] in slot order, each product rounded before
+// the add (no fused multiply-add), as the NumPy reference computes.
+template <bool ADD>
+__device__ __forceinline__ void moe_combine(const bf16* __restrict__ y, const float* __restrict__ weights,
+                                            void* __restrict__ out, int T, int K, int H) {
+    const int vecs = H / 8;
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)T * vecs) return;
+    const int t = (int)(i / vecs), c = (int)(i % vecs);
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int j = 0; j < K; ++j) {
+        const float wj = weights[t * K + j];
+        float v[8];
+        xserv::load8(y + ((long long)t * K + j) * H + c * 8, v);
+#pragma unroll
+        for (int q = 0; q < 8; ++q) acc[q] = __fadd_rn(acc[q], __fmul_rn(wj, v[q]));
+    }
+    const long long o = (long long)t * H + c * 8;
+    if (ADD) {
+        float* r = static_cast<float*>(out) + o;
+        float cur[8];
+        xserv::load8(r, cur);
+#pragma unroll
+        for (int q = 0; q < 8; ++q) cur[q] += round_bf16(acc[q]);
+        xserv::store8(r, cur);
+    } else {
+        xserv::store8(static_cast<bf16*>(out) + o, acc);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256) moe_combine_store(const bf16* __restrict__ y,
+                                                                    const float* __restrict__ weights,
+                                                                    bf16* __restrict__ out, int T, int K, int H) {
+    moe_combine<false>(y, weights, out, T, K, H);
+}
+
+extern "C" __global__ void __launch_bounds__(256) moe_combine_add(const bf16* __restrict__ y,
+                                                                  const float* __restrict__ weights,
+                                                                  float* __restrict__ out, int T, int K, int H) {
+    moe_combine<true>(y, weights, out, T, K, H);
+}

@@ -1,0 +1,234 @@
+"""Mixture-of-experts feed-forward (Qwen3-MoE's sparse block): route each token to its top-k experts, run each
+expert's SwiGLU MLP on the tokens routed to it, and add the expert outputs weighted by the routing probabilities.
+
+    logits  = x @ router^T                           fp32 [T, E]
+    p       = softmax(logits) (fp32); ids = top-k of p (ties: the lower expert id); w = p[ids] (/ sum when
+              renormalize, Qwen3's norm_topk_prob)
+    y_tj    = bf16( act_tj @ down[e]^T ),  act_tj = bf16(bf16(silu(bf16(g))) * bf16(u)),  [g | u] = x_t @ gate_up[e]^T
+    out_t   = bf16( sum_j w_tj * y_tj )  (fp32 sum over j = 0..k-1 in order)      -- or, with an fp32 `out`,
+    out_t  += bf16( sum_j w_tj * y_tj )  (the residual stream: the add a dense layer's fused_add_rmsnorm does)
+
+Weights are stacked per expert: gate_up bf16 [E, 2I, H] (each expert's gate rows, then its up rows, the dense MLP's
+fused layout), down bf16 [E, H, I]. The rounding points are a dense MLP's (silu_and_mul, linear's bf16 output), so
+one expert's MLP rounds exactly as xserv's dense MLP does.
+
+CUDA (cuda_src/moe.cu, docs/kernels/moe.md): the router logits are a linear (the GEMV kernel for one row,
+cuBLASLt above); `moe_route` (one CTA) takes the top-k, counts the entries per expert and writes the expert-sorted
+entry list padded to whole token tiles, all on the GPU; `moe_gemm_gate_up` and `moe_gemm_down` are grouped GEMMs
+over that list (mma.sync m16n8k16, the weights as the M operand so a tile of 8..64 tokens streams an expert's
+weights once); `moe_combine` sums each token's k expert outputs in order. Nothing comes back to the host, so a
+decode step's forward is graph-captured with the expert ids on the device.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..tensor import Tensor, bfloat16, float32, int32
+from ._checks import check_tensor, output, same_device
+from ._launch import cdiv
+
+MAX_EXPERTS = 512  # moe_route keeps a token's router row in registers: E / 32 values per lane
+MAX_TOP_K = 32
+
+
+# ---- NumPy reference ----------------------------------------------------------------------------------------------
+def _bf16(a: np.ndarray) -> np.ndarray:
+    return a.astype(bfloat16).astype(np.float32)
+
+
+def moe_route_reference(logits: np.ndarray, top_k: int, renormalize: bool) -> tuple[np.ndarray, np.ndarray]:
+    """fp32 router logits [T, E] -> (expert ids int32 [T, k], weights fp32 [T, k]). Softmax in fp32; the k largest
+    probabilities, equal ones taken in expert order (lower id first); renormalised to sum 1 when asked."""
+    logits = logits.astype(np.float32)
+    z = np.exp(logits - logits.max(axis=1, keepdims=True))
+    p = z / z.sum(axis=1, keepdims=True)
+    ids = np.argsort(-p, axis=1, kind="stable")[:, :top_k].astype(np.int32)
+    w = np.take_along_axis(p, ids, axis=1).astype(np.float32)
+    if renormalize:
+        w = w / w.sum(axis=1, keepdims=True)
+    return ids, w.astype(np.float32)
+
+
+def expert_mlp_reference(x: np.ndarray, gate_up: np.ndarray, down: np.ndarray) -> np.ndarray:
+    """One expert's SwiGLU MLP on bf16 rows x [n, H] -> float32 [n, H] holding bf16 values (linear's rounding)."""
+    inter = gate_up.shape[0] // 2
+    gu = _bf16(x.astype(np.float32) @ gate_up.astype(np.float32).T)
+    g, u = gu[:, :inter], gu[:, inter:]
+    with np.errstate(over="ignore"):
+        act = _bf16(_bf16(g / (np.float32(1) + np.exp(-g))) * u)
+    return _bf16(act @ down.astype(np.float32).T)
+
+
+def moe_experts_reference(x: np.ndarray, router: np.ndarray, gate_up: np.ndarray, down: np.ndarray, top_k: int,
+                          renormalize: bool, logits: np.ndarray | None = None) -> np.ndarray:
+    """float32 [T, H]: the weighted sum of the routed experts' outputs before its final bf16 rounding. `logits`
+    (fp32 [T, E]) may be given to skip the router projection."""
+    xf = x.astype(np.float32)
+    if logits is None:
+        logits = xf @ router.astype(np.float32).T
+    ids, w = moe_route_reference(logits, top_k, renormalize)
+    y = np.zeros((x.shape[0], top_k, x.shape[1]), np.float32)
+    for e in np.unique(ids):
+        tok, slot = np.nonzero(ids == e)
+        y[tok, slot] = expert_mlp_reference(x[tok], gate_up[e], down[e])
+    acc = np.zeros((x.shape[0], x.shape[1]), np.float32)
+    for j in range(top_k):  # the kernel's order
+        acc += w[:, j:j + 1] * y[:, j]
+    return acc
+
+
+# ---- the launcher -------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MoeShape:
+    num_experts: int
+    top_k: int
+    hidden: int
+    inter: int  # an expert's intermediate size (moe_intermediate_size)
+
+
+def _check_shape(x: Tensor, router: Tensor, gate_up: Tensor, down: Tensor, top_k) -> MoeShape:
+    check_tensor("x", x, dtype=bfloat16, ndim=2)
+    hidden = x.shape[1]
+    check_tensor("router", router, dtype=bfloat16, ndim=2)
+    num_experts = router.shape[0]
+    if router.shape[1] != hidden:
+        raise ValueError(f"router: shape {list(router.shape)}, expected [num_experts, {hidden}] (x's hidden size)")
+    if not 1 <= num_experts <= MAX_EXPERTS:
+        raise ValueError(f"router: {num_experts} experts, expected 1..{MAX_EXPERTS}")
+    check_tensor("gate_up", gate_up, dtype=bfloat16, ndim=3)
+    if gate_up.shape[0] != num_experts or gate_up.shape[2] != hidden or gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up: shape {list(gate_up.shape)}, expected [{num_experts}, 2 * intermediate, {hidden}]")
+    inter = gate_up.shape[1] // 2
+    check_tensor("down", down, dtype=bfloat16, shape=(num_experts, hidden, inter))
+    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or not 1 <= top_k <= min(num_experts,
+                                                                                                     MAX_TOP_K):
+        raise ValueError(f"top_k must be an integer in 1..{min(num_experts, MAX_TOP_K)}, got {top_k!r}")
+    if hidden % 8 or inter % 8:
+        raise ValueError(f"hidden ({hidden}) and intermediate ({inter}) sizes must be multiples of 8")
+    return MoeShape(num_experts, int(top_k), hidden, inter)
+
+
+class MoeWorkspace:
+    """The buffers of moe_experts for up to `max_tokens` tokens (allocated once: a forward that fits allocates
+    nothing, as CUDA graphs need). CPU: none needed."""
+
+    def __init__(self, shape: MoeShape, max_tokens: int, device: str):
+        self.shape, self.max_tokens, self.device = shape, max_tokens, device
+        if device != "cuda":
+            return
+        e, k = shape.num_experts, shape.top_k
+        entries = max_tokens * k
+        # a smaller step may take the other tile size: room for the padded list of either
+        rows = max(_max_tiles(n, e, tile) * tile for tile in _TILES.values() for n in (entries, min(
+            entries, _LARGE_FROM_ENTRIES - 1)))
+        self.logits = Tensor.empty((max_tokens, e), float32, "cuda")
+        self.ids = Tensor.empty((entries,), int32, "cuda")
+        self.weights = Tensor.empty((entries,), float32, "cuda")
+        self.sorted = Tensor.empty((max(rows, 1),), int32, "cuda")  # entry (token * k + slot) per row, -1: padding
+        self.tile_expert = Tensor.empty((_max_tiles(entries, e, 8) + 1,), int32, "cuda")  # [0]: the tile count
+        self.act = Tensor.empty((max(rows, 1), shape.inter), bfloat16, "cuda")
+        self.y = Tensor.empty((entries, shape.hidden), bfloat16, "cuda")  # expert outputs in entry order
+
+    def fits(self, num_tokens: int) -> bool:
+        return num_tokens <= self.max_tokens
+
+
+def moe_workspace(num_experts: int, top_k: int, hidden: int, inter: int, max_tokens: int,
+                  device: str) -> MoeWorkspace:
+    return MoeWorkspace(MoeShape(num_experts, top_k, hidden, inter), max_tokens, device)
+
+
+def moe_experts(x: Tensor, router: Tensor, gate_up: Tensor, down: Tensor, top_k: int, renormalize: bool,
+                out: Tensor | None = None, workspace: MoeWorkspace | None = None) -> Tensor:
+    """x bf16 [T, H] (normalised hidden states) -> out [T, H]: bf16 (stored), or fp32 (the residual stream: the
+    bf16-rounded result is added to it). See the module docstring for the arithmetic."""
+    shape = _check_shape(x, router, gate_up, down, top_k)
+    t = x.shape[0]
+    device = same_device(x=x, router=router, gate_up=gate_up, down=down, out=out)
+    out = output("out", out, (t, shape.hidden), out.dtype if out is not None else bfloat16, device)
+    if out.dtype not in (bfloat16, float32):
+        raise ValueError(f"out: dtype {out.dtype}, expected bfloat16 (store) or float32 (add to the residual)")
+    if t == 0:
+        return out
+    if device == "cpu":
+        acc = moe_experts_reference(x.array, router.array, gate_up.array, down.array, shape.top_k, renormalize)
+        if out.dtype == float32:
+            out.array[...] += _bf16(acc)
+        else:
+            out.array[...] = acc.astype(bfloat16)
+        return out
+    if workspace is None or not workspace.fits(t) or workspace.shape != shape:
+        workspace = MoeWorkspace(shape, t, "cuda")
+    _moe_cuda(x, router, gate_up, down, shape, bool(renormalize), out, workspace, t)
+    return out
+
+
+# ---- CUDA -------------------------------------------------------------------------------------------------------
+# Token tiles of the grouped GEMMs (rows of one expert a CTA multiplies): 8 for decode-sized steps (an expert is
+# picked by a few tokens; 8 is one mma n-tile), 64 for prefill. Chosen from the entry count (tokens x k) so that
+# the average expert fills its tiles.
+_TILES = {"small": 8, "large": 64}
+_LARGE_FROM_ENTRIES = 2048  # >= 16 entries per expert on average with 128 experts
+
+
+def _tile_for(entries: int) -> str:
+    return "large" if entries >= _LARGE_FROM_ENTRIES else "small"
+
+
+def _max_tiles(entries: int, num_experts: int, tile: int) -> int:
+    """Tiles the padded expert-sorted list can need: sum over experts of ceil(n_e / tile) <= entries / tile +
+    (experts with any entry)."""
+    return entries // tile + min(num_experts, entries)
+
+
+_ROUTE_THREADS = 1024
+
+
+def _moe_cuda(x, router, gate_up, down, shape: MoeShape, renormalize: bool, out, ws: MoeWorkspace, t: int) -> None:
+    from ..runtime import kernel
+    from ..runtime.compiler import piece
+    from .gemv import gemv_supported, linear_gemv, prefer_gemv
+    from .linear import linear
+
+    e, k, h, inter = shape.num_experts, shape.top_k, shape.hidden, shape.inter
+    entries = t * k
+    logits = ws.logits[:t]
+    if prefer_gemv(t, e, h) and gemv_supported(t, h):
+        linear_gemv(x, router, out=logits)
+    else:
+        linear(x, router, out=logits)
+    size = _tile_for(entries)
+    tile = _TILES[size]
+    max_tiles = _max_tiles(entries, e, tile)
+    family = piece("moe", moe=1)
+    kernel(family, "moe_route")(1, _ROUTE_THREADS, logits, ws.ids, ws.weights, ws.sorted, ws.tile_expert,
+                                np.int32(t), np.int32(e), np.int32(k), np.int32(1 if renormalize else 0),
+                                np.int32(tile), np.int32(max_tiles), smem=3 * e * 4)
+    cfg = _GEMM[size]
+    # gate/up: a CTA's rows are `rows // 2` gate rows and the matching up rows (its epilogue pairs them)
+    kernel(family, f"moe_gemm_gate_up_{size}")(
+        (cdiv(inter, cfg.rows // 2), max_tiles), cfg.threads, x, gate_up, ws.sorted, ws.tile_expert, ws.act,
+        np.int32(k), np.int32(h), np.int32(inter), smem=cfg.smem)
+    kernel(family, f"moe_gemm_down_{size}")(
+        (cdiv(h, cfg.rows), max_tiles), cfg.threads, ws.act, down, ws.sorted, ws.tile_expert, ws.y,
+        np.int32(k), np.int32(inter), np.int32(h), smem=cfg.smem)
+    name = "moe_combine_add" if out.dtype == float32 else "moe_combine_store"
+    kernel(family, name)(cdiv(t * (h // 8), 256), 256, ws.y, ws.weights, out, np.int32(t), np.int32(k), np.int32(h))
+
+
+@dataclass(frozen=True)
+class _GemmConfig:
+    rows: int  # weight rows per CTA
+    threads: int
+    smem: int  # dynamic shared memory bytes (the cp.async ring)
+
+
+# Must match the instantiations in cuda_src/moe.cu (MoeTile<...>): stages x (rows + tile) x 64 bf16 of K.
+def _gemm_config(rows: int, tile: int, warps: int, stages: int) -> _GemmConfig:
+    return _GemmConfig(rows, warps * 32, stages * (rows + tile) * 64 * 2)
+
+
+_GEMM = {"small": _gemm_config(rows=32, tile=8, warps=4, stages=4),
+         "large": _gemm_config(rows=128, tile=64, warps=4, stages=3)}
