@@ -339,10 +339,10 @@ def test_unsupported_architecture(cli, tiny_model_dir, tmp_path):  # noqa: F811
     folder = tmp_path / "moe"
     shutil.copytree(tiny_model_dir, folder)
     cfg = json.loads((folder / "config.json").read_text())
-    cfg["architectures"] = ["Qwen3MoeForCausalLM"]
+    cfg["architectures"] = ["Qwen2MoeForCausalLM"]
     (folder / "config.json").write_text(json.dumps(cfg))
     code, _, err = cli("generate", "--model", str(folder), "--device", "cpu", "--prompt", "Hi")
-    assert code == 2 and "Qwen3MoeForCausalLM" in err and "Traceback" not in err
+    assert code == 2 and "Qwen2MoeForCausalLM" in err and "Traceback" not in err
 
 
 def test_chat_without_model_says_weights_are_random(cli, tiny_model_dir):  # noqa: F811

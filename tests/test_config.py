@@ -100,12 +100,12 @@ def test_eos_list_and_from_files(tmp_path):
     assert Qwen3Config.from_json(tmp_path / "config.json") == c
 
 
-@pytest.mark.parametrize("arch", ["Qwen3MoeForCausalLM", "MistralForCausalLM"])
+@pytest.mark.parametrize("arch", ["Qwen2MoeForCausalLM", "MistralForCausalLM"])
 def test_registry_names_unknown_architecture_and_known_ones(arch):
     d = preset_dict("0.6b")
     d["architectures"] = [arch]
     with pytest.raises(ValueError, match=f"unsupported architecture {arch}: xserv supports "
-                                         f"LlamaForCausalLM, Qwen3ForCausalLM"):
+                                         f"LlamaForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM"):
         config_from_dict(d)
 
 

@@ -191,3 +191,71 @@ def test_transformers_reads_config(tiny):
     transformers = pytest.importorskip("transformers")
     cfg = transformers.AutoConfig.from_pretrained(tiny)
     assert cfg.model_type == "qwen3" and cfg.head_dim == 64 and cfg.tie_word_embeddings
+
+
+# ---- Qwen3-MoE checkpoints, free space, parallel writing -------------------------------------------------------
+def test_moe_preset_with_overrides(tmp_path):
+    """Per-expert tensors under transformers' names; the MoE fields are overridable from Python."""
+    from xserv.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeModel
+
+    out = make_test_model("moe-tiny", tmp_path / "moe", seed=4, progress=False,
+                          overrides={"num_experts": 8, "num_experts_per_tok": 2, "mlp_only_layers": [1],
+                                     "norm_topk_prob": False, "num_hidden_layers": 2})
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3MoeForCausalLM"] and cfg["model_type"] == "qwen3_moe"
+    assert (cfg["num_experts"], cfg["num_experts_per_tok"], cfg["mlp_only_layers"], cfg["norm_topk_prob"]) == \
+        (8, 2, [1], False)
+    c = Qwen3MoeConfig.from_pretrained(out)
+    r = CheckpointReader(out)
+    r.validate({w.name: w.shape for w in Qwen3MoeModel.weight_table(c)})
+    h, i = c.hidden_size, c.moe_intermediate_size
+    assert r.shape("model.layers.0.mlp.gate.weight") == (8, h)
+    assert r.shape("model.layers.0.mlp.experts.7.gate_proj.weight") == (i, h)
+    assert r.shape("model.layers.0.mlp.experts.7.down_proj.weight") == (h, i)
+    assert "model.layers.0.mlp.experts.8.up_proj.weight" not in r and "model.layers.1.mlp.gate.weight" not in r
+    assert r.shape("model.layers.1.mlp.gate_proj.weight") == (c.intermediate_size, h)
+    gate, up = (r.get(f"model.layers.0.mlp.experts.3.{n}_proj.weight").astype(np.float32) for n in ("gate", "up"))
+    assert not np.array_equal(gate, up) and abs(gate.std() - 0.02) < 2e-3
+
+
+def test_refuses_when_the_filesystem_is_too_small(tmp_path, monkeypatch):
+    import xserv.models.random_checkpoint as rc
+
+    seen = []
+    monkeypatch.setattr(rc, "free_bytes", lambda folder: seen.append(folder) or 10 * 10**9)
+    with pytest.raises(ValueError, match=r"takes 61\.\d\d GB .* has 10\.00 GB free") as e:
+        make_test_model("30b-a3b", tmp_path / "big", progress=False)
+    assert str(tmp_path) in str(e.value) and seen == [tmp_path]
+    assert not (tmp_path / "big").exists() and not list(tmp_path.glob(".big.tmp-*"))  # nothing written
+    # the same through the command: one line, exit 2
+    from xserv.models.make_test_model import main
+
+    assert main(["--preset", "235b-a22b", "--out", str(tmp_path / "bigger"), "--no-progress"]) == 2
+    # enough room: written (the tiny model is 19 MB)
+    monkeypatch.setattr(rc, "free_bytes", lambda folder: 40 * 10**6)
+    assert (make_test_model("tiny", tmp_path / "small", progress=False) / "model.safetensors").is_file()
+    monkeypatch.setattr(rc, "free_bytes", lambda folder: 25 * 10**6)
+    with pytest.raises(ValueError, match="not enough free space"):
+        make_test_model("tiny", tmp_path / "small2", progress=False)
+
+
+def test_workers_write_the_same_bytes(tmp_path, monkeypatch):
+    """Three worker processes, runs of about 256 kB of tensors each over several shards: the same files, byte for
+    byte, as one process."""
+    import xserv.models.random_checkpoint as rc
+    from xserv.models.make_test_model import main
+
+    monkeypatch.setattr(rc, "JOB_BYTES", 2**18)
+    kw = dict(seed=5, shard_size="1MB", overrides={"num_hidden_layers": 2})
+    one = make_test_model("moe-tiny", tmp_path / "one", workers=1, progress=False, **kw)
+    assert main(["--preset", "moe-tiny", "--out", str(tmp_path / "three"), "--seed", "5", "--shard-size", "1MB",
+                 "--layers", "2", "--workers", "3", "--no-progress"]) == 0
+    three = tmp_path / "three"
+    files = sorted(p.name for p in one.iterdir() if p.name != "xserv_random.json")
+    assert sorted(p.name for p in three.iterdir() if p.name != "xserv_random.json") == files
+    shards = [f for f in files if f.endswith(".safetensors")]
+    assert len(shards) >= 3  # the embedding, the layers
+    for f in files:
+        assert (one / f).read_bytes() == (three / f).read_bytes(), f
+    with pytest.raises(ValueError, match="workers"):
+        make_test_model("tiny", tmp_path / "x", workers=0)

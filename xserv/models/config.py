@@ -16,7 +16,9 @@ from typing import Any, ClassVar
 
 SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
 QWEN3_SIZES = ("0.6b", "1.7b", "4b", "8b", "14b", "32b")
-PRESET_NAMES = ("tiny",) + QWEN3_SIZES + ("llama3-tiny", "llama3-1b", "llama3-8b")
+QWEN3_MOE_SIZES = ("30b-a3b", "235b-a22b")
+PRESET_NAMES = (("tiny",) + QWEN3_SIZES + ("llama3-tiny", "llama3-1b", "llama3-8b") + ("moe-tiny",)
+                + QWEN3_MOE_SIZES)
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 
 
@@ -38,10 +40,10 @@ def presets_dir() -> Path:
 
 def preset_dict(name: str) -> dict[str, Any]:
     """The raw config.json dict of a preset: 'tiny', '0.6b' ... '32b' (Qwen3; a 'qwen3-' prefix is accepted),
-    'llama3-tiny', 'llama3-1b', 'llama3-8b'."""
+    'moe-tiny', '30b-a3b', '235b-a22b' (Qwen3-MoE), 'llama3-tiny', 'llama3-1b', 'llama3-8b'."""
     key = name.lower()
     bare = key.removeprefix("qwen3-")
-    if bare == "tiny" or bare in QWEN3_SIZES:  # bare names are Qwen3's
+    if bare in ("tiny", "moe-tiny") or bare in QWEN3_SIZES + QWEN3_MOE_SIZES:  # bare names are Qwen3's
         key = f"qwen3-{bare}"
     elif key not in PRESET_NAMES:
         raise ValueError(f"unknown preset {name!r}; expected one of {', '.join(PRESET_NAMES)}")

@@ -3,7 +3,9 @@ against xserv.ops.
 
 A layer is pre-norm attention (fused QKV GEMM, optional q/k head RMSNorm, RoPE, paged attention, o_proj) and a
 pre-norm SwiGLU MLP (fused gate/up GEMM, down). An architecture subclasses `DenseModel` and sets `LAYER_WEIGHTS`
-(its Hugging Face names) and `QK_NORM`; nothing else differs.
+(its Hugging Face names) and `QK_NORM`; nothing else differs. A mixture-of-experts model (qwen3_moe.py) reuses
+the loading and the forward through the hooks `layer_weights` / `field_shapes` / `part_rows` (its layers differ)
+and `_mlp` / `_post_attention_fused` (its sparse MLP block).
 
 The forward takes a Batch (packed tokens of several sequences, positions, block tables, slot mapping, which rows
 need logits) and the paged KV cache, so prefill, chunked prefill, decode and mixed batches share one code path.
@@ -106,8 +108,11 @@ class Workspace:
     """Activation buffers for up to `max_tokens` packed tokens and `max_logits` logit rows. The forward writes
     into views of these, so a step allocates nothing (what a CUDA graph needs)."""
 
-    def __init__(self, config, max_tokens: int, max_logits: int, device: str, dtype):
+    def __init__(self, config, max_tokens: int, max_logits: int, device: str, dtype, mlp_width: int | None = None):
+        """mlp_width: the dense MLP's intermediate size (default config.intermediate_size); 0: no dense MLP
+        buffers (a model whose every layer is sparse)."""
         c = config
+        inter = c.intermediate_size if mlp_width is None else mlp_width
         self.max_tokens, self.max_logits = max_tokens, max_logits
 
         def buf(cols, dt=dtype, rows=max_tokens):
@@ -118,8 +123,8 @@ class Workspace:
         self.normed = buf(c.hidden_size)
         self.qkv = buf(c.qkv_size)
         self.attn = buf(c.q_size)
-        self.gate_up = buf(2 * c.intermediate_size)
-        self.act = buf(c.intermediate_size)
+        self.gate_up = buf(2 * inter) if inter else None
+        self.act = buf(inter) if inter else None
         self.gathered = buf(c.hidden_size, rows=max_logits)
         self.logits = buf(c.vocab_size, float32, rows=max_logits)
 
@@ -133,6 +138,7 @@ class DenseModel:
 
     LAYER_WEIGHTS: ClassVar[tuple[tuple[str, str, str | None], ...]] = DENSE_LAYER_WEIGHTS
     QK_NORM: ClassVar[bool] = False  # q/k head RMSNorm before RoPE (Qwen3)
+    LAYER_CLASS: ClassVar[type] = DenseLayer  # what from_checkpoint builds from a layer's loaded fields
 
     def __init__(self, config, device: str, embed: Tensor, layers: list[DenseLayer], final_norm: Tensor,
                  lm_head: Tensor, max_positions: int | None = None):
@@ -157,11 +163,26 @@ class DenseModel:
         return KVLayout(c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
 
     # ---- weights ------------------------------------------------------------------------------------------
+    # The three hooks below describe the checkpoint; a model whose layers differ (MoE: sparse and dense layers)
+    # overrides them and reuses weight_table / from_checkpoint as they are.
+    @classmethod
+    def layer_weights(cls, config, layer: int) -> tuple[tuple[str, str, str | None], ...]:
+        """Layer `layer`'s rows of (HF name under model.layers.{i}., layer field, part)."""
+        return cls.LAYER_WEIGHTS
+
+    @classmethod
+    def field_shapes(cls, config) -> dict[str, tuple[int, ...]]:
+        return field_shapes(config)
+
+    @classmethod
+    def part_rows(cls, config) -> dict[str, tuple[int, int]]:
+        return part_rows(config)
+
     @classmethod
     def weight_table(cls, config) -> list[Weight]:
         """Every tensor a Hugging Face checkpoint of this architecture and config holds, in file order: what
         loading checks and fills, and what a random checkpoint is made of."""
-        shapes, rows = field_shapes(config), part_rows(config)
+        shapes, rows = cls.field_shapes(config), cls.part_rows(config)
 
         def weight(name, field, part=None, layer=None):
             span = rows[part] if part else None
@@ -170,7 +191,8 @@ class DenseModel:
 
         table = [weight("model.embed_tokens.weight", "embed")]
         for n in range(config.num_hidden_layers):
-            table += [weight(layer_prefix(n) + suffix, field, part, n) for suffix, field, part in cls.LAYER_WEIGHTS]
+            table += [weight(layer_prefix(n) + suffix, field, part, n)
+                      for suffix, field, part in cls.layer_weights(config, n)]
         table.append(weight("model.norm.weight", "final_norm"))
         if not config.tie_word_embeddings:
             table.append(weight("lm_head.weight", "lm_head"))
@@ -188,7 +210,7 @@ class DenseModel:
             expected["lm_head.weight"] = (config.vocab_size, config.hidden_size)  # present but unused
         reader.validate(expected)
         dtype = as_dtype(dtype) if dtype is not None else WEIGHT_DTYPE[device]
-        shapes = field_shapes(config)
+        shapes = cls.field_shapes(config)
         model_fields: dict[str, Tensor] = {}
         layer_fields: list[dict[str, Tensor]] = [{} for _ in range(config.num_hidden_layers)]
 
@@ -213,7 +235,7 @@ class DenseModel:
 
             synchronize()
         embed = model_fields["embed"]
-        model = cls(config, device, embed, [DenseLayer(**f) for f in layer_fields], model_fields["final_norm"],
+        model = cls(config, device, embed, [cls.LAYER_CLASS(**f) for f in layer_fields], model_fields["final_norm"],
                     model_fields.get("lm_head", embed), max_positions=max_positions)
         if device == "cpu":  # frozen: lets the CPU GEMM cache its float32 copies (xserv/ops/linear.py)
             for tensor in model.weight_tensors():
@@ -265,8 +287,8 @@ class DenseModel:
         qkv3 = qkv.view(t, hq + 2 * hkv, d)
         attn = ws.attn[:t]
         attn3 = attn.view(t, hq, d)
-        gate_up = ws.gate_up[:t]
-        act = ws.act[:t]
+        gate_up = ws.gate_up[:t] if ws.gate_up is not None else None
+        act = ws.act[:t] if ws.act is not None else None
 
         embedding(batch.input_ids, self.embed, out=hidden, feed=batch.feed)
         residual.zero_()  # the first layer's add starts the float32 stream from the embeddings, exactly
@@ -276,9 +298,7 @@ class DenseModel:
             self._attention(i, layer, batch, kv_cache, qkv3, attn3)
             self._project(attn, layer.o_proj, hidden)
             fused_add_rmsnorm(hidden, residual, layer.post_norm, self.eps, out=normed)
-            self._project(normed, layer.gate_up, gate_up)
-            silu_and_mul(gate_up, out=act)
-            self._project(act, layer.down, hidden)
+            self._mlp(i, layer, ws, normed, hidden, gate_up, act)
         fused_add_rmsnorm(hidden, residual, self.final_norm, self.eps, out=normed)
         if batch.logits_indices is not None:
             rows = ws.gathered[:n]
@@ -286,6 +306,14 @@ class DenseModel:
         else:
             rows = normed
         return self._project(rows, self.lm_head, ws.logits[:n])
+
+    def _mlp(self, i: int, layer: DenseLayer, ws: Workspace, normed: Tensor, out: Tensor, gate_up: Tensor,
+             act: Tensor) -> None:
+        """Layer i's MLP on the normalised rows (the unfused path): out bf16 [t, H]; gate_up and act are the
+        workspace's views for this forward's t rows."""
+        self._project(normed, layer.gate_up, gate_up)
+        silu_and_mul(gate_up, out=act)
+        self._project(act, layer.down, out)
 
     def _project(self, x: Tensor, weight: Tensor, out: Tensor) -> Tensor:
         """out = x @ weight^T: the GEMV kernel for the few-row shapes where it beats cuBLASLt, else cuBLASLt."""
@@ -314,6 +342,14 @@ class DenseModel:
         attention_prefill(qkv3, kv_cache.k[i], kv_cache.v[i], batch.cu_seqlens_q, batch.kv_lens, batch.block_tables,
                           self.scale, batch.max_q_len, out=attn3, num_q_heads=hq)
 
+    def _post_attention_fused(self, i: int, layer: DenseLayer, ws: Workspace, attn: Tensor, residual: Tensor,
+                              act: Tensor) -> None:
+        """The fused path's rest of layer i after attention: the o projection added into the fp32 residual, the
+        post-attention RMSNorm, the MLP and its residual add (three GEMV launches)."""
+        linear_add(attn, layer.o_proj, residual)
+        rmsnorm_linear_silu_mul(residual, layer.post_norm, self.eps, layer.gate_up, out=act)
+        linear_add(act, layer.down, residual)
+
     def _forward_fused(self, batch, kv_cache, ws: Workspace, t: int, n: int) -> Tensor:
         """The forward of one token as 5 launches per layer, chained by programmatic dependent launch: decode
         attention with QK-norm, RoPE and the KV write folded in (`_attention`), and the four projections as GEMV
@@ -323,15 +359,14 @@ class DenseModel:
         c = self.config
         hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         residual = ws.residual[:t]
-        qkv, attn, act = ws.qkv[:t], ws.attn[:t], ws.act[:t]
+        qkv, attn = ws.qkv[:t], ws.attn[:t]
+        act = ws.act[:t] if ws.act is not None else None
         qkv3, attn3 = qkv.view(t, hq + 2 * hkv, d), attn.view(t, hq, d)
         # the float32 stream starts from the embeddings, exactly
         embedding(batch.input_ids, self.embed, out=residual, feed=batch.feed)
         for i, layer in enumerate(self.layers):
             rmsnorm_linear(residual, layer.input_norm, self.eps, layer.qkv, out=qkv)
             self._attention(i, layer, batch, kv_cache, qkv3, attn3)
-            linear_add(attn, layer.o_proj, residual)
-            rmsnorm_linear_silu_mul(residual, layer.post_norm, self.eps, layer.gate_up, out=act)
-            linear_add(act, layer.down, residual)
+            self._post_attention_fused(i, layer, ws, attn, residual, act)
         return rmsnorm_linear(residual, self.final_norm, self.eps, self.lm_head, out=ws.logits[:n],
                               rows=batch.logits_indices)

@@ -1,8 +1,9 @@
 """`xserv make-test-model` (also `python -m tools.make_test_model` in a source tree): write a Hugging Face-format
-checkpoint folder (Qwen3 or Llama 3) with random weights at a preset's real shapes.
+checkpoint folder (Qwen3, Qwen3-MoE or Llama 3) with random weights at a preset's real shapes.
 
     xserv make-test-model --preset tiny --out models/tiny-random
     xserv make-test-model --preset 8b --out models/qwen3-8b-random --seed 1
+    xserv make-test-model --preset 30b-a3b --out /dev/shm/qwen3-30b-a3b-random   # 61 GB, one process per core
     xserv make-test-model --preset llama3-1b --out models/llama3-1b-random
 
 Norm weights are 1 + N(0, 0.1) (so a kernel that ignores them shows); --unit-norms gives transformers' ones. Every
@@ -18,12 +19,13 @@ import time
 
 from .config import PRESET_NAMES
 
-DESCRIPTION = ("Write a Hugging Face-format checkpoint folder (Qwen3 or Llama 3) with random weights at a preset's "
-               "real shapes, with the Qwen3 tokenizer: a model to try xserv on without downloading one.")
+DESCRIPTION = ("Write a Hugging Face-format checkpoint folder (Qwen3, Qwen3-MoE or Llama 3) with random weights at a "
+               "preset's real shapes, with the Qwen3 tokenizer: a model to try xserv on without downloading one.")
 EPILOG = """\
 examples:
   {prog} --preset tiny --out models/tiny-random
   {prog} --preset 0.6b --out models/qwen3-0.6b-random --seed 1
+  {prog} --preset 30b-a3b --out /dev/shm/qwen3-30b-a3b-random --workers 16
   {prog} --preset llama3-1b --out models/llama3-1b-random --shard-size 500MB"""
 
 
@@ -39,6 +41,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="RMSNorm weights all 1 (as transformers initialises them) instead of 1 + N(0, 0.1)")
     ap.add_argument("--untied", action="store_true", help="force tie_word_embeddings=false (a separate lm_head)")
     ap.add_argument("--layers", type=int, default=None, metavar="N", help="override num_hidden_layers")
+    ap.add_argument("--workers", type=int, default=None, metavar="N",
+                    help="processes generating and writing the tensors (default: 1 below 1 GiB, else one per core); "
+                         "the same bytes for any N")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar (there is none when stderr is "
                                                                "not a terminal)")
 
@@ -55,8 +60,10 @@ def run(args: argparse.Namespace) -> int:
         if args.layers < 1:
             raise ValueError(f"--layers must be >= 1, got {args.layers}")
         overrides["num_hidden_layers"] = args.layers
+    if args.workers is not None and args.workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {args.workers}")
     start = time.perf_counter()
-    out = make_test_model(args.preset, args.out, seed=args.seed, dtype=args.dtype,
+    out = make_test_model(args.preset, args.out, seed=args.seed, dtype=args.dtype, workers=args.workers,
                           perturb_norms=not args.unit_norms,
                           shard_size=DEFAULT_SHARD_SIZE if args.shard_size is None else parse_size(args.shard_size),
                           overrides=overrides, progress=False if args.no_progress else None)

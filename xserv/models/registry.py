@@ -10,10 +10,12 @@ from .config import DenseConfig, config_json_path, read_config_json
 from .dense import DenseModel
 from .llama import LlamaConfig, LlamaModel
 from .qwen3 import Qwen3Config, Qwen3Model
+from .qwen3_moe import Qwen3MoeConfig, Qwen3MoeModel
 
 ARCHITECTURES: dict[str, tuple[type[DenseConfig], type[DenseModel]]] = {
     "Qwen3ForCausalLM": (Qwen3Config, Qwen3Model),
     "LlamaForCausalLM": (LlamaConfig, LlamaModel),
+    "Qwen3MoeForCausalLM": (Qwen3MoeConfig, Qwen3MoeModel),
 }
 
 
