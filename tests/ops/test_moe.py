@@ -123,11 +123,20 @@ def test_bad_arguments_name_the_problem(rng):
 
 
 # ---- CUDA ----------------------------------------------------------------------------------------------------------
-def run_cuda(x, router, gate_up, down, k, renormalize, out_dtype=bfloat16, residual=None):
+def run_cuda(x, router, gate_up, down, k, renormalize, out_dtype=bfloat16, residual=None, size=None):
+    """size: force a GEMM tile shape (small / mid / large) through moe_stages, else moe_experts picks."""
+    from xserv.ops.moe import moe_stages
+
     t, h = x.shape
-    ws = MoeWorkspace(MoeShape(router.shape[0], k, h, gate_up.shape[1] // 2), t, "cuda")
+    shape = MoeShape(router.shape[0], k, h, gate_up.shape[1] // 2)
+    ws = MoeWorkspace(shape, t, "cuda")
     out = Tensor.from_numpy(residual) if residual is not None else poisoned((t, h), out_dtype)
-    moe_experts(*(Tensor.from_numpy(a) for a in (x, router, gate_up, down)), k, renormalize, out=out, workspace=ws)
+    args = [Tensor.from_numpy(a) for a in (x, router, gate_up, down)]
+    if size is None:
+        moe_experts(*args, k, renormalize, out=out, workspace=ws)
+    else:
+        for _, launch in moe_stages(*args, shape, renormalize, out, ws, t, size=size):
+            launch()
     return out.numpy(), ws
 
 
@@ -154,6 +163,7 @@ SHAPES = [  # t, experts, k, hidden, inter
     (64, 128, 8, 2048, 768),  # a decode batch
     (3, 8, 2, 136, 200),  # K and N tails (not multiples of 64 / 16)
     (300, 32, 8, 512, 256),  # 2400 entries: the prefill tiles
+    (20, 200, 6, 128, 64),  # more than 128 experts: 16 per lane
 ]
 
 
@@ -172,11 +182,26 @@ def test_cuda_matches_reference(rng, shape, renormalize):
     ids, w = moe_route_reference(logits, k, renormalize)
     np.testing.assert_array_equal(ws.ids.numpy()[:t * k].reshape(t, k), ids)
     np.testing.assert_allclose(ws.weights.numpy()[:t * k].reshape(t, k), w, rtol=2e-6)
-    check_sorted_list(ws, t, k, _TILES[_tile_for(t * k)])
+    check_sorted_list(ws, t, k, _TILES[_tile_for(t * k, e)])
     ref = moe_experts_reference(x, router, gate_up, down, k, renormalize, logits=logits)
     assert rel_error(got, ref.astype(bfloat16)) < 4e-3
     if t <= 5:
         assert rel_error(got, moe64(x, router, gate_up, down, k, renormalize)) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("size", ["small", "mid", "large"])
+@pytest.mark.parametrize("shape", [(300, 32, 8, 512, 256), (37, 8, 3, 200, 136)], ids=["t300", "tails"])
+def test_cuda_every_tile_shape(rng, size, shape):
+    from xserv.ops.moe import _TILES
+
+    t, e, k, h, inter = shape
+    x = random_array(rng, (t, h), bfloat16, mean=0.0)
+    router, gate_up, down = weights(rng, e, h, inter)
+    got, ws = run_cuda(x, router, gate_up, down, k, True, size=size)
+    check_sorted_list(ws, t, k, _TILES[size])
+    ref = moe_experts_reference(x, router, gate_up, down, k, True, logits=ws.logits.numpy()[:t])
+    assert rel_error(got, ref.astype(bfloat16)) < 4e-3
 
 
 @pytest.mark.gpu
@@ -211,7 +236,7 @@ def test_cuda_shared_and_unpicked_experts(rng, t):
     assert np.all(ids[:, :k - 1] == np.arange(k - 1)) and not np.isin(ids, np.arange(e - 4, e)).any()
     from xserv.ops.moe import _TILES, _tile_for
 
-    check_sorted_list(ws, t, k, _TILES[_tile_for(t * k)])
+    check_sorted_list(ws, t, k, _TILES[_tile_for(t * k, e)])
     ref = moe_experts_reference(x, router, gate_up, down, k, False, logits=ws.logits.numpy()[:t])
     assert rel_error(got, ref.astype(bfloat16)) < 4e-3
 

@@ -13,8 +13,9 @@ fused layout), down bf16 [E, H, I]. The rounding points are a dense MLP's (silu_
 one expert's MLP rounds exactly as xserv's dense MLP does.
 
 CUDA (cuda_src/moe.cu, docs/kernels/moe.md): the router logits are a linear (the GEMV kernel for one row,
-cuBLASLt above); `moe_route` (one CTA) takes the top-k, counts the entries per expert and writes the expert-sorted
-entry list padded to whole token tiles, all on the GPU; `moe_gemm_gate_up` and `moe_gemm_down` are grouped GEMMs
+cuBLASLt above); the routing kernels take the top-k, counts the entries per expert and writes the expert-sorted
+entry list padded to whole token tiles, all on the GPU (one CTA for decode-sized steps; a top-k grid then
+one sorting CTA for prefill); `moe_gemm_gate_up` and `moe_gemm_down` are grouped GEMMs
 over that list (mma.sync m16n8k16, the weights as the M operand so a tile of 8..64 tokens streams an expert's
 weights once); `moe_combine` sums each token's k expert outputs in order. Nothing comes back to the host, so a
 decode step's forward is graph-captured with the expert ids on the device.
@@ -29,7 +30,7 @@ from ..tensor import Tensor, bfloat16, float32, int32
 from ._checks import check_tensor, output, same_device
 from ._launch import cdiv
 
-MAX_EXPERTS = 512  # moe_route keeps a token's router row in registers: E / 32 values per lane
+MAX_EXPERTS = 512  # the routing kernels keep a token's router row in registers: E / 32 values per lane
 MAX_TOP_K = 32
 
 
@@ -121,8 +122,7 @@ class MoeWorkspace:
         e, k = shape.num_experts, shape.top_k
         entries = max_tokens * k
         # a smaller step may take the other tile size: room for the padded list of either
-        rows = max(_max_tiles(n, e, tile) * tile for tile in _TILES.values() for n in (entries, min(
-            entries, _LARGE_FROM_ENTRIES - 1)))
+        rows = max(_max_tiles(entries, e, tile) * tile for tile in _TILES.values())
         self.logits = Tensor.empty((max_tokens, e), float32, "cuda")
         self.ids = Tensor.empty((entries,), int32, "cuda")
         self.weights = Tensor.empty((entries,), float32, "cuda")
@@ -169,12 +169,14 @@ def moe_experts(x: Tensor, router: Tensor, gate_up: Tensor, down: Tensor, top_k:
 # Token tiles of the grouped GEMMs (rows of one expert a CTA multiplies): 8 for decode-sized steps (an expert is
 # picked by a few tokens; 8 is one mma n-tile), 64 for prefill. Chosen from the entry count (tokens x k) so that
 # the average expert fills its tiles.
-_TILES = {"small": 8, "large": 64}
+_TILES = {"small": 8, "mid": 64, "large": 128}
 _LARGE_FROM_ENTRIES = 2048  # >= 16 entries per expert on average with 128 experts
 
 
-def _tile_for(entries: int) -> str:
-    return "large" if entries >= _LARGE_FROM_ENTRIES else "small"
+def _tile_for(entries: int, num_experts: int = 128) -> str:
+    if entries < _LARGE_FROM_ENTRIES:
+        return "small"
+    return "large" if entries >= 192 * num_experts else "mid"
 
 
 def _max_tiles(entries: int, num_experts: int, tile: int) -> int:
@@ -183,10 +185,15 @@ def _max_tiles(entries: int, num_experts: int, tile: int) -> int:
     return entries // tile + min(num_experts, entries)
 
 
-_ROUTE_THREADS = 1024
-
-
 def _moe_cuda(x, router, gate_up, down, shape: MoeShape, renormalize: bool, out, ws: MoeWorkspace, t: int) -> None:
+    for _, launch in moe_stages(x, router, gate_up, down, shape, renormalize, out, ws, t):
+        launch()
+
+
+def moe_stages(x, router, gate_up, down, shape: MoeShape, renormalize: bool, out, ws: MoeWorkspace, t: int,
+               size: str | None = None) -> list[tuple[str, object]]:
+    """The launches of one moe_experts call in order, as (name, no-argument callable): what _moe_cuda runs, and
+    what tools/bench_moe.py times one by one. `size` forces the GEMM tile shape ("small" / "large")."""
     from ..runtime import kernel
     from ..runtime.compiler import piece
     from .gemv import gemv_supported, linear_gemv, prefer_gemv
@@ -195,27 +202,38 @@ def _moe_cuda(x, router, gate_up, down, shape: MoeShape, renormalize: bool, out,
     e, k, h, inter = shape.num_experts, shape.top_k, shape.hidden, shape.inter
     entries = t * k
     logits = ws.logits[:t]
-    if prefer_gemv(t, e, h) and gemv_supported(t, h):
-        linear_gemv(x, router, out=logits)
-    else:
-        linear(x, router, out=logits)
-    size = _tile_for(entries)
+    size = size or _tile_for(entries, e)
     tile = _TILES[size]
     max_tiles = _max_tiles(entries, e, tile)
     family = piece("moe", moe=1)
-    kernel(family, "moe_route")(1, _ROUTE_THREADS, logits, ws.ids, ws.weights, ws.sorted, ws.tile_expert,
-                                np.int32(t), np.int32(e), np.int32(k), np.int32(1 if renormalize else 0),
-                                np.int32(tile), np.int32(max_tiles), smem=3 * e * 4)
     cfg = _GEMM[size]
-    # gate/up: a CTA's rows are `rows // 2` gate rows and the matching up rows (its epilogue pairs them)
-    kernel(family, f"moe_gemm_gate_up_{size}")(
-        (cdiv(inter, cfg.rows // 2), max_tiles), cfg.threads, x, gate_up, ws.sorted, ws.tile_expert, ws.act,
-        np.int32(k), np.int32(h), np.int32(inter), smem=cfg.smem)
-    kernel(family, f"moe_gemm_down_{size}")(
-        (cdiv(h, cfg.rows), max_tiles), cfg.threads, ws.act, down, ws.sorted, ws.tile_expert, ws.y,
-        np.int32(k), np.int32(inter), np.int32(h), smem=cfg.smem)
-    name = "moe_combine_add" if out.dtype == float32 else "moe_combine_store"
-    kernel(family, name)(cdiv(t * (h // 8), 256), 256, ws.y, ws.weights, out, np.int32(t), np.int32(k), np.int32(h))
+    combine = "moe_combine_add" if out.dtype == float32 else "moe_combine_store"
+    gemv = prefer_gemv(t, e, h) and gemv_supported(t, h)
+    per_lane = 4 if e <= 128 else 16  # the router row in registers: experts per lane
+    flag = np.int32(1 if renormalize else 0)
+    if size == "small":  # routing and the sorted list in one CTA
+        route = [("route", lambda: kernel(family, f"moe_route_p{per_lane}")(
+            1, 256, logits, ws.ids, ws.weights, ws.sorted, ws.tile_expert, np.int32(t), np.int32(e), np.int32(k),
+            flag, np.int32(tile), np.int32(max_tiles), smem=3 * e * 4))]
+    else:  # a warp per token over a grid, then one CTA sorts
+        route = [("topk", lambda: kernel(family, f"moe_topk_p{per_lane}")(
+                     cdiv(t, 8), 256, logits, ws.ids, ws.weights, np.int32(t), np.int32(e), np.int32(k), flag)),
+                 ("sort", lambda: kernel(family, "moe_sort")(
+                     1, 1024, ws.ids, ws.sorted, ws.tile_expert, np.int32(entries), np.int32(e), np.int32(tile),
+                     np.int32(max_tiles), smem=3 * e * 4))]
+    return [
+        ("router", (lambda: linear_gemv(x, router, out=logits)) if gemv else (lambda: linear(x, router, out=logits))),
+        *route,
+        # gate/up: a CTA's rows are `rows // 2` gate rows and the matching up rows (its epilogue pairs them)
+        ("gate_up", lambda: kernel(family, f"moe_gemm_gate_up_{size}")(
+            (cdiv(inter, cfg.rows // 2), max_tiles), cfg.threads, x, gate_up, ws.sorted, ws.tile_expert, ws.act,
+            np.int32(k), np.int32(h), np.int32(inter), smem=cfg.smem)),
+        ("down", lambda: kernel(family, f"moe_gemm_down_{size}")(
+            (cdiv(h, cfg.rows), max_tiles), cfg.threads, ws.act, down, ws.sorted, ws.tile_expert, ws.y,
+            np.int32(k), np.int32(inter), np.int32(h), smem=cfg.smem)),
+        ("combine", lambda: kernel(family, combine)(
+            cdiv(t * (h // 8), 256), 256, ws.y, ws.weights, out, np.int32(t), np.int32(k), np.int32(h))),
+    ]
 
 
 @dataclass(frozen=True)
@@ -225,10 +243,13 @@ class _GemmConfig:
     smem: int  # dynamic shared memory bytes (the cp.async ring)
 
 
-# Must match the instantiations in cuda_src/moe.cu (MoeTile<...>): stages x (rows + tile) x 64 bf16 of K.
-def _gemm_config(rows: int, tile: int, warps: int, stages: int) -> _GemmConfig:
-    return _GemmConfig(rows, warps * 32, stages * (rows + tile) * 64 * 2)
+# Must match the instantiations in cuda_src/moe.cu (XSERV_MOE_GEMM): rows = 32 x warps_m, the ring stages x
+# (rows + tile) x 64 bf16 of K.
+def _gemm_config(warps_m: int, warps_n: int, warps_k: int, tile: int, stages: int) -> _GemmConfig:
+    rows = 32 * warps_m
+    return _GemmConfig(rows, 32 * warps_m * warps_n * warps_k, stages * (rows + tile) * 64 * 2)
 
 
-_GEMM = {"small": _gemm_config(rows=32, tile=8, warps=4, stages=4),
-         "large": _gemm_config(rows=128, tile=64, warps=4, stages=3)}
+_GEMM = {"small": _gemm_config(1, 1, 4, tile=8, stages=4),
+         "mid": _gemm_config(4, 1, 1, tile=64, stages=3),
+         "large": _gemm_config(4, 2, 1, tile=128, stages=3)}
