@@ -3,6 +3,7 @@ xserv.cli.main in this process: what `python -m xserv` adds (the process, its ex
 test_cli.py, and a subprocess per benchmark cost ~1.3 s of CPU apiece in start-up alone."""
 import json
 
+import numpy as np
 import pytest
 
 from qwen3_reference import tiny_model_dir  # noqa: F401
@@ -134,3 +135,159 @@ def test_bench_serve_json_schema_sends_the_field(tmp_path, capsys):
     assert all("response_format" not in b and b["ignore_eos"] is True for b in bodies)
     with pytest.raises(ValueError, match="--json-schema"):
         serve.load_schema(str(tmp_path / "missing.json"))
+
+
+# ---- the limits of a mixture-of-experts model (CPU arithmetic; the GPU run: tools/gpu_bench_moe.sh) ----------------
+def _fake_model(num_experts=0, top_k=0, *, layers=4, hidden=64, inter=96, moe_inter=32, vocab=1000, heads=4,
+                kv_heads=2, head_dim=16, tied=False, mlp_only=(), sparse_step=1):
+    """A stand-in with what the benchmarks read: config sizes, weight_tensors() (only nbytes), and for a MoE config
+    step_weight_bytes(x): every non-expert weight + x experts per sparse layer (HF's rule for which layers are)."""
+    from types import SimpleNamespace
+
+    moe = num_experts > 0
+    config = SimpleNamespace(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                             num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                             tie_word_embeddings=tied)
+    if moe:
+        config.__dict__.update(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=moe_inter,
+                               mlp_only_layers=list(mlp_only), decoder_sparse_step=sparse_step, norm_topk_prob=True)
+    sparse = [moe and i not in mlp_only and (i + 1) % sparse_step == 0 for i in range(layers)]
+    attn = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 2 * head_dim + 2 * hidden
+    expert = 3 * hidden * moe_inter  # gate, up, down
+    nbytes = [2 * vocab * hidden] * (1 if tied else 2) + [2 * hidden]
+    for s in sparse:
+        mlp = [2 * hidden * num_experts] + [2 * expert] * num_experts if s else [2 * 3 * hidden * inter]
+        nbytes += [2 * attn] + mlp
+    fixed = sum(nbytes) - 2 * expert * num_experts * sum(sparse)
+    model = SimpleNamespace(config=config, weight_tensors=lambda: [SimpleNamespace(nbytes=n) for n in nbytes])
+    if moe:
+        model.step_weight_bytes = lambda x: fixed + 2 * expert * x * sum(sparse)
+    return model
+
+
+def test_expected_touched_experts_is_uniform_routing():
+    from xserv.bench.common import expected_touched_experts
+
+    assert expected_touched_experts(128, 8, 1) == 8 and expected_touched_experts(128, 8, 0) == 0
+    assert expected_touched_experts(16, 4, 3) == pytest.approx(16 * (1 - (3 / 4) ** 3))  # 9.25
+    assert expected_touched_experts(128, 8, 4096) == pytest.approx(128)
+    touched = [expected_touched_experts(128, 8, b) for b in (1, 2, 8, 64, 256)]
+    assert touched == sorted(touched) and len(set(touched)) == len(touched) and touched[-1] < 128
+    rng = np.random.default_rng(0)  # Monte Carlo: B tokens, each k distinct experts of E uniformly
+    for e, k, b in ((16, 4, 3), (128, 8, 16), (128, 8, 64)):
+        draws = [len(set(np.concatenate([rng.choice(e, k, replace=False) for _ in range(b)]))) for _ in range(2000)]
+        assert np.mean(draws) == pytest.approx(expected_touched_experts(e, k, b), rel=0.02)
+
+
+def test_moe_workload_limit_counts_the_experts_a_step_touches():
+    from xserv.bench.common import expected_touched_experts, kv_bytes_per_token, workload_limit
+
+    ceilings = {"copy_bytes_per_s": 1e12, "gemm_flops_per_s": 1e14}
+    moe = _fake_model(16, 4)
+    prompts, outs = [10, 20, 30], [3, 5, 5]
+    got = workload_limit(moe, prompts, outs, ceilings)
+    kv = kv_bytes_per_token(moe.config)
+    embed = 2 * moe.config.vocab_size * moe.config.hidden_size  # a step reads one row of the untied input table
+    want = 0.0  # steps 1..4: three live sequences at step 1 and 2, two at 3 and 4
+    for s in range(1, 5):
+        live = [(p, o) for p, o in zip(prompts, outs) if o > s]
+        want += (moe.step_weight_bytes(expected_touched_experts(16, 4, len(live))) - embed
+                 + kv * sum(p + s for p, _ in live))
+    assert got["decode_s"] == pytest.approx(want / 1e12)
+    assert got["moe"]["touched_experts"][1] == 4 and got["moe"]["routing"].startswith("uniform")
+    # fewer bytes than a model that reads every expert every step, more than one reading only k
+    dense_like = workload_limit(_fake_model(16, 16), prompts, outs, ceilings)
+    assert got["decode_s"] < dense_like["decode_s"]
+    # a MoE model whose every token takes every expert is limited as a dense model of those bytes (less the input
+    # embedding table per step; with a tied one, exactly)
+    for tied in (False, True):
+        everything = _fake_model(16, 16, tied=tied)
+        plain = _fake_model(16, 16, tied=tied)
+        del plain.step_weight_bytes  # no step_weight_bytes: read as dense (all weights per step, all active)
+        a, b = workload_limit(everything, prompts, outs, ceilings), workload_limit(plain, prompts, outs, ceilings)
+        assert a["decode_s"] == pytest.approx(b["decode_s"] - (0 if tied else 4 * embed / 1e12))
+        assert a["prefill_s"] == pytest.approx(b["prefill_s"]) and "moe" not in b
+
+
+def test_moe_prefill_flops_count_active_parameters():
+    from xserv.bench.common import active_weight_bytes, all_weight_bytes, prefill_flops
+
+    m = _fake_model(16, 4, mlp_only=(1,))  # layers 0, 2, 3 sparse; layer 1 a dense MLP
+    c = m.config
+    expert_bytes = 2 * 3 * c.hidden_size * c.moe_intermediate_size
+    assert active_weight_bytes(m) == all_weight_bytes(m) - 3 * (16 - 4) * expert_bytes
+    embed = c.vocab_size * c.hidden_size
+    layer_params = active_weight_bytes(m) // 2 - 2 * embed
+    t = 100
+    attn = 2 * 2 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * t * t / 2
+    assert prefill_flops(m, [t]) == pytest.approx(2 * layer_params * t + 2 * embed + attn)
+    dense = _fake_model()  # a dense model's active parameters are all of them
+    assert active_weight_bytes(dense) == all_weight_bytes(dense)
+
+
+def test_moe_batch1_limits():
+    from xserv.bench.common import batch1_limits, kv_bytes_per_token
+
+    ceilings = {"copy_bytes_per_s": 1e12, "gemm_flops_per_s": 1e14}
+    m = _fake_model(16, 4, sparse_step=2)
+    lim = batch1_limits(m, 512, 129, ceilings)
+    kv = kv_bytes_per_token(m.config)
+    embed = 2 * m.config.vocab_size * m.config.hidden_size  # a step reads one row of the input embedding table
+    assert lim["decode_mean_context"] == 512 + 64.5
+    assert lim["decode_step_bytes"] == pytest.approx(m.step_weight_bytes(4) - embed + kv * (512 + 64.5))
+    assert lim["decode_limit_tokens_per_s"] == pytest.approx(1e12 / lim["decode_step_bytes"])
+    assert lim["decode_limit_tokens_per_s_with_embedding"] == pytest.approx(1e12 / (lim["decode_step_bytes"] + embed))
+    assert lim["ttft_weight_read_s"] == pytest.approx((m.step_weight_bytes(16) - embed) / 1e12, rel=1e-6)  # all
+    tied = batch1_limits(_fake_model(16, 4, tied=True), 512, 129, ceilings)  # the table is the lm_head: it stays
+    assert tied["decode_step_bytes"] == pytest.approx(_fake_model(16, 4, tied=True).step_weight_bytes(4)
+                                                      + kv * (512 + 64.5))
+    assert "decode_limit_tokens_per_s_with_embedding" not in tied
+    dense = _fake_model()  # a dense model: every weight, the table included (the standing figures' convention)
+    assert batch1_limits(dense, 512, 129, ceilings)["decode_step_bytes"] == pytest.approx(
+        sum(t.nbytes for t in dense.weight_tensors()) + kv_bytes_per_token(dense.config) * (512 + 64.5))
+
+
+def test_moe_limits_at_qwen3_30b_a3b_shapes():
+    """The published sizes of Qwen3-30B-A3B (30.5B parameters, 3.3B active) from its config's shapes."""
+    from xserv.bench.common import active_weight_bytes, all_weight_bytes, decode_weight_bytes, step_weight_bytes
+
+    m = _fake_model(128, 8, layers=48, hidden=2048, inter=6144, moe_inter=768, vocab=151936, heads=32, kv_heads=4,
+                    head_dim=128)
+    assert all_weight_bytes(m) / 2 == pytest.approx(30.5e9, rel=0.01)
+    assert active_weight_bytes(m) / 2 == pytest.approx(3.35e9, rel=0.01)
+    assert step_weight_bytes(m, 1) == active_weight_bytes(m)  # one token computes with what it reads
+    assert step_weight_bytes(m, 256) == pytest.approx(all_weight_bytes(m), rel=1e-3)
+    embed = 2 * 151936 * 2048
+    assert decode_weight_bytes(m, 1) == active_weight_bytes(m) - embed  # 6.08 GB a batch-1 step
+    assert decode_weight_bytes(m, 1) / 1e9 == pytest.approx(6.08, abs=0.01)
+
+
+def test_moe_limits_of_the_real_model_class(tmp_path):
+    """The same arithmetic through xserv's Qwen3-MoE model (skipped until xserv/models/qwen3_moe.py exists): the
+    active bytes are all weights less (E - k) experts per sparse layer, and the limit of a workload is below the
+    one that would read every expert every step."""
+    pytest.importorskip("xserv.models.qwen3_moe")
+    from xserv.bench.common import active_weight_bytes, all_weight_bytes, moe_experts, workload_limit
+    from xserv.models.random_checkpoint import make_test_model
+    from xserv.models.registry import load_model
+
+    folder = make_test_model("moe-tiny", tmp_path / "moe", overrides={"mlp_only_layers": [0]}, progress=False)
+    model = load_model(folder, "cpu", progress=False)
+    c = model.config
+    num, k = moe_experts(model)
+    sparse = [i not in c.mlp_only_layers and (i + 1) % c.decoder_sparse_step == 0 for i in range(c.num_hidden_layers)]
+    expert_bytes = 3 * c.hidden_size * c.moe_intermediate_size * 2
+    assert active_weight_bytes(model) == all_weight_bytes(model) - sum(sparse) * (num - k) * expert_bytes
+    ceilings = {"copy_bytes_per_s": 1e12, "gemm_flops_per_s": 1e14}
+    lim = workload_limit(model, [20, 30], [4, 6], ceilings)  # 5 decode steps, each below all the weights
+    assert lim["decode_s"] < 5 * all_weight_bytes(model) / 1e12 and "moe" in lim
+
+
+def test_latency_roofline_is_cuda_only_and_load_times_are_in_the_json(bench, tmp_path):
+    out = tmp_path / "lat.json"
+    code, stdout, err = bench("latency", "--input-len", "8", "--output-len", "2", "--iters", "1", "--roofline",
+                              "--json", str(out))
+    assert code == 0, err
+    assert "CUDA only" in stdout
+    res = json.loads(out.read_text())
+    assert res["load_s"]["weights_s"] > 0 and "roofline" not in res

@@ -81,29 +81,180 @@ def measure_ceilings() -> dict:
     return {"copy_bytes_per_s": 2 * nbytes / copy_s, "gemm_flops_per_s": 2 * n**3 / gemm_s}
 
 
-def workload_limit(model, prompt_lens, output_lens, ceilings: dict) -> dict:
-    """The physical limit of generating `output_lens[i]` tokens after prompts of `prompt_lens[i]` tokens, all
-    batched together: every decode step reads the weights once and every live sequence's K/V at the copy
-    bandwidth; prefill runs its GEMM and attention FLOPs at the measured GEMM rate."""
+# ---- what a step reads and computes (dense and mixture-of-experts models) --------------------------------------------
+def moe_experts(model) -> tuple[int, int] | None:
+    """(num_experts, num_experts_per_tok) of a mixture-of-experts model (its config has experts and the model counts
+    what a step touches: `step_weight_bytes`), else None: a dense model, whose every step reads every weight."""
     c = model.config
-    weight_bytes = sum(t.nbytes for t in model.weight_tensors())
-    kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2  # bf16 K and V
+    num, k = getattr(c, "num_experts", 0) or 0, getattr(c, "num_experts_per_tok", 0) or 0
+    if num > 0 and k > 0 and callable(getattr(model, "step_weight_bytes", None)):
+        return int(num), int(k)
+    return None
+
+
+def expected_touched_experts(num_experts: int, top_k: int, num_tokens: int) -> float:
+    """Distinct experts one sparse layer runs for num_tokens tokens when routing is uniform (each token's top_k
+    experts a uniform draw of top_k distinct ones of num_experts, tokens independent): an expert is missed by one
+    token with probability 1 - k/E, so E * (1 - (1 - k/E)^B) are touched. One token: exactly k; many: E."""
+    if num_tokens <= 0:
+        return 0.0
+    if num_tokens == 1:
+        return float(top_k)
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** num_tokens)
+
+
+UNIFORM_ROUTING_NOTE = ("experts touched by B tokens per sparse layer: E(1 - (1 - k/E)^B), uniform routing assumed "
+                        "(random-weight routers route close to uniformly; a trained router's skew touches fewer, "
+                        "for which this limit is lenient)")
+
+
+def all_weight_bytes(model) -> int:
+    """Every weight tensor's bytes (what a dense decode step reads)."""
+    if hasattr(model, "weight_tensors"):
+        return sum(t.nbytes for t in model.weight_tensors())
+    return int(model.weight_bytes())
+
+
+def step_weight_bytes(model, num_tokens: int, weight_bytes: int | None = None):
+    """Weight bytes a forward of num_tokens tokens reads: all of them for a dense model; for a mixture-of-experts
+    model the non-expert weights and the experts num_tokens tokens touch (expected_touched_experts)."""
+    moe = moe_experts(model)
+    if moe is None:
+        return all_weight_bytes(model) if weight_bytes is None else weight_bytes
+    return float(model.step_weight_bytes(expected_touched_experts(*moe, num_tokens)))
+
+
+def embedding_table_bytes(model) -> int:
+    """Bytes of the input embedding table a decode step leaves unread (it reads one row per sequence), for a
+    mixture-of-experts model with an untied lm_head; 0 otherwise: a dense model's limits count every weight, the
+    table included (the standing figures' convention, kept), and a tied table is the lm_head, which every step
+    reads."""
+    c = model.config
+    if moe_experts(model) is None or c.tie_word_embeddings:
+        return 0
+    return 2 * c.vocab_size * c.hidden_size  # bf16, as prefill_flops counts parameters
+
+
+def decode_weight_bytes(model, num_seqs: int, weight_bytes: int | None = None):
+    """Weight bytes a decode step of num_seqs sequences reads: a dense model's every weight; a mixture-of-experts
+    model's attention and router weights, the experts its sequences touch (uniform routing), norms and lm_head (the
+    issue's definition: the embedding table left out, embedding_table_bytes)."""
+    return step_weight_bytes(model, num_seqs, weight_bytes) - embedding_table_bytes(model)
+
+
+def active_weight_bytes(model, weight_bytes: int | None = None) -> int:
+    """Bytes of the weights one token computes with: all of them for a dense model; a mixture-of-experts model's less
+    the experts a token skips (E - k per sparse layer, priced by the model's own step_weight_bytes)."""
+    weight_bytes = all_weight_bytes(model) if weight_bytes is None else weight_bytes
+    moe = moe_experts(model)
+    if moe is None:
+        return weight_bytes
+    num, k = moe
+    return int(round(weight_bytes - (model.step_weight_bytes(num) - model.step_weight_bytes(k))))
+
+
+def kv_bytes_per_token(config) -> int:
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 2  # bf16 K and V
+
+
+def prefill_flops(model, prompt_lens, weight_bytes: int | None = None) -> float:
+    """FLOPs of prefilling these prompts: 2 per active parameter per token (the LM head once per prompt: only the
+    last position's logits are computed) plus causal attention (QK^T and PV over half the square)."""
+    c = model.config
     embed = c.vocab_size * c.hidden_size
-    params = weight_bytes // 2
+    params = active_weight_bytes(model, weight_bytes) // 2
     layer_params = params - embed * (1 if c.tie_word_embeddings else 2)
     prompts = np.asarray(prompt_lens, np.float64)
-    outs = np.asarray(output_lens, np.int64)
     attn_flops = 2 * 2 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * np.sum(prompts**2) / 2
-    prefill_flops = 2 * layer_params * prompts.sum() + 2 * embed * len(prompts) + attn_flops
-    prefill_s = prefill_flops / ceilings["gemm_flops_per_s"]
+    return 2 * layer_params * prompts.sum() + 2 * embed * len(prompts) + attn_flops
+
+
+def moe_summary(model, weight_bytes: int | None = None) -> dict | None:
+    """What a mixture-of-experts limit assumed (None for a dense model): the experts touched and bytes read per
+    decode step at a few batch sizes, and the active weight bytes."""
+    moe = moe_experts(model)
+    if moe is None:
+        return None
+    weight_bytes = all_weight_bytes(model) if weight_bytes is None else weight_bytes
+    num, k = moe
+    sizes = (1, 8, 64, 256)
+    return {"num_experts": num, "top_k": k, "routing": "uniform (assumed)", "weight_bytes": weight_bytes,
+            "active_weight_bytes": active_weight_bytes(model, weight_bytes),
+            "touched_experts": {b: expected_touched_experts(num, k, b) for b in sizes},
+            "decode_weight_bytes": {b: decode_weight_bytes(model, b, weight_bytes) for b in sizes}}
+
+
+def moe_summary_line(summary: dict) -> str:
+    t, b = summary["touched_experts"], summary["decode_weight_bytes"]
+    return (f"  MoE ({summary['top_k']} of {summary['num_experts']} experts per token; {UNIFORM_ROUTING_NOTE}): "
+            + ", ".join(f"B={n}: {t[n]:.1f} experts, {b[n] / 1e9:.2f} GB" for n in t)
+            + f" of weights per decode step (the input embedding table left out: a step reads one row of it); all "
+            f"weights {summary['weight_bytes'] / 1e9:.2f} GB, active per token "
+            f"{summary['active_weight_bytes'] / 1e9:.2f} GB (the prefill FLOPs count these)")
+
+
+def workload_limit(model, prompt_lens, output_lens, ceilings: dict) -> dict:
+    """The physical limit of generating `output_lens[i]` tokens after prompts of `prompt_lens[i]` tokens, all
+    batched together: every decode step reads the weights once (a mixture-of-experts model: the non-expert weights
+    but the embedding table, and the experts its B live sequences touch under uniform routing; decode_weight_bytes)
+    and every live sequence's K/V at the copy bandwidth; prefill runs its GEMM and attention FLOPs (active
+    parameters) at the measured GEMM rate."""
+    c = model.config
+    weight_bytes = all_weight_bytes(model)
+    kv_per_token = kv_bytes_per_token(c)
+    prompts = np.asarray(prompt_lens, np.float64)
+    outs = np.asarray(output_lens, np.int64)
+    prefill_s = prefill_flops(model, prompt_lens, weight_bytes) / ceilings["gemm_flops_per_s"]
+    step_bytes: dict[int, float] = {}
     # decode step s (1..max-1) runs every sequence that still wants a token; it reads the cached K/V of
     # prompt + s tokens for each
     order = np.sort(outs)
     decode_bytes = 0.0
     for s in range(1, int(order[-1])):
         live = outs > s
-        decode_bytes += weight_bytes + kv_per_token * float(np.sum(prompts[live] + s))
+        b = int(np.count_nonzero(live))
+        if b not in step_bytes:
+            step_bytes[b] = decode_weight_bytes(model, b, weight_bytes)
+        decode_bytes += step_bytes[b] + kv_per_token * float(np.sum(prompts[live] + s))
     decode_s = decode_bytes / ceilings["copy_bytes_per_s"]
     total = prefill_s + decode_s
-    return {"limit_s": total, "prefill_s": prefill_s, "decode_s": decode_s,
-            "limit_output_tokens_per_s": float(outs.sum()) / total}
+    result = {"limit_s": total, "prefill_s": prefill_s, "decode_s": decode_s,
+              "limit_output_tokens_per_s": float(outs.sum()) / total}
+    moe = moe_summary(model, weight_bytes)
+    if moe is not None:
+        result["moe"] = moe
+    return result
+
+
+def batch1_limits(model, prompt_len: int, output_len: int, ceilings: dict) -> dict:
+    """Batch-1 rooflines of one request: its decode steps (weights a one-token step reads + the K/V of the context,
+    at the copy bandwidth), averaged over the output_len - 1 steps after the first token, and its time to first
+    token at the prompt's FLOPs (active parameters) at the GEMM rate, with the weights a prompt of that many tokens
+    reads at the copy bandwidth beside it (a MoE prompt touches nearly every expert).
+
+    A dense model's step counts every weight tensor, the input embedding table included (the standing figures'
+    convention, kept). A mixture-of-experts step reads the attention and router weights, its k routed experts per
+    sparse layer, the norms and lm_head, and one row of the embedding table: the table is left out
+    (decode_weight_bytes), and the roofline counting it as the dense ones do is reported beside
+    (decode_limit_tokens_per_s_with_embedding)."""
+    c = model.config
+    weight_bytes = all_weight_bytes(model)
+    kv = kv_bytes_per_token(c)
+    steps = max(output_len - 1, 1)
+    mean_context = prompt_len + (steps + 1) / 2  # step j (1..steps) reads the K/V of prompt + j tokens
+    step_bytes = decode_weight_bytes(model, 1, weight_bytes) + kv * mean_context
+    extra = {}
+    embed_bytes = embedding_table_bytes(model)
+    if embed_bytes:
+        extra = {"decode_limit_tokens_per_s_with_embedding": ceilings["copy_bytes_per_s"] / (step_bytes + embed_bytes),
+                 "embedding_bytes_left_out": embed_bytes}
+    decode_step_s = step_bytes / ceilings["copy_bytes_per_s"]
+    ttft_flops_s = prefill_flops(model, [prompt_len], weight_bytes) / ceilings["gemm_flops_per_s"]
+    ttft_bytes_s = decode_weight_bytes(model, prompt_len, weight_bytes) / ceilings["copy_bytes_per_s"]
+    result = {"decode_step_bytes": step_bytes, "decode_mean_context": mean_context,
+              "decode_limit_tokens_per_s": 1.0 / decode_step_s, "ttft_flop_limit_s": ttft_flops_s,
+              "ttft_weight_read_s": ttft_bytes_s, **extra}
+    moe = moe_summary(model, weight_bytes)
+    if moe is not None:
+        result["moe"] = moe
+    return result

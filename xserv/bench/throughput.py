@@ -9,7 +9,8 @@ import time
 
 import numpy as np
 
-from .common import add_workload_arguments, device_name, measure_ceilings, workload_limit, write_json
+from .common import (add_workload_arguments, device_name, measure_ceilings, moe_summary_line, workload_limit,
+                     write_json)
 
 
 def add_arguments(p) -> None:
@@ -105,6 +106,8 @@ def run(args) -> int:
               f"(prefill {limit['prefill_s']:.2f} s at {ceilings['gemm_flops_per_s'] / 1e12:.0f} TFLOP/s, decode "
               f"{limit['decode_s']:.2f} s at {ceilings['copy_bytes_per_s'] / 1e9:,.0f} GB/s copy bandwidth): "
               f"this run reached {limit['limit_s'] / elapsed:.0%} of it")
+        if "moe" in limit:  # the decode steps read only the experts their sequences touch: say what was assumed
+            print(moe_summary_line(limit["moe"]))
     write_json(args.json, result)
     if plot is not None:
         _plot(plot, steps, start, args.plot)
