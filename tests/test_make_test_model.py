@@ -223,6 +223,12 @@ def test_refuses_when_the_filesystem_is_too_small(tmp_path, monkeypatch):
 
     seen = []
     monkeypatch.setattr(rc, "free_bytes", lambda folder: seen.append(folder) or 10 * 10**9)
+    write = rc.write_sharded
+
+    def must_not_write(*args, **kwargs):  # a check that lets it through fails here, not after writing 61 GB
+        raise AssertionError("the weights are being written")
+
+    monkeypatch.setattr(rc, "write_sharded", must_not_write)
     with pytest.raises(ValueError, match=r"takes 61\.\d\d GB .* has 10\.00 GB free") as e:
         make_test_model("30b-a3b", tmp_path / "big", progress=False)
     assert str(tmp_path) in str(e.value) and seen == [tmp_path]
@@ -232,6 +238,7 @@ def test_refuses_when_the_filesystem_is_too_small(tmp_path, monkeypatch):
 
     assert main(["--preset", "235b-a22b", "--out", str(tmp_path / "bigger"), "--no-progress"]) == 2
     # enough room: written (the tiny model is 19 MB)
+    monkeypatch.setattr(rc, "write_sharded", write)
     monkeypatch.setattr(rc, "free_bytes", lambda folder: 40 * 10**6)
     assert (make_test_model("tiny", tmp_path / "small", progress=False) / "model.safetensors").is_file()
     monkeypatch.setattr(rc, "free_bytes", lambda folder: 25 * 10**6)
@@ -240,8 +247,8 @@ def test_refuses_when_the_filesystem_is_too_small(tmp_path, monkeypatch):
 
 
 def test_workers_write_the_same_bytes(tmp_path, monkeypatch):
-    """Three worker processes, runs of about 256 kB of tensors each over several shards: the same files, byte for
-    byte, as one process."""
+    """Three workers, runs of about 256 kB of tensors each over several shards: the same files, byte for byte, as
+    one."""
     import xserv.models.random_checkpoint as rc
     from xserv.models.make_test_model import main
 

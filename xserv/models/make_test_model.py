@@ -3,7 +3,7 @@ checkpoint folder (Qwen3, Qwen3-MoE or Llama 3) with random weights at a preset'
 
     xserv make-test-model --preset tiny --out models/tiny-random
     xserv make-test-model --preset 8b --out models/qwen3-8b-random --seed 1
-    xserv make-test-model --preset 30b-a3b --out /dev/shm/qwen3-30b-a3b-random   # 61 GB, one process per core
+    xserv make-test-model --preset 30b-a3b --out /dev/shm/qwen3-30b-a3b-random   # 61 GB, one thread per core
     xserv make-test-model --preset llama3-1b --out models/llama3-1b-random
 
 Norm weights are 1 + N(0, 0.1) (so a kernel that ignores them shows); --unit-norms gives transformers' ones. Every
@@ -42,7 +42,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--untied", action="store_true", help="force tie_word_embeddings=false (a separate lm_head)")
     ap.add_argument("--layers", type=int, default=None, metavar="N", help="override num_hidden_layers")
     ap.add_argument("--workers", type=int, default=None, metavar="N",
-                    help="processes generating and writing the tensors (default: 1 below 1 GiB, else one per core); "
+                    help="threads generating and writing the tensors (default: 1 below 1 GiB, else one per core); "
                          "the same bytes for any N")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar (there is none when stderr is "
                                                                "not a terminal)")
