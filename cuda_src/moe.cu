@@ -45,10 +45,17 @@ using xserv::round_bf16;
 using xserv::smem_u32;
 using xserv::swizzled_chunk;
 
-constexpr int kBK = 64;            // K elements per pipeline stage: one 128-byte tile row
-constexpr int kChunks = kBK / 8;   // 16-byte chunks per tile row
 
 __device__ __forceinline__ int cdiv(int a, int b) { return (a + b - 1) / b; }
+
+// Programmatic dependent launch (sm_90+; nothing below, where the launches carry no attribute): every kernel here
+// reads what the launch before it wrote, so it waits first, then at once lets the next launch begin (that one's
+// own wait still holds it until this grid has finished and its writes are visible). What this hides is the launch
+// and the start of the next kernel's CTAs: a decode step runs five of these per layer.
+__device__ __forceinline__ void pdl_start() {
+    xserv::pdl_wait();
+    xserv::pdl_launch_dependents();
+}
 
 }  // namespace
 
@@ -58,7 +65,7 @@ __device__ __forceinline__ int cdiv(int a, int b) { return (a + b - 1) / b; }
 // Writes ids[t * k + j], weights[t * k + j]; returns lane j's pick (j < k) for the caller's counting, else -1.
 template <int PER_LANE>
 __device__ __forceinline__ int route_token(const float* __restrict__ logits, int* ids, float* weights, int t, int E,
-                                           int K, int renormalize, int lane) {
+                                           int K, int renormalize, int lane, bool write = true) {
     const float* row = logits + (long long)t * E;
     float p[PER_LANE];
     float m = -__int_as_float(0x7f800000);
@@ -98,7 +105,7 @@ __device__ __forceinline__ int route_token(const float* __restrict__ logits, int
         if (lane == j) picked = best, picked_id = best_id;
         total += best;
     }
-    if (lane < K) {
+    if (write && lane < K) {
         ids[t * K + lane] = picked_id;
         weights[t * K + lane] = renormalize ? __fdiv_rn(picked, total) : picked;
     }
@@ -166,6 +173,7 @@ __device__ __forceinline__ void route_one_cta(const float* __restrict__ logits, 
                                               int K, int renormalize, int tile, int max_tiles) {
     extern __shared__ int route_smem[];
     zero_counts(route_smem, E);
+    pdl_start();
     __syncthreads();
     const int lane = threadIdx.x & 31;
     for (int t = threadIdx.x >> 5; t < T; t += blockDim.x >> 5) {
@@ -180,6 +188,7 @@ __device__ __forceinline__ void route_one_cta(const float* __restrict__ logits, 
 template <int PER_LANE>
 __device__ __forceinline__ void topk_grid(const float* __restrict__ logits, int* ids, float* weights, int T, int E,
                                           int K, int renormalize) {
+    pdl_start();
     const int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (t < T) route_token<PER_LANE>(logits, ids, weights, t, E, K, renormalize, threadIdx.x & 31);
 }
@@ -202,6 +211,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_sort(const int* __restric
                                                             int tile, int max_tiles) {
     extern __shared__ int route_smem[];
     zero_counts(route_smem, E);
+    pdl_start();
     __syncthreads();
     sort_entries(ids, sorted, tile_expert, entries, E, tile, max_tiles, route_smem, false);
 }
@@ -210,42 +220,81 @@ extern "C" __global__ void __launch_bounds__(1024) moe_sort(const int* __restric
 // out rows for the CTA's token tile (blockIdx.y) and weight slab (blockIdx.x). K = the reduced dimension (H for
 // gate/up, I for down), N = the output width (I for gate/up: the CTA takes ROWS / 2 gate rows and the same up rows;
 // H for down). x: gate/up reads token rows x[entry / top_k]; down reads act rows in sorted order.
-template <int WARPS_M, int WARPS_N, int WARPS_K, int TILE, int STAGES, bool GATE_UP>
+// One token (a batch-1 decode step), ROUTE_ONE: there is no routing launch; warp 0 of every CTA routes the token
+// itself (route_token: a few hundred instructions against the 128 KB of weights the CTA streams), tile y takes the
+// y-th smallest picked expert, and CTA (0, 0) publishes ids, weights, the sorted list and tile_expert (the down
+// GEMM and the combine read them as the routing launch would have written them).
+struct OneToken {
+    const float* logits;
+    int* ids;
+    float* weights;
+    int* sorted;
+    int* tile_expert;
+    int E, renormalize;
+};
+
+template <int WARPS_M, int WARPS_N, int WARPS_K, int TILE, int STAGES, int BK, bool GATE_UP, bool ROUTE_ONE = false>
 __device__ __forceinline__ void moe_gemm(const bf16* __restrict__ x, const bf16* __restrict__ w,
                                          const int* __restrict__ sorted, const int* __restrict__ tile_expert,
-                                         bf16* __restrict__ out, int top_k, int K, int N) {
+                                         bf16* __restrict__ out, int top_k, int K, int N, OneToken one = {}) {
     constexpr int ROWS = 32 * WARPS_M;  // a warp: 32 weight rows (two m-tiles; gate/up: one gate, one up)
     constexpr int THREADS = 32 * WARPS_M * WARPS_N * WARPS_K;
     constexpr int NT = TILE / 8 / WARPS_N;  // n-tiles (8 tokens each) per warp
-    constexpr int STAGE = (ROWS + TILE) * kBK;  // bf16 elements per stage
-    constexpr int KSTEPS = kBK / 16 / WARPS_K;  // k16 steps per chunk per warp
-    static_assert(TILE % (8 * WARPS_N) == 0 && (kBK / 16) % WARPS_K == 0, "tile shape");
+    constexpr int STAGE = (ROWS + TILE) * BK;  // bf16 elements per stage
+    constexpr int KSTEPS = BK / 16 / WARPS_K;  // k16 steps per chunk per warp
+    constexpr int CHUNKS = BK / 8;  // 16-byte pieces of a tile row
+    static_assert(TILE % (8 * WARPS_N) == 0 && (BK / 16) % WARPS_K == 0 && BK % 64 == 0, "tile shape");
     extern __shared__ __align__(128) bf16 gemm_smem[];
     __shared__ int entry_of[TILE];
     __shared__ int xrow_of[TILE];  // the x row a tile row reads (gate/up: the entry's token; down: the sorted row)
 
+    pdl_start();
     const int tile = blockIdx.y;
-    if (tile >= tile_expert[0]) return;  // the grid covers the most tiles any routing can need
-    const int expert = tile_expert[1 + tile];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wm = warp % WARPS_M, wn = (warp / WARPS_M) % WARPS_N, wk = warp / (WARPS_M * WARPS_N);
-    for (int i = tid; i < TILE; i += THREADS) {
-        const int e = sorted[tile * TILE + i];
-        entry_of[i] = e;
-        xrow_of[i] = e < 0 ? -1 : GATE_UP ? e / top_k : tile * TILE + i;
+    int expert;
+    if constexpr (ROUTE_ONE) {
+        __shared__ int picked_expert;
+        if (warp == 0) {
+            const bool publish = blockIdx.x == 0 && tile == 0;
+            const int id = route_token<4>(one.logits, one.ids, one.weights, 0, one.E, top_k, one.renormalize, lane,
+                                          publish);
+            int rank = 0;  // among the k picks (distinct ids), how many are smaller: the pick's tile
+            for (int j = 0; j < top_k; ++j) rank += __shfl_sync(0xffffffffu, id, j) < id;
+            if (lane < top_k) {
+                if (rank == tile) picked_expert = id, entry_of[0] = lane, xrow_of[0] = 0;
+                if (publish) {
+                    one.tile_expert[1 + rank] = id;
+                    one.sorted[rank * TILE] = lane;  // entry = token 0 * k + slot
+                    for (int r = 1; r < TILE; ++r) one.sorted[rank * TILE + r] = -1;
+                }
+            }
+            if (publish && lane == 0) one.tile_expert[0] = top_k;
+            for (int i = 1 + lane; i < TILE; i += 32) entry_of[i] = xrow_of[i] = -1;
+        }
+        __syncthreads();
+        expert = picked_expert;
+    } else {
+        if (tile >= tile_expert[0]) return;  // the grid covers the most tiles any routing can need
+        expert = tile_expert[1 + tile];
+        for (int i = tid; i < TILE; i += THREADS) {
+            const int e = sorted[tile * TILE + i];
+            entry_of[i] = e;
+            xrow_of[i] = e < 0 ? -1 : GATE_UP ? e / top_k : tile * TILE + i;
+        }
+        __syncthreads();
     }
-    __syncthreads();
 
     const bf16* wexp = w + (long long)expert * (GATE_UP ? 2 : 1) * N * K;
     const int row0 = blockIdx.x * (GATE_UP ? ROWS / 2 : ROWS);
 
     auto load = [&](int chunk, int stage) {
         bf16* sw = gemm_smem + stage * STAGE;
-        bf16* sx = sw + ROWS * kBK;
-        const int k0 = chunk * kBK;
+        bf16* sx = sw + ROWS * BK;
+        const int k0 = chunk * BK;
 #pragma unroll
-        for (int i = tid; i < (ROWS + TILE) * kChunks; i += THREADS) {
-            const int r = i / kChunks, c = i % kChunks, k = k0 + c * 8;
+        for (int i = tid; i < (ROWS + TILE) * CHUNKS; i += THREADS) {
+            const int r = i / CHUNKS, c = i % CHUNKS, k = k0 + c * 8;
             const bf16* src;
             bf16* dst;
             bool valid;
@@ -261,18 +310,18 @@ __device__ __forceinline__ void moe_gemm(const bf16* __restrict__ x, const bf16*
                 }
                 valid = valid && k < K;
                 src = valid ? wexp + (long long)wrow * K + k : w;
-                dst = sw + r * kBK + swizzled_chunk(r, c) * 8;
+                dst = sw + r * BK + swizzled_chunk(r, c) * 8;
             } else {
                 const int q = r - ROWS, xrow = xrow_of[q];
                 valid = xrow >= 0 && k < K;
                 src = valid ? x + (long long)xrow * K + k : x;
-                dst = sx + q * kBK + swizzled_chunk(q, c) * 8;
+                dst = sx + q * BK + swizzled_chunk(q, c) * 8;
             }
             cp_async16(smem_u32(dst), src, valid);
         }
     };
 
-    const int chunks = cdiv(K, kBK);
+    const int chunks = cdiv(K, BK);
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
         if (s < chunks) load(s, s);
@@ -295,21 +344,21 @@ __device__ __forceinline__ void moe_gemm(const bf16* __restrict__ x, const bf16*
         if (c + STAGES - 1 < chunks) load(c + STAGES - 1, (c + STAGES - 1) % STAGES);
         cp_async_commit();
         const bf16* sw = gemm_smem + (c % STAGES) * STAGE;
-        const bf16* sx = sw + ROWS * kBK;
+        const bf16* sx = sw + ROWS * BK;
 #pragma unroll
         for (int s = 0; s < KSTEPS; ++s) {
             const int ks = wk * KSTEPS + s;
             unsigned a[2][4];
             {
                 const int r0 = mrow0 + (lane & 15), r1 = mrow1 + (lane & 15), ch = 2 * ks + (lane >> 4);
-                ldmatrix_x4(a[0], smem_u32(sw + r0 * kBK + swizzled_chunk(r0, ch) * 8));
-                ldmatrix_x4(a[1], smem_u32(sw + r1 * kBK + swizzled_chunk(r1, ch) * 8));
+                ldmatrix_x4(a[0], smem_u32(sw + r0 * BK + swizzled_chunk(r0, ch) * 8));
+                ldmatrix_x4(a[1], smem_u32(sw + r1 * BK + swizzled_chunk(r1, ch) * 8));
             }
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
                 unsigned b[2];
                 const int r = (wn * NT + nt) * 8 + (lane & 7), ch = 2 * ks + ((lane >> 3) & 1);
-                ldmatrix_x2(b, smem_u32(sx + r * kBK + swizzled_chunk(r, ch) * 8));
+                ldmatrix_x2(b, smem_u32(sx + r * BK + swizzled_chunk(r, ch) * 8));
                 mma_bf16_16816(acc[0][nt], a[0], b[0], b[1]);
                 mma_bf16_16816(acc[1][nt], a[1], b[0], b[1]);
             }
@@ -359,25 +408,38 @@ __device__ __forceinline__ void moe_gemm(const bf16* __restrict__ x, const bf16*
 }
 
 // ops/moe.py's _GEMM table mirrors these shapes (rows = 32 * WARPS_M, threads, the ring's shared memory).
-#define XSERV_MOE_GEMM(NAME, WARPS_M, WARPS_N, WARPS_K, TILE, STAGES, GATE_UP)                                      \
+#define XSERV_MOE_GEMM(NAME, WARPS_M, WARPS_N, WARPS_K, TILE, STAGES, BK, GATE_UP)                                  \
     extern "C" __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N * WARPS_K)                                   \
         NAME(const bf16* __restrict__ x, const bf16* __restrict__ w, const int* __restrict__ sorted,                 \
              const int* __restrict__ tile_expert, bf16* __restrict__ out, int top_k, int K, int N) {                  \
-        moe_gemm<WARPS_M, WARPS_N, WARPS_K, TILE, STAGES, GATE_UP>(x, w, sorted, tile_expert, out, top_k, K, N);    \
+        moe_gemm<WARPS_M, WARPS_N, WARPS_K, TILE, STAGES, BK, GATE_UP>(x, w, sorted, tile_expert, out, top_k, K, N);\
     }
-XSERV_MOE_GEMM(moe_gemm_gate_up_small, 1, 1, 4, 8, 4, true)
-XSERV_MOE_GEMM(moe_gemm_down_small, 1, 1, 4, 8, 4, false)
-XSERV_MOE_GEMM(moe_gemm_gate_up_mid, 4, 1, 1, 64, 3, true)
-XSERV_MOE_GEMM(moe_gemm_down_mid, 4, 1, 1, 64, 3, false)
-XSERV_MOE_GEMM(moe_gemm_gate_up_large, 4, 2, 1, 128, 3, true)
-XSERV_MOE_GEMM(moe_gemm_down_large, 4, 2, 1, 128, 3, false)
+// BK: 64 everywhere; 256-wide chunks for the decode shape (3 stages, 512 contiguous bytes per weight row and stage)
+// measured the same for gate/up and 15% slower for down at one token (H100), so the template keeps BK but no entry
+// uses another width.
+XSERV_MOE_GEMM(moe_gemm_gate_up_small, 1, 1, 4, 8, 4, 64, true)
+XSERV_MOE_GEMM(moe_gemm_down_small, 1, 1, 4, 8, 4, 64, false)
+
+// The one-token gate/up (ROUTE_ONE; the small shape, up to 128 experts): grid (I / 16, k).
+extern "C" __global__ void __launch_bounds__(128) moe_gemm_gate_up_one(
+    const bf16* __restrict__ x, const bf16* __restrict__ w, const float* __restrict__ logits, int* ids, float* weights,
+    int* sorted, int* tile_expert, bf16* __restrict__ out, int top_k, int K, int N, int E, int renormalize) {
+    moe_gemm<1, 1, 4, 8, 4, 64, true, true>(x, w, sorted, tile_expert, out, top_k, K, N,
+                                        OneToken{logits, ids, weights, sorted, tile_expert, E, renormalize});
+}
+XSERV_MOE_GEMM(moe_gemm_gate_up_mid, 4, 1, 1, 64, 3, 64, true)
+XSERV_MOE_GEMM(moe_gemm_down_mid, 4, 1, 1, 64, 3, 64, false)
+XSERV_MOE_GEMM(moe_gemm_gate_up_large, 4, 2, 1, 128, 3, 64, true)
+XSERV_MOE_GEMM(moe_gemm_down_large, 4, 2, 1, 128, 3, 64, false)
 
 // ---- combine --------------------------------------------------------------------------------------------------------
 // A thread per (token, 8 columns): acc = sum_j w[t, j] * y[t * k + j] in slot order, each product rounded before
 // the add (no fused multiply-add), as the NumPy reference computes.
-template <bool ADD>
+template <bool ADD, bool LATE = false>
 __device__ __forceinline__ void moe_combine(const bf16* __restrict__ y, const float* __restrict__ weights,
                                             void* __restrict__ out, int T, int K, int H) {
+    if (LATE) xserv::pdl_wait();  // and no early trigger: the next launch begins when this grid ends
+    else pdl_start();
     const int vecs = H / 8;
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)T * vecs) return;
@@ -409,8 +471,11 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine_store(const bf16* 
     moe_combine<false>(y, weights, out, T, K, H);
 }
 
+// The add form ends a decode layer: the next launch (the next layer's qkv GEMV) may begin only when it ends. With
+// the early trigger that GEMV's weight prefetch crowded this kernel's few loads (H100, 30B-A3B-shaped 12 layers,
+// batch 1: 957 -> 1,011 tok/s with the late one, two rounds each).
 extern "C" __global__ void __launch_bounds__(256) moe_combine_add(const bf16* __restrict__ y,
                                                                   const float* __restrict__ weights,
                                                                   float* __restrict__ out, int T, int K, int H) {
-    moe_combine<true>(y, weights, out, T, K, H);
+    moe_combine<true, true>(y, weights, out, T, K, H);
 }

@@ -61,9 +61,9 @@ def main(argv=None) -> int:
             us = benchmark_graph([launch], calls=20, iters=args.iters) * 1e3
             total += us
             extra = ""
-            if name in ("gate_up", "down"):
-                part = expert_bytes * (2 / 3 if name == "gate_up" else 1 / 3)
-                extra = f" ({part / us / 1e3 / bw:.0%} copy, {flops * (2 / 3 if name == 'gate_up' else 1 / 3) / us / 1e6 / peak:.0%} gemm)"
+            if name.startswith(("gate_up", "down")):
+                part = expert_bytes * (2 / 3 if name.startswith("gate_up") else 1 / 3)
+                extra = f" ({part / us / 1e3 / bw:.0%} copy, {flops * (2 / 3 if name.startswith('gate_up') else 1 / 3) / us / 1e6 / peak:.0%} gemm)"
             line.append(f"{name} {us:.1f}{extra}")
         floor = max(expert_bytes / bw / 1e3, flops / peak / 1e6)
         print(f"T={t:5d} touched {touched:3d}: " + ", ".join(line) + f" | sum {total:.1f} us, floor {floor:.1f} us "

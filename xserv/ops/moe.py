@@ -215,31 +215,34 @@ def moe_stages(x, router, gate_up, down, shape: MoeShape, renormalize: bool, out
     family = piece("moe", moe=1)
     cfg = _GEMM[size]
     combine = "moe_combine_add" if out.dtype == float32 else "moe_combine_store"
+    one_token = t == 1 and size == "small" and e <= 128
     gemv = prefer_gemv(t, e, h) and gemv_supported(t, h)
     per_lane = 4 if e <= 128 else 16  # the router row in registers: experts per lane
     flag = np.int32(1 if renormalize else 0)
     if t <= _ONE_CTA_ROUTE_MAX_TOKENS:  # routing and the sorted list in one CTA
         route = [("route", lambda: kernel(family, f"moe_route_p{per_lane}")(
             1, 256, logits, ws.ids, ws.weights, ws.sorted, ws.tile_expert, np.int32(t), np.int32(e), np.int32(k),
-            flag, np.int32(tile), np.int32(max_tiles), smem=3 * e * 4))]
+            flag, np.int32(tile), np.int32(max_tiles), smem=3 * e * 4, pdl=True))]
     else:  # a warp per token over a grid, then one CTA sorts
         route = [("topk", lambda: kernel(family, f"moe_topk_p{per_lane}")(
-                     cdiv(t, 8), 256, logits, ws.ids, ws.weights, np.int32(t), np.int32(e), np.int32(k), flag)),
+                     cdiv(t, 8), 256, logits, ws.ids, ws.weights, np.int32(t), np.int32(e), np.int32(k), flag, pdl=True)),
                  ("sort", lambda: kernel(family, "moe_sort")(
                      1, 1024, ws.ids, ws.sorted, ws.tile_expert, np.int32(entries), np.int32(e), np.int32(tile),
-                     np.int32(max_tiles), smem=3 * e * 4))]
+                     np.int32(max_tiles), smem=3 * e * 4, pdl=True))]
     return [
         ("router", (lambda: linear_gemv(x, router, out=logits)) if gemv else (lambda: linear(x, router, out=logits))),
-        *route,
         # gate/up: a CTA's rows are `rows // 2` gate rows and the matching up rows (its epilogue pairs them)
-        ("gate_up", lambda: kernel(family, f"moe_gemm_gate_up_{size}")(
-            (cdiv(inter, cfg.rows // 2), max_tiles), cfg.threads, x, gate_up, ws.sorted, ws.tile_expert, ws.act,
-            np.int32(k), np.int32(h), np.int32(inter), smem=cfg.smem)),
+        *([("gate_up+route", lambda: kernel(family, "moe_gemm_gate_up_one")(
+            (cdiv(inter, cfg.rows // 2), k), cfg.threads, x, gate_up, logits, ws.ids, ws.weights, ws.sorted,
+            ws.tile_expert, ws.act, np.int32(k), np.int32(h), np.int32(inter), np.int32(e), flag, smem=cfg.smem,
+            pdl=True))] if one_token else [*route, ("gate_up", lambda: kernel(family, f"moe_gemm_gate_up_{size}")(
+                (cdiv(inter, cfg.rows // 2), max_tiles), cfg.threads, x, gate_up, ws.sorted, ws.tile_expert, ws.act,
+                np.int32(k), np.int32(h), np.int32(inter), smem=cfg.smem, pdl=True))]),
         ("down", lambda: kernel(family, f"moe_gemm_down_{size}")(
             (cdiv(h, cfg.rows), max_tiles), cfg.threads, ws.act, down, ws.sorted, ws.tile_expert, ws.y,
-            np.int32(k), np.int32(inter), np.int32(h), smem=cfg.smem)),
+            np.int32(k), np.int32(inter), np.int32(h), smem=cfg.smem, pdl=True)),
         ("combine", lambda: kernel(family, combine)(
-            cdiv(t * (h // 8), 256), 256, ws.y, ws.weights, out, np.int32(t), np.int32(k), np.int32(h))),
+            cdiv(t * (h // 8), 256), 256, ws.y, ws.weights, out, np.int32(t), np.int32(k), np.int32(h), pdl=True)),
     ]
 
 
@@ -251,12 +254,12 @@ class _GemmConfig:
 
 
 # Must match the instantiations in cuda_src/moe.cu (XSERV_MOE_GEMM): rows = 32 x warps_m, the ring stages x
-# (rows + tile) x 64 bf16 of K.
-def _gemm_config(warps_m: int, warps_n: int, warps_k: int, tile: int, stages: int) -> _GemmConfig:
+# (rows + tile) x bk bf16 of K.
+def _gemm_config(warps_m: int, warps_n: int, warps_k: int, tile: int, stages: int, bk: int) -> _GemmConfig:
     rows = 32 * warps_m
-    return _GemmConfig(rows, 32 * warps_m * warps_n * warps_k, stages * (rows + tile) * 64 * 2)
+    return _GemmConfig(rows, 32 * warps_m * warps_n * warps_k, stages * (rows + tile) * bk * 2)
 
 
-_GEMM = {"small": _gemm_config(1, 1, 4, tile=8, stages=4),
-         "mid": _gemm_config(4, 1, 1, tile=64, stages=3),
-         "large": _gemm_config(4, 2, 1, tile=128, stages=3)}
+_GEMM = {"small": _gemm_config(1, 1, 4, tile=8, stages=4, bk=64),
+         "mid": _gemm_config(4, 1, 1, tile=64, stages=3, bk=64),
+         "large": _gemm_config(4, 2, 1, tile=128, stages=3, bk=64)}
