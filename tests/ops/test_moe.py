@@ -265,3 +265,54 @@ def test_float32_out_is_the_residual_add_contract(rng):
     assert res.dtype == float32
     np.testing.assert_array_equal(res.array, moe_experts_reference(x, router, gate_up, down, 2, True)
                                   .astype(bfloat16).astype(np.float32))
+
+
+# ---- the one-token step on the residual stream ----------------------------------------------------------------------
+def one_token_reference(residual, norm_weight, eps, router, gate_up, down, k, renormalize, logits=None):
+    from xserv.ops.rmsnorm import rmsnorm_reference
+
+    normed = rmsnorm_reference(residual, norm_weight, eps).astype(bfloat16)
+    acc = moe_experts_reference(normed, router, gate_up, down, k, renormalize, logits=logits)
+    return residual + acc.astype(bfloat16).astype(np.float32)
+
+
+def test_one_token_cpu_is_rmsnorm_then_moe_experts(rng):
+    from xserv.ops.moe import moe_experts_one_token
+
+    h, e, k, inter = 64, 8, 2, 16
+    residual = rng.normal(0, 2, (1, h)).astype(np.float32)
+    norm_weight = random_array(rng, (h,), bfloat16, mean=1.0, std=0.1)
+    router, gate_up, down = weights(rng, e, h, inter, std=0.3)
+    res = Tensor.from_numpy(residual.copy(), "cpu")
+    moe_experts_one_token(res, Tensor.from_numpy(norm_weight, "cpu"), 1e-6,
+                          *(Tensor.from_numpy(a, "cpu") for a in (router, gate_up, down)), k, True)
+    np.testing.assert_array_equal(res.array, one_token_reference(residual, norm_weight, 1e-6, router, gate_up, down,
+                                                                 k, True))
+    with pytest.raises(ValueError, match="one row|one-token"):
+        moe_experts_one_token(Tensor.from_numpy(np.zeros((2, h), np.float32), "cpu"),
+                              Tensor.from_numpy(norm_weight, "cpu"), 1e-6,
+                              *(Tensor.from_numpy(a, "cpu") for a in (router, gate_up, down)), k, True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("shape", [(128, 8, 2048, 768), (16, 4, 136, 200)], ids=["30b", "tails"])
+def test_one_token_cuda_matches_reference(rng, shape, renormalize):
+    from xserv.ops.moe import moe_experts_one_token
+
+    e, k, h, inter = shape
+    residual = rng.normal(0, 2, (1, h)).astype(np.float32)
+    norm_weight = random_array(rng, (h,), bfloat16, mean=1.0, std=0.1)
+    router, gate_up, down = weights(rng, e, h, inter)
+    ws = MoeWorkspace(MoeShape(e, k, h, inter), 1, "cuda")
+    res = Tensor.from_numpy(residual)
+    moe_experts_one_token(res, Tensor.from_numpy(norm_weight), 1e-6, *(Tensor.from_numpy(a) for a in (router, gate_up, down)),
+                          k, renormalize, workspace=ws)
+    got = res.numpy()
+    logits = ws.logits.numpy()[:1]
+    ids, w = moe_route_reference(logits, k, renormalize)
+    np.testing.assert_array_equal(ws.ids.numpy()[:k], ids[0])
+    np.testing.assert_allclose(ws.weights.numpy()[:k], w[0], rtol=2e-6)
+    check_sorted_list(ws, 1, k, 8)
+    ref = one_token_reference(residual, norm_weight, 1e-6, router, gate_up, down, k, renormalize, logits=logits)
+    assert rel_error(got - residual, ref - residual) < 4e-3
