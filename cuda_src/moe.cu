@@ -223,10 +223,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_sort(const int* __restric
 // One token (a batch-1 decode step), ROUTE_ONE: there is no routing launch; warp 0 of every CTA routes the token
 // itself (route_token: a few hundred instructions against the 128 KB of weights the CTA streams), tile y takes the
 // y-th smallest picked expert, and CTA (0, 0) publishes ids, weights, the sorted list and tile_expert (the down
-// GEMM and the combine read them as the routing launch would have written them). With `residual` set, x is not
-// read from memory: every CTA normalises the fp32 residual row itself (the rounding of fused_add_rmsnorm_f32res:
-// bf16(w * bf16(r * rsqrt(mean(r^2) + eps)))) into shared memory after the ring, which saves the decode layer
-// its RMSNorm launch (the router logits come from the GEMV with the same RMSNorm prologue).
+// GEMM and the combine read them as the routing launch would have written them).
 struct OneToken {
     const float* logits;
     int* ids;
@@ -234,9 +231,6 @@ struct OneToken {
     int* sorted;
     int* tile_expert;
     int E, renormalize;
-    const float* residual;  // [K] fp32, or null: x is bf16 rows in memory
-    const bf16* norm_weight;
-    float eps;
 };
 
 template <int WARPS_M, int WARPS_N, int WARPS_K, int TILE, int STAGES, int BK, bool GATE_UP, bool ROUTE_ONE = false>
@@ -259,21 +253,7 @@ __device__ __forceinline__ void moe_gemm(const bf16* __restrict__ x, const bf16*
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wm = warp % WARPS_M, wn = (warp / WARPS_M) % WARPS_N, wk = warp / (WARPS_M * WARPS_N);
     int expert;
-    const bf16* xs = nullptr;  // ROUTE_ONE with a residual: the normalised row in shared memory
     if constexpr (ROUTE_ONE) {
-        if (one.residual != nullptr) {
-            __shared__ float scratch[32];
-            bf16* row = gemm_smem + STAGES * STAGE;
-            float sumsq = 0.f;
-            for (int i = tid * 4; i < K; i += THREADS * 4) {  // K % 8 == 0, the row 16-byte aligned
-                const float4 v = *reinterpret_cast<const float4*>(one.residual + i);
-                sumsq += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-            }
-            const float inv = xserv::rms_inv(xserv::block_sum(sumsq, scratch), K, one.eps);
-            for (int i = tid; i < K; i += THREADS)
-                row[i] = __float2bfloat16_rn(xserv::rms_apply(one.residual[i], inv, __bfloat162float(one.norm_weight[i])));
-            xs = row;  // read by the loads below after the barrier that follows the routing
-        }
         __shared__ int picked_expert;
         if (warp == 0) {
             const bool publish = blockIdx.x == 0 && tile == 0;
@@ -334,12 +314,8 @@ __device__ __forceinline__ void moe_gemm(const bf16* __restrict__ x, const bf16*
             } else {
                 const int q = r - ROWS, xrow = xrow_of[q];
                 valid = xrow >= 0 && k < K;
-                dst = sx + q * BK + swizzled_chunk(q, c) * 8;
-                if (ROUTE_ONE && xs != nullptr) {  // the staged row (row 0; the others padding): a shared copy
-                    *reinterpret_cast<uint4*>(dst) = valid ? *reinterpret_cast<const uint4*>(xs + k) : make_uint4(0, 0, 0, 0);
-                    continue;
-                }
                 src = valid ? x + (long long)xrow * K + k : x;
+                dst = sx + q * BK + swizzled_chunk(q, c) * 8;
             }
             cp_async16(smem_u32(dst), src, valid);
         }
@@ -444,22 +420,12 @@ __device__ __forceinline__ void moe_gemm(const bf16* __restrict__ x, const bf16*
 XSERV_MOE_GEMM(moe_gemm_gate_up_small, 1, 1, 4, 8, 4, 64, true)
 XSERV_MOE_GEMM(moe_gemm_down_small, 1, 1, 4, 8, 4, 64, false)
 
-// The one-token gate/up (ROUTE_ONE; the small shape, up to 128 experts): grid (I / 16, k). x: bf16 [1, K]; the
-// _rmsnorm form reads the fp32 residual row instead (its launch adds K * 2 bytes of shared memory for the row).
+// The one-token gate/up (ROUTE_ONE; the small shape, up to 128 experts): grid (I / 16, k).
 extern "C" __global__ void __launch_bounds__(128) moe_gemm_gate_up_one(
     const bf16* __restrict__ x, const bf16* __restrict__ w, const float* __restrict__ logits, int* ids, float* weights,
     int* sorted, int* tile_expert, bf16* __restrict__ out, int top_k, int K, int N, int E, int renormalize) {
     moe_gemm<1, 1, 4, 8, 4, 64, true, true>(x, w, sorted, tile_expert, out, top_k, K, N,
-                                            OneToken{logits, ids, weights, sorted, tile_expert, E, renormalize});
-}
-
-extern "C" __global__ void __launch_bounds__(128) moe_gemm_gate_up_one_rmsnorm(
-    const float* __restrict__ residual, const bf16* __restrict__ norm_weight, float eps, const bf16* __restrict__ w,
-    const float* __restrict__ logits, int* ids, float* weights, int* sorted, int* tile_expert,
-    bf16* __restrict__ out, int top_k, int K, int N, int E, int renormalize) {
-    moe_gemm<1, 1, 4, 8, 4, 64, true, true>(nullptr, w, sorted, tile_expert, out, top_k, K, N,
-                                            OneToken{logits, ids, weights, sorted, tile_expert, E, renormalize,
-                                                     residual, norm_weight, eps});
+                                        OneToken{logits, ids, weights, sorted, tile_expert, E, renormalize});
 }
 XSERV_MOE_GEMM(moe_gemm_gate_up_mid, 4, 1, 1, 64, 3, 64, true)
 XSERV_MOE_GEMM(moe_gemm_down_mid, 4, 1, 1, 64, 3, 64, false)

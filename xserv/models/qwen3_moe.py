@@ -23,9 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from ..ops.gemv import linear_add
-from ..ops.moe import (MAX_EXPERTS, MAX_TOP_K, moe_experts, moe_experts_one_token, moe_workspace,
-                       one_token_supported)
+from ..ops.moe import MAX_EXPERTS, MAX_TOP_K, moe_experts, moe_workspace
 from ..ops.rmsnorm import fused_add_rmsnorm
 from ..tensor import Tensor
 from .config import positive_int
@@ -261,22 +259,14 @@ class Qwen3MoeModel(Qwen3Model):
                     workspace=ws.moe)
 
     def _post_attention_fused(self, i, layer, ws, attn, residual, act) -> None:
-        """A sparse layer of the one-token path: the o projection adds into the fp32 residual (linear_add, as the
-        dense path does), then moe_experts_one_token normalises the residual row inside its router GEMV and its
-        gate/up GEMM and adds the block's bf16-rounded output (4 launches). Shapes without that kernel (more than
-        128 experts): o projection (GEMV), fused_add_rmsnorm as in the unfused path, then moe_experts adds into the
-        residual (what the next fused_add_rmsnorm would do with a stored bf16 output). Both round as the unfused
-        path does."""
+        """A sparse layer of the one-token path: o projection (GEMV) and fused_add_rmsnorm as in the unfused path,
+        then moe_experts adds its bf16-rounded output into the fp32 residual (what the next fused_add_rmsnorm
+        would do with a stored bf16 output)."""
         experts = self.experts[i]
         if experts is None:
             return super()._post_attention_fused(i, layer, ws, attn, residual, act)
         c = self.config
         t = residual.shape[0]
-        if t == 1 and one_token_supported(c.num_experts, c.hidden_size):
-            linear_add(attn, layer.o_proj, residual)
-            moe_experts_one_token(residual, layer.post_norm, self.eps, layer.router, experts[0], experts[1],
-                                  c.num_experts_per_tok, c.norm_topk_prob, workspace=ws.moe)
-            return
         hidden, normed = ws.hidden[:t], ws.normed[:t]
         self._project(attn, layer.o_proj, hidden)
         fused_add_rmsnorm(hidden, residual, layer.post_norm, self.eps, out=normed)

@@ -91,14 +91,11 @@ class MoeShape:
 
 def _check_shape(x: Tensor, router: Tensor, gate_up: Tensor, down: Tensor, top_k) -> MoeShape:
     check_tensor("x", x, dtype=bfloat16, ndim=2)
-    return _check_weights(x.shape[1], router, gate_up, down, top_k)
-
-
-def _check_weights(hidden: int, router: Tensor, gate_up: Tensor, down: Tensor, top_k) -> MoeShape:
+    hidden = x.shape[1]
     check_tensor("router", router, dtype=bfloat16, ndim=2)
     num_experts = router.shape[0]
     if router.shape[1] != hidden:
-        raise ValueError(f"router: shape {list(router.shape)}, expected [num_experts, {hidden}] (the hidden size)")
+        raise ValueError(f"router: shape {list(router.shape)}, expected [num_experts, {hidden}] (x's hidden size)")
     if not 1 <= num_experts <= MAX_EXPERTS:
         raise ValueError(f"router: {num_experts} experts, expected 1..{MAX_EXPERTS}")
     check_tensor("gate_up", gate_up, dtype=bfloat16, ndim=3)
@@ -168,55 +165,6 @@ def moe_experts(x: Tensor, router: Tensor, gate_up: Tensor, down: Tensor, top_k:
     return out
 
 
-def one_token_supported(num_experts: int, hidden: int) -> bool:
-    """Does moe_experts_one_token have a kernel for this shape (the one-token gate/up routes in registers of 4 experts
-    a lane, and stages the hidden row in shared memory)?"""
-    return num_experts <= 128 and hidden <= _ONE_TOKEN_MAX_HIDDEN
-
-
-def moe_experts_one_token(residual: Tensor, norm_weight: Tensor, eps: float, router: Tensor, gate_up: Tensor,
-                          down: Tensor, top_k: int, renormalize: bool, workspace: MoeWorkspace | None = None) -> Tensor:
-    """The sparse block of a one-token decode step on the fp32 residual stream: residual [1, H] +=
-    bf16(moe(rmsnorm(residual))), with rmsnorm rounded as fused_add_rmsnorm rounds its output (bf16). The same as
-    rmsnorm-ing into a bf16 row and calling moe_experts with out=residual, in fewer launches on CUDA: the router
-    GEMV and the gate/up GEMM each normalise the row themselves."""
-    from .gemv import rmsnorm_linear
-    from .rmsnorm import rmsnorm_reference
-    from ._launch import check_eps
-
-    check_tensor("residual", residual, dtype=float32, ndim=2)
-    if residual.shape[0] != 1:
-        raise ValueError(f"residual: {residual.shape[0]} rows, expected one (a one-token step)")
-    h = residual.shape[1]
-    check_tensor("norm_weight", norm_weight, dtype=bfloat16, shape=(h,))
-    eps32 = check_eps(eps)
-    shape = _check_weights(h, router, gate_up, down, top_k)
-    device = same_device(residual=residual, norm_weight=norm_weight, router=router, gate_up=gate_up, down=down)
-    if device == "cpu":
-        normed = rmsnorm_reference(residual.array, norm_weight.array, eps32).astype(bfloat16)
-        acc = moe_experts_reference(normed, router.array, gate_up.array, down.array, shape.top_k, renormalize)
-        residual.array[...] += _bf16(acc)
-        return residual
-    if not one_token_supported(shape.num_experts, h):
-        raise ValueError(f"moe_experts_one_token: {shape.num_experts} experts / hidden {h}: no one-token kernel "
-                         f"(at most 128 experts and hidden {_ONE_TOKEN_MAX_HIDDEN}); use moe_experts")
-    if workspace is None or not workspace.fits(1) or workspace.shape != shape:
-        workspace = MoeWorkspace(shape, 1, "cuda")
-    from ..runtime import kernel
-    from ..runtime.compiler import piece
-
-    ws, e, k, inter = workspace, shape.num_experts, shape.top_k, shape.inter
-    cfg = _GEMM["small"]
-    family = piece("moe", moe=1)
-    rmsnorm_linear(residual, norm_weight, eps32, router, out=ws.logits[:1])
-    kernel(family, "moe_gemm_gate_up_one_rmsnorm")(
-        (cdiv(inter, cfg.rows // 2), k), cfg.threads, residual, norm_weight, eps32, gate_up, ws.logits, ws.ids,
-        ws.weights, ws.sorted, ws.tile_expert, ws.act, np.int32(k), np.int32(h), np.int32(inter), np.int32(e),
-        np.int32(1 if renormalize else 0), smem=cfg.smem + h * 2, pdl=True)
-    _down_and_combine(down, shape, residual, ws, 1, "small", _max_tiles(k, e, _TILES["small"]))
-    return residual
-
-
 # ---- CUDA -------------------------------------------------------------------------------------------------------
 # Token tiles of the grouped GEMMs (rows of one expert a CTA multiplies): 8 for decode-sized steps (an expert is
 # picked by a few tokens; 8 is one mma n-tile), 64 for prefill. Chosen from the entry count (tokens x k) so that
@@ -236,7 +184,6 @@ def _tile_for(entries: int, num_experts: int = 128) -> str:
 # Up to this many tokens one CTA routes and sorts (a launch less); above, a warp per token over a grid and then a
 # sorting CTA (H100, 30B-A3B shapes: 4.9 us one CTA at 1 token, 20.5 us at 64 tokens, where the pair takes ~11).
 _ONE_CTA_ROUTE_MAX_TOKENS = 16
-_ONE_TOKEN_MAX_HIDDEN = 8192  # the staged row: 16 KB of shared memory
 
 
 def _max_tiles(entries: int, num_experts: int, tile: int) -> int:
@@ -267,6 +214,7 @@ def moe_stages(x, router, gate_up, down, shape: MoeShape, renormalize: bool, out
     max_tiles = _max_tiles(entries, e, tile)
     family = piece("moe", moe=1)
     cfg = _GEMM[size]
+    combine = "moe_combine_add" if out.dtype == float32 else "moe_combine_store"
     one_token = t == 1 and size == "small" and e <= 128
     gemv = prefer_gemv(t, e, h) and gemv_supported(t, h)
     per_lane = 4 if e <= 128 else 16  # the router row in registers: experts per lane
@@ -290,32 +238,12 @@ def moe_stages(x, router, gate_up, down, shape: MoeShape, renormalize: bool, out
             pdl=True))] if one_token else [*route, ("gate_up", lambda: kernel(family, f"moe_gemm_gate_up_{size}")(
                 (cdiv(inter, cfg.rows // 2), max_tiles), cfg.threads, x, gate_up, ws.sorted, ws.tile_expert, ws.act,
                 np.int32(k), np.int32(h), np.int32(inter), smem=cfg.smem, pdl=True))]),
-        *_down_and_combine(down, shape, out, ws, t, size, max_tiles, launch=False),
-    ]
-
-
-def _down_and_combine(down, shape: MoeShape, out, ws: MoeWorkspace, t: int, size: str, max_tiles: int,
-                      launch: bool = True):
-    """The down GEMM over the sorted tiles and the weighted combine into `out` (bf16 store or fp32 residual add):
-    launched now, or (launch=False) returned as moe_stages entries."""
-    from ..runtime import kernel
-    from ..runtime.compiler import piece
-
-    e, k, h, inter = shape.num_experts, shape.top_k, shape.hidden, shape.inter
-    family = piece("moe", moe=1)
-    cfg = _GEMM[size]
-    combine = "moe_combine_add" if out.dtype == float32 else "moe_combine_store"
-    stages = [
         ("down", lambda: kernel(family, f"moe_gemm_down_{size}")(
             (cdiv(h, cfg.rows), max_tiles), cfg.threads, ws.act, down, ws.sorted, ws.tile_expert, ws.y,
             np.int32(k), np.int32(inter), np.int32(h), smem=cfg.smem, pdl=True)),
         ("combine", lambda: kernel(family, combine)(
             cdiv(t * (h // 8), 256), 256, ws.y, ws.weights, out, np.int32(t), np.int32(k), np.int32(h), pdl=True)),
     ]
-    if launch:
-        for _, fn in stages:
-            fn()
-    return stages
 
 
 @dataclass(frozen=True)
