@@ -249,3 +249,36 @@ def test_engine_config_from_the_command_line():
         EngineConfig(max_num_seqs=3, prefill_graph_tokens=0)
     with pytest.raises(ValueError, match="gpu_memory_fraction must be a finite number, got nan"):
         EngineConfig(gpu_memory_fraction=float("nan"))
+
+
+# ---- quantization_config ---------------------------------------------------------------------------------------
+FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+
+
+@pytest.mark.parametrize("name", PRESET_NAMES)
+def test_every_preset_takes_an_fp8_quantization_config(name):
+    d = {**preset_dict(name), "quantization_config": FP8}
+    c = config_from_dict(d)
+    assert c.quantization_config.weight_block_size == (128, 128)
+    assert c.to_dict()["quantization_config"] == FP8 and config_from_dict(c.to_dict()) == c
+    assert {c: 1}[config_from_dict(c.to_dict())] == 1  # still frozen and hashable
+    assert config_from_dict(preset_dict(name)).quantization_config is None
+
+
+@pytest.mark.parametrize("qc, needle", [
+    ({"quant_method": "awq", "bits": 4}, "quant_method='awq' is not supported"),
+    ({"quant_method": "gptq"}, "quant_method='gptq' is not supported"),
+    ({"quant_method": "bitsandbytes"}, "quant_method='bitsandbytes' is not supported"),
+    ({"quant_method": "compressed-tensors"}, "quant_method='compressed-tensors' is not supported"),
+    ({**FP8, "activation_scheme": "static"}, "activation_scheme='static' is not supported"),
+    ({"load_in_8bit": True}, "quantization_config has no quant_method"),
+])
+def test_unsupported_quantization_is_an_error_not_ignored(qc, needle, tmp_path):
+    """A quantized checkpoint xserv cannot read fails at its config.json, naming the method or field (it used to be
+    read as an unquantized model and fail later, or load garbage)."""
+    d = {**preset_dict("tiny"), "quantization_config": qc}
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    with pytest.raises(ValueError, match=needle):
+        config_from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=needle):
+        Qwen3Config.from_dict(d)

@@ -1,4 +1,5 @@
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -7,6 +8,7 @@ import numpy as np
 import pytest
 
 from xserv.models.checkpoint import CheckpointReader
+from xserv.models.config import preset_dict
 from xserv.models.llama import LlamaConfig, LlamaModel
 from xserv.models.qwen3 import Qwen3Config, Qwen3Model
 from xserv.models.random_checkpoint import bundled_tiny_model, make_test_model, parse_size
@@ -266,3 +268,85 @@ def test_workers_write_the_same_bytes(tmp_path, monkeypatch):
         assert (one / f).read_bytes() == (three / f).read_bytes(), f
     with pytest.raises(ValueError, match="workers"):
         make_test_model("tiny", tmp_path / "x", workers=0)
+
+
+# ---- FP8 checkpoints (Qwen's -FP8 layout) ------------------------------------------------------------------------
+def test_fp8_workers_write_the_same_bytes(tmp_path, monkeypatch):
+    """--fp8 with four workers and runs of about 16 kB (a quantized weight and its scales often in different
+    runs, so a scale entry is drawn again instead of taken from its weight's): the bytes of one worker."""
+    import xserv.models.random_checkpoint as rc
+    from xserv.models.make_test_model import main
+
+    monkeypatch.setattr(rc, "JOB_BYTES", 2**14)
+    one = make_test_model("moe-tiny", tmp_path / "one", seed=6, workers=1, progress=False, fp8=True,
+                          shard_size="2MB", overrides={"num_hidden_layers": 2})
+    assert main(["--preset", "moe-tiny", "--out", str(tmp_path / "four"), "--seed", "6", "--layers", "2", "--fp8",
+                 "--shard-size", "2MB", "--workers", "4", "--no-progress"]) == 0
+    four = tmp_path / "four"
+    files = sorted(p.name for p in one.iterdir() if p.name != "xserv_random.json")
+    assert sorted(p.name for p in four.iterdir() if p.name != "xserv_random.json") == files
+    assert len([f for f in files if f.endswith(".safetensors")]) >= 2
+    for f in files:
+        assert (one / f).read_bytes() == (four / f).read_bytes(), f
+    assert json.loads((four / "xserv_random.json").read_text())["fp8"] is True
+    r = CheckpointReader(four)
+    assert str(r.dtype("model.layers.1.mlp.experts.15.down_proj.weight")) == "float8_e4m3fn"
+    assert r.shape("model.layers.1.mlp.experts.15.down_proj.weight_scale_inv") == (1, 1)
+    # a different seed, different weights; the same seed without --fp8, the float draws it quantizes
+    other = make_test_model("moe-tiny", tmp_path / "other", seed=7, progress=False, fp8=True,
+                            overrides={"num_hidden_layers": 2})
+    name = "model.layers.0.mlp.experts.3.up_proj.weight"
+    assert not np.array_equal(CheckpointReader(other).get(name).view(np.uint8), r.get(name).view(np.uint8))
+
+
+@pytest.mark.parametrize("preset, quantized, total_gb", [
+    ("tiny", 2 * (512 * 64 + 64 * 256 + 384 * 64 + 64 * 192), 0.0197),
+    ("moe-tiny", 4 * (512 * 128 + 128 * 256 + 16 * 3 * 64 * 128), 0.0409), ("0.6b", 0.44e9, 0.75), ("8b", 6.95e9, 9.44),
+    ("30b-a3b", 29.92e9, 31.17),
+])
+def test_fp8_presets_layout_and_size(preset, quantized, total_gb, tmp_path, monkeypatch):
+    """The tensors `--fp8` would write for each preset (taken before anything is written): every linear weight of
+    the layers e4m3 with its float32 scales of ceil(out/128) x ceil(in/128), the rest bf16 (8b: 9.4 GB of tensors,
+    30b-a3b: 31 GB, against 16.4 and 61 GB in bf16)."""
+    import xserv.models.random_checkpoint as rc
+    from xserv.models.registry import config_from_dict, model_class
+
+    seen = {}
+
+    def capture(folder, entries, *args, **kwargs):
+        seen["entries"] = entries
+        raise KeyboardInterrupt  # stop before writing
+
+    monkeypatch.setattr(rc, "write_sharded", capture)
+    monkeypatch.setattr(rc, "free_bytes", lambda folder: 10**12)
+    with pytest.raises(KeyboardInterrupt):
+        make_test_model(preset, tmp_path / "m", progress=False, fp8=True)
+    assert not (tmp_path / "m").exists()
+    entries = {e.name: e for e in seen["entries"]}
+    d = preset_dict(preset)
+    c = config_from_dict({**d, "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}})
+    table = model_class(c).weight_table(c)
+    n_quantized = 0
+    for w in table:
+        e = entries[w.name]
+        if w.quantized:
+            n_quantized += math.prod(w.shape)
+            s = entries[w.name + "_scale_inv"]
+            assert str(e.dtype) == "float8_e4m3fn" and s.dtype == np.float32
+            assert s.shape == (math.ceil(w.shape[0] / 128), math.ceil(w.shape[1] / 128))
+        else:
+            assert str(e.dtype) == "bfloat16" and w.name + "_scale_inv" not in entries
+            assert len(w.shape) == 1 or w.field in ("embed", "lm_head", "router")
+    assert len(entries) == len(table) + sum(w.quantized for w in table)
+    assert n_quantized == pytest.approx(quantized, rel=1e-3)
+    assert sum(e.nbytes for e in entries.values()) / 1e9 == pytest.approx(total_gb, rel=1e-2)
+
+
+def test_fp8_cli_says_so(tmp_path, capsys):
+    from xserv.models.make_test_model import main
+
+    assert main(["--preset", "tiny", "--out", str(tmp_path / "t"), "--layers", "1", "--fp8", "--no-progress"]) == 0
+    assert "FP8 e4m3 128x128 blocks" in capsys.readouterr().out
+    cfg = json.loads((tmp_path / "t" / "config.json").read_text())
+    assert cfg["quantization_config"] == {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                          "weight_block_size": [128, 128]}

@@ -181,13 +181,17 @@ class CheckpointReader:
             yield name, self.get(name)
 
     # ---- checks -------------------------------------------------------------------------------------------
-    def validate(self, expected: dict[str, tuple[int, ...]]) -> None:
-        """Raise one ValueError listing every missing, unexpected and wrongly-shaped tensor."""
+    def validate(self, expected: dict[str, tuple[int, ...]],
+                 dtypes: dict[str, tuple[np.dtype, ...]] | None = None) -> None:
+        """Raise one ValueError listing every missing, unexpected, wrongly-shaped and (with `dtypes`: name ->
+        accepted dtypes) wrongly-typed tensor."""
         problems = []
         missing = [n for n in expected if n not in self._tensors]
         unexpected = [n for n in self._tensors if n not in expected]
         wrong = [(n, tuple(expected[n]), self._tensors[n].shape) for n in expected
                  if n in self._tensors and self._tensors[n].shape != tuple(expected[n])]
+        bad_types = [(n, self._tensors[n].dtype, accepted) for n, accepted in (dtypes or {}).items()
+                     if n in self._tensors and self._tensors[n].dtype not in accepted]
         if missing:
             problems.append(f"missing ({len(missing)}): " + ", ".join(missing))
         if unexpected:
@@ -195,6 +199,11 @@ class CheckpointReader:
         if wrong:
             problems.append(f"wrong shape ({len(wrong)}): " + ", ".join(
                 f"{n} is {list(got)}, expected {list(want)}" for n, want, got in wrong))
+        if bad_types:
+            problems.append(f"wrong dtype ({len(bad_types)}): " + ", ".join(
+                f"{n} is {NUMPY_TO_SAFETENSORS.get(got, str(got))}, expected "
+                f"{' or '.join(NUMPY_TO_SAFETENSORS.get(np.dtype(a), str(a)) for a in accepted)}"
+                for n, got, accepted in bad_types))
         if problems:
             raise ValueError(f"checkpoint at {self.folder} does not match the model config:\n  " + "\n  ".join(problems))
 

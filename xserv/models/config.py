@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from .fp8 import Fp8BlockQuantization
+
 SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
 QWEN3_SIZES = ("0.6b", "1.7b", "4b", "8b", "14b", "32b")
 QWEN3_MOE_SIZES = ("30b-a3b", "235b-a22b")
@@ -79,6 +81,31 @@ _ROPE_REQUIRED = {"yarn": ("factor",), "llama3": ("factor", "low_freq_factor", "
 _ROPE_OPTIONAL = {"yarn": ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim"), "llama3": ()}
 
 
+# quant_method values of Hugging Face configs that xserv recognises but cannot load (named in the error)
+_UNSUPPORTED_QUANT_METHODS = ("awq", "gptq", "bitsandbytes", "compressed-tensors", "fbgemm_fp8", "torchao", "hqq",
+                              "eetq", "aqlm", "quanto", "higgs", "vptq", "bitnet", "spqr", "mxfp4", "quark",
+                              "auto-round", "gguf", "modelopt", "marlin", "exl2")
+
+
+def parse_quantization_config(value) -> Fp8BlockQuantization | None:
+    """None for an unquantized checkpoint; the validated FP8 settings for quant_method "fp8" (fine-grained e4m3
+    blocks, dynamic activations); a ValueError naming the method or the field for anything else."""
+    if value is None or isinstance(value, Fp8BlockQuantization):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError(f"quantization_config must be an object or null, got {value!r}")
+    method = value.get("quant_method")
+    if method == Fp8BlockQuantization.QUANT_METHOD:
+        return Fp8BlockQuantization.from_dict(value)
+    if method is None:
+        raise ValueError("quantization_config has no quant_method: xserv loads unquantized checkpoints and "
+                         "fine-grained FP8 ones (quant_method 'fp8')")
+    known = " (a format xserv does not implement)" if str(method).lower() in _UNSUPPORTED_QUANT_METHODS else ""
+    raise ValueError(f"quantization_config.quant_method={method!r} is not supported{known}: xserv loads unquantized "
+                     f"checkpoints and fine-grained FP8 ones (quant_method 'fp8', e4m3 weights with "
+                     f"weight_block_size, dynamic activations)")
+
+
 def normalize_rope_scaling(rs, supported: tuple[str, ...], max_position_embeddings: int) -> dict[str, Any] | None:
     """None for plain RoPE, else a copy with 'rope_type' set and its numbers checked. A YaRN config without
     original_max_position_embeddings gets max_position_embeddings (as transformers does)."""
@@ -140,6 +167,8 @@ class DenseConfig:
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list, hash=False)
     initializer_range: float = 0.02
+    # quant_method "fp8" (fine-grained e4m3 blocks): the weights are dequantized at load (xserv/models/fp8.py)
+    quantization_config: Fp8BlockQuantization | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -168,6 +197,7 @@ class DenseConfig:
         for t in self.eos_token_id + ([self.bos_token_id] if self.bos_token_id is not None else []):
             if not 0 <= t < self.vocab_size:
                 raise ValueError(f"special token id {t} is outside the vocabulary (size {self.vocab_size})")
+        object.__setattr__(self, "quantization_config", parse_quantization_config(self.quantization_config))
 
     # ---- derived sizes (the one place they are derived) ------------------------------------------------------
     @property
@@ -253,6 +283,7 @@ class DenseConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
             initializer_range=float(d.get("initializer_range", 0.02)),
+            quantization_config=d.get("quantization_config"),
         )
 
     @classmethod
@@ -279,6 +310,7 @@ class DenseConfig:
     def to_dict(self) -> dict[str, Any]:
         """A Hugging Face config.json dict for this config."""
         eos = self.eos_token_id
+        quantization = {"quantization_config": self.quantization_config.to_dict()} if self.quantization_config else {}
         return {
             "architectures": [self.ARCHITECTURE],
             "model_type": self.MODEL_TYPE,
@@ -303,6 +335,7 @@ class DenseConfig:
             "use_cache": True,
             "vocab_size": self.vocab_size,
             **self.hf_extra_fields(),
+            **quantization,
         }
 
 

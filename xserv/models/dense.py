@@ -29,6 +29,7 @@ from ..ops.rmsnorm import fused_add_rmsnorm
 from ..ops.rope import qk_norm_rope_write_kv, rope_cos_sin_table
 from ..tensor import Tensor, as_dtype, bfloat16, float32
 from .base import KVLayout
+from .fp8 import E4M3, dequantize_for_load, scale_shape
 
 # The ops take bf16 activations and weights on both backends (the NumPy references compute in float32 and round
 # where the kernels round), so the CPU model is the reference of the CUDA one step by step.
@@ -89,18 +90,54 @@ def part_rows(config) -> dict[str, tuple[int, int]]:
     return {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv), "gate": (0, i), "up": (i, 2 * i)}
 
 
+# Fields whose tensors an FP8 checkpoint keeps in its float dtype: besides the norms, the embeddings, lm_head and the
+# MoE router (qwen3_moe.py's `router`, `mlp.gate`: Qwen's FP8 MoE checkpoints list it in modules_to_not_convert).
+UNQUANTIZED_FIELDS = NORM_FIELDS + ("embed", "lm_head", "router")
+FLOAT_DTYPES = (np.dtype(bfloat16), np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+
+
 @dataclass(frozen=True)
 class Weight:
-    """One tensor of a checkpoint: its Hugging Face name and shape, and where the model keeps it."""
+    """One tensor of a checkpoint: its Hugging Face name and shape, and where the model keeps it. An FP8
+    checkpoint's quantized linear weights (`block` set) are float8_e4m3fn with a float32 `scale_name` tensor
+    of `scale_shape` beside them (xserv/models/fp8.py)."""
     name: str
     shape: tuple[int, ...]
     layer: int | None  # None: a model-level tensor (embed, final_norm, lm_head)
     field: str  # DenseLayer field, or DenseModel attribute for model-level tensors
     rows: tuple[int, int] | None = None  # rows inside the fused field; None: the whole field
+    block: tuple[int, int] | None = None  # FP8 checkpoints: the quantization block [rows, columns]; None: a float
 
     @property
     def is_norm(self) -> bool:
         return self.field in NORM_FIELDS
+
+    @property
+    def quantized(self) -> bool:
+        return self.block is not None
+
+    @property
+    def scale_name(self) -> str:
+        """The name of a quantized weight's inverse scales: `*.weight` -> `*.weight_scale_inv`."""
+        return self.name + "_scale_inv"
+
+    @property
+    def scale_shape(self) -> tuple[int, int]:
+        return scale_shape(self.shape, self.block)
+
+
+def checkpoint_expectations(table: list[Weight]) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[np.dtype, ...]]]:
+    """(shape, accepted dtypes) of every tensor a checkpoint with this weight table holds: the table's weights
+    (e4m3 when quantized, else a float dtype) and the quantized ones' float32 scales."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    dtypes: dict[str, tuple[np.dtype, ...]] = {}
+    for w in table:
+        shapes[w.name] = w.shape
+        dtypes[w.name] = (E4M3,) if w.quantized else FLOAT_DTYPES
+        if w.quantized:
+            shapes[w.scale_name] = w.scale_shape
+            dtypes[w.scale_name] = (np.dtype(np.float32),)
+    return shapes, dtypes
 
 
 # ---- activations ------------------------------------------------------------------------------------------------
@@ -181,13 +218,18 @@ class DenseModel:
     @classmethod
     def weight_table(cls, config) -> list[Weight]:
         """Every tensor a Hugging Face checkpoint of this architecture and config holds, in file order: what
-        loading checks and fills, and what a random checkpoint is made of."""
+        loading checks and fills, and what a random checkpoint is made of. With an FP8 quantization_config, the
+        linear weights outside UNQUANTIZED_FIELDS and modules_to_not_convert are quantized (`block` set): the
+        checkpoint also holds their `*.weight_scale_inv` (checkpoint_expectations)."""
         shapes, rows = cls.field_shapes(config), cls.part_rows(config)
+        quant = getattr(config, "quantization_config", None)
 
         def weight(name, field, part=None, layer=None):
             span = rows[part] if part else None
             shape = (span[1] - span[0],) + shapes[field][1:] if span else shapes[field]
-            return Weight(name, shape, layer, field, span)
+            quantized = (quant is not None and field not in UNQUANTIZED_FIELDS
+                         and not quant.excludes(name.removesuffix(".weight")))
+            return Weight(name, shape, layer, field, span, quant.weight_block_size if quantized else None)
 
         table = [weight("model.embed_tokens.weight", "embed")]
         for n in range(config.num_hidden_layers):
@@ -203,12 +245,23 @@ class DenseModel:
                         max_positions: int | None = None, dtype=None) -> "DenseModel":
         """Upload a checkpoint into `dtype` tensors (default: WEIGHT_DTYPE[device]; other float dtypes in the file
         are cast one tensor at a time on the host). Fused tensors are allocated once and filled part by part in
-        place; on CUDA every tensor goes from the memory-mapped file straight to device memory."""
+        place; on CUDA every tensor goes from the memory-mapped file straight to device memory. FP8 weights
+        (config.quantization_config) are dequantized on the host into `dtype`, each checkpoint tensor with its
+        own scales before it is copied into its rows (fp8.dequantize_blockwise's rounding)."""
         table = cls.weight_table(config)
-        expected = {w.name: w.shape for w in table}
+        expected, dtypes = checkpoint_expectations(table)
         if config.tie_word_embeddings and "lm_head.weight" in reader.names():
             expected["lm_head.weight"] = (config.vocab_size, config.hidden_size)  # present but unused
-        reader.validate(expected)
+            dtypes["lm_head.weight"] = FLOAT_DTYPES
+        try:
+            reader.validate(expected, dtypes)
+        except ValueError as e:
+            if getattr(config, "quantization_config", None) is None and any(
+                    n.endswith(".weight_scale_inv") for n in reader.names()):
+                raise ValueError(f"{e}\n  (the checkpoint holds FP8 *.weight_scale_inv tensors, but its config.json "
+                                 f"has no quantization_config: an FP8 checkpoint needs Qwen's quant_method 'fp8' "
+                                 f"one)") from None
+            raise
         dtype = as_dtype(dtype) if dtype is not None else WEIGHT_DTYPE[device]
         shapes = cls.field_shapes(config)
         model_fields: dict[str, Tensor] = {}
@@ -224,6 +277,8 @@ class DenseModel:
                     fields[w.field] = Tensor.empty(shapes[w.field], dtype, device)
                 dest = fields[w.field] if w.rows is None else fields[w.field][w.rows[0]:w.rows[1]]
                 arr = reader.get(w.name)
+                if w.quantized:  # phase 1 of FP8: dequantized on the host, one checkpoint tensor at a time
+                    arr = dequantize_for_load(arr, reader.get(w.scale_name), w.block, dtype)
                 dest.copy_(np.ascontiguousarray(arr if arr.dtype == dtype else arr.astype(dtype)))
                 if bar is not None:
                     bar.update(1)

@@ -4,6 +4,7 @@ checkpoint folder (Qwen3, Qwen3-MoE or Llama 3) with random weights at a preset'
     xserv make-test-model --preset tiny --out models/tiny-random
     xserv make-test-model --preset 8b --out models/qwen3-8b-random --seed 1
     xserv make-test-model --preset 30b-a3b --out /dev/shm/qwen3-30b-a3b-random   # 61 GB, one thread per core
+    xserv make-test-model --preset 8b --fp8 --out models/qwen3-8b-fp8-random     # Qwen3-8B-FP8's layout
     xserv make-test-model --preset llama3-1b --out models/llama3-1b-random
 
 Norm weights are 1 + N(0, 0.1) (so a kernel that ignores them shows); --unit-norms gives transformers' ones. Every
@@ -26,6 +27,7 @@ examples:
   {prog} --preset tiny --out models/tiny-random
   {prog} --preset 0.6b --out models/qwen3-0.6b-random --seed 1
   {prog} --preset 30b-a3b --out /dev/shm/qwen3-30b-a3b-random --workers 16
+  {prog} --preset 8b --fp8 --out models/qwen3-8b-fp8-random
   {prog} --preset llama3-1b --out models/llama3-1b-random --shard-size 500MB"""
 
 
@@ -37,6 +39,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="weight dtype (default bfloat16)")
     ap.add_argument("--shard-size", default=None, metavar="SIZE",
                     help="shard the weights above this size, e.g. 500MB, 2GiB (default 4GB, as transformers does)")
+    ap.add_argument("--fp8", action="store_true",
+                    help="an FP8 checkpoint as Qwen publishes them (-FP8): e4m3 linear weights in 128x128 blocks with "
+                         "float32 *.weight_scale_inv, embeddings, norms, lm_head and MoE routers in --dtype")
     ap.add_argument("--unit-norms", action="store_true",
                     help="RMSNorm weights all 1 (as transformers initialises them) instead of 1 + N(0, 0.1)")
     ap.add_argument("--untied", action="store_true", help="force tie_word_embeddings=false (a separate lm_head)")
@@ -66,8 +71,9 @@ def run(args: argparse.Namespace) -> int:
     out = make_test_model(args.preset, args.out, seed=args.seed, dtype=args.dtype, workers=args.workers,
                           perturb_norms=not args.unit_norms,
                           shard_size=DEFAULT_SHARD_SIZE if args.shard_size is None else parse_size(args.shard_size),
-                          overrides=overrides, progress=False if args.no_progress else None)
-    print(f"wrote {out} ({args.preset}, seed {args.seed}, {args.dtype}) in {time.perf_counter() - start:.1f} s")
+                          overrides=overrides, progress=False if args.no_progress else None, fp8=args.fp8)
+    kind = f"FP8 e4m3 128x128 blocks, others {args.dtype}" if args.fp8 else args.dtype
+    print(f"wrote {out} ({args.preset}, seed {args.seed}, {kind}) in {time.perf_counter() - start:.1f} s")
     return 0
 
 

@@ -33,6 +33,7 @@ import numpy as np
 from ..tensor import as_dtype
 from .checkpoint import INDEX_FILE, NUMPY_TO_SAFETENSORS, SINGLE_FILE
 from .config import DenseConfig, preset_dict, presets_dir
+from .fp8 import DEFAULT_BLOCK, E4M3, Fp8BlockQuantization, quantize_blockwise
 from .registry import config_from_dict, model_class
 
 DEFAULT_SHARD_SIZE = 4 * 10**9  # like HF's save_pretrained: shard above ~4 GB
@@ -227,9 +228,57 @@ def _ones_fill(shape, dtype):
     return lambda: [np.ones(shape, dtype)]
 
 
+def _whole_blocks(chunks: Iterable[np.ndarray], rows: int) -> Iterable[np.ndarray]:
+    """The same rows re-cut into chunks of a multiple of `rows` rows (the last one: what is left)."""
+    pending: list[np.ndarray] = []
+    have = 0
+    for chunk in chunks:
+        pending.append(chunk)
+        have += chunk.shape[0]
+        if have >= rows:
+            whole = np.concatenate(pending) if len(pending) > 1 else pending[0]
+            cut = have - have % rows
+            yield whole[:cut]
+            pending, have = ([whole[cut:]], have - cut) if cut < have else ([], 0)
+    if have:
+        yield np.concatenate(pending) if len(pending) > 1 else pending[0]
+
+
+class _Fp8Pair:
+    """The two entries of a quantized weight: its e4m3 values and its float32 inverse scales, both from the bf16
+    (`dtype`) draws a float checkpoint of the same seed holds, quantized block row by block row
+    (fp8.quantize_blockwise). Writing the weight keeps its scales for the scale entry that follows it; a scale
+    entry written first (by another worker) draws the weight again: the same bytes either way."""
+
+    def __init__(self, draws: Callable, block: tuple[int, int]):
+        self.draws, self.block = draws, block
+        self.scales: np.ndarray | None = None
+
+    def _quantized(self) -> Iterable[tuple[np.ndarray, np.ndarray]]:
+        for rows in _whole_blocks(self.draws(), self.block[0]):
+            yield quantize_blockwise(rows, self.block)
+
+    def weight_fill(self) -> Iterable[np.ndarray]:
+        scales = []
+        for q, s in self._quantized():
+            scales.append(s)
+            yield q
+        self.scales = np.concatenate(scales)
+
+    def scale_fill(self) -> Iterable[np.ndarray]:
+        scales, self.scales = self.scales, None
+        if scales is not None:
+            yield scales
+        else:
+            for _, s in self._quantized():
+                yield s
+
+
 def random_weight_entries(config: DenseConfig, seed: int = 0, dtype: str = "bfloat16",
                           perturb_norms: bool = True) -> list[_Entry]:
-    """The tensors of a random checkpoint of config's architecture, in weight-table order, not yet generated."""
+    """The tensors of a random checkpoint of config's architecture, in weight-table order, not yet generated. With
+    an FP8 quantization_config, each quantized weight is its float draws quantized blockwise (e4m3, then its
+    `*.weight_scale_inv` float32 scales), as in Qwen's -FP8 checkpoints."""
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     dt = as_dtype(dtype)
@@ -239,8 +288,25 @@ def random_weight_entries(config: DenseConfig, seed: int = 0, dtype: str = "bflo
             fill = _normal_fill(seed, w.name, w.shape, 0.1, 1.0, dt) if perturb_norms else _ones_fill(w.shape, dt)
         else:
             fill = _normal_fill(seed, w.name, w.shape, config.initializer_range, 0.0, dt)
-        entries.append(_Entry(w.name, dt, w.shape, fill))
+        if w.quantized:
+            pair = _Fp8Pair(fill, w.block)
+            entries += [_Entry(w.name, E4M3, w.shape, pair.weight_fill),
+                        _Entry(w.scale_name, np.float32, w.scale_shape, pair.scale_fill)]
+        else:
+            entries.append(_Entry(w.name, dt, w.shape, fill))
     return entries
+
+
+def fp8_quantization_config(config: DenseConfig, block: tuple[int, int] = DEFAULT_BLOCK) -> dict:
+    """The quantization_config Qwen's -FP8 checkpoints carry, for config's architecture: fine-grained e4m3 in
+    `block` blocks, dynamic activations; for an MoE model, modules_to_not_convert lists lm_head and every router
+    (what transformers needs to leave them in bf16)."""
+    d = Fp8BlockQuantization(block).to_dict()
+    table = model_class(config).weight_table(config.replace(quantization_config=Fp8BlockQuantization(block)))
+    routers = [w.name.removesuffix(".weight") for w in table if w.field == "router"]
+    if routers:
+        d["modules_to_not_convert"] = ["lm_head"] + routers
+    return d
 
 
 def generation_config_dict(config: DenseConfig) -> dict:
@@ -257,7 +323,8 @@ def free_bytes(folder) -> int:
 
 def make_test_model(preset: str | DenseConfig, out_dir, seed: int = 0, *, dtype: str = "bfloat16",
                     perturb_norms: bool = True, shard_size=DEFAULT_SHARD_SIZE, overrides: dict | None = None,
-                    progress: bool | None = None, overwrite: bool = True, workers: int | None = None) -> Path:
+                    progress: bool | None = None, overwrite: bool = True, workers: int | None = None,
+                    fp8: bool = False) -> Path:
     """Write a Hugging Face-format folder with random weights to out_dir and return its path.
 
     preset: a name from xserv.models.config.PRESET_NAMES ('tiny', '0.6b', ..., 'llama3-1b', ...) or a config
@@ -266,7 +333,11 @@ def make_test_model(preset: str | DenseConfig, out_dir, seed: int = 0, *, dtype:
     for checkpoints over 256 MiB; False: never). The folder is built next to out_dir and renamed
     into place, so a reader never sees a half-written model; a ValueError with the sizes says so before anything
     is written when the filesystem there has too little free space. workers: threads generating and writing the
-    tensors (None: one for checkpoints under 1 GiB, else one per core); any count gives the same bytes."""
+    tensors (None: one for checkpoints under 1 GiB, else one per core); any count gives the same bytes.
+    fp8: an FP8 checkpoint in the layout of Qwen's -FP8 ones (their quantization_config, e4m3 linear weights in
+    128 x 128 blocks with float32 *.weight_scale_inv; embeddings, norms, lm_head and routers in `dtype`): the same
+    draws as the float checkpoint of this seed, quantized (fp8.quantize_blockwise). Another block size: a
+    quantization_config in overrides."""
     if isinstance(preset, DenseConfig):
         d = preset.to_dict()
     else:
@@ -275,6 +346,8 @@ def make_test_model(preset: str | DenseConfig, out_dir, seed: int = 0, *, dtype:
     d["torch_dtype"] = dtype
     d.pop("dtype", None)
     config = config_from_dict(d)
+    if fp8 and config.quantization_config is None:
+        config = config_from_dict({**d, "quantization_config": fp8_quantization_config(config)})
     if not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, (int, np.integer))
@@ -314,7 +387,8 @@ def make_test_model(preset: str | DenseConfig, out_dir, seed: int = 0, *, dtype:
                 bar.close()
         (tmp / "xserv_random.json").write_text(json.dumps({
             "preset": preset if isinstance(preset, str) else None, "seed": int(seed), "dtype": dtype,
-            "perturb_norms": perturb_norms, "overrides": overrides or {}, "config_hash": _config_hash(config_json),
+            "perturb_norms": perturb_norms, "overrides": overrides or {}, "fp8": config.quantization_config is not None,
+            "config_hash": _config_hash(config_json),
         }, indent=2) + "\n")
         if out.exists() and any(out.iterdir()):
             if not overwrite:
