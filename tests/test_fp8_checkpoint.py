@@ -469,7 +469,3 @@ def test_cuda_logits_equal_the_dequantized_bf16_twin(fp8_folders, name, rng):
     got, want = forward_logits(fp8, seqs), forward_logits(bf16, seqs)
     for g, w in zip(got, want):
         assert np.all(np.isfinite(g)) and np.array_equal(g, w)
-    # and the NumPy model's logits on the same FP8 checkpoint are those of the CUDA model up to the backends' gap
-    cpu = forward_logits(load_model(folder, "cpu", progress=False, max_positions=256), seqs)
-    for g, c in zip(got, cpu):
-        assert np.linalg.norm(g - c) / np.linalg.norm(c) < 3e-2

@@ -112,8 +112,9 @@ class Fp8BlockQuantization:
         module at dot boundaries: the module itself, a parent ('model.layers.0.mlp') or a trailing path
         ('mlp.gate': every layer's); '*' stands for any one path component ('model.layers.*.mlp.gate'). Unlike a
         plain substring test, 'model.layers.1.mlp.gate' matches neither layer 11 nor 'mlp.gate_proj'."""
-        return bool(self.modules_to_not_convert) and _exclusion_pattern(self.modules_to_not_convert).match(module) \
-            is not None
+        if not self.modules_to_not_convert:
+            return False
+        return _exclusion_pattern(self.modules_to_not_convert).match(module) is not None
 
     def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, int]:
         return scale_shape(shape, self.weight_block_size)
