@@ -167,10 +167,10 @@ def moe_experts(x: Tensor, router: Tensor, gate_up: Tensor, down: Tensor, top_k:
 
 # ---- CUDA -------------------------------------------------------------------------------------------------------
 # Token tiles of the grouped GEMMs (rows of one expert a CTA multiplies): 8 for decode-sized steps (an expert is
-# picked by a few tokens; 8 is one mma n-tile), 64 for prefill. Chosen from the entry count (tokens x k) so that
-# the average expert fills its tiles.
+# picked by a few tokens; 8 is one mma n-tile), 64 or 128 for prefill. Chosen from the entry count (tokens x k) so
+# that the average expert fills its tiles.
 _TILES = {"small": 8, "mid": 64, "large": 128}
-_LARGE_FROM_ENTRIES = 2048  # >= 16 entries per expert on average with 128 experts
+_LARGE_FROM_ENTRIES = 2048  # below: the small tiles (< 16 entries per expert on average with 128 experts)
 
 
 def _tile_for(entries: int, num_experts: int = 128) -> str:
@@ -200,7 +200,7 @@ def _moe_cuda(x, router, gate_up, down, shape: MoeShape, renormalize: bool, out,
 def moe_stages(x, router, gate_up, down, shape: MoeShape, renormalize: bool, out, ws: MoeWorkspace, t: int,
                size: str | None = None) -> list[tuple[str, object]]:
     """The launches of one moe_experts call in order, as (name, no-argument callable): what _moe_cuda runs, and
-    what tools/bench_moe.py times one by one. `size` forces the GEMM tile shape ("small" / "large")."""
+    what tools/bench_moe.py times one by one. `size` forces the GEMM tile shape ("small" / "mid" / "large")."""
     from ..runtime import kernel
     from ..runtime.compiler import piece
     from .gemv import gemv_supported, linear_gemv, prefer_gemv
