@@ -254,12 +254,11 @@ def test_moe_limits_at_qwen3_30b_a3b_shapes():
     m = _fake_model(128, 8, layers=48, hidden=2048, inter=6144, moe_inter=768, vocab=151936, heads=32, kv_heads=4,
                     head_dim=128)
     assert all_weight_bytes(m) / 2 == pytest.approx(30.5e9, rel=0.01)
-    assert active_weight_bytes(m) / 2 == pytest.approx(3.35e9, rel=0.01)
+    assert 3.3e9 <= active_weight_bytes(m) / 2 < 3.4e9  # published as 3.3B
     assert step_weight_bytes(m, 1) == active_weight_bytes(m)  # one token computes with what it reads
     assert step_weight_bytes(m, 256) == pytest.approx(all_weight_bytes(m), rel=1e-3)
     embed = 2 * 151936 * 2048
-    assert decode_weight_bytes(m, 1) == active_weight_bytes(m) - embed  # 6.08 GB a batch-1 step
-    assert decode_weight_bytes(m, 1) / 1e9 == pytest.approx(6.08, abs=0.01)
+    assert decode_weight_bytes(m, 1) == active_weight_bytes(m) - embed  # a batch-1 step reads one embedding row
 
 
 def test_moe_limits_of_the_real_model_class(tmp_path):
