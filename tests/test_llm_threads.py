@@ -18,6 +18,7 @@ from qwen3_reference import tiny_model_dir  # noqa: F401
 from xserv import LLM, SamplingParams
 from xserv.engine.config import EngineConfig
 from xserv.llm import LLMClosed
+from xserv.testing import agree_until_near_tie
 
 PROMPTS = ["Hello", "The sky is", "1 2 3 4", "Once upon a time", "Paris is", "def f(x):", "Bonjour", "A B C"]
 
@@ -245,17 +246,6 @@ def test_unseeded_sampling_differs_between_runs_seeded_repeats(llm):
 
 
 # ---- GPU ------------------------------------------------------------------------------------------------------
-def _agree_until_near_tie(alone, together, gap: float = 1e-2) -> bool:
-    """Greedy tokens equal up to the first position where `alone`'s top two log-probabilities are within gap."""
-    for entry, a, b in zip(alone.logprobs, alone.token_ids, together.token_ids):
-        top = entry["top"]
-        if len(top) >= 2 and top[0][1] - top[1][1] < gap:
-            return True
-        if a != b:
-            return False
-    return len(alone.token_ids) == len(together.token_ids)
-
-
 @pytest.mark.gpu
 @pytest.mark.timeout(300)
 def test_cuda_threads_equal_sequential_up_to_near_ties(tiny_model_dir):  # noqa: F811
@@ -279,7 +269,7 @@ def test_cuda_threads_equal_sequential_up_to_near_ties(tiny_model_dir):  # noqa:
             assert not isinstance(g, BaseException), f"thread {i} raised {g!r}"
             text, out = g
             assert text is None or text == out.text, f"thread {i}: the streamed text is not the request's text"
-            assert _agree_until_near_tie(alone[i], out), f"thread {i}"
+            assert agree_until_near_tie(alone[i], out, 1e-2), f"thread {i}"
         _wait_idle(llm)
         assert llm.engine.blocks.num_free == llm.kv_cache.num_blocks
 

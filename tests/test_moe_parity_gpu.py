@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 from qwen3_reference import rel_err_rows
+from xserv.testing import agree_until_near_tie
 
 pytestmark = pytest.mark.gpu
 
@@ -108,18 +109,6 @@ def test_moe_logits_as_close_to_float32_as_transformers_bf16(variant, transforme
     assert err.mean() <= bound_mean, f"mean {err.mean():.3e} > {bound_mean:.3e}"
 
 
-def _agree_until_near_tie(alone, together) -> bool:
-    """Greedy tokens equal up to the first position where the alone run's top two log-probabilities are within
-    NEAR_TIE (that position itself may differ)."""
-    for entry, a, b in zip(alone.logprobs, alone.token_ids, together.token_ids):
-        top = entry["top"]
-        if len(top) >= 2 and top[0][1] - top[1][1] < NEAR_TIE:
-            return True
-        if a != b:
-            return False
-    return len(alone.token_ids) == len(together.token_ids)
-
-
 @pytest.mark.timeout(900)
 def test_moe_batch_of_64_equals_each_request_alone_up_to_near_ties(tmp_path):
     from xserv import LLM, SamplingParams
@@ -137,7 +126,7 @@ def test_moe_batch_of_64_equals_each_request_alone_up_to_near_ties(tmp_path):
     assert all(len(o.token_ids) == 32 for o in together)
     assert len({tuple(o.token_ids) for o in alone}) > 32  # different prompts, different answers
     exact = sum(a.token_ids == t.token_ids for a, t in zip(alone, together))
-    diverged = [i for i, (a, t) in enumerate(zip(alone, together)) if not _agree_until_near_tie(a, t)]
+    diverged = [i for i, (a, t) in enumerate(zip(alone, together)) if not agree_until_near_tie(a, t, NEAR_TIE)]
     print(f"64 requests: {exact} equal to their run alone token for token; {len(diverged)} differ before a near tie "
           f"({NEAR_TIE} nats)")
     assert not diverged, f"requests {diverged} differ from their run alone before any near tie"

@@ -78,3 +78,16 @@ def paged_kv_from_dense(rng: np.random.Generator, ks: list[np.ndarray], vs: list
             k_cache[b, :n] = k[rows]
             v_cache[b, :n] = v[rows]
     return k_cache, v_cache, tables
+
+
+def agree_until_near_tie(alone, together, gap: float) -> bool:
+    """Two RequestOutputs of the same greedy request (run alone, run in a batch) give the same tokens up to the
+    first position where the alone run's top two log-probabilities are within `gap` nats (that position itself may
+    differ): the batch-invariance check of the GPU tests (`alone` needs logprobs with the top two)."""
+    for entry, a, b in zip(alone.logprobs, alone.token_ids, together.token_ids):
+        top = entry["top"]
+        if len(top) >= 2 and top[0][1] - top[1][1] < gap:
+            return True
+        if a != b:
+            return False
+    return len(alone.token_ids) == len(together.token_ids)

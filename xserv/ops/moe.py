@@ -127,7 +127,8 @@ class MoeWorkspace:
         self.ids = Tensor.empty((entries,), int32, "cuda")
         self.weights = Tensor.empty((entries,), float32, "cuda")
         self.sorted = Tensor.empty((max(rows, 1),), int32, "cuda")  # entry (token * k + slot) per row, -1: padding
-        self.tile_expert = Tensor.empty((_max_tiles(entries, e, 8) + 1,), int32, "cuda")  # [0]: the tile count
+        # [0]: the tile count; the smallest tile needs the most tiles
+        self.tile_expert = Tensor.empty((_max_tiles(entries, e, min(_TILES.values())) + 1,), int32, "cuda")
         self.act = Tensor.empty((max(rows, 1), shape.inter), bfloat16, "cuda")
         self.y = Tensor.empty((entries, shape.hidden), bfloat16, "cuda")  # expert outputs in entry order
 
@@ -203,7 +204,7 @@ def moe_stages(x, router, gate_up, down, shape: MoeShape, renormalize: bool, out
     what tools/bench_moe.py times one by one. `size` forces the GEMM tile shape ("small" / "mid" / "large")."""
     from ..runtime import kernel
     from ..runtime.compiler import piece
-    from .gemv import gemv_supported, linear_gemv, prefer_gemv
+    from .gemv import linear_gemv, prefer_gemv
     from .linear import linear
 
     e, k, h, inter = shape.num_experts, shape.top_k, shape.hidden, shape.inter
@@ -216,7 +217,7 @@ def moe_stages(x, router, gate_up, down, shape: MoeShape, renormalize: bool, out
     cfg = _GEMM[size]
     combine = "moe_combine_add" if out.dtype == float32 else "moe_combine_store"
     one_token = t == 1 and size == "small" and e <= 128
-    gemv = prefer_gemv(t, e, h) and gemv_supported(t, h)
+    gemv = prefer_gemv(t, e, h)  # (checks gemv_supported itself)
     per_lane = 4 if e <= 128 else 16  # the router row in registers: experts per lane
     flag = np.int32(1 if renormalize else 0)
     if t <= _ONE_CTA_ROUTE_MAX_TOKENS:  # routing and the sorted list in one CTA
