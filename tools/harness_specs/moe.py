@@ -5,6 +5,7 @@ bytes_moved counts the experts a step is expected to touch under uniform routing
 inputs route close to uniformly), plus the router and the activations; flops count the routed experts only."""
 import numpy as np
 
+from xserv.ops.moe import expected_touched_experts
 from xserv.testing import poisoned, random_array
 
 from . import OpSpec
@@ -42,13 +43,9 @@ def _ref(d):
     return out.astype("bfloat16").astype(np.float64)
 
 
-def touched_experts(t, e, k) -> float:
-    return e * (1 - (1 - k / e) ** t)
-
-
 def _bytes(s):
     t, e, k, h, inter = s
-    return int(touched_experts(t, e, k) * 3 * h * inter * 2 + e * h * 2 + 2 * t * h * 2)
+    return int(expected_touched_experts(e, k, t) * 3 * h * inter * 2 + e * h * 2 + 2 * t * h * 2)
 
 
 SPECS = [

@@ -7,6 +7,8 @@ import sys
 
 import numpy as np
 
+from ..ops.moe import expected_touched_experts
+
 
 def length_range(text: str) -> tuple[int, int]:
     """'100:1024' -> (100, 1024); '512' -> (512, 512)."""
@@ -90,17 +92,6 @@ def moe_experts(model) -> tuple[int, int] | None:
     if num > 0 and k > 0 and callable(getattr(model, "step_weight_bytes", None)):
         return int(num), int(k)
     return None
-
-
-def expected_touched_experts(num_experts: int, top_k: int, num_tokens: int) -> float:
-    """Distinct experts one sparse layer runs for num_tokens tokens when routing is uniform (each token's top_k
-    experts a uniform draw of top_k distinct ones of num_experts, tokens independent): an expert is missed by one
-    token with probability 1 - k/E, so E * (1 - (1 - k/E)^B) are touched. One token: exactly k; many: E."""
-    if num_tokens <= 0:
-        return 0.0
-    if num_tokens == 1:
-        return float(top_k)
-    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** num_tokens)
 
 
 UNIFORM_ROUTING_NOTE = ("experts touched by B tokens per sparse layer: E(1 - (1 - k/E)^B), uniform routing assumed "

@@ -17,13 +17,12 @@ output into the fp32 residual. Both round where a dense layer rounds.
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ..ops.moe import MAX_EXPERTS, MAX_TOP_K, moe_experts, moe_workspace
+from ..ops.moe import MAX_EXPERTS, MAX_TOP_K, expected_touched_experts, moe_experts, moe_workspace
 from ..ops.rmsnorm import fused_add_rmsnorm
 from ..tensor import Tensor
 from .config import positive_int
@@ -243,8 +242,7 @@ class Qwen3MoeModel(Qwen3Model):
     def expected_experts_per_layer(self, num_tokens: int) -> float:
         """The expected number of distinct experts a sparse layer touches for `num_tokens` tokens whose top-k sets
         are uniform and independent: E * (1 - (1 - k / E) ** num_tokens) (with step_weight_bytes: a roofline)."""
-        e, k = self.config.num_experts, self.config.num_experts_per_tok
-        return e * (1.0 - math.exp(num_tokens * math.log1p(-k / e))) if k < e else float(e)
+        return expected_touched_experts(self.config.num_experts, self.config.num_experts_per_tok, num_tokens)
 
     def make_workspace(self, max_tokens: int, max_logits: int) -> Qwen3MoeWorkspace:
         return Qwen3MoeWorkspace(self.config, max_tokens, max_logits, self.device, self.dtype)

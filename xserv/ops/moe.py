@@ -80,6 +80,18 @@ def moe_experts_reference(x: np.ndarray, router: np.ndarray, gate_up: np.ndarray
     return acc
 
 
+def expected_touched_experts(num_experts: int, top_k: int, num_tokens: int) -> float:
+    """Distinct experts one sparse layer runs for num_tokens tokens when routing is uniform (each token's top_k
+    experts a uniform draw of top_k distinct ones of num_experts, tokens independent): an expert is missed by one
+    token with probability 1 - k/E, so E * (1 - (1 - k/E)^B) are touched. One token: exactly k; many: E. The
+    benchmarks' rooflines and the harness's byte counts use it."""
+    if num_tokens <= 0:
+        return 0.0
+    if num_tokens == 1:
+        return float(top_k)
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** num_tokens)
+
+
 # ---- the launcher -------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class MoeShape:
