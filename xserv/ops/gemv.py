@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import runtime as _runtime
 from ..runtime import get_device, kernel
+from ..runtime.device import CTA_SMEM_RESERVED, SM90_SMEM_PER_BLOCK_OPTIN, SM90_SMEM_PER_MULTIPROCESSOR
 from ..runtime.compiler import piece
 from ..tensor import Tensor, bfloat16, float32, int32
 from ._checks import check_tensor, output, same_device
@@ -33,7 +35,9 @@ MAX_M = 16
 _ROW_WARPS, _ROW_ROWS = 4, 4  # gemv_row (m = 1)
 _ROW_STEP_K = 32 * 4 * 8  # gemv_row: K values one load step of a warp covers (32 lanes x 4 16-byte chunks)
 _MMA_WARPS, _MMA_ROWS, _MMA_PAD = 8, 16, 32  # gemv_mma_m8 / _m16
-# The staged x rows live in shared memory; two CTAs of this size still fit an SM's 227 KB.
+# The staged x rows live in shared memory; two CTAs of this size still fit an sm_90 SM's 228 KB. The device's own
+# limits lower it where they are smaller (smem_limit, k_slices: sm_80 allows 163 KB per CTA and 164 KB per SM,
+# sm_86 / sm_89 / sm_120 99 KB and 100 KB; docs/kernels/portability.md, "Shared memory per arch").
 SMEM_LIMIT = 112 * 1024
 # The mma kernel deals K out to several CTAs ("K slices", each staging its range of x) where a CTA would otherwise
 # stage more x than this: shared memory takes L1 space from the weights' loads in flight (docs/kernels/gemv.md,
@@ -83,11 +87,35 @@ def _mma_buffers(m: int) -> int:
     return (_MMA_WARPS * 32 * 4 * (kernel_m // 8) + kernel_m * _MMA_WARPS) * 4
 
 
-def k_slices(m: int, k: int) -> tuple[int, int]:
+def device_smem() -> tuple[int, int]:
+    """(per-block opt-in, per-SM) shared memory of the GPU xserv runs on, or sm_90's where no runtime has started
+    (CPU-only processes and tests: the planning functions below take the numbers as arguments)."""
+    rt = _runtime._runtime
+    if rt is None:
+        return SM90_SMEM_PER_BLOCK_OPTIN, SM90_SMEM_PER_MULTIPROCESSOR
+    info = rt.device.info
+    return info.max_shared_memory_per_block_optin, info.max_shared_memory_per_multiprocessor
+
+
+def smem_limit(smem_per_block: int = SM90_SMEM_PER_BLOCK_OPTIN) -> int:
+    """The most dynamic shared memory a GEMV CTA may ask on a device allowing smem_per_block per CTA."""
+    return min(SMEM_LIMIT, smem_per_block)
+
+
+def resident_ctas(smem: int, smem_per_sm: int = SM90_SMEM_PER_MULTIPROCESSOR) -> int:
+    """CTAs of `smem` bytes of dynamic shared memory that one SM holds at once (each also takes the 1 KB the
+    runtime reserves): caps the CTAs per SM the plan launches."""
+    return max(1, smem_per_sm // (smem + CTA_SMEM_RESERVED))
+
+
+def k_slices(m: int, k: int, smem_per_block: int = SM90_SMEM_PER_BLOCK_OPTIN,
+             smem_per_sm: int = SM90_SMEM_PER_MULTIPROCESSOR) -> tuple[int, int]:
     """(slices, slice length) for m rows of in_features k: one slice for the one-row kernel and wherever the staged
-    x is within STAGE_BYTES (and SMEM_LIMIT), else the fewest slices (a multiple of 32 values long, the mma
-    blocks') that bring it there."""
-    budget = min(STAGE_BYTES, SMEM_LIMIT - _mma_buffers(m))
+    x is within STAGE_BYTES (and smem_limit, and CTAS_PER_SM CTAs within an SM's smem_per_sm), else the fewest
+    slices (a multiple of 32 values long, the mma blocks') that bring it there. On sm_90 and sm_80 STAGE_BYTES is
+    the binding term; on sm_86 / sm_89 / sm_120 (100 KB per SM) two CTAs per SM are."""
+    per_cta = min(smem_limit(smem_per_block), smem_per_sm // CTAS_PER_SM - CTA_SMEM_RESERVED)
+    budget = min(STAGE_BYTES, per_cta - _mma_buffers(m))
     if m == 1 or m * (k + _MMA_PAD) * 2 <= budget:
         return 1, k
     longest = max(32, (budget // (2 * m) - _MMA_PAD) // 32 * 32)  # the longest slice within the budget
@@ -96,9 +124,21 @@ def k_slices(m: int, k: int) -> tuple[int, int]:
     return cdiv(k, kc), kc
 
 
-def gemv_supported(m: int, k: int) -> bool:
-    """Can the GEMV kernels take m rows of an in_features-k input (before any alignment check)?"""
-    return 1 <= m <= MAX_M and k % 8 == 0 and _smem(m, k_slices(m, k)[1]) <= SMEM_LIMIT
+def gemv_supported(m: int, k: int, smem_per_block: int | None = None, smem_per_sm: int | None = None) -> bool:
+    """Can the GEMV kernels take m rows of an in_features-k input (before any alignment check)? The shared memory
+    limits default to the device's (device_smem)."""
+    if smem_per_block is None or smem_per_sm is None:
+        block, sm = device_smem()
+        smem_per_block = block if smem_per_block is None else smem_per_block
+        smem_per_sm = sm if smem_per_sm is None else smem_per_sm
+    return (1 <= m <= MAX_M and k % 8 == 0
+            and _smem(m, k_slices(m, k, smem_per_block, smem_per_sm)[1]) <= smem_limit(smem_per_block))
+
+
+def launch_smem(m: int, k: int, smem_per_block: int = SM90_SMEM_PER_BLOCK_OPTIN,
+                smem_per_sm: int = SM90_SMEM_PER_MULTIPROCESSOR) -> int:
+    """The dynamic shared memory the launcher asks for m rows of in_features k (what _launch passes)."""
+    return _smem(m, k_slices(m, k, smem_per_block, smem_per_sm)[1])
 
 
 # Above one row, the mma kernel or cuBLASLt (docs/kernels/gemv.md, "v11"): a rule is a list of (rows up to, N x K
@@ -119,10 +159,10 @@ MMA_RULES: dict[str, tuple[tuple[int, int, int], ...]] = {
 MMA_PREFERRED = MMA_RULES["narrow"]
 
 
-def prefer_gemv(m: int, n: int, k: int) -> bool:
+def prefer_gemv(m: int, n: int, k: int, smem_per_block: int | None = None, smem_per_sm: int | None = None) -> bool:
     """The measured choice for a plain linear: the GEMV kernel for one row (1.03-1.9x cuBLASLt on every Qwen3
     projection measured), the mma kernel for 2..16 rows where MMA_PREFERRED takes it, else cuBLASLt."""
-    if not gemv_supported(m, k):
+    if not gemv_supported(m, k, smem_per_block, smem_per_sm):
         return False
     return m == 1 or any(m <= rows and n * k <= elements and n <= outputs
                          for rows, elements, outputs in MMA_PREFERRED)
@@ -165,7 +205,8 @@ def _check_weight(weight: Tensor, k: int) -> int:
 def _check_m(m: int, k: int) -> None:
     if not gemv_supported(max(m, 1), k):
         raise ValueError(f"gemv: {m} rows of in_features {k} do not fit the GEMV kernels (rows <= {MAX_M}, "
-                         f"in_features % 8 == 0, the staged rows within {SMEM_LIMIT} bytes of shared memory)")
+                         f"in_features % 8 == 0, the staged rows within {smem_limit(device_smem()[0])} bytes of "
+                         f"shared memory)")
 
 
 def linear_gemv(x: Tensor, weight: Tensor, out: Tensor | None = None, out_dtype=None) -> Tensor:
@@ -274,8 +315,9 @@ def _add_into_residual(name: str, x: Tensor, k: int, prologue: str, reference, w
 
 
 # ---- launch -------------------------------------------------------------------------------------------------------
-def plan(m: int, n: int, multiprocessor_count: int, paired: bool = False, k: int = 0,
-         normed: bool = False) -> tuple[str, int, int, int, int]:
+def plan(m: int, n: int, multiprocessor_count: int, paired: bool = False, k: int = 0, normed: bool = False,
+         smem_per_block: int = SM90_SMEM_PER_BLOCK_OPTIN,
+         smem_per_sm: int = SM90_SMEM_PER_MULTIPROCESSOR) -> tuple[str, int, int, int, int]:
     """(kernel, threads, split, grid, slices): kernel = the base name (the launcher picks the entry: gemv_row's
     _<prologue>_<epilogue>[_1step], the mma kernel's _bf16_bf16 or _sliced), split = warps sharing a row group's K
     (the fewest that give every SM two tiles and keep the last round of tiles >= 90% full; for one row, one fewer
@@ -283,14 +325,17 @@ def plan(m: int, n: int, multiprocessor_count: int, paired: bool = False, k: int
     load step (PREFER_ONE_STEP)), slices = the K slices (k_slices; each CTA takes one and loops over the tiles),
     grid = the CTAs, at most CTAS_PER_SM per multiprocessor (each stages its x once; for the one-row kernel's
     one-step tiles ONE_STEP_CTAS_PER_SM with the RMSNorm prologue (normed), ONE_STEP_PLAIN_CTAS_PER_SM without).
-    paired (the SiLU-and-mul epilogue, one row; normed): a tile pairs gate and up row groups, so split <= 2."""
+    paired (the SiLU-and-mul epilogue, one row; normed): a tile pairs gate and up row groups, so split <= 2.
+    smem_per_block / smem_per_sm: the device's shared memory (sm_90's by default): they size the K slices and cap
+    the CTAs per SM at what an SM holds (resident_ctas; never binding on sm_90)."""
     if m == 1:
         name, warps, rows = "gemv_row", _ROW_WARPS, _ROW_ROWS
     else:
         name, warps, rows = ("gemv_mma_m8" if m <= 8 else "gemv_mma_m16"), _MMA_WARPS, _MMA_ROWS
-    slices, slice_k = k_slices(m, k) if k else (1, 0)
+    slices, slice_k = k_slices(m, k, smem_per_block, smem_per_sm) if k else (1, 0)
+    resident = resident_ctas(_smem(m, slice_k), smem_per_sm)
     max_split = 2 if paired else warps
-    slots = max(1, multiprocessor_count * CTAS_PER_SM // slices)  # CTAs per slice
+    slots = max(1, multiprocessor_count * min(CTAS_PER_SM, resident) // slices)  # CTAs per slice
 
     def tiles(s: int) -> int:
         return cdiv(n, rows * (warps // s))
@@ -312,7 +357,8 @@ def plan(m: int, n: int, multiprocessor_count: int, paired: bool = False, k: int
     if m == 1 and PREFER_ONE_STEP and not one_load_step(k, split):  # more splits where they make a tile one step
         split = next((s for s in (2, 4) if split < s <= max_split and one_load_step(k, s)), split)
     if m == 1 and one_load_step(k, split):
-        slots = multiprocessor_count * (ONE_STEP_CTAS_PER_SM if normed or paired else ONE_STEP_PLAIN_CTAS_PER_SM)
+        slots = multiprocessor_count * min(resident, ONE_STEP_CTAS_PER_SM if normed or paired
+                                           else ONE_STEP_PLAIN_CTAS_PER_SM)
     return name, warps * 32, split, min(tiles(split), slots) * slices, slices
 
 
@@ -333,8 +379,11 @@ def _launch(prologue: str, x: Tensor, x_stride: int, rows: Tensor | None, norm_w
     if not aligned(x, weight) or (x_stride * x.dtype.itemsize) % 16:
         raise ValueError("gemv: x and weight must be 16-byte aligned with 16-byte aligned rows")
     paired = epilogue == _EPILOGUE["silu_mul"]
-    name, threads, split, grid, slices = plan(m, n, get_device().multiprocessor_count, paired, k, prologue == "rmsnorm")
-    slice_k = k_slices(m, k)[1]
+    info = get_device().info
+    block_smem, sm_smem = info.max_shared_memory_per_block_optin, info.max_shared_memory_per_multiprocessor
+    name, threads, split, grid, slices = plan(m, n, info.multiprocessor_count, paired, k, prologue == "rmsnorm",
+                                              block_smem, sm_smem)
+    slice_k = k_slices(m, k, block_smem, sm_smem)[1]
     x_rows = rows if rows is not None else 0  # a null pointer: rows 0..m-1
     norm = norm_weight if norm_weight is not None else 0
     modes = (np.int32(_PROLOGUE[prologue]), np.int32(epilogue))

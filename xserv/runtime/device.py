@@ -9,6 +9,15 @@ from .arch import arch_for, target_from_env
 from .errors import CudaError, check_driver
 
 
+# Shared memory of sm_90 (H100, H200; B200's sm_100 has the same): the per-CTA opt-in limit and an SM's total. The
+# planning functions of xserv/ops take a device's numbers as arguments and default to these (the arch the kernels
+# were tuned on); the launchers pass the live device's (DeviceInfo). Every CTA also takes CTA_SMEM_RESERVED bytes of
+# its SM's shared memory (the runtime's reservation: cudaDevAttrReservedSharedMemoryPerBlock, 1 KB from sm_80 on).
+SM90_SMEM_PER_BLOCK_OPTIN = 227 * 1024
+SM90_SMEM_PER_MULTIPROCESSOR = 228 * 1024
+CTA_SMEM_RESERVED = 1024
+
+
 def device_count() -> int:
     """Number of CUDA devices; 0 when there is no driver or no GPU (never raises)."""
     try:
@@ -30,6 +39,10 @@ class DeviceInfo:
     multiprocessor_count: int
     l2_cache_bytes: int
     max_shared_memory_per_block_optin: int
+    # shared memory of one SM, all resident CTAs together (each CTA also takes 1 KB the runtime reserves): sizes
+    # resident-CTA counts (decode's v4 plan, gemv's CTAs per SM). The default is sm_90's (228 KB), for callers that
+    # build a DeviceInfo by hand; a live Device reads it from the driver.
+    max_shared_memory_per_multiprocessor: int = SM90_SMEM_PER_MULTIPROCESSOR
 
 
 class Device:
@@ -66,6 +79,7 @@ class Device:
             multiprocessor_count=get(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
             l2_cache_bytes=get(attr.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE),
             max_shared_memory_per_block_optin=get(attr.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN),
+            max_shared_memory_per_multiprocessor=get(attr.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR),
         )
 
     @property

@@ -22,6 +22,7 @@ import numpy as np
 
 from ...runtime import get_device, kernel
 from ...runtime.compiler import piece
+from ...runtime.device import CTA_SMEM_RESERVED, SM90_SMEM_PER_BLOCK_OPTIN, SM90_SMEM_PER_MULTIPROCESSOR
 from ...tensor import Tensor, bfloat16, float32, int32
 from .._checks import check_aligned, check_tensor, output, same_device
 from .._launch import check_alias, check_eps, pooled_buffer
@@ -36,8 +37,10 @@ V4_FAST_COMBINE = 16  # kV4FastCombine: up to this many splits the combine takes
 V4_ROW_BYTES = 2560  # kV4RowBytes: v4's shared rows of the fused entry (G <= 8 query rows + the new K and V, bf16)
 V4_CTA_COST_KEYS = 64  # a v4 CTA's fixed cost (prologue, merge, partials, combine) in keys streamed (H100 sweep)
 V2_CTAS_PER_SM = 4  # v2's split-KV grid aims at this many CTAs per SM
-_SM_SMEM = 227 * 1024  # shared memory per SM available to CTAs on sm_90 (sizes resident-CTA counts)
-_SM_SMEM_TOTAL, _CTA_SMEM_RESERVED, _CTA_SMEM_MAX = 228 * 1024, 1024, 227 * 1024  # sm_90: per SM, per CTA, one CTA
+# Shared memory: the planning functions take the device's per-CTA opt-in limit and per-SM total as arguments
+# (DeviceInfo; sm_90's 227 KB / 228 KB by default). A kernel that asks more than the per-CTA limit is not planned
+# (v4w8 -> v4 -> v2 for the production v4; a dev variant named outright raises); the per-SM total sizes the resident
+# CTA counts (DecodeKernel.resident). docs/kernels/portability.md, "Shared memory per arch".
 # The fused entry (attention_decode_rope), launched right behind the qkv GEMV: with programmatic dependent launch
 # (FUSED_PDL) its CTAs start, and do their pre-wait work, while the GEMV still runs; the SMs free up one by one, and
 # the block scheduler would stack the early CTAs 2-4 deep on the first free SMs (the GEMV holds nearly all registers
@@ -111,13 +114,19 @@ class DecodeKernel:
             return 4 * self.stages * head_dim * 64 + 16
         return 0
 
-    def resident(self, head_dim: int, group: int) -> int:
-        """CTAs resident per SM (sizes the split-KV grid): launch bounds and shared memory."""
+    def fits(self, head_dim: int, smem_per_block: int = SM90_SMEM_PER_BLOCK_OPTIN) -> bool:
+        """Does a CTA's dynamic shared memory fit a device that allows smem_per_block per CTA?"""
+        return self.smem(head_dim) <= smem_per_block
+
+    def resident(self, head_dim: int, group: int, smem_per_sm: int = SM90_SMEM_PER_MULTIPROCESSOR) -> int:
+        """CTAs resident per SM (sizes the split-KV grid): launch bounds and shared memory (an SM's smem_per_sm,
+        each CTA's dynamic shared memory + the 1 KB reserved per CTA; at least 1)."""
+        by_smem = max(1, smem_per_sm // (self.smem(head_dim) + CTA_SMEM_RESERVED))
         if self.generation == 4:  # launch bounds: the 4-warp CTAs' count scaled by 4 / warps (16 / W for G <= 4)
             bound = v4_min_blocks(group) * 4 // self.warps
-            return min(bound, _SM_SMEM // (self.smem(head_dim) + 1024))
+            return min(bound, by_smem)
         if self.generation == 3:
-            return v3_min_blocks(head_dim, self.stages)
+            return min(v3_min_blocks(head_dim, self.stages), by_smem)
         return V2_CTAS_PER_SM
 
 
@@ -218,14 +227,19 @@ def v4_plan(num_seqs: int, num_kv_heads: int, max_kv_len: int, multiprocessor_co
 
 @functools.lru_cache(maxsize=4096)
 def plan_decode(variant: str, num_seqs: int, num_kv_heads: int, max_kv_len: int, block_size: int, head_dim: int,
-                group: int, multiprocessor_count: int) -> tuple[DecodeKernel, int, int]:
+                group: int, multiprocessor_count: int, smem_per_block: int = SM90_SMEM_PER_BLOCK_OPTIN,
+                smem_per_sm: int = SM90_SMEM_PER_MULTIPROCESSOR) -> tuple[DecodeKernel, int, int]:
     """(kernel, num_splits, chunk_len) for `variant` on this shape, with the fallbacks applied: v4 (and the v4
     experiments) plan with v4_plan and run v2 where a split would overflow the shared page table; v4 itself runs
     its 8-warp CTAs (v4w8) where the planned grid is one wave of them (at most 2 per SM) and the group is at most 4
     (few sequences: each CTA's keys go out in half the stages; docs/kernels/attention.md, "Wide CTAs"), a larger
     group split into query-head subgroups of at most 4 where that makes such a grid of short splits
     (DecodeKernel.subgroups; groups of 5, 6 and 8, MAX_SUBGROUPS, SUBGROUP_MAX_CHUNK); v3 needs
-    block_size % 16 == 0, else v2. Cached: an eager call pays the search once per shape (it took 100-200 us of host
+    block_size % 16 == 0, else v2. smem_per_block / smem_per_sm: the device's shared memory (sm_90's by default;
+    DeviceInfo): a kernel whose CTA asks more than smem_per_block is not planned (the production v4: its 8-warp CTAs
+    are skipped, then v2 runs; a variant named outright raises ValueError), and the per-SM total sizes the resident
+    CTAs. Every production kernel fits every arch from sm_80 on (v4w8, the largest, asks 70,160 bytes;
+    tests/test_smem_limits.py). Cached: an eager call pays the search once per shape (it took 100-200 us of host
     time at 1 x 32k-128k, more than the kernel)."""
     k = DECODE_KERNELS.get(variant)
     if k is None:
@@ -234,16 +248,22 @@ def plan_decode(variant: str, num_seqs: int, num_kv_heads: int, max_kv_len: int,
         raise ValueError(f"variant: {variant} is compiled for (head_dim, group) in {sorted(k.shapes)} only, "
                          f"not ({head_dim}, {group})")
     sms = multiprocessor_count
-    if k.generation == 4:
+    if not k.fits(head_dim, smem_per_block) and variant != DEFAULT_DECODE:
+        raise ValueError(f"variant: {variant} asks {k.smem(head_dim)} bytes of shared memory per CTA, the device "
+                         f"allows {smem_per_block}")
+    if k.generation == 4 and k.fits(head_dim, smem_per_block):
         max_chunk = (V4_TABLE_CAP - 1) * block_size // 64 * 64
         wide = DECODE_KERNELS.get(k.wide)
+        if wide is not None and not wide.fits(head_dim, smem_per_block):
+            wide = None  # the 8-warp CTAs do not fit this device: the 4-warp ones at every grid
         for r in _subgroup_counts(group, head_dim, wide):
             g, heads = group // r, num_kv_heads * r
-            splits, chunk = v4_plan(num_seqs, heads, max_kv_len, sms, k.resident(head_dim, g), max_chunk)
+            splits, chunk = v4_plan(num_seqs, heads, max_kv_len, sms, k.resident(head_dim, g, smem_per_sm),
+                                    max_chunk)
             if -(-chunk // block_size) + 1 > V4_TABLE_CAP:  # the split's pages overflow the shared page table
                 continue
             if (wide is not None and (head_dim, g) in wide.shapes
-                    and num_seqs * heads * splits <= wide.resident(head_dim, g) * sms
+                    and num_seqs * heads * splits <= wide.resident(head_dim, g, smem_per_sm) * sms
                     and (r == 1 or chunk <= SUBGROUP_MAX_CHUNK)):
                 # the same plan (for R x the kv heads), each CTA twice the warps: still one wave
                 return (wide if r == 1 else dataclasses.replace(wide, subgroups=r)), splits, chunk
@@ -252,9 +272,12 @@ def plan_decode(variant: str, num_seqs: int, num_kv_heads: int, max_kv_len: int,
         k = DECODE_KERNELS["v2"]
     elif k.generation == 3:
         if block_size % 16 == 0:
-            splits, chunk = decode_plan(num_seqs, num_kv_heads, max_kv_len, sms, k.resident(head_dim, group), True)
+            splits, chunk = decode_plan(num_seqs, num_kv_heads, max_kv_len, sms,
+                                        k.resident(head_dim, group, smem_per_sm), True)
             return k, splits, chunk
         k = DECODE_KERNELS["v2"]
+    else:
+        k = DECODE_KERNELS["v2"]  # the default v4 where its CTAs do not fit (no sm_80+ device: kept for safety)
     splits, chunk = decode_plan(num_seqs, num_kv_heads, max_kv_len, sms, k.resident(head_dim, group))
     return k, splits, chunk
 
@@ -303,20 +326,23 @@ def _plan(variant: str, num_seqs: int, num_kv_heads: int, max_kv_len: int, block
     max_kv_len = int(max_kv_len)
     if max_kv_len < 1:
         raise ValueError(f"max_kv_len: {max_kv_len} < 1")
+    info = get_device().info
     k, splits, chunk = plan_decode(variant, num_seqs, num_kv_heads, max_kv_len, block_size, head_dim, group,
-                                   get_device().multiprocessor_count)
+                                   info.multiprocessor_count, info.max_shared_memory_per_block_optin,
+                                   info.max_shared_memory_per_multiprocessor)
     if k.generation >= 3 and splits > V4_MAX_SPLITS:
         raise ValueError(f"plan: {splits} splits > {V4_MAX_SPLITS}, the folded combine's limit")
     return k, splits, chunk
 
 
-def spread_smem(smem: int, ctas: int, multiprocessor_count: int, cta_smem_max: int = _CTA_SMEM_MAX) -> int:
+def spread_smem(smem: int, ctas: int, multiprocessor_count: int, cta_smem_max: int = SM90_SMEM_PER_BLOCK_OPTIN,
+                smem_per_sm: int | None = None) -> int:
     """Dynamic shared memory (>= smem) with which an SM holds at most ceil(ctas / SMs) CTAs of a grid: cta_smem_max
     per CTA at most (the device's opt-in limit: sm_90 227 KB, sm_80 163 KB, sm_86/89/120 99 KB), 1 KB reserved per
-    CTA, so cta_smem_max + 1 KB per SM."""
+    CTA, smem_per_sm per SM (the device's; by default cta_smem_max + 1 KB, which it is on every arch from sm_80)."""
     cap = -(-max(ctas, 1) // max(multiprocessor_count, 1))
-    per_sm = cta_smem_max + _CTA_SMEM_RESERVED
-    fits_one_more = per_sm // (cap + 1) - _CTA_SMEM_RESERVED  # (cap + 1) CTAs of this much would fit
+    per_sm = cta_smem_max + CTA_SMEM_RESERVED if smem_per_sm is None else smem_per_sm
+    fits_one_more = per_sm // (cap + 1) - CTA_SMEM_RESERVED  # (cap + 1) CTAs of this much would fit
     return min(max(smem, -(-(fits_one_more + 1) // 16) * 16), max(smem, cta_smem_max))
 
 
@@ -347,13 +373,10 @@ def _launch(plan: tuple[DecodeKernel, int, int], q: Tensor, k_cache: Tensor, v_c
     if v4_template:
         args += v4_extra
     grid = (splits, heads, num_seqs)
-    smem, pdl = k.smem(head_dim), v4_template
-    if fused:
-        pdl = FUSED_PDL
-        if SPREAD_CTAS:
-            dev = get_device()  # the device's shared memory, not sm_90's: an sm_86/89 CTA gets 99 KB at most
-            smem = spread_smem(smem, splits * heads * num_seqs, dev.multiprocessor_count,
-                               dev.info.max_shared_memory_per_block_optin)
+    pdl = FUSED_PDL if fused else v4_template
+    info = get_device().info  # the device's shared memory, not sm_90's: an sm_86/89 CTA gets 99 KB at most
+    smem = launch_smem(plan, head_dim, num_kv_heads, num_seqs, fused, info.multiprocessor_count,
+                       info.max_shared_memory_per_block_optin, info.max_shared_memory_per_multiprocessor)
     name = k.name(head_dim, group) + ("_lean" if fused and lean_entry(k, head_dim, group, splits) else "")
     family = _module(k.family, head_dim, group)
     # v4 waits for the previous kernel itself (pdl_wait): it may be launched with programmatic dependent launch
@@ -362,6 +385,19 @@ def _launch(plan: tuple[DecodeKernel, int, int], q: Tensor, k_cache: Tensor, v_c
         kernel(family, "attention_decode_combine")(
             (num_q_heads, num_seqs, 1), (head_dim, 1, 1), part_o, part_lse, kv_lens, np.int32(chunk),
             np.int32(splits), np.int32(head_dim), out)
+
+
+def launch_smem(plan: tuple[DecodeKernel, int, int], head_dim: int, num_kv_heads: int, num_seqs: int, fused: bool,
+                multiprocessor_count: int, smem_per_block: int = SM90_SMEM_PER_BLOCK_OPTIN,
+                smem_per_sm: int = SM90_SMEM_PER_MULTIPROCESSOR) -> int:
+    """The dynamic shared memory _launch asks for a planned kernel: its own (DecodeKernel.smem), raised by
+    spread_smem for the fused entry (SPREAD_CTAS) within the device's per-CTA limit."""
+    k, splits, _ = plan
+    smem = k.smem(head_dim)
+    if fused and SPREAD_CTAS:
+        smem = spread_smem(smem, splits * num_kv_heads * k.subgroups * num_seqs, multiprocessor_count,
+                           smem_per_block, smem_per_sm)
+    return smem
 
 
 @functools.lru_cache(maxsize=None)

@@ -15,6 +15,7 @@ import numpy as np
 
 from ...runtime import get_device, get_runtime, kernel
 from ...runtime.arch import KernelPath, arch_path, default_variant
+from ...runtime.device import CTA_SMEM_RESERVED, SM90_SMEM_PER_BLOCK_OPTIN, SM90_SMEM_PER_MULTIPROCESSOR
 from ...runtime.tma import kv_cache_tensor_map
 from ...tensor import Tensor, bfloat16, int32
 from .._checks import check_tensor, output, same_device
@@ -144,9 +145,47 @@ def default_prefill_variant() -> str:
     return default_variant("attention_prefill", get_device().arch)
 
 
-def select_prefill_kernel(variant: str, head_dim: int, block_size: int, use_tma: bool = True) -> PrefillKernel:
+# The v3 tuning points by their measured speed (H200, d128 causal TFLOP/s 229 / 214 / 211 / 209 / 201 / 200 / 178;
+# d64 135 / 123 / 108 / 106: docs/kernels/attention.md, "v3 prefill"), the order in which fit_v3 takes them where
+# the shipped v3 does not fit a device's shared memory (d128 m2w8_b3 asks 131,072 bytes; sm_86 / sm_89 / sm_120
+# allow 101,376 per CTA).
+V3_BY_SPEED = {128: ("v3", "v3_m2w4_b3", "v3_m2w4_b2", "v3_m2w4_b3_k32", "v3_m2w8_b3_k32", "v3_m1w8q_b3",
+                     "v3_m1w4q_b3"),
+               64: ("v3", "v3_m1w4q_b3", "v3_m1w8q_b3_k32", "v3_m2w4q_b3")}
+
+
+def v3_warps_per_sm(k: PrefillKernel, smem_per_sm: int = SM90_SMEM_PER_MULTIPROCESSOR) -> int:
+    """Warps of a v3 kernel resident per SM: its launch bounds (256 threads per SM: 2 CTAs of 4 warps or 1 of 8)
+    and an SM's shared memory (each CTA's + the 1 KB reserved)."""
+    warps = k.threads // 32
+    return warps * min(256 // k.threads, smem_per_sm // (k.smem + CTA_SMEM_RESERVED))
+
+
+def fit_v3(head_dim: int, smem_per_block: int = SM90_SMEM_PER_BLOCK_OPTIN,
+           smem_per_sm: int = SM90_SMEM_PER_MULTIPROCESSOR) -> PrefillKernel:
+    """The v3 kernel the portable path runs for head_dim on a device with these shared memory limits: the shipped
+    one where its CTA fits smem_per_block (every arch for d64; sm_80, sm_90, sm_100 for d128), else the tuning point
+    (cuda_src/dev/attention_prefill_dev.cu, compiled on first use) that fits and keeps the most warps resident per
+    SM, the faster one (V3_BY_SPEED) among equals: d128 on sm_86 / sm_89 / sm_120 -> m2w8_b3_k32 (98,304 bytes, 8
+    warps; the 4-warp points of the same size fit one CTA per SM there). Raises ValueError where none fits."""
+    shipped = PREFILL_KERNELS["v3"][head_dim]
+    if shipped.smem <= smem_per_block:
+        return shipped
+    order = V3_BY_SPEED.get(head_dim, ("v3",))
+    fits = [PREFILL_KERNELS[v][head_dim] for v in order
+            if head_dim in PREFILL_KERNELS.get(v, {}) and PREFILL_KERNELS[v][head_dim].smem <= smem_per_block]
+    if not fits:
+        raise ValueError(f"attention_prefill: no v3 kernel for head_dim {head_dim} fits {smem_per_block} bytes of "
+                         f"shared memory per CTA")
+    return max(fits, key=lambda k: (v3_warps_per_sm(k, smem_per_sm), -order.index(k.variant)))
+
+
+def select_prefill_kernel(variant: str, head_dim: int, block_size: int, use_tma: bool = True,
+                          smem_per_block: int | None = None, smem_per_sm: int | None = None) -> PrefillKernel:
     """The kernel that runs `variant` for this head_dim and block size: v5 needs the TMA, so without it (the block
-    size, or use_tma=False in tests) its place is taken by v4."""
+    size, or use_tma=False in tests) its place is taken by v4; v3 where its CTA does not fit the device's shared
+    memory (smem_per_block / smem_per_sm, by default the device's) by fit_v3's choice. Another variant asking more
+    than smem_per_block raises ValueError (the runtime would at launch)."""
     by_dim = PREFILL_KERNELS.get(variant)
     if by_dim is None or head_dim not in by_dim:
         raise ValueError(f"variant: no prefill kernel {variant!r} for head_dim {head_dim}; "
@@ -157,6 +196,18 @@ def select_prefill_kernel(variant: str, head_dim: int, block_size: int, use_tma:
     if k.tma != "none" and arch_path(get_device().arch) is not KernelPath.HOPPER:
         raise ValueError(f"variant: {variant} prefill needs sm_90a (wgmma), the device's kernels are for "
                          f"{get_device().arch}")
+    if smem_per_block is None or smem_per_sm is None:
+        # the device's limits (a stand-in device without a DeviceInfo, as some CPU tests use: sm_90's)
+        info = getattr(get_device(), "info", None)
+        block = getattr(info, "max_shared_memory_per_block_optin", SM90_SMEM_PER_BLOCK_OPTIN)
+        sm = getattr(info, "max_shared_memory_per_multiprocessor", SM90_SMEM_PER_MULTIPROCESSOR)
+        smem_per_block = block if smem_per_block is None else smem_per_block
+        smem_per_sm = sm if smem_per_sm is None else smem_per_sm
+    if k.variant == "v3":
+        return fit_v3(head_dim, smem_per_block, smem_per_sm)
+    if k.smem > smem_per_block:
+        raise ValueError(f"variant: the {variant} prefill kernel for head_dim {head_dim} asks {k.smem} bytes of "
+                         f"shared memory per CTA, the device allows {smem_per_block}")
     return k
 
 
