@@ -399,3 +399,6 @@ __device__ __forceinline__ void prefill_v3(XSERV_PREFILL_ARGS) {
     }
 XSERV_PREFILL_V3(128, 2, 8, false, , 3, 64, )  // m2w8_b3
 XSERV_PREFILL_V3(64, 1, 8, true, q, 3, 64, )    // m1w8q_b3
+// d128 where a block may have at most 99 KB of shared memory (sm_86, sm_89, sm_120: m2w8_b3 asks 128 KB): 32-key
+// tiles, 96 KB (ops/attention/prefill.py fit_v3 picks it from the device's limits)
+XSERV_PREFILL_V3(128, 2, 8, false, , 3, 32, _k32)  // m2w8_b3_k32

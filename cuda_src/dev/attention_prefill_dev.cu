@@ -208,7 +208,6 @@ extern "C" __global__ void __launch_bounds__(256) attention_prefill_fa2_d128_w8(
 XSERV_PREFILL_V3(128, 2, 4, false, , 2, 64, )
 XSERV_PREFILL_V3(128, 2, 4, false, , 3, 64, )
 XSERV_PREFILL_V3(128, 2, 4, false, , 3, 32, _k32)
-XSERV_PREFILL_V3(128, 2, 8, false, , 3, 32, _k32)
 XSERV_PREFILL_V3(128, 1, 4, true, q, 3, 64, )
 XSERV_PREFILL_V3(128, 1, 8, true, q, 3, 64, )
 XSERV_PREFILL_V3(64, 2, 4, true, q, 3, 64, )

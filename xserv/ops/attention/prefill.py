@@ -75,11 +75,13 @@ def _fa2(d, warps):
                          rows=rows, threads=32 * warps, smem=(rows + 4 * 64) * d * 2, q_tiles_first=True)
 
 
-def _v3(d, tag, dev=False):
-    """tag "m{m-tiles per warp}w{warps}[q]_b{ldmatrix ring}[_k32]" (q: Q fragments kept in registers)."""
+def _v3(d, tag, dev=False, default=True):
+    """tag "m{m-tiles per warp}w{warps}[q]_b{ldmatrix ring}[_k32]" (q: Q fragments kept in registers). default: the
+    head dim's "v3" variant; else (a tuning point, shipped or in dev/) "v3_<tag>"."""
     mt, warps, keys = int(tag[1]), int(tag[3]), 32 if tag.endswith("_k32") else 64
     rows = 16 * mt * warps
-    return PrefillKernel("v3_" + tag if dev else "v3", d, "dev/attention_prefill_dev" if dev else "attention_prefill",
+    return PrefillKernel("v3" if default and not dev else "v3_" + tag, d,
+                         "dev/attention_prefill_dev" if dev else "attention_prefill",
                          f"attention_prefill_v3_d{d}_{tag}", rows=rows, threads=32 * warps,
                          smem=(rows + 4 * keys) * d * 2, keys=keys)
 
@@ -120,18 +122,18 @@ def _table(kernels) -> dict[str, dict[int, PrefillKernel]]:
 # variant -> head_dim -> kernel. The production kernels first (cuda_src/attention_prefill*.cu), then dev/.
 PREFILL_KERNELS = _table([
     _simple(64), _simple(128),
-    _v3(128, "m2w8_b3"), _v3(64, "m1w8q_b3"),
+    _v3(128, "m2w8_b3"), _v3(64, "m1w8q_b3"), _v3(128, "m2w8_b3_k32", default=False),  # the last: 99 KB arches
     _v4(128, 2, 128), _v4(64, 3, 128),
     _v5(128, 2, 128, 3), _v5(64, 2, 128, 3),
     *(_fa2(d, w) for d in HEAD_DIMS for w in (4, 8)),
-    *(_v3(128, t, dev=True) for t in ("m2w4_b2", "m2w4_b3", "m2w4_b3_k32", "m2w8_b3_k32", "m1w4q_b3", "m1w8q_b3")),
+    *(_v3(128, t, dev=True) for t in ("m2w4_b2", "m2w4_b3", "m2w4_b3_k32", "m1w4q_b3", "m1w8q_b3")),
     *(_v3(64, t, dev=True) for t in ("m2w4q_b3", "m1w4q_b3", "m1w8q_b3_k32")),
     _v4(128, 2, 64, dev=True), _v4(128, 3, 64, dev=True), _v4(64, 2, 128, dev=True), _v4(64, 2, 64, dev=True),
     _v5(128, 2, 128, 2, dev=True), _v5(128, 2, 64, 4, dev=True), _v5(128, 3, 64, 3, dev=True),
     _v5(64, 3, 128, 3, dev=True),
     *(_v4_probe(p) for p in range(4)), _v4_probe(0, spread=0),
 ])
-PRODUCTION_PREFILL = ("simple", "v3", "v4", "v5")
+PRODUCTION_PREFILL = ("simple", "v3", "v3_m2w8_b3_k32", "v4", "v5")  # v3_m2w8_b3_k32: d128, 99 KB arches
 
 
 def prefill_variants(head_dim: int, dev: bool = False) -> list[str]:
@@ -161,19 +163,23 @@ def v3_warps_per_sm(k: PrefillKernel, smem_per_sm: int = SM90_SMEM_PER_MULTIPROC
     return warps * min(256 // k.threads, smem_per_sm // (k.smem + CTA_SMEM_RESERVED))
 
 
+DEV_PREFIX = "dev/"
+
+
 def fit_v3(head_dim: int, smem_per_block: int = SM90_SMEM_PER_BLOCK_OPTIN,
            smem_per_sm: int = SM90_SMEM_PER_MULTIPROCESSOR) -> PrefillKernel:
     """The v3 kernel the portable path runs for head_dim on a device with these shared memory limits: the shipped
-    one where its CTA fits smem_per_block (every arch for d64; sm_80, sm_90, sm_100 for d128), else the tuning point
-    (cuda_src/dev/attention_prefill_dev.cu, compiled on first use) that fits and keeps the most warps resident per
-    SM, the faster one (V3_BY_SPEED) among equals: d128 on sm_86 / sm_89 / sm_120 -> m2w8_b3_k32 (98,304 bytes, 8
-    warps; the 4-warp points of the same size fit one CTA per SM there). Raises ValueError where none fits."""
+    one where its CTA fits smem_per_block (every arch for d64; sm_80, sm_90, sm_100 for d128), else the shipped tuning
+    point (attention_prefill.cu; never a dev/ one: those are not in the wheel) that fits and keeps the most warps
+    resident per SM, the faster one (V3_BY_SPEED) among equals: d128 on sm_86 / sm_89 / sm_120 -> m2w8_b3_k32
+    (98,304 bytes, 8 warps). Raises ValueError where none fits."""
     shipped = PREFILL_KERNELS["v3"][head_dim]
     if shipped.smem <= smem_per_block:
         return shipped
     order = V3_BY_SPEED.get(head_dim, ("v3",))
     fits = [PREFILL_KERNELS[v][head_dim] for v in order
-            if head_dim in PREFILL_KERNELS.get(v, {}) and PREFILL_KERNELS[v][head_dim].smem <= smem_per_block]
+            if head_dim in PREFILL_KERNELS.get(v, {}) and PREFILL_KERNELS[v][head_dim].smem <= smem_per_block
+            and not PREFILL_KERNELS[v][head_dim].family.startswith(DEV_PREFIX)]
     if not fits:
         raise ValueError(f"attention_prefill: no v3 kernel for head_dim {head_dim} fits {smem_per_block} bytes of "
                          f"shared memory per CTA")
