@@ -140,6 +140,40 @@ def checkpoint_expectations(table: list[Weight]) -> tuple[dict[str, tuple[int, .
     return shapes, dtypes
 
 
+def fill_fields(pieces, count: int, shapes: dict[str, tuple[int, ...]], num_layers: int, dtype, device: str,
+                progress: bool = False, model_fields: dict[str, Tensor] | None = None
+                ) -> tuple[dict[str, Tensor], list[dict[str, Tensor]]]:
+    """Fill a model's field tensors from `pieces`: (layer or None, field, rows [start, stop) of the field or None
+    for all of it, host array) in load order, `count` of them (the progress bar's total). A field is allocated
+    (`shapes[field]`, `dtype`, on `device`) when its first piece arrives, unless `model_fields` holds it already;
+    each array is cast to `dtype` on the host if it differs and copied (on CUDA uploaded) into its rows, one at a
+    time, so the host holds one piece beyond the memory-mapped files. Returns (model-level fields, per-layer fields)
+    after the uploads are complete. (DenseModel.from_checkpoint's loop; xserv/parallel/load.py's shard loader.)"""
+    model_fields = {} if model_fields is None else model_fields
+    layer_fields: list[dict[str, Tensor]] = [{} for _ in range(num_layers)]
+
+    from ..progress import progress_bar
+
+    bar = progress_bar(count, "loading weights", enabled=progress, unit="tensor", leave=False)
+    try:
+        for layer, field, rows, arr in pieces:
+            fields = model_fields if layer is None else layer_fields[layer]
+            if field not in fields:
+                fields[field] = Tensor.empty(shapes[field], dtype, device)
+            dest = fields[field] if rows is None else fields[field][rows[0]:rows[1]]
+            dest.copy_(np.ascontiguousarray(arr if arr.dtype == dtype else arr.astype(dtype)))
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+    if device == "cuda":
+        from ..runtime import synchronize
+
+        synchronize()
+    return model_fields, layer_fields
+
+
 # ---- activations ------------------------------------------------------------------------------------------------
 class Workspace:
     """Activation buffers for up to `max_tokens` packed tokens and `max_logits` logit rows. The forward writes
@@ -249,7 +283,26 @@ class DenseModel:
         (config.quantization_config) are dequantized on the host into `dtype`, each checkpoint tensor with its
         own scales before it is copied into its rows (fp8.dequantize_blockwise's rounding)."""
         table = cls.weight_table(config)
-        expected, dtypes = checkpoint_expectations(table)
+        cls.validate_checkpoint(config, reader, table)
+        dtype = as_dtype(dtype) if dtype is not None else WEIGHT_DTYPE[device]
+
+        def pieces():
+            for w in table:
+                arr = reader.get(w.name)
+                if w.quantized:  # phase 1 of FP8: dequantized on the host, one checkpoint tensor at a time
+                    arr = dequantize_for_load(arr, reader.get(w.scale_name), w.block, dtype)
+                yield w.layer, w.field, w.rows, arr
+
+        model_fields, layer_fields = fill_fields(pieces(), len(table), cls.field_shapes(config),
+                                                 config.num_hidden_layers, dtype, device, progress)
+        return cls.from_fields(config, device, model_fields, layer_fields, max_positions)
+
+    @classmethod
+    def validate_checkpoint(cls, config, reader, table: list[Weight] | None = None) -> None:
+        """Check that the checkpoint holds the tensors `cls.weight_table(config)` lists, in their shapes and
+        accepted dtypes (one ValueError listing every problem; the FP8 hint when the config lacks its
+        quantization_config)."""
+        expected, dtypes = checkpoint_expectations(table if table is not None else cls.weight_table(config))
         if config.tie_word_embeddings and "lm_head.weight" in reader.names():
             expected["lm_head.weight"] = (config.vocab_size, config.hidden_size)  # present but unused
             dtypes["lm_head.weight"] = FLOAT_DTYPES
@@ -262,33 +315,12 @@ class DenseModel:
                                  f"has no quantization_config: an FP8 checkpoint needs Qwen's quant_method 'fp8' "
                                  f"one)") from None
             raise
-        dtype = as_dtype(dtype) if dtype is not None else WEIGHT_DTYPE[device]
-        shapes = cls.field_shapes(config)
-        model_fields: dict[str, Tensor] = {}
-        layer_fields: list[dict[str, Tensor]] = [{} for _ in range(config.num_hidden_layers)]
 
-        from ..progress import progress_bar
-
-        bar = progress_bar(len(table), "loading weights", enabled=progress, unit="tensor", leave=False)
-        try:
-            for w in table:
-                fields = model_fields if w.layer is None else layer_fields[w.layer]
-                if w.field not in fields:
-                    fields[w.field] = Tensor.empty(shapes[w.field], dtype, device)
-                dest = fields[w.field] if w.rows is None else fields[w.field][w.rows[0]:w.rows[1]]
-                arr = reader.get(w.name)
-                if w.quantized:  # phase 1 of FP8: dequantized on the host, one checkpoint tensor at a time
-                    arr = dequantize_for_load(arr, reader.get(w.scale_name), w.block, dtype)
-                dest.copy_(np.ascontiguousarray(arr if arr.dtype == dtype else arr.astype(dtype)))
-                if bar is not None:
-                    bar.update(1)
-        finally:
-            if bar is not None:
-                bar.close()
-        if device == "cuda":
-            from ..runtime import synchronize
-
-            synchronize()
+    @classmethod
+    def from_fields(cls, config, device: str, model_fields: dict[str, Tensor], layer_fields: list[dict[str, Tensor]],
+                    max_positions: int | None = None) -> "DenseModel":
+        """The model of loaded field tensors (fill_fields' result): lm_head is the embedding when there is no
+        lm_head field (tied embeddings); CPU weights are frozen."""
         embed = model_fields["embed"]
         model = cls(config, device, embed, [cls.LAYER_CLASS(**f) for f in layer_fields], model_fields["final_norm"],
                     model_fields.get("lm_head", embed), max_positions=max_positions)
