@@ -17,8 +17,10 @@ float32 = np.dtype(np.float32)
 int32 = np.dtype(np.int32)
 int64 = np.dtype(np.int64)
 uint8 = np.dtype(np.uint8)
+float8_e4m3fn = np.dtype(ml_dtypes.float8_e4m3fn)  # FP8 weights (xserv/models/fp8.py); storage and copies only
 
-DTYPES = {"bfloat16": bfloat16, "float16": float16, "float32": float32, "int32": int32, "int64": int64, "uint8": uint8}
+DTYPES = {"bfloat16": bfloat16, "float16": float16, "float32": float32, "int32": int32, "int64": int64, "uint8": uint8,
+          "float8_e4m3fn": float8_e4m3fn}
 DEVICES = ("cpu", "cuda")
 _new = object.__new__
 
