@@ -241,3 +241,17 @@ def test_arch_guards_are_only_the_documented_ones():
     assert set(found) <= allowed and len([f for f in found if f[0] == "common.cuh"]) == 2, found
     sm90 = family_source("attention_prefill_sm90").read_text()
     assert "__trap();  // wgmma" not in sm90 and "#error" in sm90
+
+
+def test_forced_arch_plans_within_that_archs_shared_memory():
+    """XSERV_ARCH narrows the device's shared memory to the forced arch's (so sm_89 on an H100 runs the 99 KB plans);
+    the native target keeps the device's own numbers, and a forced arch never widens them."""
+    from xserv.runtime.arch import KNOWN_COMPUTE_CAPABILITIES, SHARED_MEMORY, forced_shared_memory
+
+    h100 = SHARED_MEMORY[(9, 0)]
+    assert forced_shared_memory("sm_90a", *h100) == h100
+    assert forced_shared_memory("sm_89@sm_90a", *h100) == (101_376, 102_400)
+    assert forced_shared_memory("sm_120@sm_120a", 101_376, 102_400) == (101_376, 102_400)
+    assert forced_shared_memory("sm_80@sm_90a", *h100) == (166_912, 167_936)
+    assert forced_shared_memory("sm_80@sm_86", 101_376, 102_400) == (101_376, 102_400)
+    assert set(SHARED_MEMORY) == set(KNOWN_COMPUTE_CAPABILITIES)

@@ -326,3 +326,22 @@ def test_errors_before_loading(folders, monkeypatch):
     monkeypatch.setattr(xserv.runtime, "device_count", lambda: 1)
     with pytest.raises(ValueError, match="needs 2 GPUs"):
         load_shard(folder, 2, 0, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qwen3", "fp8-moe"])
+def test_cuda_ranks_hold_the_cpu_ranks_fields(name, folders, monkeypatch):
+    """The CUDA path of the loader (each shard copied into its device field's rows, padding zeroed on the device):
+    every rank's device fields equal the CPU-loaded rank's, bit for bit. Two ranks loaded one after the other on
+    the one GPU (the visible-GPU check told there are two)."""
+    import xserv.runtime
+
+    monkeypatch.setattr(xserv.runtime, "device_count", lambda: 2)
+    for rank in range(2):
+        on_gpu = load_shard(folders[name], 2, rank, device="cuda", max_positions=MAX_POSITIONS)
+        on_cpu = load_shard(folders[name], 2, rank, max_positions=MAX_POSITIONS)
+        assert on_gpu.device == "cuda"
+        got, want = rank_fields(on_gpu), rank_fields(on_cpu)
+        assert set(got) == set(want)
+        for key, a in got.items():
+            assert np.array_equal(bits(a), bits(want[key])), f"rank {rank} {key}"

@@ -30,6 +30,19 @@ KNOWN_COMPUTE_CAPABILITIES = ((8, 0), (8, 6), (8, 7), (8, 9), (9, 0), (10, 0), (
 _ARCH = re.compile(r"sm_(\d+)(\d)(a?)")
 
 
+# Shared memory by compute capability, bytes: (per-CTA opt-in limit, per SM), as the driver reports them
+# (CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN / _PER_MULTIPROCESSOR; the CUDA programming guide's table
+# "Technical Specifications per Compute Capability"). A live device's own numbers are used; these only narrow them
+# where XSERV_ARCH forces an arch (forced_shared_memory), so that the forced path plans its launches as that arch
+# would: XSERV_ARCH=sm_89 on an H100 runs the 99 KB plans of an RTX 4090.
+SHARED_MEMORY = {
+    (8, 0): (166_912, 167_936), (8, 7): (166_912, 167_936),
+    (8, 6): (101_376, 102_400), (8, 9): (101_376, 102_400),
+    (9, 0): (232_448, 233_472), (10, 0): (232_448, 233_472), (10, 3): (232_448, 233_472), (11, 0): (232_448, 233_472),
+    (12, 0): (101_376, 102_400), (12, 1): (101_376, 102_400),
+}
+
+
 class KernelPath(str, enum.Enum):
     PORTABLE = "portable"
     HOPPER = "hopper"
@@ -126,6 +139,17 @@ def select_target(compute_capability: tuple[int, int], gpu_name: str, forced: st
         raise ValueError(f"{ENV}={forced}: an arch-specific target runs only on compute capability {_cc(want)}, "
                          f"this GPU is {gpu_name} ({_cc(cc)}); use sm_{major}{minor} (without 'a')")
     return f"sm_{major}{minor}@{native}"
+
+
+def forced_shared_memory(target: str, per_block: int, per_sm: int) -> tuple[int, int]:
+    """(per-CTA opt-in, per-SM) shared memory the kernels may plan with for `target` on a device with these limits:
+    the device's own, or where the target forces another arch's code ("sm_89@sm_90a") the smaller of the device's and
+    that arch's (SHARED_MEMORY)."""
+    code, sass = split_target(target)
+    if code == sass:
+        return per_block, per_sm
+    arch_block, arch_sm = SHARED_MEMORY[compute_capability(target)]
+    return min(per_block, arch_block), min(per_sm, arch_sm)
 
 
 def target_from_env(compute_capability: tuple[int, int], gpu_name: str, environ=None) -> str:

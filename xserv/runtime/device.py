@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from cuda.bindings import driver
 
-from .arch import arch_for, target_from_env
+from .arch import SHARED_MEMORY, arch_for, forced_shared_memory, target_from_env
 from .errors import CudaError, check_driver
 
 
@@ -13,8 +13,7 @@ from .errors import CudaError, check_driver
 # planning functions of xserv/ops take a device's numbers as arguments and default to these (the arch the kernels
 # were tuned on); the launchers pass the live device's (DeviceInfo). Every CTA also takes CTA_SMEM_RESERVED bytes of
 # its SM's shared memory (the runtime's reservation: cudaDevAttrReservedSharedMemoryPerBlock, 1 KB from sm_80 on).
-SM90_SMEM_PER_BLOCK_OPTIN = 227 * 1024
-SM90_SMEM_PER_MULTIPROCESSOR = 228 * 1024
+SM90_SMEM_PER_BLOCK_OPTIN, SM90_SMEM_PER_MULTIPROCESSOR = SHARED_MEMORY[(9, 0)]
 CTA_SMEM_RESERVED = 1024
 
 
@@ -69,17 +68,22 @@ class Device:
         major = get(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
         minor = get(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)
         name = self._core.name
+        # the compile target: the device's own arch, or XSERV_ARCH's code on it ("sm_80@sm_90a"); a GPU below sm_80
+        # or a bad XSERV_ARCH raises here, before anything compiles (runtime/arch.py)
+        target = target_from_env((major, minor), name)
+        # a forced arch plans its launches within that arch's shared memory too (XSERV_ARCH=sm_89: 99 KB per CTA)
+        smem_per_block, smem_per_sm = forced_shared_memory(
+            target, get(attr.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN),
+            get(attr.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR))
         self.info = DeviceInfo(
             index=index,
             name=name,
             compute_capability=(major, minor),
-            # the compile target: the device's own arch, or XSERV_ARCH's code on it ("sm_80@sm_90a"); a GPU below
-            # sm_80 or a bad XSERV_ARCH raises here, before anything compiles (runtime/arch.py)
-            arch=target_from_env((major, minor), name),
+            arch=target,
             multiprocessor_count=get(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
             l2_cache_bytes=get(attr.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE),
-            max_shared_memory_per_block_optin=get(attr.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN),
-            max_shared_memory_per_multiprocessor=get(attr.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR),
+            max_shared_memory_per_block_optin=smem_per_block,
+            max_shared_memory_per_multiprocessor=smem_per_sm,
         )
 
     @property
