@@ -15,9 +15,9 @@ one_path() {
   local path=$1
   if [ $path = native ]; then unset XSERV_ARCH; else export XSERV_ARCH=$path; fi
   export XSERV_CACHE_DIR=/tmp/xserv-cache-$path
-  timeout 400 python3 -m pytest -m gpu -q -p no:cacheprovider $TESTS > $OUT/tests-$path.log 2>&1
+  timeout 330 python3 -m pytest -m gpu -q -p no:cacheprovider $TESTS > $OUT/tests-$path.log 2>&1
   echo "rc=$?" >> $OUT/tests-$path.log
-  XSERV_DEV_TESTS=1 timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/ops/test_gemv_fp8.py \
+  XSERV_DEV_TESTS=1 timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/ops/test_gemv_fp8.py \
     > $OUT/fp8-$path.log 2>&1
   echo "rc=$?" >> $OUT/fp8-$path.log
 }
