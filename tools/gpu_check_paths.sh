@@ -6,9 +6,9 @@
 #   [BENCH=1] bash tools/gpu_check_paths.sh [native sm_80 sm_89]
 set -u
 source "$(dirname "$0")/gpu_env.sh"
-TESTS="tests/ops/test_attention.py tests/ops/test_gemv.py tests/ops/test_moe.py
+TESTS=${TESTS:-"tests/ops/test_attention.py tests/ops/test_gemv.py tests/ops/test_moe.py
   tests/test_parallel_load.py tests/test_model.py tests/test_arch_gpu.py tests/test_moe_model.py
-  tests/test_fp8_checkpoint.py"
+  tests/test_fp8_checkpoint.py"}
 # the paths run side by side (one GPU is plenty for correctness tests; compiling is what takes the time), each
 # with its own kernel cache
 one_path() {
