@@ -179,10 +179,9 @@ class LLM:
         self.folder = resolve_model_source(model)  # a bad path is reported before any device notice
         self.device = pick_device(device)
         self.config = config = config_from_pretrained(self.folder)
-        if config.quantization_config is not None:
-            print(f"xserv: {config.quantization_config.describe()} checkpoint: its weights are dequantized to bfloat16 "
-                  f"at load (FP8 kernels are not implemented yet: the memory and speed of the bf16 model)",
-                  file=sys.stderr)
+        notice = getattr(model_class(config), "fp8_load_notice", lambda c: None)(config)
+        if notice:
+            print(f"xserv: {notice}", file=sys.stderr)
         context = config.context_length
         if max_model_len is not None and max_model_len > context:
             raise ValueError(f"max_model_len {max_model_len} is longer than the model's context of {context} tokens "

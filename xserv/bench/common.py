@@ -144,6 +144,16 @@ def active_weight_bytes(model, weight_bytes: int | None = None) -> int:
     return int(round(weight_bytes - (model.step_weight_bytes(num) - model.step_weight_bytes(k))))
 
 
+def active_parameters(model, weight_bytes: int | None = None) -> int:
+    """Parameters one token computes with: active_weight_bytes at 2 bytes a parameter (bf16), or for a model that
+    counts its parameters (num_parameters: FP8 weights take 1 byte, their scales none) that count less the skipped
+    experts' (bf16) parameters."""
+    if not callable(getattr(model, "num_parameters", None)):
+        return active_weight_bytes(model, weight_bytes) // 2
+    all_bytes = all_weight_bytes(model) if weight_bytes is None else weight_bytes
+    return int(model.num_parameters()) - (all_bytes - active_weight_bytes(model, all_bytes)) // 2
+
+
 def kv_bytes_per_token(config) -> int:
     return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 2  # bf16 K and V
 
@@ -153,7 +163,7 @@ def prefill_flops(model, prompt_lens, weight_bytes: int | None = None) -> float:
     last position's logits are computed) plus causal attention (QK^T and PV over half the square)."""
     c = model.config
     embed = c.vocab_size * c.hidden_size
-    params = active_weight_bytes(model, weight_bytes) // 2
+    params = active_parameters(model, weight_bytes)
     layer_params = params - embed * (1 if c.tie_word_embeddings else 2)
     prompts = np.asarray(prompt_lens, np.float64)
     attn_flops = 2 * 2 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * np.sum(prompts**2) / 2

@@ -29,7 +29,8 @@ from ..ops.rmsnorm import fused_add_rmsnorm
 from ..ops.rope import qk_norm_rope_write_kv, rope_cos_sin_table
 from ..tensor import Tensor, as_dtype, bfloat16, float32
 from .base import KVLayout
-from .fp8 import E4M3, dequantize_for_load, scale_shape
+from ..ops.fp8_linear import linear_fp8
+from .fp8 import DEFAULT_BLOCK, E4M3, SCALE_SUFFIX, Fp8Weight, dequantize_for_load, join_fp8_fields, scale_shape
 
 # The ops take bf16 activations and weights on both backends (the NumPy references compute in float32 and round
 # where the kernels round), so the CPU model is the reference of the CUDA one step by step.
@@ -145,7 +146,9 @@ def fill_fields(pieces, count: int, shapes: dict[str, tuple[int, ...]], num_laye
                 ) -> tuple[dict[str, Tensor], list[dict[str, Tensor]]]:
     """Fill a model's field tensors from `pieces`: (layer or None, field, rows [start, stop) of the field or None
     for all of it, host array) in load order, `count` of them (the progress bar's total). A field is allocated
-    (`shapes[field]`, `dtype`, on `device`) when its first piece arrives, unless `model_fields` holds it already;
+    (`shapes[field]`, `dtype`, on `device`) when its first piece arrives, unless `model_fields` holds it already; a
+    kept FP8 field's pieces are e4m3 and allocate it in e4m3, its scales come as "<field>.scale_inv" (float32, the
+    128 x 128 block grid of the field's shape);
     each array is cast to `dtype` on the host if it differs and copied (on CUDA uploaded) into its rows, one at a
     time, so the host holds one piece beyond the memory-mapped files. Returns (model-level fields, per-layer fields)
     after the uploads are complete. (DenseModel.from_checkpoint's loop; xserv/parallel/load.py's shard loader.)"""
@@ -158,10 +161,14 @@ def fill_fields(pieces, count: int, shapes: dict[str, tuple[int, ...]], num_laye
     try:
         for layer, field, rows, arr in pieces:
             fields = model_fields if layer is None else layer_fields[layer]
+            # a kept FP8 field (xserv/models/fp8.py) keeps the file's e4m3 bytes, its "<field>.scale_inv" float32
+            want = arr.dtype if arr.dtype == E4M3 or field.endswith(SCALE_SUFFIX) else np.dtype(dtype)
             if field not in fields:
-                fields[field] = Tensor.empty(shapes[field], dtype, device)
+                shape = (scale_shape(shapes[field[:-len(SCALE_SUFFIX)]], DEFAULT_BLOCK)
+                         if field.endswith(SCALE_SUFFIX) else shapes[field])
+                fields[field] = Tensor.empty(shape, want, device)
             dest = fields[field] if rows is None else fields[field][rows[0]:rows[1]]
-            dest.copy_(np.ascontiguousarray(arr if arr.dtype == dtype else arr.astype(dtype)))
+            dest.copy_(np.ascontiguousarray(arr if arr.dtype == want else arr.astype(want)))
             if bar is not None:
                 bar.update(1)
     finally:
@@ -210,6 +217,9 @@ class DenseModel:
     LAYER_WEIGHTS: ClassVar[tuple[tuple[str, str, str | None], ...]] = DENSE_LAYER_WEIGHTS
     QK_NORM: ClassVar[bool] = False  # q/k head RMSNorm before RoPE (Qwen3)
     LAYER_CLASS: ClassVar[type] = DenseLayer  # what from_checkpoint builds from a layer's loaded fields
+    # The projections an FP8 checkpoint's weights may stay FP8 in (they go through _project / linear_fp8); any other
+    # quantized field (the MoE experts) is dequantized at load.
+    FP8_FIELDS: ClassVar[tuple[str, ...]] = ("qkv", "o_proj", "gate_up", "down")
 
     def __init__(self, config, device: str, embed: Tensor, layers: list[DenseLayer], final_norm: Tensor,
                  lm_head: Tensor, max_positions: int | None = None):
@@ -225,6 +235,7 @@ class DenseModel:
         self.max_positions = int(max_positions or config.context_length)
         self.fused_gemv = True  # small forwards take the fused GEMV path (False: the unfused ops, for comparison)
         self.fused_attention = True  # decode: QK-norm/RoPE/KV write inside attention (False: the two kernels)
+        self._fp8 = self.has_fp8_weights
         table = rope_cos_sin_table(config.head_dim, self.max_positions, config.rope_theta, config.rope_scaling)
         self.cos_sin = Tensor.from_numpy(np.ascontiguousarray(table, np.float32), device)
 
@@ -281,21 +292,59 @@ class DenseModel:
         are cast one tensor at a time on the host). Fused tensors are allocated once and filled part by part in
         place; on CUDA every tensor goes from the memory-mapped file straight to device memory. FP8 weights
         (config.quantization_config) are dequantized on the host into `dtype`, each checkpoint tensor with its
-        own scales before it is copied into its rows (fp8.dequantize_blockwise's rounding)."""
+        own scales before it is copied into its rows (fp8.dequantize_blockwise's rounding), except the projections
+        kept_fp8_fields names, which stay e4m3 with their scales (an Fp8Weight) when no dtype is asked for."""
         table = cls.weight_table(config)
         cls.validate_checkpoint(config, reader, table)
+        keep = cls.kept_fp8_fields(table) if dtype is None else set()
         dtype = as_dtype(dtype) if dtype is not None else WEIGHT_DTYPE[device]
 
         def pieces():
             for w in table:
                 arr = reader.get(w.name)
-                if w.quantized:  # phase 1 of FP8: dequantized on the host, one checkpoint tensor at a time
+                if (w.layer, w.field) in keep:  # e4m3 bytes as they are, then the scales' block rows
+                    yield w.layer, w.field, w.rows, arr
+                    rows = None if w.rows is None else (w.rows[0] // w.block[0], -(-w.rows[1] // w.block[0]))
+                    yield w.layer, w.field + SCALE_SUFFIX, rows, reader.get(w.scale_name)
+                    continue
+                if w.quantized:  # dequantized on the host, one checkpoint tensor at a time
                     arr = dequantize_for_load(arr, reader.get(w.scale_name), w.block, dtype)
                 yield w.layer, w.field, w.rows, arr
 
-        model_fields, layer_fields = fill_fields(pieces(), len(table), cls.field_shapes(config),
+        count = len(table) + sum((w.layer, w.field) in keep for w in table)
+        model_fields, layer_fields = fill_fields(pieces(), count, cls.field_shapes(config),
                                                  config.num_hidden_layers, dtype, device, progress)
         return cls.from_fields(config, device, model_fields, layer_fields, max_positions)
+
+    @classmethod
+    def kept_fp8_fields(cls, table: list[Weight]) -> set[tuple[int | None, str]]:
+        """The (layer, field) projections of FP8_FIELDS that load as Fp8Weight: every checkpoint tensor of the
+        field quantized in 128 x 128 blocks (the FP8 kernels' block), each starting on a block row, so the parts'
+        scale rows stack into the field's. The rest is dequantized at load."""
+        parts: dict[tuple[int | None, str], list[Weight]] = {}
+        for w in table:
+            if w.field in cls.FP8_FIELDS:
+                parts.setdefault((w.layer, w.field), []).append(w)
+        return {key for key, ws in parts.items()
+                if all(w.block == DEFAULT_BLOCK and (w.rows is None or w.rows[0] % DEFAULT_BLOCK[0] == 0)
+                       for w in ws)}
+
+    @classmethod
+    def fp8_load_notice(cls, config) -> str | None:
+        """One line for the user when an FP8 checkpoint has quantized weights that load dequantized (no FP8 kernel
+        takes them: MoE experts, blocks other than 128 x 128, fused parts off the block grid); None otherwise."""
+        quant = getattr(config, "quantization_config", None)
+        if quant is None:
+            return None
+        table = cls.weight_table(config)
+        keep = cls.kept_fp8_fields(table)
+        quantized = [w for w in table if w.quantized]
+        dequantized = [w for w in quantized if (w.layer, w.field) not in keep]
+        if not dequantized:
+            return None
+        return (f"{quant.describe()} checkpoint: {len(dequantized)} of its {len(quantized)} quantized weights are "
+                f"dequantized to bfloat16 at load (xserv's FP8 kernels take 128x128-block projections only; e.g. "
+                f"{dequantized[0].name}); the other {len(quantized) - len(dequantized)} stay FP8")
 
     @classmethod
     def validate_checkpoint(cls, config, reader, table: list[Weight] | None = None) -> None:
@@ -322,7 +371,8 @@ class DenseModel:
         """The model of loaded field tensors (fill_fields' result): lm_head is the embedding when there is no
         lm_head field (tied embeddings); CPU weights are frozen."""
         embed = model_fields["embed"]
-        model = cls(config, device, embed, [cls.LAYER_CLASS(**f) for f in layer_fields], model_fields["final_norm"],
+        layers = [cls.LAYER_CLASS(**join_fp8_fields(f)) for f in layer_fields]
+        model = cls(config, device, embed, layers, model_fields["final_norm"],
                     model_fields.get("lm_head", embed), max_positions=max_positions)
         if device == "cpu":  # frozen: lets the CPU GEMM cache its float32 copies (xserv/ops/linear.py)
             for tensor in model.weight_tensors():
@@ -330,10 +380,24 @@ class DenseModel:
         return model
 
     def weight_tensors(self) -> list[Tensor]:
+        """Every weight tensor (an Fp8Weight's e4m3 bytes and scales both)."""
         tensors = [self.embed, self.final_norm] + ([] if self.lm_head is self.embed else [self.lm_head])
         for layer in self.layers:
-            tensors += [t for t in vars(layer).values() if t is not None]
+            for t in vars(layer).values():
+                if isinstance(t, Fp8Weight):
+                    tensors += t.tensors()
+                elif t is not None:
+                    tensors.append(t)
         return tensors
+
+    def num_parameters(self) -> int:
+        """Weights' element count (an FP8 weight's scales are not parameters)."""
+        scales = {id(t.scale_inv) for layer in self.layers for t in vars(layer).values() if isinstance(t, Fp8Weight)}
+        return sum(int(np.prod(t.shape)) for t in self.weight_tensors() if id(t) not in scales)
+
+    @property
+    def has_fp8_weights(self) -> bool:
+        return any(isinstance(t, Fp8Weight) for layer in self.layers for t in vars(layer).values())
 
     def weight_bytes(self) -> int:
         return sum(t.nbytes for t in self.weight_tensors())
@@ -346,7 +410,8 @@ class DenseModel:
         """Does a CUDA forward of this many tokens take the fused skinny-GEMM path (every projection a GEMV
         kernel with its norm / activation / residual add folded in: xserv/ops/gemv.py)?"""
         c = self.config
-        return self.device == "cuda" and self.fused_gemv and num_tokens <= self.FUSED_MAX_TOKENS and all(
+        # FP8 weights take the unfused ops: the fused GEMVs' prologues / epilogues read bf16 weights only
+        return self.device == "cuda" and self.fused_gemv and not self._fp8 and num_tokens <= self.FUSED_MAX_TOKENS and all(
             gemv_supported(m, k) for m, k in ((num_tokens, c.hidden_size), (num_tokens, c.q_size),
                                               (num_tokens, c.intermediate_size), (num_logits, c.hidden_size)))
 
@@ -402,8 +467,11 @@ class DenseModel:
         silu_and_mul(gate_up, out=act)
         self._project(act, layer.down, out)
 
-    def _project(self, x: Tensor, weight: Tensor, out: Tensor) -> Tensor:
-        """out = x @ weight^T: the GEMV kernel for the few-row shapes where it beats cuBLASLt, else cuBLASLt."""
+    def _project(self, x: Tensor, weight: Tensor | Fp8Weight, out: Tensor) -> Tensor:
+        """out = x @ weight^T: the GEMV kernel for the few-row shapes where it beats cuBLASLt, else cuBLASLt; an FP8
+        weight's own op (linear_fp8 picks its kernel by the row count)."""
+        if isinstance(weight, Fp8Weight):
+            return linear_fp8(x, weight.weight, weight.scale_inv, out=out)
         m, k = x.shape
         if self.device == "cuda" and self.fused_gemv and prefer_gemv(m, weight.shape[0], k):
             return linear_gemv(x, weight, out=out)

@@ -14,7 +14,11 @@ The rounding, which the FP8 kernels of the next phases must reproduce:
   scale_inv = float32(amax(|w|)) / 448 (1 for an all-zero block), weight = e4m3(clip(w / scale_inv, +-448)),
   float32 division, rounded to nearest even.
 
-Phase 1 dequantizes at load (DenseModel.from_checkpoint, one tensor at a time): the model then runs the bf16 path.
+Loading (DenseModel.from_checkpoint): a fused projection field (qkv, o_proj, gate_up, down) whose every part is
+quantized in 128 x 128 blocks and starts on a block row is kept as the checkpoint stores it, an `Fp8Weight` (the
+e4m3 bytes and their scales, the parts' scale rows stacked), and the linear layers dispatch on it
+(xserv/ops/fp8_linear.py). Anything else quantized (other block sizes, parts off the block grid, the MoE experts,
+whose grouped GEMMs read bf16) is dequantized at load, one checkpoint tensor at a time, into the model's dtype.
 """
 from __future__ import annotations
 
@@ -29,6 +33,8 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
+
+from ..tensor import Tensor
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
@@ -124,6 +130,46 @@ class Fp8BlockQuantization:
         return f"FP8 e4m3, {bo}x{bi} blocks"
 
 
+@dataclass(frozen=True)
+class Fp8Weight:
+    """A linear layer's weight kept in FP8: `weight` float8_e4m3fn [N, K] and its float32 inverse scales
+    `scale_inv` [ceil(N / 128), ceil(K / 128)], one per 128 x 128 block (DEFAULT_BLOCK): the value is
+    weight * scale_inv, blockwise. What the model's projections hold in place of a bf16 Tensor."""
+    weight: Tensor
+    scale_inv: Tensor
+
+    def __post_init__(self):
+        if self.scale_inv.shape != scale_shape(self.weight.shape, DEFAULT_BLOCK):
+            raise ValueError(f"Fp8Weight: scales {list(self.scale_inv.shape)} do not cover a weight of "
+                             f"{list(self.weight.shape)} in 128 x 128 blocks")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.weight.shape
+
+    @property
+    def device(self) -> str:
+        return self.weight.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes + self.scale_inv.nbytes
+
+    @property
+    def num_parameters(self) -> int:
+        return int(np.prod(self.weight.shape))
+
+    def tensors(self) -> tuple[Tensor, Tensor]:
+        return self.weight, self.scale_inv
+
+    def dequantize(self, dtype=np.float32) -> np.ndarray:
+        """The weight's values on the host (tests, tools): fp8.py's dequantize_blockwise."""
+        return dequantize_blockwise(self.weight.numpy(), self.scale_inv.numpy(), DEFAULT_BLOCK, dtype)
+
+
+SCALE_SUFFIX = ".scale_inv"  # a kept FP8 field's scales travel through loading as the field "<field>.scale_inv"
+
+
 @functools.lru_cache(maxsize=16)
 def _exclusion_pattern(entries: tuple[str, ...]) -> re.Pattern:
     alternatives = "|".join(re.escape(e).replace(r"\*", r"[^.]+") for e in entries)
@@ -192,6 +238,15 @@ def dequantize_blockwise(q: np.ndarray, scale_inv: np.ndarray, block: tuple[int,
 _CHUNK_ELEMENTS = 1 << 21  # a worker dequantizes about this many elements at a time (8 MB of float32)
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
+
+
+def join_fp8_fields(fields: dict) -> dict:
+    """A loaded layer's (or model's) fields with each "<field>" + "<field>.scale_inv" pair made one Fp8Weight."""
+    out = dict(fields)
+    for name in [n for n in fields if n.endswith(SCALE_SUFFIX)]:
+        field = name[:-len(SCALE_SUFFIX)]
+        out[field] = Fp8Weight(out[field], out.pop(name))
+    return out
 
 
 def _workers() -> int:
