@@ -25,27 +25,7 @@ M=${MOE_DIR:-/dev/shm/moe30${LAYERS:+-l$LAYERS}}
 STEPS=" ${*:-ceilings make read latency ttft throughput hf} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 
-# step NAME LIMIT TAIL CMD...: CMD with its output in $OUT/NAME.log, at most LIMIT seconds and never past the deadline;
-# prints the log's last TAIL lines (progress-bar lines dropped) and how the step ended
-step() {
-  local name=$1 limit=$2 tail_n=$3 rc t left
-  shift 3
-  left=$((DEADLINE - (SECONDS - START)))
-  if ((left < 15)); then echo "=== $name: SKIPPED, ${left} s left before the ${DEADLINE}-s deadline"; return 1; fi
-  ((limit > left)) && limit=$left
-  echo "=== $name ($((SECONDS - START)) s in, limit $limit s)"
-  t=$SECONDS
-  timeout -k 10 "$limit" "$@" >"$OUT/$name.log" 2>&1
-  rc=$?
-  grep -av 'it/s]\|tok/s]\|tensor/s]' "$OUT/$name.log" | tail -n "$tail_n"
-  case $rc in
-    0) ;;
-    124 | 137) echo "--- $name: TIMED OUT after $limit s" ;;
-    *) echo "--- $name: FAILED (exit $rc; $OUT/$name.log)" ;;
-  esac
-  echo "--- $name: $((SECONDS - t)) s"
-  return $rc
-}
+source "$(dirname "$0")/gpu_step.sh"  # step NAME LIMIT TAIL CMD...
 
 echo "host: $(nproc) cores, $(free -g | awk '/Mem:/ {print $2 " GB RAM, " $7 " GB available"}')," \
   "/dev/shm $(df -h /dev/shm | awk 'NR == 2 {print $4 " free"}')"
