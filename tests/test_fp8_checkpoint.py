@@ -343,6 +343,22 @@ def test_fp8_weights_count_their_bytes_and_parameters(fp8_folders):
     assert prefill_flops(fp8, [17, 5]) == prefill_flops(bf16, [17, 5]) > 0
 
 
+def test_fp8_decode_roofline_leaves_the_embedding_table_out(fp8_folders):
+    """Issue 31's batch-1 roofline: FP8 weight bytes + the bf16 lm_head + K/V; an untied input embedding table is
+    read one row a token, so it is left out (a bf16 dense model's convention still counts it)."""
+    from xserv.bench.common import decode_weight_bytes, embedding_table_bytes
+
+    folder, twin = fp8_folders["dense"]  # untied; nothing stays FP8 here: the bf16 convention
+    plain = load_model(folder, "cpu", progress=False, max_positions=64)
+    assert not plain.has_fp8_weights and embedding_table_bytes(plain) == 0
+    untied = make_test_model("tiny", folder.parent / "untied-128", seed=3, fp8=True, progress=False,
+                             overrides={"tie_word_embeddings": False, "initializer_range": 0.1})
+    fp8 = load_model(untied, "cpu", progress=False, max_positions=64)
+    c = fp8.config
+    assert fp8.has_fp8_weights and embedding_table_bytes(fp8) == 2 * c.vocab_size * c.hidden_size == fp8.embed.nbytes
+    assert decode_weight_bytes(fp8, 1) == fp8.weight_bytes() - fp8.embed.nbytes
+
+
 def forward_logits(model, seqs) -> list[np.ndarray]:
     """Logits of a packed prefill of `seqs` (every position), a decode step of all of them, and a decode step of
     the first alone (one token: the fused path on CUDA)."""

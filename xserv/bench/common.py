@@ -117,11 +117,11 @@ def step_weight_bytes(model, num_tokens: int, weight_bytes: int | None = None):
 
 def embedding_table_bytes(model) -> int:
     """Bytes of the input embedding table a decode step leaves unread (it reads one row per sequence), for a
-    mixture-of-experts model with an untied lm_head; 0 otherwise: a dense model's limits count every weight, the
-    table included (the standing figures' convention, kept), and a tied table is the lm_head, which every step
-    reads."""
+    mixture-of-experts model or a model with FP8 weights (issue 31's roofline: FP8 weight bytes + bf16 lm_head + KV),
+    when its lm_head is untied; 0 otherwise: a bf16 dense model's limits count every weight, the table included (the
+    standing figures' convention, kept), and a tied table is the lm_head, which every step reads."""
     c = model.config
-    if moe_experts(model) is None or c.tie_word_embeddings:
+    if (moe_experts(model) is None and not getattr(model, "has_fp8_weights", False)) or c.tie_word_embeddings:
         return 0
     return 2 * c.vocab_size * c.hidden_size  # bf16, as prefill_flops counts parameters
 
@@ -233,8 +233,8 @@ def batch1_limits(model, prompt_len: int, output_len: int, ceilings: dict) -> di
     token at the prompt's FLOPs (active parameters) at the GEMM rate, with the weights a prompt of that many tokens
     reads at the copy bandwidth beside it (a MoE prompt touches nearly every expert).
 
-    A dense model's step counts every weight tensor, the input embedding table included (the standing figures'
-    convention, kept). A mixture-of-experts step reads the attention and router weights, its k routed experts per
+    A bf16 dense model's step counts every weight tensor, the input embedding table included (the standing figures'
+    convention, kept); a model with FP8 weights leaves the table out as below. A mixture-of-experts step reads the attention and router weights, its k routed experts per
     sparse layer, the norms and lm_head, and one row of the embedding table: the table is left out
     (decode_weight_bytes), and the roofline counting it as the dense ones do is reported beside
     (decode_limit_tokens_per_s_with_embedding)."""
