@@ -97,6 +97,9 @@ def test_hopper_only_families_are_declared_and_refused_elsewhere():
             compile_family("attention_prefill_sm90", target)
 
 
+MODEL_ONLY = {"moe", "gemv_fp8", "fp8"}  # families compiled at start-up only for a model that needs them (moe=1, fp8=1)
+
+
 def test_kernel_paths_name_what_the_runtime_compiles():
     from xserv.ops.attention import DECODE_KERNELS, PREFILL_KERNELS
     from xserv.runtime.arch import KERNEL_PATHS, default_variant, families_of
@@ -110,11 +113,15 @@ def test_kernel_paths_name_what_the_runtime_compiles():
 
     for path, target in ((KernelPath.PORTABLE, "sm_80"), (KernelPath.HOPPER, "sm_90a")):
         assert families_of(path) <= set(families_for(target)), path  # each compiles for its path
-        assert startup(target) == families_of(path) - {"moe"}  # a dense model's start-up: no moe piece
-        moe = {name.partition(":")[0] for name in startup_families(target, {**shapes, "moe": 1})}
-        assert moe == families_of(path)
-    assert set(list_families()) - startup("sm_90a") == {"attention_prefill", "moe"}  # v3, simple: on request
-    assert set(list_families()) - startup("sm_80@sm_90a") == {"attention_prefill_sm90", "moe"}
+        # a dense bf16 model's start-up: no moe piece, no FP8 pieces (gemv_fp8, fp8: an FP8-quantized model's)
+        assert startup(target) == families_of(path) - MODEL_ONLY
+        for key, families in (("moe", {"moe"}), ("fp8", {"gemv_fp8", "fp8"})):
+            with_key = {name.partition(":")[0] for name in startup_families(target, {**shapes, key: 1})}
+            assert with_key == families_of(path) - (MODEL_ONLY - families), key
+        both = {name.partition(":")[0] for name in startup_families(target, {**shapes, "moe": 1, "fp8": 1})}
+        assert both == families_of(path)
+    assert set(list_families()) - startup("sm_90a") == {"attention_prefill"} | MODEL_ONLY  # v3, simple: on request
+    assert set(list_families()) - startup("sm_80@sm_90a") == {"attention_prefill_sm90"} | MODEL_ONLY
     for op, by_path in KERNEL_PATHS.items():
         assert set(by_path) == set(KernelPath), op  # every op has a kernel on every path (none is missing today)
     assert default_variant("attention_prefill", "sm_90a") == "v5"
@@ -226,7 +233,7 @@ def test_ptx_targets_that_cannot_serve_an_arch_are_refused():
 def test_arch_guards_are_only_the_documented_ones():
     """`#if __CUDA_ARCH__...` that compiles a kernel body to nothing (or a trap) on other archs is not allowed: a
     kernel has real code for its target or is not compiled there. The exceptions: the PDL wrappers (exact no-ops
-    below sm_90, common.cuh says why), the sm_90a-only family's #error, and the dev FP8 GEMV's choice between two
+    below sm_90, common.cuh says why), the sm_90a-only family's #error, and the FP8 GEMV's choice between two
     real e4m3 conversions (the hardware cvt from sm_89, the bit-identical soft one on every arch; its GPU test
     compares them bit for bit)."""
     allowed = {("common.cuh", "#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900"),

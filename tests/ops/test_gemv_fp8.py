@@ -1,11 +1,9 @@
-"""The FP8 weight-only GEMV (DEVELOPMENT kernel: cuda_src/dev/gemv_fp8.cu, xserv/ops/gemv_fp8.py). On the CPU: the
-reference against float64 dequantize-then-multiply (partial 128-blocks), the kernel's bit-manipulation e4m3 ->
+"""The FP8 weight-only GEMV (cuda_src/gemv_fp8.cu, xserv/ops/gemv_fp8.py; the M <= 8 path of linear_fp8). On the CPU:
+the reference against float64 dequantize-then-multiply (partial 128-blocks), the kernel's bit-manipulation e4m3 ->
 float conversion re-implemented in NumPy over all 256 codes against ml_dtypes (what catches a wrong sm_80 path),
-the launch plan, argument errors, and the family compiling for the five CI arches (dev families are not in
-tests/test_compile_all.py). On a GPU with XSERV_DEV_TESTS=1: fresh random inputs, poisoned outputs, odd and
-Qwen3-8B shapes, and the hardware conversion bit-identical to the soft one."""
-import os
-
+the launch plan, argument errors, and the family compiling for the five CI arches (also in
+tests/test_compile_all.py, with the rest). On a GPU: fresh random inputs, poisoned outputs, odd and Qwen3-8B shapes,
+and the hardware conversion bit-identical to the soft one."""
 import ml_dtypes
 import numpy as np
 import pytest
@@ -18,11 +16,6 @@ from xserv.tensor import Tensor, bfloat16, float8_e4m3fn, float32
 from xserv.testing import poisoned, random_array, rel_error
 
 CI_ARCHES = ("sm_80", "sm_89", "sm_90a", "sm_100a", "sm_120a")  # tests/test_compile_all.py CI_ARCHES
-
-
-def dev(test):  # as tests/ops/test_attention.py: dev kernels on request (XSERV_DEV_TESTS=1 python -m pytest -m gpu)
-    skip = pytest.mark.skipif(not os.environ.get("XSERV_DEV_TESTS"), reason="dev kernels: set XSERV_DEV_TESTS=1")
-    return pytest.mark.dev(skip(test))
 
 
 def fp8_weight(rng, n, k, std=0.05):
@@ -115,6 +108,13 @@ def test_plan_is_a_valid_launch(n, k):
         assert split == 1 or k >= split * 2048  # a warp keeps at least a load step of K
 
 
+def test_the_family_is_an_fp8_models_piece():
+    from xserv.runtime.compiler import family_shapes, piece
+
+    assert F.FAMILY == "gemv_fp8" and family_shapes(F.FAMILY) == {"fp8": (1,)}
+    assert piece(F.FAMILY, fp8=1) == "gemv_fp8:f1"
+
+
 def test_every_entry_the_launcher_names_is_compiled():
     sizes = kernel_code_sizes(compile_family(F.FAMILY, "sm_90a"))
     for rows in F.ENTRY_ROWS:
@@ -155,7 +155,7 @@ def test_family_compiles(arch):
     assert cubin[:4] == b"\x7fELF"
 
 
-# ---- GPU (dev: XSERV_DEV_TESTS=1) ------------------------------------------------------------------------------
+# ---- GPU ---------------------------------------------------------------------------------------------------
 QWEN3_8B = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]  # qkv, o, gate_up, down (N, K)
 SHAPES = ([(1, 5120, 2048), (8, 5120, 2048), (1, 1, 16), (3, 37, 48), (5, 1000, 1040), (8, 301, 4112),
            (1, 130, 12304), (2, 129, 2064)] + [(m, n, k) for m in (1, 8) for n, k in QWEN3_8B])
@@ -170,7 +170,6 @@ def _run(rng, m, n, k, out_dtype, conversion="auto"):
     return out.numpy(), linear_fp8_reference(x, q, s), (x, q, s)
 
 
-@dev
 @pytest.mark.gpu
 @pytest.mark.parametrize("m, n, k", SHAPES, ids=["x".join(map(str, s)) for s in SHAPES])
 @pytest.mark.parametrize("out_dtype", [float32, bfloat16], ids=["f32", "bf16"])
@@ -183,7 +182,6 @@ def test_cuda_linear_fp8_gemv(rng, m, n, k, out_dtype):
     assert np.abs(got - want).max() / (np.abs(want).max() + 1e-30) < 4 * tol
 
 
-@dev
 @pytest.mark.gpu
 @pytest.mark.parametrize("m, n, k", [(1, 6144, 4096), (8, 300, 1040), (3, 129, 2064)])
 def test_cuda_hardware_and_soft_conversions_are_bit_identical(rng, m, n, k):
@@ -201,7 +199,6 @@ def test_cuda_hardware_and_soft_conversions_are_bit_identical(rng, m, n, k):
     assert np.array_equal(outs[0].view(np.uint32), outs[2].view(np.uint32))
 
 
-@dev
 @pytest.mark.gpu
 def test_cuda_every_code_converts(rng):
     """A weight holding all 254 finite codes in every byte lane against a one-hot x: the output is each code's value

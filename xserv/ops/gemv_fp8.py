@@ -1,4 +1,4 @@
-"""FP8 weight-only skinny GEMM (DEVELOPMENT: cuda_src/dev/gemv_fp8.cu, issue 31 phase 2; not yet run on a GPU):
+"""FP8 weight-only skinny GEMM (cuda_src/gemv_fp8.cu, issue 31; the M <= 8 path of ops/fp8_linear.py's linear_fp8):
 
     linear_fp8_gemv(x, weight_fp8, scale_inv)    out = x @ dequant(weight_fp8, scale_inv)^T
 
@@ -11,6 +11,10 @@ The CPU path runs `linear_fp8_reference`: the weight dequantized as fp8.py does 
 float32 product), then x @ W^T summed in float64 and rounded once to the output dtype. The kernel applies the scale
 to each 16-weight partial sum instead (gemv_fp8.cu, "the block scale and the rounding"): equal in exact arithmetic,
 the fp32 roundings differ at about 1e-7 relative.
+
+The family is compiled per model as its one piece gemv_fp8:f1 (`// xserv-shapes: fp8=1`): a start-up compiles it
+for FP8-quantized models only (runtime/compiler.py, kernel_shapes). v1 on an NVIDIA H100 80GB HBM3, graph-timed: m = 1
+at 56-89% of copy bandwidth on Qwen3-8B's projections, m = 8 at 26-36% (docs/kernels/gemv.md, "FP8 weight-only").
 """
 from __future__ import annotations
 
@@ -18,11 +22,12 @@ import numpy as np
 
 from ..models.fp8 import DEFAULT_BLOCK, E4M3, dequantize_blockwise, scale_shape
 from ..runtime import get_device, kernel
+from ..runtime.compiler import piece
 from ..tensor import Tensor, bfloat16, float8_e4m3fn, float32
 from ._checks import check_tensor, output, same_device
 from ._launch import aligned, cdiv, check_alias
 
-FAMILY = "dev/gemv_fp8"
+FAMILY = "gemv_fp8"
 MAX_M = 8
 K_MULTIPLE = 16  # weights per 16-byte chunk
 ENTRY_ROWS = (1, 2, 4, 8)  # gemv_fp8_m<M>: the entry for m rows is the smallest M >= m
@@ -100,7 +105,7 @@ def linear_fp8_gemv(x: Tensor, weight_fp8: Tensor, scale_inv: Tensor, out: Tenso
     if conversion == "soft":
         name += "_soft"
     # gemv_fp8_m<M>[_soft](x, x_stride, W, scale_inv, out, out_dtype, m, N, K, split): block 128, no dynamic smem
-    kernel(FAMILY, name)(grid, WARPS * 32, x, np.int64(k), weight_fp8, scale_inv, out,
+    kernel(piece(FAMILY, fp8=1), name)(grid, WARPS * 32, x, np.int64(k), weight_fp8, scale_inv, out,
                          np.int32(_OUT_DTYPE[out.dtype]), np.int32(m), np.int32(n), np.int32(k), np.int32(split))
     return out
 

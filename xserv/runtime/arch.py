@@ -204,6 +204,13 @@ KERNEL_PATHS: dict[str, dict[KernelPath, tuple[Route, ...]]] = {
     "add": {p: (r,) for p, r in _both(Route("elementwise", "vector and scalar forms")).items()},
     "moe_experts": {p: (r,) for p, r in _both(Route("moe", "route + sorted list (one CTA), grouped GEMMs (mma.sync "
                                                    "m16n8k16, cp.async ring), combine; no wgmma form yet")).items()},
+    "linear_fp8 (FP8 block-quantized weights)": {
+        PORTABLE: (Route("gemv_fp8", "M <= 8: e4m3 weights dequantized in registers (cvt from sm_89, soft below)"),
+                   Route("fp8", "M > 8: fp8_dequantize_bf16 into a scratch, then the bf16 cuBLAS GEMM")),
+        HOPPER: (Route("gemv_fp8", "M <= 8: e4m3 weights dequantized in registers (hardware cvt)"),
+                 Route("fp8", "M > 8: fp8_quantize_1x128 (x to e4m3 + 1x128 scales), then cuBLASLt's block-scaled FP8 "
+                       "GEMM; fp8_dequantize_bf16 + bf16 GEMM where cuBLASLt has no algorithm")),
+    },
     "fill (benchmarks)": {p: (r,) for p, r in _both(Route("fill", "fill_f32")).items()},
 }
 

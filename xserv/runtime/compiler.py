@@ -138,8 +138,11 @@ def family_source(family: str) -> Path:
 # model's steps launch compile, in parallel, and the rest on first use. Every family is bf16 only, so the model's
 # dtype picks nothing (a float16/float32 checkpoint is cast to bf16 on load).
 SHAPE_KEYS = {"head_dim": ("d", "XSERV_HEAD_DIM"), "group": ("g", "XSERV_GROUP"), "rows": ("m", "XSERV_ROWS"),
-              "part": ("p", "XSERV_PART"), "vec": ("v", "XSERV_VEC"), "moe": ("e", "XSERV_MOE")}
-MODEL_KEYS = ("head_dim", "group", "moe")  # moe=1: a mixture-of-experts model (the moe family's one piece)
+              "part": ("p", "XSERV_PART"), "vec": ("v", "XSERV_VEC"), "moe": ("e", "XSERV_MOE"),
+              "fp8": ("f", "XSERV_FP8")}
+# moe=1: a mixture-of-experts model (the moe family's one piece); fp8=1: an FP8-quantized model (the gemv_fp8 and
+# fp8 families' one piece each: the FP8 GEMV, the activation quantization and the weight dequantization)
+MODEL_KEYS = ("head_dim", "group", "moe", "fp8")
 PIECE_SEP = ":"
 _SHAPES_LINE = re.compile(r"^//\s*xserv-shapes:((?:[ \t]+\w+=\S+)+)(.*)$", re.MULTILINE)  # then a why
 _STARTUP_LINE = re.compile(r"^//\s*xserv-startup:((?:[ \t]+[a-z]\d+(?:_[a-z]\d+)*)+)(.*)$", re.MULTILINE)  # a why
@@ -197,10 +200,13 @@ def family_startup(family: str) -> tuple[dict[str, int], ...] | None:
 def kernel_shapes(config) -> dict[str, int]:
     """The shapes the kernels of a model config need (anything with num_attention_heads, num_key_value_heads and
     head_dim: a ModelConfig): head dim and query heads per kv head (the same on every tensor-parallel rank), and
-    moe=1 for a mixture-of-experts config (one with num_experts > 0: its start-up compiles the moe family)."""
+    moe=1 for a mixture-of-experts config (one with num_experts > 0: its start-up compiles the moe family), fp8=1 for
+    an FP8-quantized one (a quantization_config: its start-up compiles the gemv_fp8 and fp8 families)."""
     shapes = {"head_dim": int(config.head_dim), "group": int(config.num_attention_heads // config.num_key_value_heads)}
     if getattr(config, "num_experts", 0):
         shapes["moe"] = 1
+    if getattr(config, "quantization_config", None) is not None:
+        shapes["fp8"] = 1
     return shapes
 
 

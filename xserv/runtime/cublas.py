@@ -4,6 +4,13 @@ accumulation, strided-batched, algorithm chosen by cuBLASLt's heuristic once per
 Weights are stored [out_features, in_features] as in the checkpoints. cuBLASLt is column-major, so a row-major
 [M, N] output is the column-major N x M matrix  W(as K x N col-major, transposed) @ X(as K x M col-major).
 All calls run on xserv's stream with a preallocated workspace, so they can be captured in a CUDA graph.
+
+`gemm_fp8_block_scaled` is the FP8 form (ops/fp8_linear.py's large-M path on sm_90+): e4m3 operands, the weight with
+one float32 scale per 128 x 128 block (CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F, cuBLASLt's operand A here), the
+activations with one per row and 128-column group (VEC128_32F, operand B), fp32 accumulation, bf16 or fp32 out.
+FP8 on Hopper wants "TN" (both operands K-major): ours are. Its plans are cached per shape as the bf16 ones are; a
+shape cuBLASLt has no algorithm for is remembered as refused (fp8_block_scaled_plan returns None), so the caller
+falls back without asking again.
 """
 from __future__ import annotations
 
@@ -18,6 +25,7 @@ from .timing import EventTimer
 
 # cudaDataType_t and cublasComputeType_t values (ABI-stable enums of the CUDA headers).
 _CUDA_TYPE = {np.dtype("float32"): 0, np.dtype("float16"): 2, np.dtype(ml_dtypes.bfloat16): 14}
+_CUDA_R_8F_E4M3 = 28
 _COMPUTE_32F = 68
 _OP_N, _OP_T = 0, 1
 WORKSPACE_BYTES = 32 << 20
@@ -49,13 +57,18 @@ class _Plan:
     """Descriptors, layouts and the chosen algorithm for one (M, N, K, batch, dtypes) problem."""
 
     def __init__(self, handle: int, m, n, k, batch, in_type, out_type, stride_x, stride_w, stride_out, workspace_bytes,
-                 candidates: int = 1):
+                 candidates: int = 1, block_scaled: bool = False):
         L = _lt()
         self.handles = []
         self.desc = _call("cublasLtMatmulDescCreate", L.matmul_desc_create, _COMPUTE_32F, 0)
-        for attr, value in ((L.MatmulDescAttribute.TRANSA, _OP_T), (L.MatmulDescAttribute.TRANSB, _OP_N)):
+        attrs = [(L.MatmulDescAttribute.TRANSA, _OP_T), (L.MatmulDescAttribute.TRANSB, _OP_N)]
+        if block_scaled:  # A = the weight (128 x 128 blocks), B = the activations (1 x 128 groups)
+            attrs += [(L.MatmulDescAttribute.A_SCALE_MODE, int(L.MatmulMatrixScale.BLK128x128_32F)),
+                      (L.MatmulDescAttribute.B_SCALE_MODE, int(L.MatmulMatrixScale.VEC128_32F))]
+        for attr, value in attrs:
             buf = np.array(value, np.int32)
             _call("cublasLtMatmulDescSetAttribute", L.matmul_desc_set_attribute, self.desc, attr, buf.ctypes.data, 4)
+        self.scale_ptrs = np.zeros(2, np.uint64)  # block_scaled: the A and B scale pointers, set per call
 
         def layout(dtype, rows, cols, ld, stride):
             lay = _call("cublasLtMatrixLayoutCreate", L.matrix_layout_create, dtype, rows, cols, ld)
@@ -66,8 +79,9 @@ class _Plan:
             self.handles.append(lay)
             return lay
 
-        self.a = layout(in_type, k, n, k, stride_w)  # the weight, [N, K] row-major
-        self.b = layout(in_type, k, m, k, stride_x)  # the input, [M, K] row-major
+        in_a, in_b = in_type if isinstance(in_type, tuple) else (in_type, in_type)
+        self.a = layout(in_a, k, n, k, stride_w)  # the weight, [N, K] row-major
+        self.b = layout(in_b, k, m, k, stride_x)  # the input, [M, K] row-major
         self.c = layout(out_type, n, m, n, stride_out)  # the output, [M, N] row-major
         pref = _call("cublasLtMatmulPreferenceCreate", L.matmul_preference_create)
         ws = np.array(workspace_bytes, np.uint64)
@@ -83,6 +97,8 @@ class _Plan:
             raise CublasError(f"cuBLASLt found no algorithm for M={m} N={n} K={k} batch={batch}")
         self.results = self.results[: int(count[0])]
         self.choose(0)
+
+    tuned = False  # gemm_fp8_block_scaled: candidates timed (or not to be)
 
     def choose(self, index: int) -> None:
         self.chosen = index
@@ -118,9 +134,57 @@ class Cublas:
         self._beta = np.array(0.0, np.float32)
         self._beta_one = np.array(1.0, np.float32)
         self.autotune = _autotune_default() if autotune is None else autotune
+        self.fp8_refusals: dict[tuple, str] = {}
 
     def version(self) -> int:
         return _lt().get_version()
+
+    def fp8_block_scaled_plan(self, m, n, k, out_dtype) -> _Plan | None:
+        """The plan of an FP8 block-scaled GEMM of this shape (built on first use: the heuristic's candidates), or
+        None where cuBLASLt refuses it (no algorithm: an older cuBLASLt, a GPU without FP8 block scaling, a shape
+        it does not take). A refusal is remembered, with its reason in `fp8_refusals`."""
+        key = ("fp8_block", m, n, k, out_dtype)
+        if key in self._plans:
+            return self._plans[key]
+        try:
+            plan = _Plan(self.handle, m, n, k, 1, (_CUDA_R_8F_E4M3, _CUDA_R_8F_E4M3), _cuda_type(out_dtype), 0, 0, 0,
+                         WORKSPACE_BYTES, self.TUNE_CANDIDATES if self.autotune else 1, block_scaled=True)
+        except CublasError as exc:
+            self.fp8_refusals[key] = str(exc)
+            plan = None
+        self._plans[key] = plan
+        return plan
+
+    def gemm_fp8_block_scaled(self, x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, out_ptr, m, n, k, out_dtype) -> None:
+        """out[M, N] = (x[M, K] * x_scale) @ (w[N, K] * w_scale)^T on raw device pointers: x and w e4m3; x_scale
+        float32 [ceil(K / 128), M] (x_scale[g * M + m] for row m, columns 128g..128g+127); w_scale float32
+        [ceil(N / 128), ld] with ld = round_up(ceil(K / 128), 4) (a 16-byte-aligned row per 128 weight rows); every
+        pointer 16-byte aligned. Raises CublasError where fp8_block_scaled_plan is None."""
+        plan = self.fp8_block_scaled_plan(m, n, k, out_dtype)
+        if plan is None:
+            raise CublasError(f"cuBLASLt has no FP8 block-scaled algorithm for M={m} N={n} K={k}: "
+                              f"{self.fp8_refusals[('fp8_block', m, n, k, out_dtype)]}")
+
+        def run():
+            L = _lt()
+            plan.scale_ptrs[0], plan.scale_ptrs[1] = w_scale_ptr, x_scale_ptr
+            for i, attr in enumerate((L.MatmulDescAttribute.A_SCALE_POINTER, L.MatmulDescAttribute.B_SCALE_POINTER)):
+                _call("cublasLtMatmulDescSetAttribute", L.matmul_desc_set_attribute, plan.desc, attr,
+                      plan.scale_ptrs.ctypes.data + 8 * i, 8)
+            self._matmul(plan, x_ptr, w_ptr, out_ptr, False)
+
+        if plan.tuned:
+            run()
+            return
+        plan.tuned = True
+        try:  # the first call of a shape: some cuBLASLt versions offer candidates that then fail at run time
+            if len(plan.results) > 1 and m <= self.TUNE_MAX_M and not self._capturing():
+                self._tune(plan, run)
+            run()
+        except CublasError as exc:
+            key = ("fp8_block", m, n, k, out_dtype)
+            self._plans[key], self.fp8_refusals[key] = None, f"its algorithm failed: {exc}"
+            raise
 
     def gemm(self, x_ptr, w_ptr, out_ptr, m, n, k, in_dtype, out_dtype, batch=1,
              stride_x=0, stride_w=0, stride_out=0, accumulate=False) -> None:
@@ -134,7 +198,7 @@ class Cublas:
             )
             # Timing overwrites `out`, so an accumulating call keeps the heuristic's choice.
             if len(plan.results) > 1 and m <= self.TUNE_MAX_M and not accumulate and not self._capturing():
-                self._tune(plan, x_ptr, w_ptr, out_ptr)
+                self._tune(plan, lambda: self._matmul(plan, x_ptr, w_ptr, out_ptr, False))
         self._matmul(plan, x_ptr, w_ptr, out_ptr, accumulate)
 
     def _matmul(self, plan: _Plan, x_ptr, w_ptr, out_ptr, accumulate: bool) -> None:
@@ -151,7 +215,9 @@ class Cublas:
         status = check_driver(driver.cuStreamIsCapturing(self.device.stream_handle), "cuStreamIsCapturing")
         return status != driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
 
-    def _tune(self, plan: _Plan, x_ptr, w_ptr, out_ptr, reps: int = 5) -> None:
+    def _tune(self, plan: _Plan, run, reps: int = 5) -> None:
+        """Time each of the plan's candidates (run(): one matmul with the plan's current choice) and keep the
+        fastest."""
         timer = EventTimer()
         # In a model the weights stream from HBM, not L2: each timed run starts after overwriting a buffer twice
         # the size of L2. (Tuned on a warm L2, a skinny GEMM picks algorithms that lose once the weight is cold.)
@@ -160,13 +226,13 @@ class Cublas:
 
         def cold_run():
             check_driver(driver.cuMemsetD8Async(flush.ptr, 0, flush_bytes, self.device.stream_handle), "cuMemsetD8Async")
-            return timer.time_ms(lambda: self._matmul(plan, x_ptr, w_ptr, out_ptr, False))
+            return timer.time_ms(run)
 
         best, best_ms = 0, float("inf")
         for i in range(len(plan.results)):
             plan.choose(i)
             try:
-                self._matmul(plan, x_ptr, w_ptr, out_ptr, False)  # warm-up; some candidates fail at run time
+                run()  # warm-up; some candidates fail at run time
                 ms = sorted(cold_run() for _ in range(reps))[reps // 2]
             except CublasError:
                 continue
