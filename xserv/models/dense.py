@@ -29,7 +29,7 @@ from ..ops.rmsnorm import fused_add_rmsnorm
 from ..ops.rope import qk_norm_rope_write_kv, rope_cos_sin_table
 from ..tensor import Tensor, as_dtype, bfloat16, float32
 from .base import KVLayout
-from ..ops.fp8_linear import linear_fp8
+from ..ops.fp8_linear import Fp8Scratch, linear_fp8
 from .fp8 import DEFAULT_BLOCK, E4M3, SCALE_SUFFIX, Fp8Weight, dequantize_for_load, join_fp8_fields, scale_shape
 
 # The ops take bf16 activations and weights on both backends (the NumPy references compute in float32 and round
@@ -236,6 +236,7 @@ class DenseModel:
         self.fused_gemv = True  # small forwards take the fused GEMV path (False: the unfused ops, for comparison)
         self.fused_attention = True  # decode: QK-norm/RoPE/KV write inside attention (False: the two kernels)
         self._fp8 = self.has_fp8_weights
+        self.fp8_scratch = None  # linear_fp8's buffers (reserve_fp8_scratch, with the workspace)
         table = rope_cos_sin_table(config.head_dim, self.max_positions, config.rope_theta, config.rope_scaling)
         self.cos_sin = Tensor.from_numpy(np.ascontiguousarray(table, np.float32), device)
 
@@ -403,7 +404,18 @@ class DenseModel:
         return sum(t.nbytes for t in self.weight_tensors())
 
     def make_workspace(self, max_tokens: int, max_logits: int) -> Workspace:
+        self.reserve_fp8_scratch(max_tokens)
         return Workspace(self.config, max_tokens, max_logits, self.device, self.dtype)
+
+    def reserve_fp8_scratch(self, max_tokens: int) -> None:
+        """FP8 weights on CUDA: the buffers linear_fp8's many-row paths use (the quantized activations, or a
+        dequantized weight), sized for forwards of up to max_tokens tokens and this model's largest FP8 weight, made
+        with the workspace (before any graph capture) so that a step allocates nothing; the largest one is kept."""
+        if self.device != "cuda" or not self._fp8 or (self.fp8_scratch is not None
+                                                      and self.fp8_scratch.max_rows >= max_tokens):
+            return
+        shapes = [t.shape for layer in self.layers for t in vars(layer).values() if isinstance(t, Fp8Weight)]
+        self.fp8_scratch = Fp8Scratch(max_tokens, max(k for _, k in shapes), max(n * k for n, k in shapes))
 
     # ---- forward ------------------------------------------------------------------------------------------
     def fused_forward_ok(self, num_tokens: int, num_logits: int) -> bool:
@@ -471,7 +483,9 @@ class DenseModel:
         """out = x @ weight^T: the GEMV kernel for the few-row shapes where it beats cuBLASLt, else cuBLASLt; an FP8
         weight's own op (linear_fp8 picks its kernel by the row count)."""
         if isinstance(weight, Fp8Weight):
-            return linear_fp8(x, weight.weight, weight.scale_inv, out=out)
+            scratch = self.fp8_scratch if self.fp8_scratch is not None and self.fp8_scratch.max_rows >= x.shape[0] \
+                else None
+            return linear_fp8(x, weight.weight, weight.scale_inv, out=out, scratch=scratch)
         m, k = x.shape
         if self.device == "cuda" and self.fused_gemv and prefer_gemv(m, weight.shape[0], k):
             return linear_gemv(x, weight, out=out)

@@ -245,6 +245,7 @@ class Qwen3MoeModel(Qwen3Model):
         return expected_touched_experts(self.config.num_experts, self.config.num_experts_per_tok, num_tokens)
 
     def make_workspace(self, max_tokens: int, max_logits: int) -> Qwen3MoeWorkspace:
+        self.reserve_fp8_scratch(max_tokens)
         return Qwen3MoeWorkspace(self.config, max_tokens, max_logits, self.device, self.dtype)
 
     # ---- forward: the dense decoder's, with the sparse layers' MLP replaced -----------------------------------
