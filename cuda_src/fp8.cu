@@ -74,28 +74,45 @@ extern "C" __global__ void __launch_bounds__(256) fp8_quantize_1x128(
     if (lane == 0) scales[(long long)g * scale_ld + m] = scale;
 }
 
-// W: e4m3 bytes [N, K]; scale_inv: float32 [ceil(N / 128), ceil(K / 128)]; out: bf16 [N, K]. A thread converts one
-// 16-weight chunk (16 bytes in, 32 out; K % 16 == 0, so a chunk lies in one row and one scale block) per step of a
-// grid-stride loop. Block 256 threads. Requirements (the launcher checks): K % 16 == 0; W, out 16-byte aligned.
+// W: e4m3 bytes [N, K]; scale_inv: float32 [ceil(N / 128), ceil(K / 128)]; out: bf16 [N, K]. An item is 8 weights
+// (8 bytes in, one 16-byte store out; K % 16 == 0, so an item lies in one row and one scale block); a thread takes
+// kItems items a step, `stride` apart, all loads issued before any use, so that consecutive lanes load and store
+// consecutive 8 / 16 bytes (a warp's store is 512 contiguous bytes: whole sectors, no partial writes). Grid-stride;
+// 32-bit item indices (the launcher checks N * K / 8 < 2^31). Block 256 threads. Requirements (the launcher
+// checks): K % 16 == 0; W, out 16-byte aligned.
+constexpr int kItems = 4;
+
 extern "C" __global__ void __launch_bounds__(256) fp8_dequantize_bf16(
     const unsigned char* __restrict__ W, const float* __restrict__ scale_inv, __nv_bfloat16* __restrict__ out,
     int N, int K) {
-    const int row_chunks = K / 16, kblocks = (K + kBlock - 1) / kBlock;
-    const long long chunks = (long long)N * row_chunks;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < chunks;
-         i += (long long)gridDim.x * blockDim.x) {
-        const int n = (int)(i / row_chunks), k0 = (int)(i % row_chunks) * 16;
-        const float s = __ldg(scale_inv + (long long)(n / kBlock) * kblocks + k0 / kBlock);
-        const uint4 w = __ldg(reinterpret_cast<const uint4*>(W + i * 16));
-        const unsigned words[4] = {w.x, w.y, w.z, w.w};
-        xserv::bf16x8 o[2];
+    const unsigned row_items = (unsigned)K / 8u, kblocks = (unsigned)(K + kBlock - 1) / kBlock;
+    const unsigned items = (unsigned)N * row_items, stride = gridDim.x * blockDim.x;
+    for (unsigned base = blockIdx.x * blockDim.x + threadIdx.x; base < items; base += stride * kItems) {
+        uint2 w[kItems];
+        float s[kItems];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {  // j: a pair of weights (columns k0 + 2j, k0 + 2j + 1)
-            const float2 f = e4m3x2_to_float2(static_cast<unsigned short>(words[j / 2] >> (16 * (j % 2))));
-            o[j / 4].h[j % 4] = __floats2bfloat162_rn(__fmul_rn(f.x, s), __fmul_rn(f.y, s));  // one rounding each
+        for (int u = 0; u < kItems; ++u) {
+            const unsigned i = base + u * stride;
+            if (i < items) {
+                const unsigned n = i / row_items, k0 = (i - n * row_items) * 8u;
+                w[u] = __ldg(reinterpret_cast<const uint2*>(W) + i);
+                s[u] = __ldg(scale_inv + (n / kBlock) * kblocks + k0 / kBlock);
+            }
         }
-        reinterpret_cast<xserv::bf16x8*>(out + i * 16)[0] = o[0];
-        reinterpret_cast<xserv::bf16x8*>(out + i * 16)[1] = o[1];
+#pragma unroll
+        for (int u = 0; u < kItems; ++u) {
+            const unsigned i = base + u * stride;
+            if (i < items) {
+                const unsigned words[2] = {w[u].x, w[u].y};
+                xserv::bf16x8 o;
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {  // j: a pair of weights (columns k0 + 2j, k0 + 2j + 1)
+                    const float2 f = e4m3x2_to_float2(static_cast<unsigned short>(words[j / 2] >> (16 * (j % 2))));
+                    o.h[j] = __floats2bfloat162_rn(__fmul_rn(f.x, s[u]), __fmul_rn(f.y, s[u]));  // one rounding each
+                }
+                reinterpret_cast<xserv::bf16x8*>(out)[i] = o;
+            }
+        }
     }
 }
 

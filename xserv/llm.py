@@ -51,6 +51,7 @@ class _DeviceState:
 
     def __init__(self, model, engine: LLMEngine, thread: EngineThread, device: str):
         self.model, self.engine, self.thread, self.device = model, engine, thread, device
+        self.group = None  # tensor parallelism: rank 0's TPGroup (the worker processes of ranks 1..tp-1)
         self.closed = False
 
 
@@ -80,7 +81,9 @@ def _stop_and_drop(state: _DeviceState) -> bool:
     stopped = thread.stop(timeout=60)
     if thread._thread is None and engine is not None:
         _close_engine(engine, state.device)
-    state.model = state.engine = state.thread = None
+    if state.group is not None:  # after the engine: its graphs are gone on rank 0; the workers close theirs
+        state.group.close()
+    state.model = state.engine = state.thread = state.group = None
     thread.engine = None
     return stopped
 
@@ -154,10 +157,11 @@ class LLM:
     """A model (Qwen3 or Llama 3, see xserv.models.registry) ready to generate.
 
     model: a local Hugging Face folder or a hub id. device: "cuda", "cpu", or None (cuda when a GPU exists).
-    max_model_len: the longest sequence (prompt + output); default the model's max_position_embeddings, capped
-    by the KV cache. kv_cache_tokens: the KV pool size in tokens; default from free device memory
-    (gpu_memory_fraction of it) on CUDA, about 1 GiB on CPU. seed: the seed that unseeded requests derive theirs
-    from (default None: each unseeded request gets a fresh seed from the OS).
+    max_model_len: the longest sequence (prompt + output); default the model's max_position_embeddings, capped by
+    the KV cache. tensor_parallel_size: shard the model over this many GPUs (worker processes for ranks 1..tp-1,
+    started here; xserv/parallel/group.py); `close()` stops them. kv_cache_tokens: the KV pool size in tokens;
+    default from free device memory (gpu_memory_fraction of it) on CUDA, about 1 GiB on CPU. seed: the seed that
+    unseeded requests derive theirs from (default None: each unseeded request gets a fresh seed from the OS).
 
     Safe to share between threads (see the module doc). `close()` or `with LLM(...) as llm:` frees its device
     memory; so does dropping it.
@@ -187,6 +191,16 @@ class LLM:
             raise ValueError(f"max_model_len {max_model_len} is longer than the model's context of {context} tokens "
                              f"(max_position_embeddings, or YaRN's factor x original length)")
         max_len = max_model_len or context
+        tp = cfg.tensor_parallel_size
+        rank_config = config
+        if tp > 1:  # the model splits tp ways onto as many GPUs: checked before anything is loaded or started
+            from .parallel.sharding import check_tp
+            from .parallel.sharding import rank_config as tp_rank_config
+
+            from .runtime import device_count
+
+            check_tp(config, tp, device_count() if self.device == "cuda" else tp, model_class(config))
+            rank_config = tp_rank_config(config, tp, 0).config
         self.tokenizer = Tokenizer.from_folder(self.folder)
         thread_setup = None
         if self.device == "cuda":
@@ -194,7 +208,7 @@ class LLM:
             from .runtime.compiler import ensure_compiled, kernel_shapes
 
             start = time.perf_counter()
-            ensure_compiled(get_device().arch, progress=progress, shapes=kernel_shapes(config))
+            ensure_compiled(get_device().arch, progress=progress, shapes=kernel_shapes(rank_config))
             self.kernel_compile_s = time.perf_counter() - start
             thread_setup = get_device().bind_to_thread
         with _open_lock:  # counted from here: a failure below releases what was made (see _release)
@@ -207,14 +221,21 @@ class LLM:
         reader = CheckpointReader(self.folder)
         start = time.perf_counter()
         try:
-            state.model = model_class(config).from_checkpoint(config, reader, self.device, progress=progress,
-                                                              max_positions=max_len)
+            if tp > 1:  # ranks 1..tp-1 start and load their shards while this process loads rank 0's
+                from .parallel.group import TPGroup
+
+                state.group = TPGroup.start(self.folder, config, tp, self.device, cfg, max_positions=max_len)
+                state.model = state.group.load_rank0(self.folder, max_positions=max_len, progress=progress)
+                state.group.wait_loaded()
+            else:
+                state.model = model_class(config).from_checkpoint(config, reader, self.device, progress=progress,
+                                                                  max_positions=max_len)
             del reader
             self.timings = {"weights_s": time.perf_counter() - start}
             start = time.perf_counter()
             eos = set(config.eos_token_id) | set(self.tokenizer.eos_token_ids)
             state.engine = LLMEngine.from_model(state.model, self.tokenizer, cfg, context_len=max_len,
-                                                eos_token_ids=eos)
+                                                eos_token_ids=eos, group=state.group)
         except BaseException:
             state.thread = EngineThread(None)
             self._finalizer()

@@ -300,7 +300,7 @@ def test_cuda_scratch_reused_under_graph_capture(rng):
     from xserv.runtime.graphs import CUDAGraph
 
     shapes = [(16, 6144, 4096), (40, 4096, 12288), (9, 1000, 1040)]
-    scratch = Fp8Scratch(64, 12288, 6144 * 4096, paths=tuple(_forcible_paths()))
+    scratch = Fp8Scratch(64, 12288, 4096 * 12288, paths=tuple(_forcible_paths()))
     nbytes = scratch.nbytes
     for path in _forcible_paths():
         cases = []

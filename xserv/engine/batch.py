@@ -92,7 +92,12 @@ def build_host_arrays(chunks: list[SeqChunk], block_size: int) -> dict:
 
 
 def make_batch(chunks: list[SeqChunk], block_size: int, device: str) -> Batch:
-    h = build_host_arrays(chunks, block_size)
+    return batch_from_arrays(build_host_arrays(chunks, block_size), device)
+
+
+def batch_from_arrays(h: dict, device: str) -> Batch:
+    """The Batch of build_host_arrays' result, its arrays uploaded to `device` (tensor parallelism: every rank
+    builds its step's Batch from the same arrays, rank 0's sent through shared memory)."""
 
     def up(a):
         return Tensor.from_numpy(a, device)

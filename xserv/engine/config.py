@@ -24,7 +24,9 @@ class EngineConfig:
     step that is one sequence's prompt chunk of at most this many tokens and nothing else replays a captured prefill
     graph (0: prefill always runs eagerly). seed: the sampling seed of requests that give none (each such request
     gets seed * 1,000,003 + its id); None, the default: each of them gets a fresh seed from the OS's entropy, so
-    unseeded sampling differs from run to run, as in every other engine."""
+    unseeded sampling differs from run to run, as in every other engine. tensor_parallel_size: GPUs (ranks) one
+    model is sharded over, one process each (xserv/parallel; on the CPU backend, processes); 1: no sharding, no
+    extra process."""
 
     max_model_len: int | None = None
     kv_cache_tokens: int | None = None
@@ -37,9 +39,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     overlap_steps: bool = True
     seed: int | None = None
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
-        for name in ("max_model_len", "kv_cache_tokens", "max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_model_len", "kv_cache_tokens", "max_num_seqs", "max_num_batched_tokens", "block_size",
+                     "tensor_parallel_size"):
             value = getattr(self, name)
             if value is None and name in ("max_model_len", "kv_cache_tokens", "max_num_batched_tokens"):
                 continue
@@ -85,6 +89,8 @@ class EngineConfig:
         g.add_argument("--prefill-graph-tokens", type=_non_negative_int, default=d.prefill_graph_tokens, metavar="N",
                        help="prompt chunks of up to N tokens alone in a step replay a CUDA graph "
                             f"(default {d.prefill_graph_tokens}; 0: prefill always eager)")
+        g.add_argument("--tensor-parallel-size", "--tp", type=_positive_int, default=d.tensor_parallel_size,
+                       metavar="N", help="shard the model over N GPUs, one process each (default 1)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
@@ -95,7 +101,8 @@ class EngineConfig:
                    max_num_seqs=max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                    gpu_memory_fraction=args.gpu_memory_fraction, cuda_graphs=not args.no_cuda_graphs,
                    prefill_graph_tokens=getattr(args, "prefill_graph_tokens", cls.prefill_graph_tokens),
-                   enable_prefix_caching=not args.no_prefix_caching)
+                   enable_prefix_caching=not args.no_prefix_caching,
+                   tensor_parallel_size=getattr(args, "tensor_parallel_size", cls.tensor_parallel_size))
 
 
 # argparse types: a bad value is a usage error naming the option ("argument --max-num-seqs: must be ..."), exit 2

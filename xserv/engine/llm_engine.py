@@ -71,7 +71,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.batched_tokens(device))
         self.sampler = sampler or Sampler(self.vocab_size, config.max_num_seqs, device, config.seed)
-        runner.feed_src = self.sampler.tokens  # what a step launched ahead reads (in the graphs captured after this)
+        # what a step launched ahead reads (in the graphs captured after this). Tensor parallelism: the other ranks
+        # do not have rank 0's sampled tokens on their devices, so no step is launched ahead (overlap_steps is off)
+        runner.feed_src = self.sampler.tokens if runner.group is None else None
         self._ids = itertools.count()
         self._inflight: deque[_Launched] = deque()  # launched steps not yet booked (at most two)
         self.num_steps_ahead = 0  # decode steps launched before the previous step was booked
@@ -81,23 +83,36 @@ class LLMEngine:
         self._grammar_tokenizer = None  # llguidance's view of the tokenizer, built at the first constrained request
 
     @classmethod
-    def from_model(cls, model, tokenizer, config: EngineConfig, *, context_len: int, eos_token_ids) -> "LLMEngine":
+    def from_model(cls, model, tokenizer, config: EngineConfig, *, context_len: int, eos_token_ids,
+                   group=None) -> "LLMEngine":
         """Everything around a loaded model, in the order memory needs: activation workspace and sampler state,
         then the KV cache from what memory is left, the runner, the engine, and last the CUDA graphs (decode, then
-        short prefills)."""
+        short prefills). `group`: rank 0's TPGroup of a tensor-parallel model (xserv/parallel/group.py): every rank
+        makes the same workspace, a KV pool of the same number of blocks (the smallest any rank's memory allows)
+        and the same runner, and captures the same graphs."""
         device, mc = model.device, model.config
         max_len = min(config.max_model_len or context_len, context_len)
-        workspace = model.make_workspace(config.batched_tokens(device), config.max_num_seqs)
+        batched = config.batched_tokens(device)
+        workspace = model.make_workspace(batched, config.max_num_seqs)
         sampler = Sampler(mc.vocab_size, config.max_num_seqs, device, config.seed)
         spec = KVCacheSpec(*model.kv_layout, config.block_size)
+        others = [] if group is None else group.call(
+            "prepare", max_tokens=batched, max_logits=config.max_num_seqs, block_size=config.block_size,
+            memory_fraction=config.gpu_memory_fraction)
         kv_tokens = config.kv_cache_tokens
         if kv_tokens is None and device == "cpu":
             kv_tokens = min(4 * max_len, max(CPU_KV_BYTES // spec.bytes_per_token(model.dtype), 2048))
+        elif kv_tokens is None and group is not None:
+            kv_tokens = min([KVCache.capacity_tokens(spec, model.dtype, config.gpu_memory_fraction), *others])
         kv_cache = KVCache.create(spec, device, model.dtype, num_tokens=kv_tokens,
                                   memory_fraction=config.gpu_memory_fraction)
         max_model_len = min(max_len, kv_cache.num_tokens)
-        runner = ModelRunner(model, kv_cache, max_num_batched_tokens=config.batched_tokens(device),
+        runner = ModelRunner(model, kv_cache, max_num_batched_tokens=batched,
                              max_num_seqs=config.max_num_seqs, max_model_len=max_model_len, workspace=workspace)
+        if group is not None:
+            group.call("runner", num_tokens=kv_cache.num_tokens, block_size=config.block_size,
+                       max_num_batched_tokens=batched, max_num_seqs=config.max_num_seqs, max_model_len=max_model_len)
+            runner.group = group
         engine = cls(runner, tokenizer, max_model_len=max_model_len, eos_token_ids=eos_token_ids, config=config,
                      sampler=sampler)
         if device == "cuda" and config.cuda_graphs:
@@ -233,7 +248,8 @@ class LLMEngine:
         gathered on the device from the step in flight's output (`index`). Sequences that the token in flight ends
         by length are left out; one that a stop token or string ends keeps its row, whose token is dropped when
         booked. Returns (rows, index) or None."""
-        if not self.config.overlap_steps or len(self._inflight) != 1 or self.scheduler.waiting:
+        if (not self.config.overlap_steps or self.runner.group is not None or len(self._inflight) != 1
+                or self.scheduler.waiting):
             return None
         last = self._inflight[0]
         if not (last.replayed or last.prefill_graph):
@@ -309,6 +325,8 @@ class LLMEngine:
         waited = time.perf_counter()
         tokens, logprob, top_ids, top_logprobs = result.fetch()
         self.host_seconds["wait"] += time.perf_counter() - waited
+        if self.runner.group is not None:  # a rank that failed during the step: its tokens are not to be trusted
+            self.runner.group.check()
         booked = []
         max_len = self.max_model_len
         for i, (seq, token) in enumerate(zip(sampled, tokens.tolist())):

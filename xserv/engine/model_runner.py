@@ -11,7 +11,7 @@ import math
 import numpy as np
 
 from ..tensor import Tensor, int32
-from .batch import Batch, SeqChunk, make_batch
+from .batch import Batch, SeqChunk, batch_from_arrays, build_host_arrays
 from .config import EngineConfig
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
@@ -79,6 +79,13 @@ class ModelRunner:
         # the sampler's); the decode graphs captured while it is set read it, and only they can run such a step.
         self.feed_src: Tensor | None = None
         self._graphs_feed = False  # the decode graphs were captured with feed_src set
+        # Tensor parallelism (xserv/parallel/group.py). On rank 0, `group`: every forward, graph capture and graph
+        # replay first sends its inputs (NumPy arrays, through shared memory) to the other ranks, whose runners
+        # repeat it (`follow`), so all ranks join the model's collectives in the same order. On the other ranks,
+        # `token_offset`: the first token id of the rank's vocab-parallel embedding rows; `follow` shifts the ids it
+        # receives by it, so the embedding op gives zero rows for ids of other ranks (its out-of-range rule).
+        self.group = None
+        self.token_offset = 0
 
     # ---- forward ------------------------------------------------------------------------------------------------
     def run(self, scheduled, *, ahead: int = 0, token_index: np.ndarray | None = None) -> Tensor:
@@ -123,8 +130,15 @@ class ModelRunner:
         return bool(self.prefill_graphs) and len(scheduled) == 1 and 1 <= scheduled[0][1] <= self._max_prefill_tokens
 
     def forward(self, chunks: list[SeqChunk]) -> Tensor:
-        batch = make_batch(chunks, self.block_size, self.device)
-        return self.model.forward(batch, self.kv_cache, self.workspace)
+        return self.forward_arrays(build_host_arrays(chunks, self.block_size))
+
+    def forward_arrays(self, h: dict, own_workspace: bool = True) -> Tensor:
+        """An eager forward of build_host_arrays' result (with the runner's workspace, or one sized for it)."""
+        if self.group is not None:
+            self.group.send("forward", {k: v for k, v in h.items() if not isinstance(v, np.ndarray)},
+                            {k: v for k, v in h.items() if isinstance(v, np.ndarray)}, own_workspace=own_workspace)
+        batch = batch_from_arrays(h, self.device)
+        return self.model.forward(batch, self.kv_cache, self.workspace if own_workspace else None)
 
     def logits(self, token_ids: list[int], block_table: list[int], chunk: int | None = None) -> np.ndarray:
         """Logits at every position of one sequence, prefilled `chunk` tokens at a time through the paged cache
@@ -133,8 +147,8 @@ class ModelRunner:
         out = np.empty((len(token_ids), self.model.config.vocab_size), np.float32)
         for start in range(0, len(token_ids), chunk):
             piece = token_ids[start:start + chunk]
-            batch = make_batch([SeqChunk(piece, start, block_table, "all")], self.block_size, self.device)
-            out[start:start + len(piece)] = self.model.forward(batch, self.kv_cache).numpy()
+            h = build_host_arrays([SeqChunk(piece, start, block_table, "all")], self.block_size)
+            out[start:start + len(piece)] = self.forward_arrays(h, own_workspace=False).numpy()
         return out
 
     def close(self) -> None:
@@ -168,6 +182,8 @@ class ModelRunner:
             if self.device != "cuda":
                 return []
             graph_factory = self._capture_cuda_graph
+        if self.group is not None:  # the other ranks capture the same graphs, their warm-up steps in lockstep
+            self.group.send("capture_decode", {"max_batch_size": max_batch_size, "eager": self.device == "cpu"})
         max_bs = min(max_batch_size or self.max_num_seqs, self.max_num_seqs)
         sizes = [b for b in GRAPH_BATCH_SIZES if b < max_bs] + [max_bs]
         self._kv_buckets = kv_len_buckets(self.max_model_len)
@@ -217,9 +233,12 @@ class ModelRunner:
         fields["block_tables"] = table.reshape(rows, width) if isinstance(table, np.ndarray) else table.view(rows, width)
         return fields
 
+    def _meta_size(self, bs: int, max_kv_len: int) -> int:
+        return len(_GRAPH_INPUTS) * self._meta_rows + bs * math.ceil(max_kv_len / self.block_size)
+
     def _upload_meta(self, bs: int, max_kv_len: int) -> dict:
         """One copy: every row of the host image, then the block table's first bs rows. Returns the device views."""
-        size = len(_GRAPH_INPUTS) * self._meta_rows + bs * math.ceil(max_kv_len / self.block_size)
+        size = self._meta_size(bs, max_kv_len)
         meta = self._meta[max_kv_len]
         meta[:size].copy_(self._meta_host[max_kv_len][:size])
         return self._meta_fields(meta, max_kv_len)
@@ -263,6 +282,9 @@ class ModelRunner:
         st["slot_mapping"][:n] = self._tables[slots, positions // bsz] * bsz + positions % bsz
         st["block_tables"][:n] = self._tables[slots, :st["block_tables"].shape[1]]
         self._pad_inputs(n, bs, max_kv_len)
+        if self.group is not None:
+            self.group.send("decode", {"bs": bs, "max_kv_len": max_kv_len},
+                            {"meta": self._meta_host[max_kv_len][:self._meta_size(bs, max_kv_len)]})
         self._upload_meta(bs, max_kv_len)
         self.graphs[(bs, max_kv_len)].replay()
         return self.workspace.logits[:n]
@@ -283,6 +305,8 @@ class ModelRunner:
         sizes = prefill_token_buckets(min(max_tokens, self.workspace.max_tokens, self.max_model_len))
         if not sizes:
             return []
+        if self.group is not None:
+            self.group.send("capture_prefill", {"max_tokens": max_tokens, "eager": self.device == "cpu"})
         tmax = sizes[-1]
         self._pf_pos, self._pf_slot, self._pf_table = _PF_IDS + tmax, _PF_IDS + 2 * tmax, _PF_IDS + 3 * tmax
         width = self._max_blocks
@@ -333,10 +357,55 @@ class ModelRunner:
         h[slot + n:slot + tokens] = -1
         end = table + num_blocks
         self._pf_meta[:end].copy_(h[:end])
+        return end
 
     def _replay_prefill(self, seq, n: int) -> Tensor:
         tokens = int(self._prefill_bucket_of[n])
         start = seq.num_computed
-        self._stage_prefill(tokens, seq.token_ids[start:start + n], start, seq.block_table)
+        end = self._stage_prefill(tokens, seq.token_ids[start:start + n], start, seq.block_table)
+        if self.group is not None:
+            self.group.send("prefill", {"tokens": tokens}, {"meta": self._pf_host[:end]})
         self.prefill_graphs[tokens].replay()
         return self.workspace.logits[:1 if start + n == seq.num_tokens else 0]
+
+
+    # ---- tensor parallelism: the other ranks --------------------------------------------------------------------
+    def follow(self, command: str, args: dict, arrays: dict) -> None:
+        """Repeat what rank 0's runner did (its `group.send`): the same eager forward, graph capture or graph replay
+        on this rank's shard, from the same host arrays (`arrays`, this rank's copies; token ids shifted by
+        token_offset first)."""
+        if command == "forward":
+            h = {**args, **arrays}
+            h.pop("own_workspace", None)
+            h["input_ids"] = h["input_ids"] - np.int32(self.token_offset)
+            self.model.forward(batch_from_arrays(h, self.device), self.kv_cache,
+                               self.workspace if args.get("own_workspace", True) else None)
+        elif command == "decode":
+            bs, max_kv_len = args["bs"], args["max_kv_len"]
+            meta = arrays["meta"]
+            meta[:self._meta_rows] -= np.int32(self.token_offset)  # row 0 of _GRAPH_INPUTS: input_ids
+            self._meta[max_kv_len][:meta.shape[0]].copy_(meta)
+            self.graphs[(bs, max_kv_len)].replay()
+        elif command == "prefill":
+            tokens, meta = args["tokens"], arrays["meta"]
+            meta[_PF_IDS:_PF_IDS + tokens] -= np.int32(self.token_offset)
+            self._pf_meta[:meta.shape[0]].copy_(meta)
+            self.prefill_graphs[tokens].replay()
+        elif command == "capture_decode":
+            self.capture_decode_graphs(args["max_batch_size"], graph_factory=_eager_graph if args["eager"] else None)
+        elif command == "capture_prefill":
+            self.capture_prefill_graphs(args["max_tokens"], graph_factory=_eager_graph if args["eager"] else None)
+        else:
+            raise ValueError(f"unknown tensor-parallel step command {command!r}")
+
+
+class _EagerGraph:
+    """A 'graph' whose replay runs the captured step eagerly: what the other ranks use while rank 0 runs the CPU
+    tests' graph factories (the replay logic tested without CUDA)."""
+
+    def __init__(self, step):
+        self.replay = step
+
+
+def _eager_graph(step) -> _EagerGraph:
+    return _EagerGraph(step)

@@ -122,9 +122,11 @@ def dequantize_bf16(weight: Tensor, scale_inv: Tensor, out: Tensor | None = None
         raise ValueError("dequantize_bf16: weight and out must be 16-byte aligned")
     from ..runtime import get_device
 
-    chunks = n * k // 16
-    grid = min(cdiv(chunks, _THREADS), get_device().info.multiprocessor_count * 16)
-    # fp8_dequantize_bf16(W, scale_inv, out, N, K): a thread per 16-weight chunk, grid-stride
+    items = n * k // 8
+    if items >= 1 << 31:
+        raise ValueError(f"weight: [{n}, {k}] is over the kernel's 2^34 elements")
+    grid = min(cdiv(items, _THREADS * 4), get_device().info.multiprocessor_count * 16)
+    # fp8_dequantize_bf16(W, scale_inv, out, N, K): 4 items of 8 weights a thread a step, grid-stride
     kernel(_piece(), "fp8_dequantize_bf16")(grid, _THREADS, weight, scale_inv, out, np.int32(n), np.int32(k))
     return out
 

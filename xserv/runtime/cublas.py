@@ -57,18 +57,27 @@ class _Plan:
     """Descriptors, layouts and the chosen algorithm for one (M, N, K, batch, dtypes) problem."""
 
     def __init__(self, handle: int, m, n, k, batch, in_type, out_type, stride_x, stride_w, stride_out, workspace_bytes,
-                 candidates: int = 1, block_scaled: bool = False):
+                 candidates: int = 1, scale_modes: tuple[int, int] | None = None, swap: bool = False,
+                 scale_ptr_hint: int = 0):
         L = _lt()
         self.handles = []
         self.desc = _call("cublasLtMatmulDescCreate", L.matmul_desc_create, _COMPUTE_32F, 0)
         attrs = [(L.MatmulDescAttribute.TRANSA, _OP_T), (L.MatmulDescAttribute.TRANSB, _OP_N)]
-        if block_scaled:  # A = the weight (128 x 128 blocks), B = the activations (1 x 128 groups)
-            attrs += [(L.MatmulDescAttribute.A_SCALE_MODE, int(L.MatmulMatrixScale.BLK128x128_32F)),
-                      (L.MatmulDescAttribute.B_SCALE_MODE, int(L.MatmulMatrixScale.VEC128_32F))]
+        if scale_modes is not None:  # cuBLASLt's A and B scale modes (block scaling)
+            attrs += [(L.MatmulDescAttribute.A_SCALE_MODE, int(scale_modes[0])),
+                      (L.MatmulDescAttribute.B_SCALE_MODE, int(scale_modes[1]))]
+        self.swap = swap
         for attr, value in attrs:
             buf = np.array(value, np.int32)
             _call("cublasLtMatmulDescSetAttribute", L.matmul_desc_set_attribute, self.desc, attr, buf.ctypes.data, 4)
-        self.scale_ptrs = np.zeros(2, np.uint64)  # block_scaled: the A and B scale pointers, set per call
+        self.scale_ptrs = np.zeros(2, np.uint64)  # block scaling: the A and B scale pointers, set per call
+        if scale_modes is not None:
+            # cuBLASLt 13.1's heuristic refuses a block-scale mode without its scale pointer ("requires a custom
+            # pointer for A scale", CUBLAS_STATUS_INVALID_VALUE): any device address stands in until the call's own
+            self.scale_ptrs[:] = scale_ptr_hint
+            for i, attr in enumerate((L.MatmulDescAttribute.A_SCALE_POINTER, L.MatmulDescAttribute.B_SCALE_POINTER)):
+                _call("cublasLtMatmulDescSetAttribute", L.matmul_desc_set_attribute, self.desc, attr,
+                      self.scale_ptrs.ctypes.data + 8 * i, 8)
 
         def layout(dtype, rows, cols, ld, stride):
             lay = _call("cublasLtMatrixLayoutCreate", L.matrix_layout_create, dtype, rows, cols, ld)
@@ -80,9 +89,17 @@ class _Plan:
             return lay
 
         in_a, in_b = in_type if isinstance(in_type, tuple) else (in_type, in_type)
-        self.a = layout(in_a, k, n, k, stride_w)  # the weight, [N, K] row-major
-        self.b = layout(in_b, k, m, k, stride_x)  # the input, [M, K] row-major
-        self.c = layout(out_type, n, m, n, stride_out)  # the output, [M, N] row-major
+        if not swap:
+            self.a = layout(in_a, k, n, k, stride_w)  # the weight, [N, K] row-major
+            self.b = layout(in_b, k, m, k, stride_x)  # the input, [M, K] row-major
+            self.c = layout(out_type, n, m, n, stride_out)  # the output, [M, N] row-major
+        else:  # A = the input, B = the weight, D = [M, N] in row order (a layout attribute)
+            self.a = layout(in_a, k, m, k, stride_x)
+            self.b = layout(in_b, k, n, k, stride_w)
+            self.c = layout(out_type, m, n, n, stride_out)
+            order = np.array(1, np.int32)  # CUBLASLT_ORDER_ROW
+            _call("cublasLtMatrixLayoutSetAttribute", L.matrix_layout_set_attribute, self.c,
+                  L.MatrixLayoutAttribute.ORDER, order.ctypes.data, 4)
         pref = _call("cublasLtMatmulPreferenceCreate", L.matmul_preference_create)
         ws = np.array(workspace_bytes, np.uint64)
         L.matmul_preference_set_attribute(pref, L.MatmulPreferenceAttribute.MAX_WORKSPACE_BYTES, ws.ctypes.data, 8)
@@ -146,12 +163,21 @@ class Cublas:
         key = ("fp8_block", m, n, k, out_dtype)
         if key in self._plans:
             return self._plans[key]
-        try:
-            plan = _Plan(self.handle, m, n, k, 1, (_CUDA_R_8F_E4M3, _CUDA_R_8F_E4M3), _cuda_type(out_dtype), 0, 0, 0,
-                         WORKSPACE_BYTES, self.TUNE_CANDIDATES if self.autotune else 1, block_scaled=True)
-        except CublasError as exc:
-            self.fp8_refusals[key] = str(exc)
-            plan = None
+        L = _lt()
+        blk, vec = int(L.MatmulMatrixScale.BLK128x128_32F), int(L.MatmulMatrixScale.VEC128_32F)
+        plan, errors = None, []
+        # Two formulations of the same product: A = the weight (128 x 128 blocks), B = x (1 x 128 groups), D column
+        # order (= [M, N] row-major); or A = x, B = the weight, D in row order. The first cuBLASLt takes is kept.
+        for modes, swap in (((blk, vec), False), ((vec, blk), True)):
+            try:
+                plan = _Plan(self.handle, m, n, k, 1, (_CUDA_R_8F_E4M3, _CUDA_R_8F_E4M3), _cuda_type(out_dtype),
+                             0, 0, 0, WORKSPACE_BYTES, self.TUNE_CANDIDATES if self.autotune else 1,
+                             scale_modes=modes, swap=swap, scale_ptr_hint=self.workspace.ptr)
+                break
+            except CublasError as exc:
+                errors.append(f"{'x @ W' if swap else 'W @ x'}: {exc}")
+        if plan is None:
+            self.fp8_refusals[key] = f"cuBLASLt {self.version()}: " + "; ".join(errors)
         self._plans[key] = plan
         return plan
 
@@ -167,11 +193,12 @@ class Cublas:
 
         def run():
             L = _lt()
-            plan.scale_ptrs[0], plan.scale_ptrs[1] = w_scale_ptr, x_scale_ptr
+            a, b = (x_ptr, w_ptr) if plan.swap else (w_ptr, x_ptr)
+            plan.scale_ptrs[:] = (x_scale_ptr, w_scale_ptr) if plan.swap else (w_scale_ptr, x_scale_ptr)
             for i, attr in enumerate((L.MatmulDescAttribute.A_SCALE_POINTER, L.MatmulDescAttribute.B_SCALE_POINTER)):
                 _call("cublasLtMatmulDescSetAttribute", L.matmul_desc_set_attribute, plan.desc, attr,
                       plan.scale_ptrs.ctypes.data + 8 * i, 8)
-            self._matmul(plan, x_ptr, w_ptr, out_ptr, False)
+            self._matmul(plan, b, a, out_ptr, False)  # _matmul(plan, B, A, D): its A is the weight slot
 
         if plan.tuned:
             run()
