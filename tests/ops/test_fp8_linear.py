@@ -17,6 +17,7 @@ from xserv.ops.fp8_linear import Fp8Scratch, choose_path, linear_fp8, linear_fp8
 from xserv.ops.fp8_quant import (dequantize_1x128, dequantize_bf16, dequantize_bf16_reference, pad_scales,
                                  pad_scales_reference, quantize_1x128, quantize_1x128_reference)
 from xserv.runtime.compiler import compile_family, kernel_code_sizes, kernel_shapes, startup_families
+from xserv.runtime.errors import CublasError
 from xserv.tensor import Tensor, bfloat16, float8_e4m3fn, float32
 from xserv.testing import poisoned, random_array, rel_error
 
@@ -201,8 +202,9 @@ def _check(got, want, out_dtype, fp8_activations):
     got = got.astype(np.float64)
     assert np.all(np.isfinite(got)), "non-finite output (an unwritten element?)"
     # the dequant path multiplies bf16-rounded weights (2^-9 relative each); cublas_fp8 also rounds x to e4m3
-    # (2^-4 relative at worst, ~1.5% rms over a dot product of random terms: relative error ~2e-2 of the norm)
-    tol = 3e-2 if fp8_activations else (8e-3 if out_dtype == bfloat16 else 4e-3)
+    # (2^-4 relative at worst; an H100 gave 2.6e-2 of the norm on these inputs: the tight check is the one against
+    # the quantized operands, in test_cuda_large_m_paths)
+    tol = 5e-2 if fp8_activations else (8e-3 if out_dtype == bfloat16 else 4e-3)
     err = rel_error(got, want)
     assert err < tol, err
     assert np.abs(got - want).max() / (np.abs(want).max() + 1e-30) < 4 * tol
@@ -220,17 +222,45 @@ def test_cuda_large_m_paths(rng, m, n, k, out_dtype):
     q, s = fp8_weight(rng, n, k)
     want = linear_fp8_reference(x, q, s)
     args = [gpu(a) for a in (x, q, s)]
+    from xserv.runtime import get_device, get_runtime
+
+    taken = get_runtime().cublas.fp8_block_scaled_plan(m, n, k, out_dtype) is not None
     for path in _forcible_paths() + ["auto"]:
         out = poisoned((m, n), out_dtype, "cuda")
+        fp8 = path == "cublas_fp8" or (path == "auto" and choose_path(m, get_device().arch) == "cublas_fp8")
+        if fp8 and not taken:  # a shape this cuBLASLt refuses: forced, an error naming it; auto, the fallback
+            if path == "cublas_fp8":
+                with pytest.raises(CublasError, match=f"refuses M={m} N={n} K={k}"):
+                    linear_fp8(*args, out=out, path=path)
+                continue
+            with pytest.warns(RuntimeWarning, match="using the dequantize"):
+                linear_fp8(*args, out=out, path=path)
+            _check(out.numpy(), want, out_dtype, False)
+            continue
         with _no_fallback_warning(path):
             linear_fp8(*args, out=out, path=path)
-        _check(out.numpy(), want, out_dtype, path == "cublas_fp8")
-        if path == "cublas_fp8":
+        _check(out.numpy(), want, out_dtype, fp8)
+        if fp8:
             # exactly what cuBLASLt is given: x quantized 1x128, the weight's own blocks -> a tight reference
+            # (5e-4 in fp32: an H100 gave 1.3e-4, the FP8 MMA's reduced-precision accumulation inside a 128-block)
             qx, sx = quantize_1x128_reference(x)
             exact = dequantize_1x128(qx, sx).astype(np.float64) @ dequantize_blockwise(q, s, out_dtype=np.float32).T
-            tol = 1e-5 if out_dtype == float32 else 8e-3
+            tol = 5e-4 if out_dtype == float32 else 8e-3
             assert rel_error(out.numpy(), exact) < tol
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [16, 64, 256, 2048])
+def test_cuda_cublaslt_takes_qwen3_shapes_on_sm90(m):
+    """On an H100, cuBLASLt 13.1 took Qwen3-8B's four projections at these M (the bench) and refused M = 9, 17, 33
+    and N = 130, 24 (docs/kernels/fp8.md): a cuBLASLt that refuses these sends every prefill to the slow path."""
+    from xserv.runtime import get_device, get_runtime
+
+    if choose_path(9, get_device().arch) != "cublas_fp8":
+        pytest.skip("the dequant path's device (below sm_90 or a forced XSERV_ARCH)")
+    cublas = get_runtime().cublas
+    for n, k in [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]:
+        assert cublas.fp8_block_scaled_plan(m, n, k, bfloat16) is not None, cublas.fp8_refusals
 
 
 class _no_fallback_warning:
@@ -299,7 +329,7 @@ def test_cuda_scratch_reused_under_graph_capture(rng):
     large-M paths; the graph's outputs equal the eager ones bit for bit."""
     from xserv.runtime.graphs import CUDAGraph
 
-    shapes = [(16, 6144, 4096), (40, 4096, 12288), (9, 1000, 1040)]
+    shapes = [(16, 6144, 4096), (40, 4096, 12288), (300, 4096, 4096)]  # shapes cuBLASLt 13.1 took on an H100
     scratch = Fp8Scratch(64, 12288, 4096 * 12288, paths=tuple(_forcible_paths()))
     nbytes = scratch.nbytes
     for path in _forcible_paths():
