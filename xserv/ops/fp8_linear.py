@@ -8,11 +8,13 @@ model's projections call this for every quantized weight (xserv/models/dense.py)
 
 The dispatch rule (choose_path; docs/kernels/fp8.md says why):
   CPU                   the reference: dequantize as fp8.py does (float32 products), multiply in float64.
-  M <= 8                "gemv": the FP8 weight-only GEMV (ops/gemv_fp8.py): e4m3 read once, dequantized in
-                        registers (every arch).
-  M > 8, sm_90 and up   "cublas_fp8": x quantized on the fly to e4m3 with one float32 scale per row and 128-column
+  M < 8 (M <= 8 below   "gemv": the FP8 weight-only GEMV (ops/gemv_fp8.py): e4m3 read once, dequantized in
+   sm_90)               registers (every arch).
+  M >= 8, sm_90 and up  "cublas_fp8": x quantized on the fly to e4m3 with one float32 scale per row and 128-column
                         group (ops/fp8_quant.py, quantize_1x128), then cuBLASLt's block-scaled FP8 GEMM (the weight's
-                        128 x 128 scales as they are; runtime/cublas.py, gemm_fp8_block_scaled), fp32 accumulation.
+                        128 x 128 scales as they are; runtime/cublas.py, gemm_fp8_block_scaled), fp32 accumulation,
+                        for the first M - M % 4 rows (cuBLASLt 13.1 takes multiples of 4); the last M % 4 rows
+                        through the GEMV.
                         Where cuBLASLt has no algorithm for it (an older cuBLASLt, a GPU or shape it refuses), the
                         call falls back to "dequant", warning once per shape.
   M > 8, below sm_90    "dequant": the weight dequantized into a bf16 scratch (dequantize_bf16: bf16(e4m3 *
@@ -50,11 +52,20 @@ _OUT = (bfloat16, float32)
 _warned: set[tuple] = set()
 
 
+# From this many rows on, cuBLASLt's FP8 GEMM beats the FP8 GEMV where it exists (H100, Qwen3-8B's projections at 8
+# rows: 16.3 / 43.7 / 26.2 us against the GEMV's 40.4 / 98.3 / 67.7 us for qkv / gate_up / down; 4 to 7 rows are
+# unmeasured and stay on the GEMV). cuBLASLt 13.1 takes M % 4 == 0 only (the activations' scale rows are read at a
+# 16-byte stride): an M-row call runs its first M - M % 4 rows there and the last M % 4 through the GEMV.
+FP8_GEMM_FROM_M = 8
+FP8_GEMM_M_MULTIPLE = 4
+
+
 def choose_path(m: int, target: str) -> str:
     """The kernel path of an M-row call on `target` (a device's arch string, "sm_90a" or "sm_89@sm_90a")."""
-    if m <= MAX_M:
+    fp8_gemm = compute_capability(target) >= FP8_GEMM_MIN_CC
+    if m < FP8_GEMM_FROM_M or (m <= MAX_M and not fp8_gemm):
         return "gemv"
-    return "cublas_fp8" if compute_capability(target) >= FP8_GEMM_MIN_CC else "dequant"
+    return "cublas_fp8" if fp8_gemm else "dequant"
 
 
 def _padded_scale_capacity(max_k: int, max_weight_elems: int) -> int:
@@ -160,21 +171,25 @@ def linear_fp8(x: Tensor, weight: Tensor, scale_inv: Tensor, out: Tensor | None 
     scratch.check(m, n, k)
     cublas = get_runtime().cublas
     if chosen == "cublas_fp8":
-        plan = cublas.fp8_block_scaled_plan(m, n, k, out.dtype)
+        main = m - m % FP8_GEMM_M_MULTIPLE  # cuBLASLt's rows; the other m % 4 go through the GEMV
+        plan = cublas.fp8_block_scaled_plan(main, n, k, out.dtype) if main else None
         if plan is not None:
             try:
-                _cublas_fp8(x, weight, scale_inv, out, scratch, cublas, m, n, k)
-                return out
+                _cublas_fp8(x[:main], weight, scale_inv, out[:main], scratch, cublas, main, n, k)
             except CublasError:
-                if cublas.fp8_block_scaled_plan(m, n, k, out.dtype) is not None:
+                if cublas.fp8_block_scaled_plan(main, n, k, out.dtype) is not None:
                     raise  # not a refusal of this shape: a real error
-        key = (m, n, k, out.dtype)
+            else:
+                if main < m:
+                    linear_fp8_gemv(x[main:], weight, scale_inv, out=out[main:])
+                return out
+        key = (main, n, k, out.dtype)
         if path == "cublas_fp8":
-            raise CublasError(f"linear_fp8: path 'cublas_fp8' forced, but cuBLASLt refuses M={m} N={n} K={k}: "
+            raise CublasError(f"linear_fp8: path 'cublas_fp8' forced, but cuBLASLt refuses M={main} N={n} K={k}: "
                               f"{cublas.fp8_refusals.get(('fp8_block',) + key)}")
         if key not in _warned:
             _warned.add(key)
-            warnings.warn(f"linear_fp8: cuBLASLt has no block-scaled FP8 GEMM for M={m} N={n} K={k} "
+            warnings.warn(f"linear_fp8: cuBLASLt has no block-scaled FP8 GEMM for M={main} N={n} K={k} "
                           f"({cublas.fp8_refusals.get(('fp8_block',) + key)}); using the dequantize + bf16 GEMM path",
                           RuntimeWarning, stacklevel=2)
     scratch.ensure("dequant")
