@@ -31,8 +31,13 @@ PROMPTS = [[791, 6722, 315, 9625, 374], [9707], list(range(1000, 1037)), [151644
 LOGITS_TOL = 3e-2  # relative L2 per row: bf16 partial sums rounded before the all-reduce (TP=1 rounds once)
 
 
-def shm_segments() -> set[str]:
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+def group_segments(llm) -> list[str]:
+    """The shared-memory segments of an LLM's tensor-parallel group (the step channel, the CPU collectives)."""
+    return [shm.name for shm in llm._state.group._shms]
+
+
+def leaked(names) -> list[str]:
+    return [n for n in names if os.path.exists(f"/dev/shm/{n}")]
 
 
 def worker_procs(llm):
@@ -65,17 +70,12 @@ def assert_greedy_agrees(ref_llm, tp_llm, prompts=PROMPTS, params=GREEDY):
 
 # ---- CPU: shared LLMs ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def shm_before():
-    return shm_segments()
-
-
-@pytest.fixture(scope="module")
-def pair(perturbed_model_dir, shm_before):  # noqa: F811
+def pair(perturbed_model_dir):  # noqa: F811
     from xserv import LLM
 
     ref = LLM(str(perturbed_model_dir), device="cpu", max_model_len=256, progress=False)
     tp = LLM(str(perturbed_model_dir), device="cpu", max_model_len=256, progress=False, tensor_parallel_size=2)
-    yield SimpleNamespace(ref=ref, tp=tp, procs=worker_procs(tp))
+    yield SimpleNamespace(ref=ref, tp=tp, procs=worker_procs(tp), segments=group_segments(tp))
     tp.close()
     ref.close()
 
@@ -163,9 +163,9 @@ def test_killed_worker_fails_rank0_within_30s(perturbed_model_dir):  # noqa: F81
     from xserv import LLM
     from xserv.parallel.group import WorkerFailed
 
-    before = shm_segments()
     llm = LLM(str(perturbed_model_dir), device="cpu", max_model_len=256, progress=False, tensor_parallel_size=2)
-    proc = worker_procs(llm)[0]
+    proc, segments = worker_procs(llm)[0], group_segments(llm)
+    assert len(segments) == 2 and leaked(segments) == segments  # they exist while it runs
     errors = []
 
     def generate():
@@ -191,14 +191,23 @@ def test_killed_worker_fails_rank0_within_30s(perturbed_model_dir):  # noqa: F81
         llm.generate([PROMPTS[0]], GREEDY)
     llm.close()
     assert not proc.is_alive()
-    assert shm_segments() <= before
+    assert leaked(segments) == []
 
 
 def test_bad_shard_is_one_clear_error(perturbed_model_dir, monkeypatch):  # noqa: F811
     from xserv import LLM
     from xserv.parallel.group import WorkerFailed
 
-    before, children = shm_segments(), tp_children()
+    from xserv.parallel.group import TPGroup
+
+    children, segments = tp_children(), []
+    close = TPGroup.close
+
+    def recording_close(group):
+        segments.extend(shm.name for shm in group._shms)
+        close(group)
+
+    monkeypatch.setattr(TPGroup, "close", recording_close)
     monkeypatch.setenv("XSERV_TP_TEST_FAIL", "1:load")  # the spawned rank 1 inherits it
     start = time.monotonic()
     with pytest.raises(WorkerFailed) as info:
@@ -206,8 +215,7 @@ def test_bad_shard_is_one_clear_error(perturbed_model_dir, monkeypatch):  # noqa
     assert time.monotonic() - start < 30
     msg = str(info.value)
     assert "rank 1 of 2" in msg and "ValueError while loading its shard" in msg and "bad shard" in msg
-    time.sleep(0.2)
-    assert shm_segments() <= before
+    assert len(segments) == 2 and leaked(segments) == []
     assert tp_children() <= children
 
 
@@ -244,12 +252,13 @@ def test_cli_option():
         p.parse_args(["--tensor-parallel-size", "0"])
 
 
-def test_close_leaves_no_process_or_segment(pair, shm_before):
+def test_close_leaves_no_process_or_segment(pair):
     """Last in the module: the shared TP=2 LLM closes; its worker and shared memory are gone."""
     procs = pair.procs
+    assert len(pair.segments) == 2 and leaked(pair.segments) == pair.segments
     pair.tp.close()
     assert pair.tp.closed and not any(p.is_alive() for p in procs)
-    assert shm_segments() <= shm_before
+    assert leaked(pair.segments) == []
 
 
 # ---- 2 GPUs -------------------------------------------------------------------------------------------------------

@@ -235,6 +235,8 @@ class DenseModel:
         self.max_positions = int(max_positions or config.context_length)
         self.fused_gemv = True  # small forwards take the fused GEMV path (False: the unfused ops, for comparison)
         self.fused_attention = True  # decode: QK-norm/RoPE/KV write inside attention (False: the two kernels)
+        # tensor parallelism (xserv/parallel): this rank's Communicator, joined at the row-parallel outputs; None at tp 1
+        self.comm = None
         self._fp8 = self.has_fp8_weights
         self.fp8_scratch = None  # linear_fp8's buffers (reserve_fp8_scratch, with the workspace)
         table = rope_cos_sin_table(config.head_dim, self.max_positions, config.rope_theta, config.rope_scaling)
@@ -423,7 +425,8 @@ class DenseModel:
         kernel with its norm / activation / residual add folded in: xserv/ops/gemv.py)?"""
         c = self.config
         # FP8 weights take the unfused ops: the fused GEMVs' prologues / epilogues read bf16 weights only
-        return self.device == "cuda" and self.fused_gemv and not self._fp8 and num_tokens <= self.FUSED_MAX_TOKENS and all(
+        # tp > 1 too: linear_add adds o_proj / down into the residual, where a partial sum cannot wait for the all-reduce
+        return self.comm is None and self.device == "cuda" and self.fused_gemv and not self._fp8 and num_tokens <= self.FUSED_MAX_TOKENS and all(
             gemv_supported(m, k) for m, k in ((num_tokens, c.hidden_size), (num_tokens, c.q_size),
                                               (num_tokens, c.intermediate_size), (num_logits, c.hidden_size)))
 
@@ -455,20 +458,29 @@ class DenseModel:
         act = ws.act[:t] if ws.act is not None else None
 
         embedding(batch.input_ids, self.embed, out=hidden, feed=batch.feed)
+        comm = self.comm  # tp > 1: each rank's vocab part gave its own ids' rows (zeros for the others): summed
+        if comm is not None:
+            comm.all_reduce(hidden)
         residual.zero_()  # the first layer's add starts the float32 stream from the embeddings, exactly
         for i, layer in enumerate(self.layers):
             fused_add_rmsnorm(hidden, residual, layer.input_norm, self.eps, out=normed)
             self._project(normed, layer.qkv, qkv)
             self._attention(i, layer, batch, kv_cache, qkv3, attn3)
             self._project(attn, layer.o_proj, hidden)
+            if comm is not None:  # row-parallel o_proj: each rank's heads' partial sum
+                comm.all_reduce(hidden)
             fused_add_rmsnorm(hidden, residual, layer.post_norm, self.eps, out=normed)
             self._mlp(i, layer, ws, normed, hidden, gate_up, act)
+            if comm is not None:  # row-parallel down (dense MLP or every expert): the partial sums
+                comm.all_reduce(hidden)
         fused_add_rmsnorm(hidden, residual, self.final_norm, self.eps, out=normed)
         if batch.logits_indices is not None:
             rows = ws.gathered[:n]
             embedding(batch.logits_indices, normed, out=rows)
         else:
             rows = normed
+        if comm is not None:  # vocab-parallel lm_head: this rank's columns, gathered into the full vocabulary
+            return comm.gather_logits(self._project(rows, self.lm_head, comm.logits_part(n)), ws.logits[:n])
         return self._project(rows, self.lm_head, ws.logits[:n])
 
     def _mlp(self, i: int, layer: DenseLayer, ws: Workspace, normed: Tensor, out: Tensor, gate_up: Tensor,

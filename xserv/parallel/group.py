@@ -469,7 +469,7 @@ def worker_main(rank: int, spec: dict, conn, event) -> None:
         conn.send(("ok", model.weight_bytes()))
         phase = "setting up"
         state = {"model": model, "workspace": None, "runner": None, "rc": rc}
-        seen = channel.seq
+        seen = 0  # the channel's first message is number 1 (it may already be there: rank 0 does not wait for us)
         spin_s = spec["spin_s"]
         while True:
             seen = _wait_message(channel, event, seen, spin_s)
