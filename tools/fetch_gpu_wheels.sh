@@ -14,4 +14,6 @@ python3 -m pip download $PLATFORM -d .whl fastapi==0.165.0 uvicorn==0.54.0 httpt
   openai==3.54.0 httpx==0.28.1
 # Structured output (a core dependency: one abi3 wheel, no dependencies) and jsonschema for its tests.
 python3 -m pip download $PLATFORM -d .whl llguidance==1.9.1 jsonschema==4.26.0
+# Tensor parallelism (the multi-gpu extra): nccl4py and cuda-pathfinder; the image's PyTorch brings libnccl.so.2.
+python3 -m pip download --no-deps $PLATFORM -d .whl nccl4py==0.6.0 cuda-pathfinder==1.9.1
 ls -la .whl

@@ -1,0 +1,141 @@
+#!/usr/bin/env bash
+# Tensor-parallel benchmarks on the lent 2-GPU machine (nvidia-h100-x2), one call:
+#   1. the NCCL all-reduce of one decode row ([1, hidden] bf16) per call, eager and inside a CUDA graph (2 ranks);
+#   2. Qwen3-8B-shaped batch-1 decode at context 512: TP=1 and TP=2 (goal: TP=2 >= 1.5x TP=1);
+#   3. Qwen3-32B-shaped batch-1 decode at TP=2 against its TP=2 roofline (per-GPU weight + KV bytes at the copy
+#      bandwidth), with the all-reduce time per step (2 x layers + 1 all-reduces x the graph figure of 1.);
+#   4. the standard offline workload (`xserv bench throughput`) on 32B at TP=2.
+#   bash tools/gpu_bench_tp.sh [tests] [8b] [32b] [throughput]      (default: all four; tests: the GPU tests of
+#   tests/test_tp_engine.py while the checkpoints are written)
+# Checkpoints (random weights, the presets' shapes) go to /dev/shm. Prints the device name first.
+set -u
+cd "$(dirname "$0")/.."
+source tools/gpu_env.sh
+stages=("${@:-tests 8b 32b throughput}"); stages=(${stages[@]})
+want() { [[ " ${stages[*]} " == *" $1 "* ]]; }
+for p in 8b 32b; do
+  want $p || continue
+  [ -d /dev/shm/model-$p ] || python3 -m tools.make_test_model --preset $p --out /dev/shm/model-$p --no-progress >/dev/null 2>&1 &
+done
+if want tests; then  # the multi-GPU tests, while the checkpoints are written
+  echo "=== GPU tests (tests/test_tp_engine.py -m gpu)"
+  timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -m gpu tests/test_tp_engine.py -p no:cacheprovider 2>&1 | tail -15 \
+    | tee -a "$OUT/bench_tp.txt"
+fi
+cat > /tmp/bench_tp.py <<'EOF'
+import sys, time
+import numpy as np
+
+
+def allreduce_rank(rank, uid, hidden, calls, q):
+    from xserv.parallel.group import _bind_device
+    _bind_device(rank)
+    from xserv.parallel.comm import NcclCommunicator
+    from xserv.runtime import get_device, synchronize
+    from xserv.runtime.graphs import CUDAGraph
+    from xserv.runtime.timing import EventTimer
+    from xserv.tensor import Tensor, bfloat16
+    comm = NcclCommunicator(uid, rank, 2, 8, 16)
+    x = Tensor.zeros((1, hidden), bfloat16, "cuda")
+    for _ in range(50):
+        comm.all_reduce(x)
+    synchronize()
+    timer = EventTimer()
+    eager = min(timer.time_ms(lambda: [comm.all_reduce(x) for _ in range(calls)], 1) for _ in range(3)) / calls
+    g = CUDAGraph()
+    with g.capture():
+        for _ in range(calls):
+            comm.all_reduce(x)
+    synchronize()
+    g.replay(); synchronize()
+    graphed = min(timer.time_ms(g.replay, 1) for _ in range(3)) / calls
+    q.put((rank, eager * 1e3, graphed * 1e3))
+    g.close(); comm.close()
+
+
+def allreduce_us(hidden, calls=200):
+    import multiprocessing as mp
+    from xserv.parallel.comm import nccl_unique_id
+    ctx = mp.get_context("spawn")
+    uid, q = nccl_unique_id(), ctx.Queue()
+    ps = [ctx.Process(target=allreduce_rank, args=(r, uid, hidden, calls, q)) for r in range(2)]
+    [p.start() for p in ps]
+    res = sorted(q.get(timeout=300) for _ in ps)
+    [p.join(60) for p in ps]
+    return max(r[1] for r in res), max(r[2] for r in res)
+
+
+def decode(model, tp, context=512, steps=128, warmup=16):
+    from xserv import LLM, SamplingParams
+    from xserv.bench.common import kv_bytes_per_token
+    from xserv.runtime import synchronize
+    max_len = context + warmup + steps + 8
+    llm = LLM(model, device="cuda", max_model_len=max_len, max_num_seqs=1, kv_cache_tokens=max_len + 1024,
+              tensor_parallel_size=tp, progress=False)
+    try:
+        eng = llm.engine
+        rng = np.random.default_rng(0)
+        seq = eng.add_request(rng.integers(0, 150000, context).tolist(),
+                              SamplingParams(temperature=0.0, max_tokens=warmup + steps + 1, ignore_eos=True))
+        while seq.num_computed < len(seq.token_ids) - 1 or seq.num_output_tokens == 0:
+            eng.step()
+        for _ in range(warmup):
+            eng.step()
+        synchronize()
+        t = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        synchronize()
+        dt = (time.perf_counter() - t) / steps
+        eng.abort(seq)
+        m = llm.model  # rank 0's shard: per-GPU weights
+        step_bytes = m.weight_bytes() + (context + warmup + steps // 2) * kv_bytes_per_token(m.config)
+        return dt, step_bytes, m.config.num_hidden_layers, m.config.hidden_size, bool(eng.runner.graphs)
+    finally:
+        llm.close()
+
+
+def main():
+    from pathlib import Path
+    from xserv.bench.common import measure_ceilings
+    from xserv.runtime import get_device
+    stages = sys.argv[1:]
+    print(f"device: {get_device().name} x2")
+    ceil = measure_ceilings()
+    bw = ceil["copy_bytes_per_s"]
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s (read + write, one GPU)")
+    ar = {h: allreduce_us(h) for h in (4096, 5120)}
+    for h, (e, g) in ar.items():
+        print(f"NCCL all-reduce [1, {h}] bf16, 2 ranks: {e:.1f} us eager, {g:.1f} us inside a CUDA graph")
+    if "8b" in stages:
+        while not Path("/dev/shm/model-8b/config.json").exists():
+            time.sleep(2)
+        r1 = decode("/dev/shm/model-8b", 1)
+        r2 = decode("/dev/shm/model-8b", 2)
+        for tp, (dt, b, L, H, graphs) in ((1, r1), (2, r2)):
+            print(f"8B-shaped batch-1 decode, context 512, TP={tp}: {dt * 1e3:.3f} ms/step, {1 / dt:.1f} tok/s; "
+                  f"roofline {b / bw * 1e3:.3f} ms ({b / bw / dt:.0%} of it); decode graphs {'on' if graphs else 'OFF'}")
+        print(f"8B TP=2 / TP=1 speed-up: {r1[0] / r2[0]:.2f}x (goal >= 1.5x); all-reduces per step {2 * r2[2] + 1} "
+              f"x {ar[4096][1]:.1f} us = {(2 * r2[2] + 1) * ar[4096][1] / 1e3:.3f} ms")
+    if "32b" in stages:
+        while not Path("/dev/shm/model-32b/config.json").exists():
+            time.sleep(2)
+        dt, b, L, H, graphs = decode("/dev/shm/model-32b", 2)
+        per = (2 * L + 1) * ar[5120][1] / 1e3
+        print(f"32B-shaped batch-1 decode, context 512, TP=2: {dt * 1e3:.3f} ms/step, {1 / dt:.1f} tok/s; TP=2 "
+              f"roofline (per-GPU weights + KV at copy bandwidth) {b / bw * 1e3:.3f} ms: {b / bw / dt:.0%} of it "
+              f"(goal >= 75%); all-reduce per step {2 * L + 1} x {ar[5120][1]:.1f} us = {per:.3f} ms "
+              f"({per / (dt * 1e3):.0%} of the step); decode graphs {'on' if graphs else 'OFF'}")
+
+
+if __name__ == "__main__":
+    main()
+EOF
+bench=(); want 8b && bench+=(8b); want 32b && bench+=(32b)
+timeout ${BENCH_TIMEOUT:-240} python3 /tmp/bench_tp.py "${bench[@]}" 2>&1 | grep -v Warning | tee -a "$OUT/bench_tp.txt"
+wait
+if want throughput; then
+  echo "=== 32B TP=2, standard offline workload"
+  timeout ${THROUGHPUT_TIMEOUT:-150} python3 -m xserv bench throughput --model /dev/shm/model-32b --tensor-parallel-size 2 --max-model-len 2048 2>&1 \
+    | grep -v Warning | tail -12 | tee -a "$OUT/bench_tp.txt"
+fi
