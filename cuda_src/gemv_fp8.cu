@@ -148,12 +148,45 @@ __device__ __forceinline__ void gemv_fp8(const __nv_bfloat16* __restrict__ x, lo
     const int num_tiles = (N + kRows * groups_per_tile - 1) / (kRows * groups_per_tile);
     const int first = part * 32 + lane, stride = 32 * split;  // this lane's first chunk, the step between its chunks
 
-    for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+    // The tile's weight rows (clamped rows: read, not stored) and its scale row.
+    auto rows_of = [&](int tile, const unsigned char* (&wrow)[kRows]) {
         const int n0 = (tile * groups_per_tile + slot) * kRows;
-        const unsigned char* wrow[kRows];
 #pragma unroll
-        for (int r = 0; r < kRows; ++r) wrow[r] = W + (long long)min(n0 + r, N - 1) * K;  // clamped: not stored
-        const float* srow = scale_inv + (long long)(min(n0, N - 1) / kBlock) * kblocks;  // the group's scale row
+        for (int r = 0; r < kRows; ++r) wrow[r] = W + (long long)min(n0 + r, N - 1) * K;
+        return n0;
+    };
+    // One load step from chunk c: kU x kRows independent 16-byte weight loads and kU scales, all issued before any
+    // use.
+    uint4 w[kU][kRows];
+    float s[kU];
+    auto load_step = [&](const unsigned char* const (&wrow)[kRows], const float* srow, int c) {
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+            const int cu = c + u * stride;
+#pragma unroll
+            for (int r = 0; r < kRows; ++r)
+                w[u][r] = cu < chunks ? load_weight(wrow[r] + (long long)cu * kChunk) : make_uint4(0, 0, 0, 0);
+            s[u] = cu < chunks ? __ldg(srow + cu * kChunk / kBlock) : 0.f;
+        }
+    };
+    auto scale_row = [&](int n0) { return scale_inv + (long long)(min(n0, N - 1) / kBlock) * kblocks; };
+
+    // Programmatic dependent launch: the weights and scales do not depend on the previous kernel, so the first tile's
+    // first load step is issued before pdl_wait() (the weight stream starts while the previous kernel finishes); x,
+    // which it wrote, is read after the wait, and so is `out` written (it may still be read before the wait).
+    bool loaded = false;  // w / s hold the first tile's first step
+    if (blockIdx.x < num_tiles && first < chunks) {
+        const unsigned char* wrow[kRows];
+        load_step(wrow, scale_row(rows_of(blockIdx.x, wrow)), first);
+        loaded = true;
+    }
+    xserv::pdl_wait();
+    xserv::pdl_launch_dependents();
+
+    for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+        const unsigned char* wrow[kRows];
+        const int n0 = rows_of(tile, wrow);
+        const float* srow = scale_row(n0);
         float acc[kRows][M];
 #pragma unroll
         for (int r = 0; r < kRows; ++r)
@@ -161,17 +194,8 @@ __device__ __forceinline__ void gemv_fp8(const __nv_bfloat16* __restrict__ x, lo
             for (int i = 0; i < M; ++i) acc[r][i] = 0.f;
 
         for (int c = first; c < chunks; c += stride * kU) {
-            // One load step: kU x kRows independent 16-byte weight loads and kU scales, all issued before any use.
-            uint4 w[kU][kRows];
-            float s[kU];
-#pragma unroll
-            for (int u = 0; u < kU; ++u) {
-                const int cu = c + u * stride;
-#pragma unroll
-                for (int r = 0; r < kRows; ++r)
-                    w[u][r] = cu < chunks ? load_weight(wrow[r] + (long long)cu * kChunk) : make_uint4(0, 0, 0, 0);
-                s[u] = cu < chunks ? __ldg(srow + cu * kChunk / kBlock) : 0.f;
-            }
+            if (!loaded) load_step(wrow, srow, c);
+            loaded = false;
 #pragma unroll
             for (int u = 0; u < kU; ++u) {
                 const int cu = c + u * stride;

@@ -529,24 +529,53 @@ def test_llm_says_once_what_was_dequantized(fp8_folders, capfd):
     assert "FP8" not in capfd.readouterr().err
 
 
+def emulate_fp8_gemm_activations(monkeypatch):
+    """Make the NumPy model compute what the CUDA model computes on the cuBLASLt FP8 path (sm_90 and up): there a
+    call of M >= 8 rows quantizes the activations of its first M - M % 4 rows to e4m3 per 1 x 128 group (the W8A8
+    GEMM; xserv/ops/fp8_linear.py), which the NumPy reference, bf16 activations throughout, does not."""
+    import xserv.ops.fp8_linear as F
+    from xserv.ops.fp8_quant import dequantize_1x128, quantize_1x128_reference
+
+    plain = F.linear_fp8_reference
+
+    def w8a8(x, q, s, *args):
+        m = x.shape[0]
+        if m >= F.FP8_GEMM_FROM_M:
+            main = m - m % F.FP8_GEMM_M_MULTIPLE
+            x = x.astype(np.float64)
+            x[:main] = dequantize_1x128(*quantize_1x128_reference(x[:main].astype(BF16)))
+        return plain(x, q, s, *args)
+
+    monkeypatch.setattr(F, "linear_fp8_reference", w8a8)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", VARIANTS)
-def test_cuda_fp8_model_against_numpy_and_the_bf16_twin(fp8_folders, pow2_folders, name, rng):
-    """On the GPU (prefill of two packed sequences: more than 8 rows, linear_fp8's GEMM path; a decode step of two
-    and of one: its GEMV): the CUDA model of the FP8 checkpoint against the NumPy model of the same checkpoint (the
-    model tests' 3e-2 per row) and against the CUDA model of its bf16 twin, whose weights are the same values
-    (power-of-two scales): 1e-2 per row. Where nothing stays FP8 ("dense"), the twin's bytes: equal logits."""
-    folder, twin = (pow2_folders if name in pow2_folders else fp8_folders)[name]
+def test_cuda_fp8_model_against_numpy(fp8_folders, name, rng, monkeypatch):
+    """On the GPU (a prefill of two packed sequences, 14 rows: the FP8 GEMM path; a decode step of two and of one: the
+    FP8 GEMV): the CUDA model of the FP8 checkpoint against the NumPy model of the same checkpoint computing what the
+    device's path computes (on sm_90 the W8A8 GEMM's e4m3 activations, emulated): every row within the model tests'
+    3e-2 (the MoE model: 80% of rows, as test_moe_model: routing near-ties). Where nothing stays FP8 ("dense"),
+    the twin's bytes: the logits equal the bf16 twin's."""
+    from xserv.ops.fp8_linear import choose_path
+    from xserv.runtime import get_device
+
+    folder, twin = fp8_folders[name]
     fp8 = load_model(folder, "cuda", progress=False, max_positions=256)
     assert fp8.has_fp8_weights == bool(KEPT_LAYER0[name])
     seqs = [rng.integers(0, fp8.config.vocab_size, n).tolist() for n in (11, 3)]
     got = forward_logits(fp8, seqs)
-    want = forward_logits(load_model(twin, "cuda", progress=False, max_positions=256), seqs)
+    if not fp8.has_fp8_weights:
+        for g, w in zip(got, forward_logits(load_model(twin, "cuda", progress=False, max_positions=256), seqs)):
+            assert np.all(np.isfinite(g)) and np.array_equal(g, w)
+        return
+    if choose_path(14, get_device().arch) == "cublas_fp8":
+        emulate_fp8_gemm_activations(monkeypatch)
     reference = forward_logits(load_model(folder, "cpu", progress=False, max_positions=256), seqs)
-    for g, w, r in zip(got, want, reference):
+    for g, r in zip(got, reference):
         assert np.all(np.isfinite(g))
-        if not fp8.has_fp8_weights:
-            assert np.array_equal(g, w)
+        errors = np.array([relative_error(a, b) for a, b in zip(g, r)])
+        if name == "moe":
+            assert np.mean(errors < 3e-2) >= 0.8, errors
         else:
-            assert max(relative_error(a, b) for a, b in zip(g, w)) < 1e-2
-        assert max(relative_error(a, b) for a, b in zip(g, r)) < 3e-2
+            assert errors.max() < 3e-2, errors

@@ -184,6 +184,8 @@ def linear_fp8(x: Tensor, weight: Tensor, scale_inv: Tensor, out: Tensor | None 
                     linear_fp8_gemv(x[main:], weight, scale_inv, out=out[main:])
                 return out
         key = (main, n, k, out.dtype)
+        if path == "auto" and m <= MAX_M:  # refused at 8 rows (an odd N): the GEMV takes them whole
+            return linear_fp8_gemv(x, weight, scale_inv, out=out)
         if path == "cublas_fp8":
             raise CublasError(f"linear_fp8: path 'cublas_fp8' forced, but cuBLASLt refuses M={main} N={n} K={k}: "
                               f"{cublas.fp8_refusals.get(('fp8_block',) + key)}")

@@ -104,9 +104,11 @@ def linear_fp8_gemv(x: Tensor, weight_fp8: Tensor, scale_inv: Tensor, out: Tenso
     name, split, grid = plan(m, n, k, get_device().info.multiprocessor_count)
     if conversion == "soft":
         name += "_soft"
-    # gemv_fp8_m<M>[_soft](x, x_stride, W, scale_inv, out, out_dtype, m, N, K, split): block 128, no dynamic smem
+    # gemv_fp8_m<M>[_soft](x, x_stride, W, scale_inv, out, out_dtype, m, N, K, split): block 128, no dynamic smem;
+    # programmatic dependent launch (the first weights load before the kernel waits for x: gemv_fp8.cu)
     kernel(piece(FAMILY, fp8=1), name)(grid, WARPS * 32, x, np.int64(k), weight_fp8, scale_inv, out,
-                         np.int32(_OUT_DTYPE[out.dtype]), np.int32(m), np.int32(n), np.int32(k), np.int32(split))
+                                       np.int32(_OUT_DTYPE[out.dtype]), np.int32(m), np.int32(n), np.int32(k),
+                                       np.int32(split), pdl=True)
     return out
 
 
