@@ -1,7 +1,7 @@
-"""Tensor parallelism (issue 32, planned). What exists: the sharding arithmetic (`sharding.py`: which part of every
-checkpoint tensor each rank owns) and the shard loader (`load.py`: one rank's model from the memory-mapped
-checkpoint, its shards only). Nothing in the engine uses them yet; docs/engine.md, "Tensor parallelism", says what
-is planned around them."""
+"""Tensor parallelism (issue 32): the sharding arithmetic (`sharding.py`: which part of every checkpoint tensor each
+rank owns), the shard loader (`load.py`), the collectives (`comm.py`: NCCL on CUDA, shared memory on the CPU) and the
+worker processes (`group.py`: rank 0's TPGroup, the step channel, failure handling). `LLM(tensor_parallel_size=N)`
+uses them; docs/engine.md, "Tensor parallelism", describes the whole."""
 from .load import dequantize_shard, load_shard, shard_from_checkpoint
 from .sharding import (COLUMN, KERNEL_MULTIPLE, REPLICATED, ROW, VOCAB, VOCAB_PART_MULTIPLE, RankConfig, Shard,
                        ShardPlan, check_tp, rank_config, shard_plan, valid_tp_sizes, vocab_part_size)

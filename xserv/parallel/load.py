@@ -1,4 +1,4 @@
-"""Tensor-parallel weight loading (issue 32, phase 2; nothing in the engine calls it yet): one rank's model from the
+"""Tensor-parallel weight loading (issue 32; every rank of a TPGroup loads through it): one rank's model from the
 memory-mapped safetensors files, built through the rank's ShardPlan (sharding.py), so a rank never holds a whole
 checkpoint tensor in host memory.
 
@@ -13,8 +13,8 @@ from_checkpoint's model, tensor for tensor.
 
 Reading a row-parallel shard (o_proj, down, the experts' down: a column slice of a row-major tensor) touches the
 file pages of the whole tensor: those are the page cache, shared by every rank's mapping, not copies per rank.
-A CUDA rank uploads to the process's current device (xserv.runtime's); picking the GPU of a rank is the worker's
-job (planned: docs/engine.md, "Tensor parallelism").
+A CUDA rank uploads to the process's current device (xserv.runtime's); each worker binds GPU `rank` first
+(group.py).
 """
 from __future__ import annotations
 
