@@ -554,9 +554,13 @@ def emulate_fp8_gemm_activations(monkeypatch):
 def test_cuda_fp8_model_against_numpy(fp8_folders, name, rng, monkeypatch):
     """On the GPU (a prefill of two packed sequences, 14 rows: the FP8 GEMM path; a decode step of two and of one: the
     FP8 GEMV): the CUDA model of the FP8 checkpoint against the NumPy model of the same checkpoint computing what the
-    device's path computes (on sm_90 the W8A8 GEMM's e4m3 activations, emulated): every row within the model tests'
-    3e-2 (the MoE model: 80% of rows, as test_moe_model: routing near-ties). Where nothing stays FP8 ("dense"),
-    the twin's bytes: the logits equal the bf16 twin's."""
+    device's path computes. Weight-only paths (below sm_90, XSERV_ARCH=sm_80 / sm_89: bf16 activations): every row
+    within the model tests' 3e-2 (the MoE model: 80% of rows, as test_moe_model: routing near-ties). The W8A8 GEMM
+    of sm_90 (activations rounded to e4m3 per 1 x 128 group, emulated in the NumPy model): e4m3's rounding is a step
+    function (2^-4 relative), so the two models' last-bit differences upstream flip some activations' codes and the
+    logits differ by that quantization noise, not by bf16 noise: rows within 1e-1 and their mean within 6e-2 (an
+    H100: dense 1.6e-2..4.6e-2, mean 3.2e-2; MoE 2.0e-2..7.4e-2). A wrong scale row or a misplaced shard is O(1).
+    Where nothing stays FP8 ("dense"), the twin's bytes: the logits equal the bf16 twin's."""
     from xserv.ops.fp8_linear import choose_path
     from xserv.runtime import get_device
 
@@ -569,13 +573,17 @@ def test_cuda_fp8_model_against_numpy(fp8_folders, name, rng, monkeypatch):
         for g, w in zip(got, forward_logits(load_model(twin, "cuda", progress=False, max_positions=256), seqs)):
             assert np.all(np.isfinite(g)) and np.array_equal(g, w)
         return
-    if choose_path(14, get_device().arch) == "cublas_fp8":
+    w8a8 = choose_path(14, get_device().arch) == "cublas_fp8"
+    if w8a8:
         emulate_fp8_gemm_activations(monkeypatch)
     reference = forward_logits(load_model(folder, "cpu", progress=False, max_positions=256), seqs)
+    bound = 1e-1 if w8a8 else 3e-2
     for g, r in zip(got, reference):
         assert np.all(np.isfinite(g))
         errors = np.array([relative_error(a, b) for a, b in zip(g, r)])
         if name == "moe":
-            assert np.mean(errors < 3e-2) >= 0.8, errors
+            assert np.mean(errors < bound) >= 0.8, errors
         else:
-            assert errors.max() < 3e-2, errors
+            assert errors.max() < bound, errors
+        if w8a8:
+            assert errors.mean() < 6e-2, errors
