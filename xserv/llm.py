@@ -183,7 +183,7 @@ class LLM:
         self.folder = resolve_model_source(model)  # a bad path is reported before any device notice
         self.device = pick_device(device)
         self.config = config = config_from_pretrained(self.folder)
-        notice = getattr(model_class(config), "fp8_load_notice", lambda c: None)(config)
+        notice = model_class(config).fp8_load_notice(config)
         if notice:
             print(f"xserv: {notice}", file=sys.stderr)
         context = config.context_length

@@ -35,20 +35,16 @@ from __future__ import annotations
 
 import warnings
 
-import numpy as np
-
 from ..runtime import get_device, get_runtime
 from ..runtime.arch import compute_capability
 from ..runtime.errors import CublasError
 from ..tensor import Tensor, bfloat16, float8_e4m3fn, float32
-from ._checks import check_tensor, output, same_device
-from ._launch import aligned, cdiv, check_alias, round_up
+from ._launch import aligned, cdiv, round_up
 from .fp8_quant import GROUP, K_MULTIPLE, dequantize_bf16, pad_scales, quantize_1x128
-from .gemv_fp8 import MAX_M, linear_fp8_gemv, linear_fp8_reference
+from .gemv_fp8 import MAX_M, check_fp8_linear, linear_fp8_gemv, linear_fp8_reference
 
 PATHS = ("auto", "gemv", "cublas_fp8", "dequant")
 FP8_GEMM_MIN_CC = (9, 0)  # cuBLASLt's block-scaled FP8 GEMM (VEC128_32F x BLK128x128_32F): Hopper and later
-_OUT = (bfloat16, float32)
 _warned: set[tuple] = set()
 
 
@@ -125,31 +121,10 @@ class Fp8Scratch:
         return sum(t.nbytes for t in (self.q, self.scales, self.padded_scales, self.weight_bf16) if t is not None)
 
 
-def _check_args(x, weight, scale_inv, out, out_dtype):
-    check_tensor("x", x, dtype=bfloat16, ndim=2)
-    m, k = x.shape
-    check_tensor("weight", weight, dtype=float8_e4m3fn, ndim=2)
-    n = weight.shape[0]
-    if weight.shape[1] != k:
-        raise ValueError(f"weight: shape {list(weight.shape)} does not match x's in_features {k}")
-    check_tensor("scale_inv", scale_inv, dtype=float32, ndim=2)
-    want = (cdiv(n, 128), cdiv(k, 128))
-    if scale_inv.shape != want:
-        raise ValueError(f"scale_inv: shape {list(scale_inv.shape)}, expected {list(want)} (ceil(N / 128), "
-                         f"ceil(K / 128)) for a weight of [{n}, {k}]")
-    device = same_device(x=x, weight=weight, scale_inv=scale_inv, out=out)
-    dtype = out.dtype if out is not None else (out_dtype or bfloat16)
-    if dtype not in _OUT:
-        raise ValueError(f"out: dtype {np.dtype(dtype)}, expected bfloat16 or float32")
-    out = output("out", out, (m, n), dtype, device)
-    check_alias("out", out, "x", x, allow_identical=False)
-    return m, n, k, device, out
-
-
 def linear_fp8(x: Tensor, weight: Tensor, scale_inv: Tensor, out: Tensor | None = None, out_dtype=None,
                scratch: Fp8Scratch | None = None, path: str = "auto") -> Tensor:
     """x bf16 [M, K] @ dequant(weight [N, K], scale_inv)^T -> out [M, N] (bf16 by default, or float32)."""
-    m, n, k, device, out = _check_args(x, weight, scale_inv, out, out_dtype)
+    m, n, k, device, out = check_fp8_linear(x, weight, scale_inv, out, out_dtype)
     if path not in PATHS:
         raise ValueError(f"path: {path!r}, expected one of {PATHS}")
     if device == "cpu":

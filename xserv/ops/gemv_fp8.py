@@ -63,12 +63,29 @@ def plan(m: int, n: int, k: int, multiprocessor_count: int) -> tuple[str, int, i
     return f"gemv_fp8_m{rows}", split, min(tiles(split), slots)
 
 
-def _check_scale(scale_inv: Tensor, n: int, k: int) -> None:
+def check_fp8_linear(x: Tensor, weight: Tensor, scale_inv: Tensor, out: Tensor | None, out_dtype,
+                     weight_name: str = "weight") -> tuple[int, int, int, str, Tensor]:
+    """The checks of every FP8 linear entry point (this GEMV, ops/fp8_linear.py): x bf16 [m, K], the weight e4m3
+    [N, K], scale_inv float32 [ceil(N / 128), ceil(K / 128)], one device, out bf16 or float32 [m, N] (made when
+    None) and not x. Returns (m, N, K, device, out)."""
+    check_tensor("x", x, dtype=bfloat16, ndim=2)
+    m, k = x.shape
+    check_tensor(weight_name, weight, dtype=float8_e4m3fn, ndim=2)
+    n = weight.shape[0]
+    if weight.shape[1] != k:
+        raise ValueError(f"{weight_name}: shape {list(weight.shape)} does not match x's in_features {k}")
     want = scale_shape((n, k), DEFAULT_BLOCK)
     check_tensor("scale_inv", scale_inv, dtype=float32, ndim=2)
     if scale_inv.shape != want:
         raise ValueError(f"scale_inv: shape {list(scale_inv.shape)}, expected {list(want)} (ceil(N / 128), "
                          f"ceil(K / 128)) for a weight of [{n}, {k}]")
+    device = same_device(x=x, **{weight_name: weight}, scale_inv=scale_inv, out=out)
+    dtype = out.dtype if out is not None else (out_dtype or bfloat16)
+    if dtype not in _OUT_DTYPE:
+        raise ValueError(f"out: dtype {np.dtype(dtype)}, expected bfloat16 or float32")
+    out = output("out", out, (m, n), dtype, device)
+    check_alias("out", out, "x", x, allow_identical=False)
+    return m, n, k, device, out
 
 
 def linear_fp8_gemv(x: Tensor, weight_fp8: Tensor, scale_inv: Tensor, out: Tensor | None = None,
@@ -76,24 +93,13 @@ def linear_fp8_gemv(x: Tensor, weight_fp8: Tensor, scale_inv: Tensor, out: Tenso
     """x bf16 [m, K] @ dequant(weight_fp8 [N, K], scale_inv)^T -> out [m, N] (bf16, the default, or float32).
     conversion: "auto" (the hardware e4m3 conversion on sm_89+, the bit-manipulation one below) or "soft" (the
     bit-manipulation one everywhere: the kernel's _soft entries); the CPU path ignores it."""
-    check_tensor("x", x, dtype=bfloat16, ndim=2)
-    m, k = x.shape
-    check_tensor("weight_fp8", weight_fp8, dtype=float8_e4m3fn, ndim=2)
-    n = weight_fp8.shape[0]
-    if weight_fp8.shape[1] != k:
-        raise ValueError(f"weight_fp8: shape {list(weight_fp8.shape)} does not match x's in_features {k}")
+    m, n, k, device, out = check_fp8_linear(x, weight_fp8, scale_inv, out, out_dtype, "weight_fp8")
     if not 1 <= m <= MAX_M:
         raise ValueError(f"x: {m} rows; linear_fp8_gemv takes 1..{MAX_M}")
     if k == 0 or k % K_MULTIPLE:
         raise ValueError(f"x: in_features {k} must be a positive multiple of {K_MULTIPLE} (16-byte weight chunks)")
-    _check_scale(scale_inv, n, k)
     if conversion not in CONVERSIONS:
         raise ValueError(f"conversion: {conversion!r}, expected one of {CONVERSIONS}")
-    device = same_device(x=x, weight_fp8=weight_fp8, scale_inv=scale_inv, out=out)
-    out = output("out", out, (m, n), out.dtype if out is not None else (out_dtype or bfloat16), device)
-    if out.dtype not in _OUT_DTYPE:
-        raise ValueError(f"out: dtype {out.dtype}, expected bfloat16 or float32")
-    check_alias("out", out, "x", x, allow_identical=False)
     if device == "cpu":
         out.array[...] = linear_fp8_reference(x.array, weight_fp8.array, scale_inv.array).astype(out.dtype)
         return out
