@@ -97,7 +97,8 @@ def test_hopper_only_families_are_declared_and_refused_elsewhere():
             compile_family("attention_prefill_sm90", target)
 
 
-MODEL_ONLY = {"moe", "gemv_fp8", "fp8"}  # families compiled at start-up only for a model that needs them (moe=1, fp8=1)
+# families compiled at start-up only for a model that needs them (moe=1, fp8=1) or an FP8 KV cache (kvfp8=1)
+MODEL_ONLY = {"moe", "gemv_fp8", "fp8", "attention_decode_fp8"}
 
 
 def test_kernel_paths_name_what_the_runtime_compiles():
@@ -115,10 +116,11 @@ def test_kernel_paths_name_what_the_runtime_compiles():
         assert families_of(path) <= set(families_for(target)), path  # each compiles for its path
         # a dense bf16 model's start-up: no moe piece, no FP8 pieces (gemv_fp8, fp8: an FP8-quantized model's)
         assert startup(target) == families_of(path) - MODEL_ONLY
-        for key, families in (("moe", {"moe"}), ("fp8", {"gemv_fp8", "fp8"})):
+        for key, families in (("moe", {"moe"}), ("fp8", {"gemv_fp8", "fp8"}), ("kvfp8", {"attention_decode_fp8"})):
             with_key = {name.partition(":")[0] for name in startup_families(target, {**shapes, key: 1})}
             assert with_key == families_of(path) - (MODEL_ONLY - families), key
-        both = {name.partition(":")[0] for name in startup_families(target, {**shapes, "moe": 1, "fp8": 1})}
+        both = {name.partition(":")[0] for name in startup_families(target, {**shapes, "moe": 1, "fp8": 1,
+                                                                              "kvfp8": 1})}
         assert both == families_of(path)
     assert set(list_families()) - startup("sm_90a") == {"attention_prefill"} | MODEL_ONLY  # v3, simple: on request
     assert set(list_families()) - startup("sm_80@sm_90a") == {"attention_prefill_sm90"} | MODEL_ONLY
@@ -235,10 +237,14 @@ def test_arch_guards_are_only_the_documented_ones():
     kernel has real code for its target or is not compiled there. The exceptions: the PDL wrappers (exact no-ops
     below sm_90, common.cuh says why), the sm_90a-only family's #error, and the FP8 GEMV's choice between two
     real e4m3 conversions (the hardware cvt from sm_89, the bit-identical soft one on every arch; its GPU test
-    compares them bit for bit)."""
+    compares them bit for bit), and the FP8 KV cache's conversions in e4m3.cuh (the same choice both ways: the
+    hardware cvt from sm_89, the soft forms below; tests/ops/test_attention_fp8_kv.py checks the soft encoding
+    against ml_dtypes, and tools/gpu_check_fp8_kv.sh runs the GPU tests with XSERV_ARCH=sm_80 beside the native
+    ones)."""
     allowed = {("common.cuh", "#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900"),
                ("attention_prefill_sm90.cu", "#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)"),
-               ("gemv_fp8.cu", "#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890")}
+               ("gemv_fp8.cu", "#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890"),
+               ("e4m3.cuh", "#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890")}
     found = []
     for path in sorted(kernel_source_dir().rglob("*")):
         if path.suffix in (".cu", ".cuh"):

@@ -208,7 +208,10 @@ class LLM:
             from .runtime.compiler import ensure_compiled, kernel_shapes
 
             start = time.perf_counter()
-            ensure_compiled(get_device().arch, progress=progress, shapes=kernel_shapes(rank_config))
+            shapes = kernel_shapes(rank_config)
+            if cfg.fp8_kv_cache:
+                shapes["kvfp8"] = 1  # the FP8 KV cache's decode piece (attention_decode_fp8)
+            ensure_compiled(get_device().arch, progress=progress, shapes=shapes)
             self.kernel_compile_s = time.perf_counter() - start
             thread_setup = get_device().bind_to_thread
         with _open_lock:  # counted from here: a failure below releases what was made (see _release)

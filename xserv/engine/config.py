@@ -9,6 +9,7 @@ from dataclasses import dataclass
 # Defaults that depend on the device (the NumPy backend is for tiny models).
 # On CUDA a step with prefill tokens runs eagerly, and its ~450 launches cost ~40 ms of host time on a 0.6B model
 # whatever the token count up to ~16k: fewer, larger prefill steps finish a batch of prompts sooner.
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_e4m3")  # engine/kv_cache.py's kv_cache_dtype() maps them to dtypes
 _BATCHED_TOKENS = {"cuda": 16384, "cpu": 2048}
 CPU_KV_BYTES = 1 << 30  # CPU KV pool: about this much, at least 2,048 tokens, at most 4 x max_model_len
 
@@ -26,7 +27,9 @@ class EngineConfig:
     gets seed * 1,000,003 + its id); None, the default: each of them gets a fresh seed from the OS's entropy, so
     unseeded sampling differs from run to run, as in every other engine. tensor_parallel_size: GPUs (ranks) one
     model is sharded over, one process each (xserv/parallel; on the CPU backend, processes); 1: no sharding, no
-    extra process."""
+    extra process. kv_cache_dtype: the KV cache's element type: "auto" (the model's, bf16), "bfloat16", or "fp8_e4m3"
+    (e4m3 with a float32 scale per layer and kv head: half the bytes a token, about twice the tokens; engine/kv_cache.py
+    says how the scales are chosen, docs/kernels/attention.md "FP8 KV cache" what it costs)."""
 
     max_model_len: int | None = None
     kv_cache_tokens: int | None = None
@@ -40,6 +43,7 @@ class EngineConfig:
     overlap_steps: bool = True
     seed: int | None = None
     tensor_parallel_size: int = 1
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
         for name in ("max_model_len", "kv_cache_tokens", "max_num_seqs", "max_num_batched_tokens", "block_size",
@@ -59,6 +63,12 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {f!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+
+    @property
+    def fp8_kv_cache(self) -> bool:
+        return self.kv_cache_dtype == "fp8_e4m3"
 
     def batched_tokens(self, device: str) -> int:
         """The per-forward token budget on `device` (never below max_num_seqs: a decode step must fit)."""
@@ -89,6 +99,9 @@ class EngineConfig:
         g.add_argument("--prefill-graph-tokens", type=_non_negative_int, default=d.prefill_graph_tokens, metavar="N",
                        help="prompt chunks of up to N tokens alone in a step replay a CUDA graph "
                             f"(default {d.prefill_graph_tokens}; 0: prefill always eager)")
+        g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,
+                       help="KV cache element type: auto (the model's, bf16), bfloat16, or fp8_e4m3 (half the bytes a "
+                            "token, about twice the tokens; per-head scales 1.0)")
         g.add_argument("--tensor-parallel-size", "--tp", type=_positive_int, default=d.tensor_parallel_size,
                        metavar="N", help="shard the model over N GPUs, one process each (default 1)")
 
@@ -102,7 +115,8 @@ class EngineConfig:
                    gpu_memory_fraction=args.gpu_memory_fraction, cuda_graphs=not args.no_cuda_graphs,
                    prefill_graph_tokens=getattr(args, "prefill_graph_tokens", cls.prefill_graph_tokens),
                    enable_prefix_caching=not args.no_prefix_caching,
-                   tensor_parallel_size=getattr(args, "tensor_parallel_size", cls.tensor_parallel_size))
+                   tensor_parallel_size=getattr(args, "tensor_parallel_size", cls.tensor_parallel_size),
+                   kv_cache_dtype=getattr(args, "kv_cache_dtype", cls.kv_cache_dtype))
 
 
 # argparse types: a bad value is a usage error naming the option ("argument --max-num-seqs: must be ..."), exit 2

@@ -1,5 +1,22 @@
 """The paged KV cache: per layer a K pool and a V pool of [num_blocks, block_size, kv_heads, head_dim], in one
-device allocation. Which sequence holds which block is the scheduler's business (block_manager.py)."""
+device allocation. Which sequence holds which block is the scheduler's business (block_manager.py).
+
+Element type (EngineConfig.kv_cache_dtype): bf16 (the model's dtype, "auto"), or e4m3 ("fp8_e4m3", float8_e4m3fn: 1
+byte an element, twice the tokens in the same memory) with one float32 scale per (layer, kv head) for K and one for V
+(k_scale / v_scale [num_layers, kv_heads]; value = code * scale; xserv/ops/attention/fp8_kv.py).
+
+How the scales are chosen: all 1.0, fixed (vLLM's default for an FP8 KV cache without calibrated scales), with e4m3's
+saturation at +-448. Why that is enough for Qwen3: K is written after the k head RMSNorm, so each K row has RMS equal
+to that of k_norm's weight (|k| <= sqrt(head_dim) * max|weight| for any input), and V rows are projections of an
+RMS-normalised hidden state; e4m3 keeps 3 mantissa bits over 2^-6 .. 448 (15 binades, subnormals down to 2^-9), which
+holds such values with a relative step of 2^-4 without a scale. Fixed scales also keep the cache's bits independent
+of which request came first (prefix caching shares blocks between requests) and need no calibration pass. The scales
+are real per-head inputs of every FP8 kernel (tested with other values), so a checkpoint's calibrated k_scale /
+v_scale can be loaded into them later.
+
+Prefill over an FP8 cache reads a bf16 copy of the blocks the batch attends to (prefill_scratch: one layer's K and V
+in bf16, the pool's block count, reused by every layer); on CUDA its memory is counted in the capacity, so the pool
+holds 2 L / (L + 2) times the bf16 tokens for L layers (1.87x for Qwen3-0.6B's 28, 1.89x for 8B's 36)."""
 from __future__ import annotations
 
 import math
@@ -7,7 +24,21 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..tensor import Tensor
+from ..tensor import Tensor, bfloat16, float8_e4m3fn, float32
+
+from .config import KV_CACHE_DTYPES
+
+
+def kv_cache_dtype(name: str, model_dtype) -> np.dtype:
+    """The element type of an EngineConfig.kv_cache_dtype name: "auto" the model's (bf16), "bfloat16", "fp8_e4m3"
+    (float8_e4m3fn)."""
+    if name == "auto":
+        return np.dtype(model_dtype)
+    if name == "bfloat16":
+        return bfloat16
+    if name == "fp8_e4m3":
+        return float8_e4m3fn
+    raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
 
 
 @dataclass(frozen=True)
@@ -19,6 +50,10 @@ class KVCacheSpec:
 
     def bytes_per_token(self, dtype) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * np.dtype(dtype).itemsize
+
+    def scratch_bytes_per_token(self, dtype) -> int:
+        """An FP8 cache's bf16 prefill copy of one layer's K and V (KVCache.prefill_scratch), per pool token; 0 else."""
+        return 2 * self.num_kv_heads * self.head_dim * 2 if np.dtype(dtype) == float8_e4m3fn else 0
 
 
 class KVCache:
@@ -34,6 +69,24 @@ class KVCache:
         self.storage = Tensor.zeros(shape, self.dtype, device)
         self.k = [self.storage[i][0] for i in range(spec.num_layers)]
         self.v = [self.storage[i][1] for i in range(spec.num_layers)]
+        # FP8: per-layer scales (all 1.0: the module docstring) and, on CUDA, the bf16 copy prefill reads
+        self.k_scales: list[Tensor | None] = [None] * spec.num_layers
+        self.v_scales: list[Tensor | None] = [None] * spec.num_layers
+        self.prefill_scratch: tuple[Tensor, Tensor] | None = None
+        if self.fp8:
+            ones = np.ones((spec.num_layers, spec.num_kv_heads), np.float32)
+            self.k_scale = Tensor.from_numpy(ones, device, float32)
+            self.v_scale = Tensor.from_numpy(ones, device, float32)
+            self.k_scales = [self.k_scale[i] for i in range(spec.num_layers)]
+            self.v_scales = [self.v_scale[i] for i in range(spec.num_layers)]
+            if device == "cuda":
+                scratch = Tensor.empty((2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim), bfloat16,
+                                       device)
+                self.prefill_scratch = (scratch[0], scratch[1])
+
+    @property
+    def fp8(self) -> bool:
+        return self.dtype == float8_e4m3fn
 
     @property
     def num_tokens(self) -> int:
@@ -50,7 +103,7 @@ class KVCache:
             raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
         from ..runtime import get_runtime
 
-        per_token = spec.bytes_per_token(np.dtype(dtype))
+        per_token = spec.bytes_per_token(np.dtype(dtype)) + spec.scratch_bytes_per_token(dtype)
         runtime = get_runtime()
         free, _total = runtime.device.memory_info()
         free += runtime.allocator.stats.bytes_cached  # blocks freed by a closed LLM: an allocation may take them

@@ -29,7 +29,7 @@ import numpy as np
 
 from .block_manager import BlockManager
 from .config import CPU_KV_BYTES, EngineConfig
-from .kv_cache import KVCache, KVCacheSpec
+from .kv_cache import KVCache, KVCacheSpec, kv_cache_dtype
 from .model_runner import ModelRunner
 from .sampler import Sampler
 from .scheduler import Scheduler
@@ -96,21 +96,23 @@ class LLMEngine:
         workspace = model.make_workspace(batched, config.max_num_seqs)
         sampler = Sampler(mc.vocab_size, config.max_num_seqs, device, config.seed)
         spec = KVCacheSpec(*model.kv_layout, config.block_size)
+        kv_dtype = kv_cache_dtype(config.kv_cache_dtype, model.dtype)
         others = [] if group is None else group.call(
             "prepare", max_tokens=batched, max_logits=config.max_num_seqs, block_size=config.block_size,
-            memory_fraction=config.gpu_memory_fraction)
+            memory_fraction=config.gpu_memory_fraction, kv_cache_dtype=config.kv_cache_dtype)
         kv_tokens = config.kv_cache_tokens
         if kv_tokens is None and device == "cpu":
-            kv_tokens = min(4 * max_len, max(CPU_KV_BYTES // spec.bytes_per_token(model.dtype), 2048))
+            kv_tokens = min(4 * max_len, max(CPU_KV_BYTES // spec.bytes_per_token(kv_dtype), 2048))
         elif kv_tokens is None and group is not None:
-            kv_tokens = min([KVCache.capacity_tokens(spec, model.dtype, config.gpu_memory_fraction), *others])
-        kv_cache = KVCache.create(spec, device, model.dtype, num_tokens=kv_tokens,
+            kv_tokens = min([KVCache.capacity_tokens(spec, kv_dtype, config.gpu_memory_fraction), *others])
+        kv_cache = KVCache.create(spec, device, kv_dtype, num_tokens=kv_tokens,
                                   memory_fraction=config.gpu_memory_fraction)
         max_model_len = min(max_len, kv_cache.num_tokens)
         runner = ModelRunner(model, kv_cache, max_num_batched_tokens=batched,
                              max_num_seqs=config.max_num_seqs, max_model_len=max_model_len, workspace=workspace)
         if group is not None:
             group.call("runner", num_tokens=kv_cache.num_tokens, block_size=config.block_size,
+                       kv_cache_dtype=config.kv_cache_dtype,
                        max_num_batched_tokens=batched, max_num_seqs=config.max_num_seqs, max_model_len=max_model_len)
             runner.group = group
         engine = cls(runner, tokenizer, max_model_len=max_model_len, eos_token_ids=eos_token_ids, config=config,

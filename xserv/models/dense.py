@@ -509,19 +509,23 @@ class DenseModel:
         KV-cache write (one kernel, in place on qkv), then attention."""
         hq, hkv = self.config.num_attention_heads, self.config.num_key_value_heads
         q_norm, k_norm = (layer.q_norm, layer.k_norm) if self.QK_NORM else (None, None)
+        # an FP8 KV cache (engine/kv_cache.py): its per-layer scales, and the bf16 copy prefill reads
+        scales = {"k_scale": kv_cache.k_scales[i], "v_scale": kv_cache.v_scales[i]} if getattr(kv_cache, "fp8", False) else {}
         if batch.max_q_len == 1 and self.fused_attention:
             attention_decode_rope(qkv3, q_norm, k_norm, batch.positions, self.cos_sin, hq, self.eps, kv_cache.k[i],
                                   kv_cache.v[i], batch.slot_mapping, batch.kv_lens, batch.block_tables, self.scale,
-                                  batch.max_kv_len, out=attn3)
+                                  batch.max_kv_len, out=attn3, **scales)
             return
         qk_norm_rope_write_kv(qkv3, q_norm, k_norm, batch.positions, self.cos_sin, hq, hkv, self.eps, kv_cache.k[i],
-                              kv_cache.v[i], batch.slot_mapping, pdl=True)
+                              kv_cache.v[i], batch.slot_mapping, pdl=True, **scales)
         if batch.max_q_len == 1:
             attention_decode(qkv3, kv_cache.k[i], kv_cache.v[i], batch.kv_lens, batch.block_tables, self.scale,
-                             batch.max_kv_len, out=attn3, num_q_heads=hq)
+                             batch.max_kv_len, out=attn3, num_q_heads=hq, **scales)
             return
+        if scales:
+            scales["kv_scratch"] = kv_cache.prefill_scratch
         attention_prefill(qkv3, kv_cache.k[i], kv_cache.v[i], batch.cu_seqlens_q, batch.kv_lens, batch.block_tables,
-                          self.scale, batch.max_q_len, out=attn3, num_q_heads=hq)
+                          self.scale, batch.max_q_len, out=attn3, num_q_heads=hq, **scales)
 
     def _post_attention_fused(self, i: int, layer: DenseLayer, ws: Workspace, attn: Tensor, residual: Tensor,
                               act: Tensor) -> None:

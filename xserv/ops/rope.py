@@ -17,7 +17,9 @@ from ..runtime import kernel
 from ..tensor import Tensor, bfloat16, float32, int32
 from ._checks import check_aligned, check_tensor, output, same_device
 from ._launch import aligned, cdiv, check_alias, check_eps, check_int32_range
-from .attention._args import check_cache
+from .attention._args import check_cache, is_fp8
+from .attention.fp8_kv import write_kv_fp8_reference
+from .attention.kv_write import write_kv_packed
 from .attention.reference import write_kv_reference
 from .rmsnorm import HEAD_DIMS, head_rmsnorm_reference
 
@@ -164,15 +166,19 @@ def qk_norm_rope_reference(qkv: np.ndarray, q_weight: np.ndarray, k_weight: np.n
 def qk_norm_rope_write_kv_reference(qkv: np.ndarray, q_weight: np.ndarray | None, k_weight: np.ndarray | None,
                                     positions: np.ndarray, cos_sin: np.ndarray, num_q_heads: int, num_kv_heads: int,
                                     eps: float, k_cache: np.ndarray, v_cache: np.ndarray,
-                                    slot_mapping: np.ndarray) -> np.ndarray:
+                                    slot_mapping: np.ndarray, k_scale: np.ndarray | None = None,
+                                    v_scale: np.ndarray | None = None) -> np.ndarray:
     """The composition qk_norm_rope (or qk_rope when both weights are None), then write_kv_packed: returns the new
-    packed qkv and writes k_cache / v_cache in place."""
+    packed qkv and writes k_cache / v_cache in place (an FP8 cache, with k_scale / v_scale: quantized)."""
     if q_weight is None:
         out = qk_rope_reference(qkv, positions, cos_sin, num_q_heads, num_kv_heads)
     else:
         out = qk_norm_rope_reference(qkv, q_weight, k_weight, positions, cos_sin, num_q_heads, num_kv_heads, eps)
-    write_kv_reference(out[:, num_q_heads:num_q_heads + num_kv_heads], out[:, num_q_heads + num_kv_heads:],
-                       k_cache, v_cache, slot_mapping)
+    k, v = out[:, num_q_heads:num_q_heads + num_kv_heads], out[:, num_q_heads + num_kv_heads:]
+    if k_scale is None:
+        write_kv_reference(k, v, k_cache, v_cache, slot_mapping)
+    else:
+        write_kv_fp8_reference(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return out
 
 
@@ -299,17 +305,20 @@ def qk_norm_rope(qkv: Tensor, q_weight: Tensor, k_weight: Tensor, positions: Ten
 
 def qk_norm_rope_write_kv(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor | None, positions: Tensor,
                           cos_sin: Tensor, num_q_heads: int, num_kv_heads: int, eps: float, k_cache: Tensor,
-                          v_cache: Tensor, slot_mapping: Tensor, pdl: bool = False) -> Tensor:
+                          v_cache: Tensor, slot_mapping: Tensor, pdl: bool = False, k_scale: Tensor | None = None,
+                          v_scale: Tensor | None = None) -> Tensor:
     """qk_norm_rope (q_weight, k_weight given: Qwen3) or qk_rope (both None: Llama) in place on the packed qkv
     bf16 [T, Hq + 2 Hkv, D], then write_kv_packed of its (rotated) k heads and its v heads into the paged cache
     (k_cache, v_cache bf16 [num_blocks, block_size, Hkv, D]; slot_mapping int32 [T], slot < 0 skips the token), in one
     launch; the results are bit-identical to the two ops run one after the other. qkv's v heads are not written.
     qkv, cos_sin and the caches must be 16-byte aligned (the kernel's accesses are 16 bytes wide).
-    pdl=True launches it with programmatic dependent launch (the kernel waits before reading qkv). Returns qkv."""
+    pdl=True launches it with programmatic dependent launch (the kernel waits before reading qkv). Returns qkv.
+    An FP8 cache (float8_e4m3fn, with this layer's k_scale / v_scale float32 [Hkv]): qk_norm_rope / qk_rope in place,
+    then write_kv_packed quantizing (write_kv_fp8), two launches, the same K/V values; qkv's v heads as they were."""
     head_dim = check_packed_qkv(qkv, positions, cos_sin, num_q_heads, num_kv_heads)
     norm = check_head_norms(q_weight, k_weight, head_dim)
     eps32 = check_eps(eps)
-    _, _, cache_kv_heads, cache_head_dim = check_cache(k_cache, v_cache)
+    _, _, cache_kv_heads, cache_head_dim = check_cache(k_cache, v_cache, k_scale, v_scale)
     if (cache_kv_heads, cache_head_dim) != (num_kv_heads, head_dim):
         raise ValueError(f"k_cache: {cache_kv_heads} kv heads of {cache_head_dim}, expected {num_kv_heads} of "
                          f"{head_dim} (qkv)")
@@ -328,7 +337,14 @@ def qk_norm_rope_write_kv(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor
         qkv.array[...] = qk_norm_rope_write_kv_reference(
             qkv.array, q_weight.array if norm else None, k_weight.array if norm else None, positions.array,
             cos_sin.array, int(num_q_heads), int(num_kv_heads), eps32, k_cache.array, v_cache.array,
-            slot_mapping.array)
+            slot_mapping.array, None if k_scale is None else k_scale.array, None if v_scale is None else v_scale.array)
+        return qkv
+    if is_fp8(k_cache):
+        if norm:
+            qk_norm_rope(qkv, q_weight, k_weight, positions, cos_sin, num_q_heads, num_kv_heads, eps32)
+        else:
+            qk_rope(qkv, positions, cos_sin, num_q_heads, num_kv_heads)
+        write_kv_packed(qkv, int(num_q_heads), k_cache, v_cache, slot_mapping, k_scale, v_scale)
         return qkv
     check_aligned("qkv", qkv)
     check_aligned("cos_sin", cos_sin)

@@ -517,16 +517,18 @@ def _handle(state: dict, command: str, args: dict, arrays: dict):
         state["workspace"] = model.make_workspace(args["max_tokens"], args["max_logits"])
         if model.device != "cuda":
             return 0
-        from ..engine.kv_cache import KVCache, KVCacheSpec
+        from ..engine.kv_cache import KVCache, KVCacheSpec, kv_cache_dtype
 
         spec = KVCacheSpec(*model.kv_layout, args["block_size"])
-        return KVCache.capacity_tokens(spec, model.dtype, args["memory_fraction"])
+        dtype = kv_cache_dtype(args.get("kv_cache_dtype", "auto"), model.dtype)
+        return KVCache.capacity_tokens(spec, dtype, args["memory_fraction"])
     if command == "runner":
-        from ..engine.kv_cache import KVCache, KVCacheSpec
+        from ..engine.kv_cache import KVCache, KVCacheSpec, kv_cache_dtype
         from ..engine.model_runner import ModelRunner
 
         spec = KVCacheSpec(*model.kv_layout, args["block_size"])
-        kv = KVCache.create(spec, model.device, model.dtype, num_tokens=args["num_tokens"])
+        dtype = kv_cache_dtype(args.get("kv_cache_dtype", "auto"), model.dtype)
+        kv = KVCache.create(spec, model.device, dtype, num_tokens=args["num_tokens"])
         runner = ModelRunner(model, kv, max_num_batched_tokens=args["max_num_batched_tokens"],
                              max_num_seqs=args["max_num_seqs"], max_model_len=args["max_model_len"],
                              workspace=state["workspace"])

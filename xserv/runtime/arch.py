@@ -191,7 +191,11 @@ KERNEL_PATHS: dict[str, dict[KernelPath, tuple[Route, ...]]] = {
                      "PDL on hopper", "v4"),
                Route("attention_decode_v2", "v2 + combine: where a split overflows v4's page table"))
         for path in (PORTABLE, HOPPER)},
-    "write_kv": {p: (r,) for p, r in _both(Route("kv_cache", "write_kv_bf16")).items()},
+    "write_kv": {p: (r,) for p, r in _both(Route("kv_cache", "write_kv_bf16; write_kv_fp8 and "
+                                                 "dequantize_kv_blocks_fp8 for an FP8 KV cache")).items()},
+    "attention_decode (FP8 KV cache)": {p: (r,) for p, r in _both(Route(
+        "attention_decode_fp8", "v2-style split-KV, e4m3 K/V dequantized in registers (cvt from sm_89, soft below); "
+        "compiled for an FP8 KV cache only")).items()},
     "gemv, linear (M <= 16)": {p: (r,) for p, r in _both(Route("gemv", "row kernels; mma.sync m8/m16; PDL on hopper"))
                                .items()},
     "silu_and_mul": {p: (r,) for p, r in _both(Route("activation", "PTX; griddepcontrol left out below sm_90")).items()},

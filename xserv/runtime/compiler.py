@@ -139,10 +139,12 @@ def family_source(family: str) -> Path:
 # dtype picks nothing (a float16/float32 checkpoint is cast to bf16 on load).
 SHAPE_KEYS = {"head_dim": ("d", "XSERV_HEAD_DIM"), "group": ("g", "XSERV_GROUP"), "rows": ("m", "XSERV_ROWS"),
               "part": ("p", "XSERV_PART"), "vec": ("v", "XSERV_VEC"), "moe": ("e", "XSERV_MOE"),
-              "fp8": ("f", "XSERV_FP8")}
+              "fp8": ("f", "XSERV_FP8"),
+              "kvfp8": ("k", "XSERV_KV_FP8")}
 # moe=1: a mixture-of-experts model (the moe family's one piece); fp8=1: an FP8-quantized model (the gemv_fp8 and
-# fp8 families' one piece each: the FP8 GEMV, the activation quantization and the weight dequantization)
-MODEL_KEYS = ("head_dim", "group", "moe", "fp8")
+# fp8 families' one piece each: the FP8 GEMV, the activation quantization and the weight dequantization); kvfp8=1:
+# an engine with an FP8 KV cache (EngineConfig.kv_cache_dtype "fp8_e4m3": the attention_decode_fp8 piece of the shape)
+MODEL_KEYS = ("head_dim", "group", "moe", "fp8", "kvfp8")
 PIECE_SEP = ":"
 _SHAPES_LINE = re.compile(r"^//\s*xserv-shapes:((?:[ \t]+\w+=\S+)+)(.*)$", re.MULTILINE)  # then a why
 _STARTUP_LINE = re.compile(r"^//\s*xserv-startup:((?:[ \t]+[a-z]\d+(?:_[a-z]\d+)*)+)(.*)$", re.MULTILINE)  # a why

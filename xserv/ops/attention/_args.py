@@ -1,17 +1,26 @@
 """Argument checks shared by the attention ops (shapes, dtypes, alignment; a wrong call raises ValueError)."""
 from __future__ import annotations
 
-from ...tensor import Tensor, bfloat16, int32
+from ...tensor import Tensor, bfloat16, float8_e4m3fn, float32, int32
 from .._checks import check_aligned, check_tensor
 
 HEAD_DIMS = (64, 128)
 MAX_GQA_GROUP = 8  # kernels are instantiated for Hq / Hkv = 1..8 (Qwen3 uses 1, 2, 4, 5, 8)
 
 
-def check_cache(k_cache: Tensor, v_cache: Tensor) -> tuple[int, int, int, int]:
-    """(num_blocks, block_size, num_kv_heads, head_dim) of a checked K/V cache pair."""
-    check_tensor("k_cache", k_cache, dtype=bfloat16, ndim=4)
-    check_tensor("v_cache", v_cache, dtype=bfloat16, shape=k_cache.shape)
+def check_cache(k_cache: Tensor, v_cache: Tensor, k_scale: Tensor | None = None,
+                v_scale: Tensor | None = None) -> tuple[int, int, int, int]:
+    """(num_blocks, block_size, num_kv_heads, head_dim) of a checked K/V cache pair: bf16, or float8_e4m3fn (the FP8
+    KV cache) with this layer's k_scale and v_scale, float32 [num_kv_heads] (a bf16 cache takes none)."""
+    check_tensor("k_cache", k_cache, dtype=(bfloat16, float8_e4m3fn), ndim=4)
+    check_tensor("v_cache", v_cache, dtype=k_cache.dtype, shape=k_cache.shape)
+    if k_cache.dtype is float8_e4m3fn or k_cache.dtype == float8_e4m3fn:
+        if k_scale is None or v_scale is None:
+            raise ValueError("k_cache: a float8_e4m3fn (FP8) cache needs k_scale and v_scale, float32 [num_kv_heads]")
+        for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+            check_tensor(name, t, dtype=float32, shape=(k_cache.shape[2],), device=k_cache.device)
+    elif k_scale is not None or v_scale is not None:
+        raise ValueError(f"k_scale / v_scale: given for a {k_cache.dtype} cache; only an FP8 cache takes scales")
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"k_cache: head_dim {head_dim} not supported; expected one of {HEAD_DIMS}")
@@ -46,3 +55,8 @@ def check_tables(kv_lens: Tensor, block_tables: Tensor, num_seqs: int) -> None:
     check_tensor("block_tables", block_tables, dtype=int32, ndim=2)
     if block_tables.shape[0] != num_seqs:
         raise ValueError(f"block_tables: {block_tables.shape[0]} rows for {num_seqs} sequences")
+
+
+def is_fp8(cache: Tensor) -> bool:
+    """Is this a float8_e4m3fn (FP8) KV cache?"""
+    return cache.dtype == float8_e4m3fn

@@ -26,7 +26,8 @@ from ...runtime.device import CTA_SMEM_RESERVED, SM90_SMEM_PER_BLOCK_OPTIN, SM90
 from ...tensor import Tensor, bfloat16, float32, int32
 from .._checks import check_aligned, check_tensor, output, same_device
 from .._launch import check_alias, check_eps, pooled_buffer
-from ._args import check_cache, check_tables, query_heads
+from ._args import check_cache, check_tables, is_fp8, query_heads
+from .fp8_kv import launch_decode_fp8
 from .reference import attention_decode_reference
 
 # Mirrors of device constants (tests/ops/test_attention.py reads them back from the sources):
@@ -293,12 +294,15 @@ def _subgroup_counts(group: int, head_dim: int, wide: DecodeKernel | None) -> li
 
 def attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_lens: Tensor, block_tables: Tensor,
                      scale: float, max_kv_len: int, out: Tensor | None = None,
-                     num_q_heads: int | None = None, variant: str | None = None) -> Tensor:
+                     num_q_heads: int | None = None, variant: str | None = None, k_scale: Tensor | None = None,
+                     v_scale: Tensor | None = None) -> Tensor:
     """One query per sequence at position kv_lens[s] - 1 (its K/V already in the cache): q [B, Hq, D] (or packed
     qkv with num_q_heads), kv_lens int32 [B] (0 <= kv_len <= max_kv_len; 0 gives a zero row), block_tables int32
     [B, max_blocks] -> out bf16 [B, Hq, D]. max_kv_len is a host-side bound that sizes the split-KV grid (no device
-    reads). variant: a DECODE_KERNELS name (default v4; the others are for tests and benchmarks)."""
-    _, block_size, num_kv_heads, head_dim = check_cache(k_cache, v_cache)
+    reads). variant: a DECODE_KERNELS name (default v4; the others are for tests and benchmarks). An FP8 cache
+    (float8_e4m3fn, with this layer's k_scale / v_scale float32 [Hkv]) runs attention_decode_fp8 (fp8_kv.py; K and V
+    dequantized in registers), whatever the variant."""
+    _, block_size, num_kv_heads, head_dim = check_cache(k_cache, v_cache, k_scale, v_scale)
     num_q_heads = query_heads(q, num_q_heads, num_kv_heads, head_dim)
     num_seqs = q.shape[0]
     check_tables(kv_lens, block_tables, num_seqs)
@@ -310,8 +314,17 @@ def attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_lens: Tenso
     if num_seqs == 0:
         return out
     if device == "cpu":
-        out.array[...] = attention_decode_reference(q.array, k_cache.array, v_cache.array, kv_lens.array,
-                                                    block_tables.array, scale, num_q_heads).astype(bfloat16)
+        out.array[...] = attention_decode_reference(
+            q.array, k_cache.array, v_cache.array, kv_lens.array, block_tables.array, scale, num_q_heads,
+            k_scale=None if k_scale is None else k_scale.array,
+            v_scale=None if v_scale is None else v_scale.array).astype(bfloat16)
+        return out
+    if is_fp8(k_cache):
+        max_kv_len = int(max_kv_len)
+        if max_kv_len < 1:
+            raise ValueError(f"max_kv_len: {max_kv_len} < 1")
+        launch_decode_fp8(q, k_cache, v_cache, k_scale, v_scale, kv_lens, block_tables, scale, max_kv_len, out,
+                          num_q_heads)
         return out
     _launch(_plan(variant, num_seqs, num_kv_heads, max_kv_len, block_size, head_dim, num_q_heads // num_kv_heads),
             q, k_cache, v_cache, kv_lens, block_tables, scale, out, num_q_heads, _PLAIN_V4)
@@ -430,7 +443,8 @@ def _rope():
 def attention_decode_rope(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor | None, positions: Tensor,
                           cos_sin: Tensor, num_q_heads: int, eps: float, k_cache: Tensor, v_cache: Tensor,
                           slot_mapping: Tensor, kv_lens: Tensor, block_tables: Tensor, scale: float, max_kv_len: int,
-                          out: Tensor | None = None, variant: str | None = None) -> Tensor:
+                          out: Tensor | None = None, variant: str | None = None, k_scale: Tensor | None = None,
+                          v_scale: Tensor | None = None) -> Tensor:
     """qk_norm_rope_write_kv (q_weight, k_weight given: Qwen3's head norms; both None: Llama) followed by
     attention_decode, for a decode batch (one new token per sequence), in one launch with the same results:
     qkv bf16 [B, Hq + 2 Hkv, D] packed (16-byte aligned), positions and slot_mapping int32 [B] (slot < 0: nothing
@@ -440,8 +454,9 @@ def attention_decode_rope(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor
     so afterwards they are unspecified). The fused kernel attends over the new key as it wrote it when slot_mapping[s]
     is the slot the block table gives position kv_len - 1 (any batch xserv builds), else as the cache holds it there,
     as attention_decode would. variant: as attention_decode; a plan that runs v2 (variant "v2", or block_size < 8
-    with very long contexts) runs qk_norm_rope_write_kv and attention_decode, two launches."""
-    _, block_size, num_kv_heads, head_dim = check_cache(k_cache, v_cache)
+    with very long contexts) runs qk_norm_rope_write_kv and attention_decode, two launches. An FP8 cache (with
+    k_scale / v_scale) always takes the two launches (qk_norm_rope_write_kv quantizing, then attention_decode_fp8)."""
+    _, block_size, num_kv_heads, head_dim = check_cache(k_cache, v_cache, k_scale, v_scale)
     rope = _rope()
     rope.check_packed_qkv(qkv, positions, cos_sin, num_q_heads, num_kv_heads)
     if not cos_sin.shape[0]:
@@ -467,13 +482,21 @@ def attention_decode_rope(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor
     if num_seqs == 0:
         return out
     if device == "cpu":  # the composition of the references (qkv itself is left as it is)
+        scales = {} if k_scale is None else {"k_scale": k_scale.array, "v_scale": v_scale.array}
         rotated = rope.qk_norm_rope_write_kv_reference(
             qkv.array, q_weight.array if norm else None, k_weight.array if norm else None, positions.array,
-            cos_sin.array, num_q_heads, num_kv_heads, eps32, k_cache.array, v_cache.array, slot_mapping.array)
+            cos_sin.array, num_q_heads, num_kv_heads, eps32, k_cache.array, v_cache.array, slot_mapping.array,
+            **scales)
         out.array[...] = attention_decode_reference(rotated, k_cache.array, v_cache.array, kv_lens.array,
-                                                    block_tables.array, scale, num_q_heads).astype(bfloat16)
+                                                    block_tables.array, scale, num_q_heads,
+                                                    **scales).astype(bfloat16)
         return out
     check_aligned("cos_sin", cos_sin)
+    if is_fp8(k_cache):  # the two ops: no fused FP8 entry (docs/kernels/attention.md, "FP8 KV cache")
+        rope.qk_norm_rope_write_kv(qkv, q_weight, k_weight, positions, cos_sin, num_q_heads, num_kv_heads, eps32,
+                                   k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+        return attention_decode(qkv, k_cache, v_cache, kv_lens, block_tables, scale, max_kv_len, out=out,
+                                num_q_heads=num_q_heads, k_scale=k_scale, v_scale=v_scale)
     plan = _plan(variant, num_seqs, num_kv_heads, max_kv_len, block_size, head_dim, num_q_heads // num_kv_heads)
     if plan[0].generation != 4 or not plan[0].fused_args:  # v2 (or a dev kernel without the entry): the two ops
         rope.qk_norm_rope_write_kv(qkv, q_weight, k_weight, positions, cos_sin, num_q_heads, num_kv_heads, eps32,

@@ -1,5 +1,6 @@
 """Writing new K/V rows into the paged cache (cuda_src/kv_cache.cu): slot = block * block_size + offset; a negative
-slot skips the token (padding)."""
+slot skips the token (padding). A bf16 cache takes the rows as they are (write_kv_bf16); an FP8 cache (float8_e4m3fn,
+with k_scale / v_scale) takes e4m3(row / scale) (write_kv_fp8; fp8_kv.py)."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,14 +8,20 @@ import numpy as np
 from ...runtime import kernel
 from ...tensor import Tensor, bfloat16, int32
 from .._checks import check_aligned, check_tensor, same_device
-from ._args import check_cache
+from ._args import check_cache, is_fp8
+from .fp8_kv import launch_write_kv_fp8, write_kv_fp8_reference
 from .reference import write_kv_reference
 
 _THREADS = 256
 
 
 def _write_kv(k_src: Tensor, k_ptr_offset: int, v_ptr_offset: int, row_stride: int, num_tokens: int,
-              k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+              k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor, k_scale: Tensor | None = None,
+              v_scale: Tensor | None = None) -> None:
+    if is_fp8(k_cache):
+        launch_write_kv_fp8(k_src, k_ptr_offset, v_ptr_offset, row_stride, num_tokens, k_cache, v_cache,
+                            slot_mapping, k_scale, v_scale)
+        return
     _, _, num_kv_heads, head_dim = k_cache.shape
     n = num_tokens * num_kv_heads * (head_dim // 8)
     kernel("kv_cache", "write_kv_bf16")(
@@ -23,10 +30,19 @@ def _write_kv(k_src: Tensor, k_ptr_offset: int, v_ptr_offset: int, row_stride: i
         np.int32(num_tokens), np.int32(num_kv_heads), np.int32(head_dim))
 
 
-def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+def _write_reference(k, v, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor, k_scale: Tensor | None,
+                     v_scale: Tensor | None) -> None:
+    if is_fp8(k_cache):
+        write_kv_fp8_reference(k, v, k_cache.array, v_cache.array, slot_mapping.array, k_scale.array, v_scale.array)
+    else:
+        write_kv_reference(k, v, k_cache.array, v_cache.array, slot_mapping.array)
+
+
+def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
+             k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> None:
     """k_cache/v_cache[slot] = k/v[t] for slot = slot_mapping[t] = block * block_size + offset; slot < 0 skips.
-    k, v: bf16 [T, Hkv, D]."""
-    _, _, num_kv_heads, head_dim = check_cache(k_cache, v_cache)
+    k, v: bf16 [T, Hkv, D]. An FP8 cache (float8_e4m3fn) stores e4m3(k/v[t] / k_scale/v_scale[h]) (float32 [Hkv])."""
+    _, _, num_kv_heads, head_dim = check_cache(k_cache, v_cache, k_scale, v_scale)
     check_tensor("k", k, dtype=bfloat16, shape=(None, num_kv_heads, head_dim))
     num_tokens = k.shape[0]
     check_tensor("v", v, dtype=bfloat16, shape=k.shape)
@@ -35,17 +51,19 @@ def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mappin
     if num_tokens == 0:
         return
     if device == "cpu":
-        write_kv_reference(k.array, v.array, k_cache.array, v_cache.array, slot_mapping.array)
+        _write_reference(k.array, v.array, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         return
     check_aligned("k", k)
     check_aligned("v", v)
     # One kernel for both forms: K and V pointers relative to k's buffer address (v may live anywhere).
-    _write_kv(k, 0, v.ptr - k.ptr, num_kv_heads * head_dim, num_tokens, k_cache, v_cache, slot_mapping)
+    _write_kv(k, 0, v.ptr - k.ptr, num_kv_heads * head_dim, num_tokens, k_cache, v_cache, slot_mapping, k_scale,
+              v_scale)
 
 
-def write_kv_packed(qkv: Tensor, num_q_heads: int, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+def write_kv_packed(qkv: Tensor, num_q_heads: int, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
+                    k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> None:
     """write_kv with K = qkv heads [Hq, Hq + Hkv) and V = heads [Hq + Hkv, Hq + 2 Hkv) of qkv [T, Hq + 2 Hkv, D]."""
-    _, _, num_kv_heads, head_dim = check_cache(k_cache, v_cache)
+    _, _, num_kv_heads, head_dim = check_cache(k_cache, v_cache, k_scale, v_scale)
     total = num_q_heads + 2 * num_kv_heads
     check_tensor("qkv", qkv, dtype=bfloat16, shape=(None, total, head_dim))
     num_tokens = qkv.shape[0]
@@ -55,10 +73,10 @@ def write_kv_packed(qkv: Tensor, num_q_heads: int, k_cache: Tensor, v_cache: Ten
         return
     if device == "cpu":
         a = qkv.array
-        write_kv_reference(a[:, num_q_heads:num_q_heads + num_kv_heads], a[:, num_q_heads + num_kv_heads:],
-                           k_cache.array, v_cache.array, slot_mapping.array)
+        _write_reference(a[:, num_q_heads:num_q_heads + num_kv_heads], a[:, num_q_heads + num_kv_heads:], k_cache,
+                         v_cache, slot_mapping, k_scale, v_scale)
         return
     check_aligned("qkv", qkv)
     elem = qkv.itemsize * head_dim
     _write_kv(qkv, num_q_heads * elem, (num_q_heads + num_kv_heads) * elem, total * head_dim, num_tokens,
-              k_cache, v_cache, slot_mapping)
+              k_cache, v_cache, slot_mapping, k_scale, v_scale)

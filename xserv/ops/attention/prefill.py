@@ -19,7 +19,8 @@ from ...runtime.device import CTA_SMEM_RESERVED, SM90_SMEM_PER_BLOCK_OPTIN, SM90
 from ...runtime.tma import kv_cache_tensor_map
 from ...tensor import Tensor, bfloat16, int32
 from .._checks import check_tensor, output, same_device
-from ._args import HEAD_DIMS, check_cache, check_tables, query_heads
+from ._args import HEAD_DIMS, check_cache, check_tables, is_fp8, query_heads
+from .fp8_kv import dequantize_kv_blocks, prefill_scratch
 from .reference import attention_prefill_reference
 
 _TILE_ALIGN = 1024  # sm_90a kernels align their tiles to 1 KB (the 128-byte swizzle works on address bits)
@@ -220,14 +221,19 @@ def select_prefill_kernel(variant: str, head_dim: int, block_size: int, use_tma:
 def attention_prefill(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Tensor, kv_lens: Tensor,
                       block_tables: Tensor, scale: float, max_q_len: int, out: Tensor | None = None,
                       num_q_heads: int | None = None, causal: bool = True, variant: str | None = None,
-                      use_tma: bool = True) -> Tensor:
+                      use_tma: bool = True, k_scale: Tensor | None = None, v_scale: Tensor | None = None,
+                      kv_scratch: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Causal attention of packed query chunks against the paged cache (which already holds their K/V).
     q [T, Hq, D] (or packed qkv with num_q_heads), cu_seqlens_q int32 [B+1], kv_lens int32 [B] (>= q_len),
     block_tables int32 [B, max_blocks]; max_q_len >= every q_len (sizes the grid) -> out bf16 [T, Hq, D].
     causal=False (every query sees all kv_len keys) exists for benchmarks against non-causal peers.
     variant: a PREFILL_KERNELS name (default: default_prefill_variant()); use_tma=False keeps v4/v5 off the TMA
-    (cp.async copies only), for tests of that path."""
-    _, block_size, num_kv_heads, head_dim = check_cache(k_cache, v_cache)
+    (cp.async copies only), for tests of that path.
+    FP8 cache (float8_e4m3fn, with this layer's k_scale / v_scale): on CUDA the blocks the batch reads are first
+    dequantized into kv_scratch (bf16 (K, V) of the cache's shape, same block indices: KVCache.prefill_scratch; None:
+    a pooled one), which the bf16 kernels then read through the batch's own block tables (fp8_kv.py,
+    dequantize_kv_blocks); on the CPU the reference dequantizes as it gathers."""
+    _, block_size, num_kv_heads, head_dim = check_cache(k_cache, v_cache, k_scale, v_scale)
     num_q_heads = query_heads(q, num_q_heads, num_kv_heads, head_dim)
     check_tensor("cu_seqlens_q", cu_seqlens_q, dtype=int32, ndim=1)
     num_seqs = cu_seqlens_q.shape[0] - 1
@@ -245,13 +251,18 @@ def attention_prefill(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q:
         if num_tokens and num_seqs and max_q_len:
             out.array[...] = attention_prefill_reference(
                 q.array, k_cache.array, v_cache.array, cu_seqlens_q.array, kv_lens.array, block_tables.array, scale,
-                num_q_heads, causal=causal).astype(bfloat16)
+                num_q_heads, causal=causal, k_scale=None if k_scale is None else k_scale.array,
+                v_scale=None if v_scale is None else v_scale.array).astype(bfloat16)
         return out
     k = select_prefill_kernel(variant or default_prefill_variant(), head_dim, block_size, use_tma)
     if k.causal_only and not causal:
         raise ValueError(f"variant: the {k.variant} prefill kernel is causal only")
     if num_tokens == 0 or num_seqs == 0 or max_q_len == 0:
         return out
+    if is_fp8(k_cache):
+        k_bf16, v_bf16 = prefill_scratch(k_cache, kv_scratch)
+        dequantize_kv_blocks(k_cache, v_cache, k_scale, v_scale, kv_lens, block_tables, k_bf16, v_bf16)
+        k_cache, v_cache = k_bf16, v_bf16
     args = [q, np.int64(q.shape[1] * head_dim), k_cache, v_cache, cu_seqlens_q, kv_lens, block_tables,
             np.int32(block_tables.shape[1]), np.int32(block_size), np.int32(num_q_heads), np.int32(num_kv_heads),
             np.float32(scale * math.log2(math.e)), out, np.int32(bool(causal))]

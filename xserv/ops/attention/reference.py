@@ -15,21 +15,28 @@ def write_kv_reference(k: np.ndarray, v: np.ndarray, k_cache: np.ndarray, v_cach
     v_cache.reshape(-1, num_kv_heads, head_dim)[slots[keep]] = v[keep]
 
 
-def gather_kv(k_cache: np.ndarray, v_cache: np.ndarray, block_table_row: np.ndarray, kv_len: int):
-    """The dense K and V [kv_len, Hkv, D] of one sequence, read through its block-table row."""
+def gather_kv(k_cache: np.ndarray, v_cache: np.ndarray, block_table_row: np.ndarray, kv_len: int,
+              k_scale: np.ndarray | None = None, v_scale: np.ndarray | None = None):
+    """The dense K and V [kv_len, Hkv, D] of one sequence, read through its block-table row; an FP8 cache (codes,
+    with k_scale / v_scale [Hkv]) gives float32(code) * scale (what the kernels compute)."""
     block_size = k_cache.shape[1]
     blocks = np.asarray(block_table_row[: -(-kv_len // block_size)], np.int64)
     shape = (-1,) + k_cache.shape[2:]
-    return k_cache[blocks].reshape(shape)[:kv_len], v_cache[blocks].reshape(shape)[:kv_len]
+    k, v = k_cache[blocks].reshape(shape)[:kv_len], v_cache[blocks].reshape(shape)[:kv_len]
+    if k_scale is not None:
+        k = k.astype(np.float32) * np.asarray(k_scale, np.float32)[:, None]
+        v = v.astype(np.float32) * np.asarray(v_scale, np.float32)[:, None]
+    return k, v
 
 
 def attention_prefill_reference(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, cu_seqlens_q: np.ndarray,
                                 kv_lens: np.ndarray, block_tables: np.ndarray, scale: float,
                                 num_q_heads: int | None = None, dtype=np.float32, q_block: int = 512,
-                                causal: bool = True) -> np.ndarray:
+                                causal: bool = True, k_scale: np.ndarray | None = None,
+                                v_scale: np.ndarray | None = None) -> np.ndarray:
     """Causal paged attention in `dtype`: out [T, Hq, D]. Query i of sequence s sits at position
     kv_lens[s] - q_len_s + i and sees keys 0..that position (all kv_len keys with causal=False). Work is vectorised over heads, `q_block` query rows
-    at a time (bounds the [Hkv, G, rows, kv_len] score array)."""
+    at a time (bounds the [Hkv, G, rows, kv_len] score array). FP8 caches: with k_scale / v_scale (gather_kv)."""
     num_q_heads = q.shape[1] if num_q_heads is None else num_q_heads
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     group = num_q_heads // num_kv_heads
@@ -39,7 +46,7 @@ def attention_prefill_reference(q: np.ndarray, k_cache: np.ndarray, v_cache: np.
         start, q_len, kv_len = int(cu[s]), int(cu[s + 1] - cu[s]), int(kv_lens[s])
         if q_len == 0:
             continue
-        k, v = gather_kv(k_cache, v_cache, block_tables[s], kv_len)
+        k, v = gather_kv(k_cache, v_cache, block_tables[s], kv_len, k_scale, v_scale)
         kt = k.astype(dtype).transpose(1, 2, 0)[:, None]  # [Hkv, 1, D, kv_len]
         vt = v.astype(dtype).transpose(1, 0, 2)[:, None]  # [Hkv, 1, kv_len, D]
         for r0 in range(0, q_len, q_block):
@@ -60,10 +67,12 @@ def attention_prefill_reference(q: np.ndarray, k_cache: np.ndarray, v_cache: np.
 
 def attention_decode_reference(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, kv_lens: np.ndarray,
                                block_tables: np.ndarray, scale: float, num_q_heads: int | None = None,
-                               dtype=np.float32) -> np.ndarray:
+                               dtype=np.float32, k_scale: np.ndarray | None = None,
+                               v_scale: np.ndarray | None = None) -> np.ndarray:
     """One query per sequence, at position kv_lens[s] - 1: out [B, Hq, D]."""
     cu = np.arange(q.shape[0] + 1, dtype=np.int32)
-    return attention_prefill_reference(q, k_cache, v_cache, cu, kv_lens, block_tables, scale, num_q_heads, dtype)
+    return attention_prefill_reference(q, k_cache, v_cache, cu, kv_lens, block_tables, scale, num_q_heads, dtype,
+                                       k_scale=k_scale, v_scale=v_scale)
 
 
 def attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, causal: bool = True) -> np.ndarray:

@@ -1,0 +1,271 @@
+"""The FP8 (e4m3) KV cache ops: the float -> e4m3 conversion (soft form against ml_dtypes), the quantizing KV write,
+decode and prefill over an FP8 cache (NumPy on the CPU; the CUDA kernels against the NumPy path on a GPU), and the
+argument checks. Model-level checks: tests/test_fp8_kv_model.py."""
+import math
+
+import numpy as np
+import pytest
+
+from xserv.ops import attention as A
+from xserv.ops.attention import fp8_kv as F
+from xserv.ops.rope import qk_norm_rope_write_kv_reference, rope_cos_sin_table
+from xserv.tensor import Tensor, bfloat16, float8_e4m3fn, float32, int32
+from xserv.testing import paged_kv_from_dense, random_array
+
+E4M3 = np.dtype(float8_e4m3fn)
+
+
+def _interesting_floats(rng) -> np.ndarray:
+    """Every e4m3 value, the midpoints between neighbours (ties: round to even), one float32 step either side of
+    them, log-uniform random magnitudes over 2^-14 .. 2^10 of both signs, and the specials."""
+    codes = np.arange(256, dtype=np.uint8).view(E4M3).astype(np.float32)
+    finite = np.unique(codes[np.isfinite(codes)])
+    mids = (finite[:-1] + finite[1:]) / 2
+    near = np.concatenate([np.nextafter(mids, np.float32(np.inf)), np.nextafter(mids, np.float32(-np.inf))])
+    rand = np.exp2(rng.uniform(-14, 10, 200_000)).astype(np.float32) * rng.choice([-1, 1], 200_000)
+    special = np.array([0.0, -0.0, np.inf, -np.inf, 448, -448, 464, -464, 465, 480, 1e30, 2 ** -6, 2 ** -9,
+                        2 ** -10, 2 ** -10 * 3, 1e-30, -1e-30], np.float32)
+    return np.concatenate([finite, mids, near, rand, special]).astype(np.float32)
+
+
+def test_soft_e4m3_encoding_matches_ml_dtypes_round_to_nearest_even_with_saturation():
+    x = _interesting_floats(np.random.default_rng(0))
+    soft = F.float_to_e4m3_soft(x)
+    ref = F.quantize_e4m3_reference(x).view(np.uint8)
+    bad = np.flatnonzero(soft != ref)
+    assert bad.size == 0, f"{bad.size} codes differ, e.g. x={x[bad[:5]]}: soft {soft[bad[:5]]} vs {ref[bad[:5]]}"
+    assert F.float_to_e4m3_soft(np.array([np.nan], np.float32))[0] == 0x7F  # NaN stays NaN
+    assert F.quantize_e4m3_reference(np.array([1e6, -1e6], np.float32)).astype(np.float32).tolist() == [448, -448]
+
+
+def test_e4m3_round_trip_error_is_within_half_a_step():
+    x = np.random.default_rng(1).uniform(2 ** -6, 448, 100_000).astype(np.float32)
+    back = F.quantize_e4m3_reference(x).astype(np.float32)
+    assert np.max(np.abs(back - x) / x) <= 2 ** -4  # 3 mantissa bits: half a step is 2^-4 relative at most
+
+
+def _scales(rng, heads):
+    return rng.uniform(0.25, 2.0, heads).astype(np.float32)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_write_kv_fp8_cpu_quantizes_the_slots_it_is_given(packed):
+    rng = np.random.default_rng(2)
+    hq, hkv, d, bs, blocks, t = 4, 2, 64, 16, 5, 19
+    slots = rng.permutation(blocks * bs)[:t].astype(np.int32)
+    slots[3] = -1  # a padding token: skipped
+    k_scale, v_scale = _scales(rng, hkv), _scales(rng, hkv)
+    k_cache = Tensor.from_numpy(np.full((blocks, bs, hkv, d), np.nan, np.float32).astype(E4M3), "cpu")
+    v_cache = Tensor.from_numpy(np.full((blocks, bs, hkv, d), np.nan, np.float32).astype(E4M3), "cpu")
+    qkv = random_array(rng, (t, hq + 2 * hkv, d), bfloat16, std=3.0)
+    k, v = qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+    args = (k_cache, v_cache, Tensor.from_numpy(slots, "cpu"), Tensor.from_numpy(k_scale, "cpu"),
+            Tensor.from_numpy(v_scale, "cpu"))
+    if packed:
+        A.write_kv_packed(Tensor.from_numpy(qkv, "cpu"), hq, *args)
+    else:
+        A.write_kv(Tensor.from_numpy(np.ascontiguousarray(k), "cpu"), Tensor.from_numpy(np.ascontiguousarray(v), "cpu"),
+                   *args)
+    kc, vc = k_cache.array.reshape(-1, hkv, d), v_cache.array.reshape(-1, hkv, d)
+    keep = slots >= 0
+    want_k = F.quantize_e4m3_reference(k[keep].astype(np.float32) / k_scale[:, None])
+    assert np.array_equal(kc[slots[keep]].view(np.uint8), want_k.view(np.uint8))
+    assert np.array_equal(vc[slots[keep]].view(np.uint8),
+                          F.quantize_e4m3_reference(v[keep].astype(np.float32) / v_scale[:, None]).view(np.uint8))
+    untouched = np.setdiff1d(np.arange(blocks * bs), slots[keep])
+    assert np.all(np.isnan(kc[untouched].astype(np.float32))) and np.all(np.isnan(vc[untouched].astype(np.float32)))
+    # the dequantized values are the inputs to within e4m3's half step (2^-4 relative; values here are normals)
+    back = F.dequantize_kv_reference(kc[slots[keep]], k_scale)
+    big = np.abs(k[keep].astype(np.float32)) > 2 ** -6 * k_scale.max()
+    assert np.max(np.abs(back - k[keep].astype(np.float32))[big] / np.abs(k[keep].astype(np.float32))[big]) <= 2 ** -4
+
+
+def fp8_case(rng, q_lens, kv_lens, hq, hkv, d, bs, packed=False):
+    """Zero-mean K/V quantized with random per-head scales into a permuted paged FP8 cache (unused slots NaN), the
+    same values dequantized (what the kernels must attend over), packed queries."""
+    k_scale, v_scale = _scales(rng, hkv), _scales(rng, hkv)
+    kq = [F.quantize_kv_reference(random_array(rng, (n, hkv, d), np.float32, mean=0.0), k_scale) for n in kv_lens]
+    vq = [F.quantize_kv_reference(random_array(rng, (n, hkv, d), np.float32, mean=0.0), v_scale) for n in kv_lens]
+    k_cache, v_cache, tables = paged_kv_from_dense(rng, kq, vq, bs)
+    heads = hq + (2 * hkv if packed else 0)
+    return dict(q=random_array(rng, (sum(q_lens), heads, d), bfloat16, mean=0.0), k_cache=k_cache, v_cache=v_cache,
+                tables=tables, cu=np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32),
+                kv_lens=np.array(kv_lens, np.int32), k_scale=k_scale, v_scale=v_scale, hq=hq,
+                ks=[F.dequantize_kv_reference(k, k_scale, np.float64) for k in kq],
+                vs=[F.dequantize_kv_reference(v, v_scale, np.float64) for v in vq], scale=1.0 / math.sqrt(d))
+
+
+def dense_expected(c):
+    cu = c["cu"]
+    return np.concatenate([A.attention_reference(c["q"][cu[s]:cu[s + 1], :c["hq"]], c["ks"][s], c["vs"][s], c["scale"])
+                           for s in range(len(cu) - 1)])
+
+
+def tensors(c, device):
+    t = {k: Tensor.from_numpy(c[k], device) for k in ("q", "k_cache", "v_cache", "k_scale", "v_scale")}
+    t.update(cu=Tensor.from_numpy(c["cu"], device), kv_lens=Tensor.from_numpy(c["kv_lens"], device),
+             tables=Tensor.from_numpy(c["tables"], device))
+    return t
+
+
+def errors(out, ref) -> tuple[float, float]:
+    """(max, mean) relative L2 error of the output rows [Hq * D]."""
+    out = np.asarray(out, np.float64).reshape(len(ref), -1)
+    ref = np.asarray(ref, np.float64).reshape(len(ref), -1)
+    if not np.all(np.isfinite(out)):
+        return float("inf"), float("inf")
+    e = np.linalg.norm(out - ref, axis=1) / np.linalg.norm(ref, axis=1)
+    return float(e.max()), float(e.mean())
+
+
+def run_decode(c, device):
+    t = tensors(c, device)
+    return A.attention_decode(t["q"], t["k_cache"], t["v_cache"], t["kv_lens"], t["tables"], c["scale"],
+                              int(c["kv_lens"].max()), num_q_heads=c["hq"], k_scale=t["k_scale"],
+                              v_scale=t["v_scale"]).numpy()
+
+
+def run_prefill(c, device):
+    t = tensors(c, device)
+    q_lens = np.diff(c["cu"])
+    return A.attention_prefill(t["q"], t["k_cache"], t["v_cache"], t["cu"], t["kv_lens"], t["tables"], c["scale"],
+                               int(q_lens.max()), num_q_heads=c["hq"], k_scale=t["k_scale"],
+                               v_scale=t["v_scale"]).numpy()
+
+
+@pytest.mark.parametrize("hq, hkv, d, bs", [(4, 2, 64, 16), (8, 1, 128, 5), (6, 2, 128, 16)])
+def test_decode_and_prefill_over_an_fp8_cache_cpu(hq, hkv, d, bs):
+    rng = np.random.default_rng(3)
+    c = fp8_case(rng, [1, 1, 1], [1, 37, 130], hq, hkv, d, bs)
+    assert max(errors(run_decode(c, "cpu"), dense_expected(c))) <= 1e-2
+    c = fp8_case(rng, [5, 1, 40], [5, 70, 40], hq, hkv, d, bs, packed=True)  # a chunk after a cached prefix
+    assert max(errors(run_prefill(c, "cpu"), dense_expected(c))) <= 1e-2
+
+
+def test_dequantize_kv_blocks_cpu_fills_the_blocks_the_batch_reads():
+    rng = np.random.default_rng(4)
+    c = fp8_case(rng, [1, 1], [20, 3], 2, 2, 64, 8)
+    t = tensors(c, "cpu")
+    k_out, v_out = F.prefill_scratch(t["k_cache"], None)
+    k_out.array[...] = v_out.array[...] = np.nan
+    F.dequantize_kv_blocks(t["k_cache"], t["v_cache"], t["k_scale"], t["v_scale"], t["kv_lens"], t["tables"], k_out,
+                           v_out)
+    for s, n in enumerate(c["kv_lens"]):
+        k, v = A.gather_kv(k_out.array, v_out.array, c["tables"][s], int(n))
+        assert np.array_equal(k.astype(np.float64), c["ks"][s].astype(bfloat16).astype(np.float64))
+        assert np.array_equal(v.astype(np.float64), c["vs"][s].astype(bfloat16).astype(np.float64))
+
+
+def test_fp8_cache_arguments_are_checked():
+    rng = np.random.default_rng(5)
+    c = fp8_case(rng, [1], [9], 2, 2, 64, 8)
+    t = tensors(c, "cpu")
+    with pytest.raises(ValueError, match="k_cache: a float8_e4m3fn .* needs k_scale and v_scale"):
+        A.attention_decode(t["q"], t["k_cache"], t["v_cache"], t["kv_lens"], t["tables"], 0.1, 9)
+    bad = Tensor.from_numpy(np.ones(3, np.float32), "cpu")
+    with pytest.raises(ValueError, match=r"k_scale: shape \[3\], expected \[2\]"):
+        A.attention_decode(t["q"], t["k_cache"], t["v_cache"], t["kv_lens"], t["tables"], 0.1, 9, k_scale=bad,
+                           v_scale=t["v_scale"])
+    with pytest.raises(ValueError, match="k_scale: dtype"):
+        A.attention_decode(t["q"], t["k_cache"], t["v_cache"], t["kv_lens"], t["tables"], 0.1, 9,
+                           k_scale=Tensor.from_numpy(np.ones(2, np.int32), "cpu"), v_scale=t["v_scale"])
+    bf = Tensor.from_numpy(c["k_cache"].astype(np.float32).astype(bfloat16), "cpu")
+    with pytest.raises(ValueError, match="only an FP8 cache takes scales"):
+        A.attention_decode(t["q"], bf, bf.clone(), t["kv_lens"], t["tables"], 0.1, 9, k_scale=t["k_scale"],
+                           v_scale=t["v_scale"])
+    with pytest.raises(ValueError, match="v_cache: dtype bfloat16, expected float8_e4m3fn"):
+        A.attention_decode(t["q"], t["k_cache"], bf, t["kv_lens"], t["tables"], 0.1, 9, k_scale=t["k_scale"],
+                           v_scale=t["v_scale"])
+    scratch = F.prefill_scratch(t["k_cache"], None)
+    with pytest.raises(ValueError, match=r"kv_scratch\[0\]: float32"):
+        F.prefill_scratch(t["k_cache"], (Tensor.zeros(t["k_cache"].shape, float32, "cpu"), scratch[1]))
+
+
+def test_decode_rope_over_an_fp8_cache_cpu_is_the_composition():
+    rng = np.random.default_rng(6)
+    hq, hkv, d, bs = 4, 2, 128, 16
+    c = fp8_case(rng, [1, 1], [17, 40], hq, hkv, d, bs, packed=True)
+    t = tensors(c, "cpu")
+    cos_sin = rope_cos_sin_table(d, 64, 1e6)
+    positions = (c["kv_lens"] - 1).astype(np.int32)
+    slots = np.array([c["tables"][s, p // bs] * bs + p % bs for s, p in enumerate(positions)], np.int32)
+    qw, kw = (random_array(rng, (d,), bfloat16, mean=1.0, std=0.1) for _ in range(2))
+    out = A.attention_decode_rope(t["q"], Tensor.from_numpy(qw, "cpu"), Tensor.from_numpy(kw, "cpu"),
+                                  Tensor.from_numpy(positions, "cpu"), Tensor.from_numpy(cos_sin, "cpu"), hq, 1e-6,
+                                  t["k_cache"], t["v_cache"], Tensor.from_numpy(slots, "cpu"), t["kv_lens"],
+                                  t["tables"], c["scale"], 40, k_scale=t["k_scale"], v_scale=t["v_scale"]).numpy()
+    kc, vc = c["k_cache"].copy(), c["v_cache"].copy()
+    rotated = qk_norm_rope_write_kv_reference(c["q"], qw, kw, positions, cos_sin, hq, hkv, 1e-6, kc, vc, slots,
+                                              c["k_scale"], c["v_scale"])
+    assert np.array_equal(t["k_cache"].array.view(np.uint8), kc.view(np.uint8))  # the new K quantized in place
+    want = A.attention_decode_reference(rotated, kc, vc, c["kv_lens"], c["tables"], c["scale"], hq, np.float64,
+                                        k_scale=c["k_scale"], v_scale=c["v_scale"])
+    assert max(errors(out, want)) <= 1e-2
+
+
+# ---- GPU: the CUDA kernels against the NumPy path ------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("packed, t", [(False, 1), (True, 37), (False, 300)])
+def test_write_kv_fp8_cuda_codes_equal_the_reference(packed, t):
+    rng = np.random.default_rng(10 + t)
+    hq, hkv, d, bs, blocks = 8, 2, 128, 16, 40
+    slots = rng.permutation(blocks * bs)[:t].astype(np.int32)
+    if t > 1:
+        slots[t // 2] = -1
+    k_scale, v_scale = _scales(rng, hkv), _scales(rng, hkv)
+    # values over e4m3's whole range and past it (saturation), subnormals, ties
+    qkv = (random_array(rng, (t, hq + 2 * hkv, d), np.float32) * np.exp2(rng.uniform(-12, 10, (t, 1, d)))
+           ).astype(bfloat16)
+    nan_cache = np.full((blocks, bs, hkv, d), np.nan, np.float32).astype(E4M3)
+    kc, vc = nan_cache.copy(), nan_cache.copy()
+    gk, gv = Tensor.from_numpy(nan_cache, "cuda"), Tensor.from_numpy(nan_cache, "cuda")
+    ks, vs = Tensor.from_numpy(k_scale, "cuda"), Tensor.from_numpy(v_scale, "cuda")
+    slot_t = Tensor.from_numpy(slots, "cuda")
+    k, v = qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+    if packed:
+        A.write_kv_packed(Tensor.from_numpy(qkv, "cuda"), hq, gk, gv, slot_t, ks, vs)
+    else:
+        A.write_kv(Tensor.from_numpy(np.ascontiguousarray(k), "cuda"), Tensor.from_numpy(np.ascontiguousarray(v), "cuda"),
+                   gk, gv, slot_t, ks, vs)
+    F.write_kv_fp8_reference(k, v, kc, vc, slots, k_scale, v_scale)
+    assert np.array_equal(gk.numpy().view(np.uint8), kc.view(np.uint8))
+    assert np.array_equal(gv.numpy().view(np.uint8), vc.view(np.uint8))
+
+
+GPU_SHAPES = [(16, 8, 128), (32, 8, 128), (64, 8, 128), (16, 8, 64), (40, 8, 128)]  # G = 2, 4, 8, 2 (d64), 5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("context", [512, 8192])
+@pytest.mark.parametrize("hq, hkv, d", GPU_SHAPES)
+def test_decode_fp8_cuda_matches_numpy(context, hq, hkv, d):
+    rng = np.random.default_rng(context + hq + d)
+    c = fp8_case(rng, [1, 1, 1], [context, context // 2 + 3, 1], hq, hkv, d, 16)
+    ref = A.attention_decode_reference(c["q"], c["k_cache"], c["v_cache"], c["kv_lens"], c["tables"], c["scale"],
+                                       hq, np.float64, k_scale=c["k_scale"], v_scale=c["v_scale"])
+    mx, mean = errors(run_decode(c, "cuda"), ref)
+    print(f"decode fp8 ctx {context} {hq}/{hkv} d{d}: max rel err {mx:.2e}, mean {mean:.2e}")
+    assert mx <= 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("context", [512, 8192])
+@pytest.mark.parametrize("hq, hkv, d", GPU_SHAPES[:2] + GPU_SHAPES[3:4])
+def test_prefill_fp8_cuda_matches_numpy(context, hq, hkv, d):
+    rng = np.random.default_rng(context + hq + d + 1)
+    chunk = 97  # a chunk after a cached prefix (what chunked prefill and prefix-cache hits read), and a decode row
+    c = fp8_case(rng, [chunk, 1], [context, 33], hq, hkv, d, 16, packed=True)
+    ref = A.attention_prefill_reference(c["q"], c["k_cache"], c["v_cache"], c["cu"], c["kv_lens"], c["tables"],
+                                        c["scale"], hq, np.float64, k_scale=c["k_scale"], v_scale=c["v_scale"])
+    mx, mean = errors(run_prefill(c, "cuda"), ref)
+    print(f"prefill fp8 ctx {context} {hq}/{hkv} d{d}: max rel err {mx:.2e}, mean {mean:.2e}")
+    assert mx <= 1e-2
+
+
+@pytest.mark.gpu
+def test_decode_fp8_cuda_zero_length_rows_are_zero():
+    rng = np.random.default_rng(20)
+    c = fp8_case(rng, [1, 1], [300, 1], 16, 8, 128, 16)
+    c["kv_lens"][1] = 0
+    out = run_decode(c, "cuda")
+    assert np.all(out[1].astype(np.float32) == 0) and np.all(np.isfinite(out[0].astype(np.float32)))
