@@ -32,6 +32,8 @@
 #define XSERV_GEMV_PIECE(M, P) ((M) == XSERV_ROWS && (P) == XSERV_PART)
 #endif
 //
+// The prologues, the epilogues and gemv_row itself live in gemv_row.cuh, shared with gemv_fp8.cu (the same one-row
+// kernel on e4m3 weights); this file instantiates gemv_row with the bf16 weight format (Bf16Weights below).
 // Two kernels share the prologues and epilogues (docs/kernels/gemv.md has the versions and their measurements):
 //   gemv_row        one x row, CUDA cores. A CTA of 4 warps; a row group is 4 weight rows, each lane holding
 //                   U = 4 16-byte chunks of each in flight (16 loads), the lanes of a warp reading 512 contiguous
@@ -57,324 +59,39 @@
 // Requirements (the launcher checks): K % 8 == 0, W and x rows 16-byte aligned (x_stride a multiple of 8 bf16 /
 // 4 fp32 values), dynamic shared memory for the reduction buffers and the staged x.
 #include "mma.cuh"
-#include "norm.cuh"
+#include "gemv_row.cuh"
 
 namespace {
 
-enum Prologue : int { kBf16 = 0, kRmsNorm = 1, kSiluMul = 2 };
-enum Epilogue : int { kStoreBf16 = 0, kStoreF32 = 1, kAddResidual = 2, kSiluMulBf16 = 3 };
+using namespace xserv::gemv;
 
-// A weight load that should not displace x or the staged rows in L1: W is read exactly once.
-__device__ __forceinline__ uint4 load_weight(const __nv_bfloat16* p) {
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
-    return v;
-}
+// ---- gemv_row: one x row on the CUDA cores (gemv_row.cuh), bf16 weights -----------------------------------------
+// The bf16 weight format of row::gemv: 8 weights a 16-byte chunk, no scales.
+struct Bf16Weights {
+    using Elem = __nv_bfloat16;
+    static constexpr int kValues = 8;
+    struct Scales {};
+    __device__ static __forceinline__ const float* scale_row(const float*, long long, int) { return nullptr; }
+    __device__ static __forceinline__ void load_scale(Scales&, int, const float*, int, int) {}
 
-__device__ __forceinline__ void store_out(void* out, long long o, float v, int epilogue) {
-    if (epilogue == kStoreBf16) static_cast<__nv_bfloat16*>(out)[o] = __float2bfloat16_rn(v);
-    else if (epilogue == kStoreF32) static_cast<float*>(out)[o] = v;
-    else static_cast<float*>(out)[o] += xserv::round_bf16(v);
-}
-
-// gemv_row's store: the residual add takes the value its lane loaded at the tile's start (resid), so that a tile
-// does not end on a dependent load (the same sum as store_out's +=).
-__device__ __forceinline__ void store_row(void* out, long long o, float v, float resid, int epilogue) {
-    if (epilogue == kAddResidual) static_cast<float*>(out)[o] = resid + xserv::round_bf16(v);
-    else store_out(out, o, v, epilogue);
-}
-
-// The RMSNorm prologue's arithmetic on 8 values, shared by its two forms below (the same expressions, so the same
-// bits): their sum of squares, and x = w * (r * inv) (fused_add_rmsnorm_f32res's rounding, rmsnorm.cu).
-__device__ __forceinline__ float sum_squares8(const float (&v)[8]) {
-    return v[0] * v[0] + v[1] * v[1] + v[2] * v[2] + v[3] * v[3] + v[4] * v[4] + v[5] * v[5] + v[6] * v[6] +
-           v[7] * v[7];
-}
-__device__ __forceinline__ void normalise8(float (&v)[8], const float (&w)[8], float inv) {
-#pragma unroll
-    for (int e = 0; e < 8; ++e) v[e] = w[e] * (v[e] * inv);
-}
-
-// The RMSNorm prologue of one whole row (gemv_row) where a thread's share of it fits in registers (at most
-// kHeldChunks 8-value chunks: K <= 4096 with 128 threads): the row and the norm weight are loaded together, once, and
-// kept in registers between the two passes, so the prologue costs one round trip to L2 after the wait instead of two
-// (stage_x's pass 2 re-reads the row and loads the weight). The same arithmetic in the same order as stage_x.
-constexpr int kHeldChunks = 4;
-
-template <int THREADS>
-__device__ __forceinline__ void stage_normed_row(__nv_bfloat16* xs, float* scratch, const float* row,
-                                                 const __nv_bfloat16* norm_w, float eps, int K) {
-    constexpr int kWarps = THREADS / 32;
-    const int row_chunks = K / 8;
-    float v[kHeldChunks][8], w[kHeldChunks][8];
-#pragma unroll
-    for (int j = 0; j < kHeldChunks; ++j) {
-        const int c = threadIdx.x + j * THREADS;
-        if (c < row_chunks) {
-            xserv::load8(row + c * 8, v[j]);
-            xserv::load8(norm_w + c * 8, w[j]);
+    __device__ static __forceinline__ float dot8(const uint4& w, const uint4& x, float acc) {
+        const unsigned wv[4] = {w.x, w.y, w.z, w.w}, xv[4] = {x.x, x.y, x.z, x.w};
+    #pragma unroll
+        for (int j = 0; j < 4; ++j) {  // bf16 -> fp32 is a shift (low half) or a mask (high half)
+            acc = fmaf(__uint_as_float(wv[j] << 16), __uint_as_float(xv[j] << 16), acc);
+            acc = fmaf(__uint_as_float(wv[j] & 0xffff0000u), __uint_as_float(xv[j] & 0xffff0000u), acc);
         }
+        return acc;
     }
-    float ss = 0.f;
+
+    __device__ static __forceinline__ void fma_chunk(float (&acc)[row::kRows], const uint4 (&w)[row::kRows],
+                                                     const Scales&, int, const __nv_bfloat16* xs, int cu) {
+        const uint4 xv = reinterpret_cast<const uint4*>(xs)[cu];
 #pragma unroll
-    for (int j = 0; j < kHeldChunks; ++j) {
-        if (threadIdx.x + j * THREADS < row_chunks) ss += sum_squares8(v[j]);
+        for (int r = 0; r < row::kRows; ++r) acc[r] = dot8(w[r], xv, acc[r]);
     }
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const float s = xserv::warp_sum(ss);
-    if (lane == 0) scratch[warp] = s;
-    __syncthreads();
-    float total = 0.f;
-#pragma unroll
-    for (int i = 0; i < kWarps; ++i) total += scratch[i];
-    const float inv = xserv::rms_inv(total, K, eps);
-#pragma unroll
-    for (int j = 0; j < kHeldChunks; ++j) {
-        const int c = threadIdx.x + j * THREADS;
-        if (c < row_chunks) {
-            normalise8(v[j], w[j], inv);
-            xserv::store8(xs + c * 8, v[j]);
-        }
-    }
-    __syncthreads();
-}
+};
 
-// Stage the columns [k0, k0 + KL) of the m transformed x rows in shared memory (bf16 [m][KL], row stride KS).
-// K is the whole row (the RMS mean is over all of it; the up half of [gate | up] starts at K). Every thread of the
-// CTA takes part.
-template <int M, int THREADS>
-__device__ __forceinline__ void stage_x(__nv_bfloat16* xs, int KS, float* scratch, const void* x, long long x_stride,
-                                        const int* x_rows, const __nv_bfloat16* norm_w, float eps, int m, int K,
-                                        int k0, int KL, int prologue) {
-    constexpr int kThreads = THREADS, kWarps = THREADS / 32;
-    const int chunks = KL / 8;
-    if (M == 1 && prologue == kRmsNorm && k0 == 0 && KL == K && K <= THREADS * 8 * kHeldChunks) {
-        const float* row = static_cast<const float*>(x) + (long long)(x_rows ? x_rows[0] : 0) * x_stride;
-        stage_normed_row<THREADS>(xs, scratch, row, norm_w, eps, K);
-        return;
-    }
-    if (prologue == kRmsNorm) {
-        const int row_chunks = K / 8;
-        // Pass 1: each row's sum of squares (per-thread partials, then warp and CTA sums in a fixed order).
-        float ss[M];
-#pragma unroll
-        for (int i = 0; i < M; ++i) ss[i] = 0.f;
-#pragma unroll
-        for (int i = 0; i < M; ++i) {
-            if (i < m) {
-                const float* row = static_cast<const float*>(x) + (long long)(x_rows ? x_rows[i] : i) * x_stride;
-                for (int c = threadIdx.x; c < row_chunks; c += kThreads) {
-                    float v[8];
-                    xserv::load8(row + c * 8, v);
-                    ss[i] += sum_squares8(v);
-                }
-            }
-        }
-        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-        for (int i = 0; i < M; ++i) {
-            const float s = xserv::warp_sum(ss[i]);
-            if (lane == 0) scratch[i * kWarps + warp] = s;
-        }
-        __syncthreads();
-        // Pass 2: x = bf16(w * (r * inv)), re-reading the row (L1/L2 hits).
-#pragma unroll
-        for (int i = 0; i < M; ++i) {
-            if (i < m) {
-                float total = 0.f;
-#pragma unroll
-                for (int w = 0; w < kWarps; ++w) total += scratch[i * kWarps + w];
-                const float inv = xserv::rms_inv(total, K, eps);
-                const float* row = static_cast<const float*>(x) + (long long)(x_rows ? x_rows[i] : i) * x_stride;
-                for (int c = threadIdx.x; c < chunks; c += kThreads) {
-                    float v[8], w[8];
-                    xserv::load8(row + k0 + c * 8, v);
-                    xserv::load8(norm_w + k0 + c * 8, w);
-                    normalise8(v, w, inv);
-                    xserv::store8(xs + (long long)i * KS + c * 8, v);
-                }
-            }
-        }
-    } else if (prologue == kSiluMul) {
-        // One flat loop over (row, chunk) so that a thread's loads are independent (in flight together).
-#pragma unroll 4
-        for (int e = threadIdx.x; e < m * chunks; e += kThreads) {
-            const int i = e / chunks, c = e - i * chunks;
-            const __nv_bfloat16* row = static_cast<const __nv_bfloat16*>(x) + (long long)(x_rows ? x_rows[i] : i) * x_stride;
-            float g[8], u[8];
-            xserv::load8(row + k0 + c * 8, g);
-            xserv::load8(row + K + k0 + c * 8, u);
-#pragma unroll
-            for (int j = 0; j < 8; ++j) g[j] = xserv::round_bf16(xserv::silu(g[j])) * u[j];
-            xserv::store8(xs + (long long)i * KS + c * 8, g);
-        }
-    } else {
-#pragma unroll 4
-        for (int e = threadIdx.x; e < m * chunks; e += kThreads) {
-            const int i = e / chunks, c = e - i * chunks;
-            const __nv_bfloat16* row = static_cast<const __nv_bfloat16*>(x) + (long long)(x_rows ? x_rows[i] : i) * x_stride;
-            reinterpret_cast<uint4*>(xs + (long long)i * KS)[c] = reinterpret_cast<const uint4*>(row + k0)[c];
-        }
-    }
-    __syncthreads();
-}
-
-// ---- gemv_row: one x row on the CUDA cores -----------------------------------------------------------------------
-namespace row {
-
-constexpr int kWarps = 4, kThreads = kWarps * 32;
-constexpr int kRows = 4;  // weight rows per row group
-constexpr int kU = 4;     // 16-byte chunks per row a lane keeps in flight
-// The one-step entries (ONE_STEP below) are compiled so that this many CTAs fit an SM: 3 with the RMSNorm prologue
-// (at most 168 registers a thread; the held row takes them to ~150), 4 with the others (at most 128; they take
-// ~110). The launcher runs up to that many (gemv.py's ONE_STEP_CTAS_PER_SM, ONE_STEP_PLAIN_CTAS_PER_SM).
-constexpr int one_step_ctas_per_sm(int prologue) { return prologue == kRmsNorm ? 3 : 4; }
-
-__device__ __forceinline__ float dot8(const uint4& w, const uint4& x, float acc) {
-    const unsigned wv[4] = {w.x, w.y, w.z, w.w}, xv[4] = {x.x, x.y, x.z, x.w};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {  // bf16 -> fp32 is a shift (low half) or a mask (high half)
-        acc = fmaf(__uint_as_float(wv[j] << 16), __uint_as_float(xv[j] << 16), acc);
-        acc = fmaf(__uint_as_float(wv[j] & 0xffff0000u), __uint_as_float(xv[j] & 0xffff0000u), acc);
-    }
-    return acc;
-}
-
-__device__ __forceinline__ void load_step(uint4 (&w)[kU][kRows], const __nv_bfloat16* const (&wrow)[kRows], int c,
-                                          int stride, int chunks) {
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-        const int cu = c + u * stride;
-#pragma unroll
-        for (int r = 0; r < kRows; ++r) w[u][r] = cu < chunks ? load_weight(wrow[r] + cu * 8) : make_uint4(0, 0, 0, 0);
-    }
-}
-
-__device__ __forceinline__ void fma_step(float (&acc)[kRows], const uint4 (&w)[kU][kRows], const __nv_bfloat16* xs,
-                                         int c, int stride, int chunks) {
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-        const int cu = c + u * stride;
-        if (cu < chunks) {
-            const uint4 xv = reinterpret_cast<const uint4*>(xs)[cu];
-#pragma unroll
-            for (int r = 0; r < kRows; ++r) acc[r] = dot8(w[u][r], xv, acc[r]);
-        }
-    }
-}
-
-// Dynamic shared memory: partial sums [kWarps][kRows], the RMS scratch [kWarps], then x [K] bf16.
-// kSiluMulBf16 pairs the row groups of a tile (split <= 2, so a tile holds an even number of them): slot 2p takes
-// gate rows j0..j0+3 (rows j of W), slot 2p + 1 the matching up rows (rows I + j), and the gate slot's lanes combine
-// both sums; N is then W's 2I rows and the tiles cover the I activations.
-// The prologue and epilogue are template arguments: each entry holds only its own paths (see the entries below).
-// FREE_WARPS: where split == 1 (and not paired) a warp owns its row group and stores its rows itself, without the
-// two barriers per tile, so that over many tiles (the lm_head's 36 per CTA) one warp's reduction overlaps the other
-// warps' loads (only the lm_head's entry: in every entry it cost the step more than the lm_head gained).
-// ONE_STEP: a warp's share of a row is at most one load step (K <= 1024 * split; the launcher's choice), so a tile
-// is one load and one FMA step, in one register set: 106-150 registers a thread, 3-4 CTAs per SM, and each CTA's
-// first tile wholly loaded before the wait (the 0.6B's projections and lm_head, the 8B's qkv, o and lm_head at
-// split 4: gemv.md, "v14"). Otherwise a tile loops over load steps, and the first tile's first step has registers
-// of its own, so that the compiler can issue the loop's loads while that step's FMAs run (about 240 registers,
-// 2 CTAs per SM; one register set there cost the 8B 10% at 2 CTAs per SM).
-template <int prologue, int epilogue, bool FREE_WARPS, bool ONE_STEP>
-__device__ __forceinline__ void gemv(const void* x, long long x_stride, const int* x_rows,
-                                     const __nv_bfloat16* norm_w, float eps, const __nv_bfloat16* __restrict__ W,
-                                     void* out, int N, int K, int split, int early_trigger) {
-    extern __shared__ __align__(16) float smem[];
-    float (*partial)[kRows] = reinterpret_cast<float (*)[kRows]>(smem);
-    float* scratch = smem + kWarps * kRows;
-    __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(scratch + kWarps);
-
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int groups_per_tile = kWarps / split;
-    const int slot = warp / split, part = warp % split;  // this warp's row group in the tile, its share of K
-    const int chunks = K / 8;
-    const bool paired = epilogue == kSiluMulBf16;
-    const int outputs = paired ? N / 2 : N, groups_out = paired ? groups_per_tile / 2 : groups_per_tile;
-    const int num_tiles = (outputs + kRows * groups_out - 1) / (kRows * groups_out);
-    const int first = part * 32 + lane, stride = 32 * split;  // this lane's first chunk, the step between its chunks
-    // The first output of this warp's row group in `tile`, and the weight rows it reads (clamped rows: not stored).
-    auto rows_of = [&](int tile, const __nv_bfloat16* (&wrow)[kRows]) {
-        const int n0 = (tile * groups_out + (paired ? slot / 2 : slot)) * kRows;
-        const long long base = paired && (slot & 1) ? outputs : 0;  // an up slot: rows I + j
-#pragma unroll
-        for (int r = 0; r < kRows; ++r) wrow[r] = W + (base + min(n0 + r, outputs - 1)) * K;
-        return n0;
-    };
-
-    if (early_trigger) xserv::pdl_launch_dependents();
-    uint4 w0[kU][kRows];  // the first tile's first load step, loaded before the wait
-    if (blockIdx.x < num_tiles) {
-        const __nv_bfloat16* wrow[kRows];
-        rows_of(blockIdx.x, wrow);
-        load_step(w0, wrow, first, stride, chunks);
-    }
-    xserv::pdl_wait();
-    stage_x<1, kThreads>(xs, K, scratch, x, x_stride, x_rows, norm_w, eps, 1, K, 0, K, prologue);
-    if (!early_trigger) xserv::pdl_launch_dependents();
-
-    for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-        const __nv_bfloat16* wrow[kRows];
-        const int n0 = rows_of(tile, wrow);
-        // The residual add's operands, in the lanes that store them (lane r of the row group's first warp: row
-        // n0 + r), loaded now, after the wait (an earlier kernel wrote them): in flight with the k-loop's loads.
-        float resid = 0.f;
-        if (epilogue == kAddResidual && part == 0 && lane < kRows && n0 + lane < outputs)
-            resid = static_cast<const float*>(out)[n0 + lane];
-        float acc[kRows];
-#pragma unroll
-        for (int r = 0; r < kRows; ++r) acc[r] = 0.f;
-        if (ONE_STEP) {
-            if (tile != blockIdx.x) load_step(w0, wrow, first, stride, chunks);
-            fma_step(acc, w0, xs, first, stride, chunks);
-        } else {
-            int c = first;
-            if (tile == blockIdx.x) {
-                fma_step(acc, w0, xs, c, stride, chunks);
-                c += stride * kU;
-            }
-            for (; c < chunks; c += stride * kU) {
-                uint4 w[kU][kRows];
-                load_step(w, wrow, c, stride, chunks);
-                fma_step(acc, w, xs, c, stride, chunks);
-            }
-        }
-        if (FREE_WARPS && split == 1 && !paired) {
-            // lane r stores row r: the butterfly sum leaves the same bits in every lane; 0 + v as the path below
-#pragma unroll
-            for (int r = 0; r < kRows; ++r) {
-                const float v = xserv::warp_sum(acc[r]);
-                if (lane == r && n0 + r < outputs) store_row(out, n0 + r, 0.f + v, resid, epilogue);
-            }
-            continue;
-        }
-        // Sum the lanes of each warp, then the `split` warps of the row group in warp order.
-#pragma unroll
-        for (int r = 0; r < kRows; ++r) {
-            const float v = xserv::warp_sum(acc[r]);
-            if (lane == 0) partial[warp][r] = v;
-        }
-        __syncthreads();
-        if (part == 0 && lane < kRows && n0 + lane < outputs && !(paired && (slot & 1))) {
-            float v = 0.f;
-            for (int p = 0; p < split; ++p) v += partial[warp + p][lane];
-            if (paired) {  // the up slot's warps follow this one's: warp + split
-                float up = 0.f;
-                for (int p = 0; p < split; ++p) up += partial[warp + split + p][lane];
-                const float act = xserv::round_bf16(xserv::silu(xserv::round_bf16(v))) * xserv::round_bf16(up);
-                static_cast<__nv_bfloat16*>(out)[n0 + lane] = __float2bfloat16_rn(act);
-            } else {
-                store_row(out, n0 + lane, v, resid, epilogue);
-            }
-        }
-        __syncthreads();  // `partial` is reused by the next tile
-    }
-}
-
-}  // namespace row
 
 // ---- the tensor-core GEMV ---------------------------------------------------------------------------------------
 // mma.sync m16n8k16 (bf16 in, fp32 accumulate) with the weights as A (16 rows of a row group) and the staged x as
@@ -569,15 +286,15 @@ __device__ __forceinline__ void gemv(const void* x, long long x_stride, const in
     extern "C" __global__ void __launch_bounds__(row::kThreads) gemv_row_##NAME(                                      \
         const void* x, long long x_stride, const int* x_rows, const __nv_bfloat16* norm_w, float eps,                \
         const __nv_bfloat16* W, void* out, int N, int K, int split, int early_trigger) {                              \
-        row::gemv<PROLOGUE, EPILOGUE, FREE_WARPS, false>(x, x_stride, x_rows, norm_w, eps, W, out, N, K, split,      \
-                                                         early_trigger);                                              \
+        row::gemv<Bf16Weights, PROLOGUE, EPILOGUE, FREE_WARPS, false>(x, x_stride, x_rows, norm_w, eps, W, nullptr,  \
+                                                                      out, N, K, split, early_trigger);               \
     }                                                                                                                 \
     extern "C" __global__ void __launch_bounds__(row::kThreads, row::one_step_ctas_per_sm(PROLOGUE))                \
         gemv_row_##NAME##_1step(                                                                                      \
         const void* x, long long x_stride, const int* x_rows, const __nv_bfloat16* norm_w, float eps,                \
         const __nv_bfloat16* W, void* out, int N, int K, int split, int early_trigger) {                              \
-        row::gemv<PROLOGUE, EPILOGUE, FREE_WARPS, true>(x, x_stride, x_rows, norm_w, eps, W, out, N, K, split,       \
-                                                        early_trigger);                                               \
+        row::gemv<Bf16Weights, PROLOGUE, EPILOGUE, FREE_WARPS, true>(x, x_stride, x_rows, norm_w, eps, W, nullptr,   \
+                                                                     out, N, K, split, early_trigger);                \
     }
 // part 0: the fused one-token decode step's entries (models/dense.py _forward_fused); part 1: the others
 #if XSERV_GEMV_PIECE(1, 0)

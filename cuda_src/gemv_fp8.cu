@@ -46,25 +46,20 @@
 // (docs/kernels/gemv.md, "FP8 weight-only").
 //
 // xserv-shapes: fp8=1 (compiled as the piece gemv_fp8:f1 at the start of an FP8-quantized model only; others never load it)
-#include "common.cuh"
+#include "gemv_row.cuh"
 
 namespace {
 
-constexpr int kWarps = 4, kThreads = kWarps * 32;
-constexpr int kRows = 4;  // weight rows per row group (4 | 128: a group's rows share their scale row)
-constexpr int kU = 4;     // 16-byte chunks per row a lane keeps in flight
+using namespace xserv::gemv;  // load_weight; the one-row kernel row::gemv and its prologues / epilogues
+
+// gemv_row's layout (gemv_row.cuh), which the one-row entries below run as they are
+constexpr int kWarps = row::kWarps, kThreads = row::kThreads;
+constexpr int kRows = row::kRows;  // weight rows per row group (4 | 128: a group's rows share their scale row)
+constexpr int kU = row::kU;        // 16-byte chunks per row a lane keeps in flight
 constexpr int kCtasPerSm = 2;
 constexpr int kBlock = 128;  // the scale block, both dimensions (weight_block_size [128, 128])
 constexpr int kChunk = 16;   // weights per 16-byte chunk
 enum OutDtype : int { kOutBf16 = 0, kOutF32 = 1 };
-
-__device__ __forceinline__ uint4 load_weight(const unsigned char* p) {
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
-    return v;
-}
 
 __device__ __forceinline__ float2 half2_bits_to_float2(unsigned h) {
     __half2_raw r;
@@ -124,15 +119,27 @@ __device__ __forceinline__ void e4m3x16_to_float(const uint4& w, float (&f)[kChu
     e4m3x4_to_float4<HW>(w.w, f + 12);
 }
 
-// 16 bf16 of x (two 16-byte loads through L1: every warp of the SM reads the same x) -> float.
-__device__ __forceinline__ void load_x16(const __nv_bfloat16* p, float (&f)[kChunk]) {
-    const uint4 a = __ldg(reinterpret_cast<const uint4*>(p)), b = __ldg(reinterpret_cast<const uint4*>(p) + 1);
+// 16 bf16 (two 16-byte words, in column order) -> float.
+__device__ __forceinline__ void bf16x16_to_float(const uint4& a, const uint4& b, float (&f)[kChunk]) {
     const unsigned v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
 #pragma unroll
     for (int j = 0; j < 8; ++j) {  // bf16 -> fp32: a shift (low half) or a mask (high half)
         f[2 * j] = __uint_as_float(v[j] << 16);
         f[2 * j + 1] = __uint_as_float(v[j] & 0xffff0000u);
     }
+}
+
+// 16 bf16 of x (two 16-byte loads through L1: every warp of the SM reads the same x) -> float.
+__device__ __forceinline__ void load_x16(const __nv_bfloat16* p, float (&f)[kChunk]) {
+    bf16x16_to_float(__ldg(reinterpret_cast<const uint4*>(p)), __ldg(reinterpret_cast<const uint4*>(p) + 1), f);
+}
+
+// A chunk's unscaled partial sum, sum_e float(W) * x in 16 fp32 fmaf (the caller applies the block scale once).
+__device__ __forceinline__ float chunk_dot(const float (&wf)[kChunk], const float (&xf)[kChunk]) {
+    float p = 0.f;
+#pragma unroll
+    for (int e = 0; e < kChunk; ++e) p = fmaf(wf[e], xf[e], p);
+    return p;
 }
 
 // M: the entry's most rows (m <= M at run time); HW: the hardware conversion where the arch has one.
@@ -209,12 +216,8 @@ __device__ __forceinline__ void gemv_fp8(const __nv_bfloat16* __restrict__ x, lo
                             float xf[kChunk];
                             load_x16(x + (long long)i * x_stride + (long long)cu * kChunk, xf);
 #pragma unroll
-                            for (int r = 0; r < kRows; ++r) {
-                                float p = 0.f;
-#pragma unroll
-                                for (int e = 0; e < kChunk; ++e) p = fmaf(wf[r][e], xf[e], p);
-                                acc[r][i] = fmaf(p, s[u], acc[r][i]);  // the block scale, once per chunk
-                            }
+                            for (int r = 0; r < kRows; ++r)  // the block scale, once per chunk
+                                acc[r][i] = fmaf(chunk_dot(wf[r], xf), s[u], acc[r][i]);
                         }
                     }
                 }
@@ -243,6 +246,38 @@ __device__ __forceinline__ void gemv_fp8(const __nv_bfloat16* __restrict__ x, lo
     }
 }
 
+// ---- one row with the decoder layer's neighbours folded in: gemv_row (gemv_row.cuh) on e4m3 weights ---------------
+// The e4m3 weight format of row::gemv: 16 weights a 16-byte chunk, each load step also loads its kU chunks' block
+// scales (a chunk lies in one 128-column block; a row group's 4 rows share a scale row), and a chunk's sum is the
+// multi-row kernel's: 16 fp32 fmaf of the converted weights and the staged x (bf16 -> fp32), then one fmaf by the
+// scale. So for the same x and split the outputs equal gemv_fp8_m1's bit for bit.
+template <bool HW>
+struct E4m3Weights {
+    using Elem = unsigned char;
+    static constexpr int kValues = kChunk;
+    struct Scales {
+        float v[kU];
+    };
+    __device__ static __forceinline__ const float* scale_row(const float* scale_inv, long long row, int K) {
+        return scale_inv + (row / kBlock) * ((K + kBlock - 1) / kBlock);
+    }
+    __device__ static __forceinline__ void load_scale(Scales& s, int u, const float* srow, int cu, int chunks) {
+        s.v[u] = cu < chunks ? __ldg(srow + cu * kChunk / kBlock) : 0.f;
+    }
+    __device__ static __forceinline__ void fma_chunk(float (&acc)[kRows], const uint4 (&w)[kRows], const Scales& s,
+                                                     int u, const __nv_bfloat16* xs, int cu) {
+        const uint4* xv = reinterpret_cast<const uint4*>(xs + cu * kChunk);
+        float xf[kChunk];
+        bf16x16_to_float(xv[0], xv[1], xf);
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+            float wf[kChunk];
+            e4m3x16_to_float<HW>(w[r], wf);
+            acc[r] = fmaf(chunk_dot(wf, xf), s.v[u], acc[r]);
+        }
+    }
+};
+
 }  // namespace
 
 // x: bf16 [m, x_stride] (first K columns used); W: e4m3 bytes [N, K]; scale_inv: float32 [ceil(N/128), ceil(K/128)];
@@ -266,3 +301,29 @@ XSERV_GEMV_FP8(2)
 XSERV_GEMV_FP8(4)
 XSERV_GEMV_FP8(8)
 #undef XSERV_GEMV_FP8
+
+// The one-token decode step's FP8 projections (models/dense.py _forward_fused; ops/gemv.py's rmsnorm_linear,
+// linear_add and rmsnorm_linear_silu_mul on an Fp8Weight): gemv_row with the e4m3 format, the prologue and epilogue
+// compiled in, the hardware conversion where the arch has one. Arguments as gemv.cu's gemv_row_* with scale_inv
+// (float32 [ceil(N/128), ceil(K/128)]) after W (e4m3 bytes [N, K]); K % 16 == 0; for the paired SiLU-and-mul
+// epilogue N = 2I with I % 4 == 0 (an up row group shares a scale row). Block 128, dynamic shared memory
+// (4 * 4 + 4) * 4 + K * 2 bytes (the staged x row). _1step: K <= 2048 * split, compiled for 3 CTAs per SM with the
+// RMSNorm prologue and 4 without (row::one_step_ctas_per_sm).
+#define XSERV_GEMV_FP8_ROW(NAME, PROLOGUE, EPILOGUE)                                                                  \
+    extern "C" __global__ void __launch_bounds__(row::kThreads) gemv_fp8_row_##NAME(                                  \
+        const void* x, long long x_stride, const int* x_rows, const __nv_bfloat16* norm_w, float eps,                \
+        const unsigned char* W, const float* scale_inv, void* out, int N, int K, int split, int early_trigger) {     \
+        row::gemv<E4m3Weights<true>, PROLOGUE, EPILOGUE, false, false>(x, x_stride, x_rows, norm_w, eps, W,          \
+                                                                       scale_inv, out, N, K, split, early_trigger);  \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(row::kThreads, row::one_step_ctas_per_sm(PROLOGUE))                \
+        gemv_fp8_row_##NAME##_1step(                                                                                  \
+        const void* x, long long x_stride, const int* x_rows, const __nv_bfloat16* norm_w, float eps,                \
+        const unsigned char* W, const float* scale_inv, void* out, int N, int K, int split, int early_trigger) {     \
+        row::gemv<E4m3Weights<true>, PROLOGUE, EPILOGUE, false, true>(x, x_stride, x_rows, norm_w, eps, W,           \
+                                                                      scale_inv, out, N, K, split, early_trigger);   \
+    }
+XSERV_GEMV_FP8_ROW(rmsnorm_bf16, kRmsNorm, kStoreBf16)             // qkv
+XSERV_GEMV_FP8_ROW(bf16_add, kBf16, kAddResidual)                  // o, down
+XSERV_GEMV_FP8_ROW(rmsnorm_silu_mul, kRmsNorm, kSiluMulBf16)       // gate/up + SiLU-and-mul
+#undef XSERV_GEMV_FP8_ROW

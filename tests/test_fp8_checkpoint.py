@@ -24,6 +24,7 @@ from xserv.models.qwen3 import Qwen3Config
 from xserv.models.qwen3_moe import Qwen3MoeConfig
 from xserv.models.random_checkpoint import TOKENIZER_FILES, make_test_model, save_safetensors
 from xserv.models.registry import config_from_dict, config_from_pretrained, load_model, model_class
+from xserv.tensor import Tensor
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 # Qwen3-8B-FP8's quantization_config (/work/shared/qwen3-configs/qwen3-8b-fp8.json)
@@ -587,3 +588,89 @@ def test_cuda_fp8_model_against_numpy(fp8_folders, name, rng, monkeypatch):
             assert errors.max() < bound, errors
         if w8a8:
             assert errors.mean() < 6e-2, errors
+
+
+# ---- the fused one-token path on FP8 weights ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def fused_fp8_folders(fp8_folders, tmp_path_factory):
+    """name -> FP8 checkpoint: "all" (the tiny dense preset with I = 256: gate and up start on block rows, so all four
+    projections stay FP8, the gate/up one through the paired SiLU-and-mul entry), "dense-128" (gate/up dequantized:
+    a layer mixing FP8 and bf16 projections), "moe" (FP8 attention projections, a dense-MLP layer beside sparse
+    ones)."""
+    folder = make_test_model("tiny", tmp_path_factory.mktemp("fp8-fused") / "all", seed=11, fp8=True, progress=False,
+                             overrides={"initializer_range": 0.1, "intermediate_size": 256})
+    return {"all": folder, "dense-128": fp8_folders["dense-128"][0], "moe": fp8_folders["moe"][0]}
+
+
+FUSED_KEPT = {"all": {"qkv", "o_proj", "gate_up", "down"}, "dense-128": KEPT_LAYER0["dense-128"],
+              "moe": KEPT_LAYER0["moe"]}
+
+
+def fused_and_unfused_decode(model, seq, steps=3):
+    """Logits of `steps` one-token decode steps after a prefill of seq, through the model's fused one-token path
+    (_forward_fused, what fused_forward_ok picks on CUDA) and through its unfused ops (forward with fused_gemv off),
+    each on a cache of its own: lists of float32 [1, vocab]."""
+    table = list(range(8))
+    out = {}
+    for fused in (True, False):
+        model.fused_gemv = fused
+        cache = KVCache(KVCacheSpec(*model.kv_layout, BLOCK), 16, model.device, model.dtype)
+        model.forward(make_batch([SeqChunk(seq, 0, table, "last")], BLOCK, model.device), cache)
+        logits = []
+        for j in range(steps):
+            batch = make_batch([SeqChunk([3 + j], len(seq) + j, table, "last")], BLOCK, model.device)
+            if fused and model.device == "cpu":  # the CPU never picks it: run it directly, on the ops' references
+                logits.append(model._forward_fused(batch, cache, model.make_workspace(1, 1), 1, 1).numpy().copy())
+            else:
+                assert model.fused_forward_ok(1, 1) == (fused and model.device == "cuda")
+                logits.append(model.forward(batch, cache).numpy().copy())
+        out[fused] = logits
+    model.fused_gemv = True
+    return out[True], out[False]
+
+
+@pytest.mark.parametrize("name", FUSED_KEPT)
+def test_fused_path_on_fp8_weights_is_the_unfused_path_on_the_cpu(fused_fp8_folders, name, rng):
+    """The fused ops on Fp8Weight projections (rmsnorm_linear, rmsnorm_linear_silu_mul, linear_add) compute, on the
+    CPU, the composition of the unfused ops' references: the model's fused one-token path gives the unfused path's
+    logits bit for bit. (A fused reference that skipped a scale, the norm or the bf16 roundings would not.)"""
+    model = load_model(fused_fp8_folders[name], "cpu", progress=False, max_positions=64)
+    assert {f for f, w in vars(model.layers[0]).items() if isinstance(w, Fp8Weight)} == FUSED_KEPT[name]
+    assert model.fused_fp8_ok()
+    fused, unfused = fused_and_unfused_decode(model, rng.integers(0, model.config.vocab_size, 5).tolist())
+    for got, want in zip(fused, unfused):
+        assert np.all(np.isfinite(got))
+        np.testing.assert_array_equal(got, want)
+
+
+def test_fused_path_refuses_fp8_weights_it_cannot_take(fused_fp8_folders):
+    """fused_forward_ok needs every FP8 projection to fit the FP8 entries; a gate/up weight whose I is not a multiple
+    of 4 (an up row group would straddle a scale block) keeps the model on the unfused ops."""
+    model = load_model(fused_fp8_folders["all"], "cpu", progress=False, max_positions=64)
+    assert model.fused_fp8_ok()
+    layer = model.layers[0]
+    n, k = layer.gate_up.shape
+    q, s = quantize_blockwise(np.ones((n - 4, k), np.float32))
+    layer.gate_up = Fp8Weight(Tensor.from_numpy(q, "cpu"), Tensor.from_numpy(s, "cpu"))
+    model._fp8_fused_ok = None
+    assert not model.fused_fp8_ok()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", FUSED_KEPT)
+def test_cuda_fused_path_on_fp8_weights_matches_unfused(fused_fp8_folders, name, rng):
+    """On the GPU a one-token step of an FP8 model takes the fused path (fused_forward_ok): its logits against the
+    same steps through the unfused ops (the RMSNorm and SiLU-and-mul kernels around the plain FP8 GEMV) up to fp32
+    summation order, and the same greedy token wherever the top two are not a near tie; and against the NumPy
+    model's unfused path within the model tests' 3e-2."""
+    gpu = load_model(fused_fp8_folders[name], "cuda", progress=False, max_positions=64)
+    cpu = load_model(fused_fp8_folders[name], "cpu", progress=False, max_positions=64)
+    seq = rng.integers(0, gpu.config.vocab_size, 5).tolist()
+    fused, unfused = fused_and_unfused_decode(gpu, seq)
+    reference = fused_and_unfused_decode(cpu, seq)[1]
+    for got, want, ref in zip(fused, unfused, reference):
+        assert np.all(np.isfinite(got))
+        assert relative_error(got, want) < 1e-2 and relative_error(got, ref) < 3e-2
+        top2 = np.sort(want, axis=1)[:, -2:]
+        clear = top2[:, 1] - top2[:, 0] > 1e-2
+        np.testing.assert_array_equal(got.argmax(1)[clear], want.argmax(1)[clear])

@@ -153,7 +153,8 @@ def test_gemv_pieces_hold_what_the_launcher_picks():
     # _1step, or the mma entry's _bf16_bf16 / _sliced / nothing), each in the piece that instantiates it
     launchable = {f"gemv_row_{e}{s}" for e in G._ROW_ENTRY.values() for s in ("", "_1step")}
     launchable |= {f"gemv_mma_m{m}{s}" for m in (8, 16) for s in ("", "_sliced", "_bf16_bf16")}
-    assert set(G._PIECES) == launchable
+    fp8_rows = {f"gemv_fp8_row_{e}{s}" for e in G._FP8_ROW_ENTRIES for s in ("", "_1step")}  # gemv_fp8.cu's one piece
+    assert set(G._PIECES) == launchable | fp8_rows and all(G._PIECES[n] == "gemv_fp8:f1" for n in fp8_rows)
     for (m, p), body in blocks.items():
         assert {n for n, name in G._PIECES.items() if name == f"gemv:m{m}_p{p}"} == _entries(body), (m, p)
     for m in (1, 2, 8, 9, 16):  # plan()'s kernel for m rows lies in a piece of that row count

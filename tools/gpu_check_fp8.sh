@@ -9,23 +9,7 @@
 set -u
 source "$(dirname "$0")/gpu_env.sh"
 TESTS=${TESTS:-"tests/ops/test_fp8_linear.py tests/ops/test_gemv_fp8.py"}
-one_path() {
-  local path=$1
-  if [ $path = native ]; then unset XSERV_ARCH; else export XSERV_ARCH=$path; fi
-  export XSERV_CACHE_DIR=/tmp/xserv-cache-$path
-  timeout ${TEST_TIMEOUT:-200} python3 -m pytest -m gpu -q -p no:cacheprovider $TESTS \
-    > $OUT/tests-$path.log 2>&1
-  echo "rc=$?" >> $OUT/tests-$path.log
-}
-PATHS=${PATHS:-native sm_80 sm_89}
-for path in $PATHS; do one_path $path & done
-wait
-for path in $PATHS; do
-  echo "=== tests, $path path"; grep -E "^(FAILED|ERROR|E  )" $OUT/tests-$path.log | cut -c1-300 | head -12
-  tail -2 $OUT/tests-$path.log
-done
-unset XSERV_ARCH
-export XSERV_CACHE_DIR=/tmp/xserv-cache-native
+run_test_paths "$TESTS" ${TEST_TIMEOUT:-200} ${PATHS:-native sm_80 sm_89}
 [ "${BENCH:-1}" = 0 ] && exit 0
 bench() { echo "=== bench $*"; timeout ${BENCH_TIMEOUT:-100} python3 -m tools.kernel_harness bench "$@" --graph 2>&1 \
   | grep -v "^timing" | tee -a $OUT/bench.log; }

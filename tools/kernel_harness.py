@@ -137,7 +137,7 @@ def cmd_check(args) -> int:
     from xserv.runtime import get_device
 
     specs = _specs()
-    names = list(specs) if args.op == "all" else [args.op]
+    names = _op_names(specs, args)
     rng = np.random.default_rng(args.seed)
     dev = get_device()
     print(f"device: {dev.name} ({dev.arch})")
@@ -155,6 +155,15 @@ def cmd_check(args) -> int:
             print(f"  {'pass' if ok else 'FAIL'}  {name:26s} {'x'.join(map(str, shape)):24s} rel err {err:.2e} (tol {spec.tolerance:.0e})")
     print("all passed" if not failed else f"{failed} FAILED")
     return 1 if failed else 0
+
+
+def _op_names(specs, args) -> list[str]:
+    """The ops `check` / `bench` run: every op for "all", else the op and, without --shapes or --variant, the ops it
+    names in with_ops (its fused twins, at their own shapes)."""
+    if args.op == "all":
+        return list(specs)
+    spec = _get(specs, args.op)
+    return [args.op] + ([] if args.shapes or args.variant else list(spec.with_ops))
 
 
 def _get(specs, name):
@@ -192,7 +201,7 @@ def cmd_bench(args) -> int:
     from xserv.testing import no_poisoning
 
     specs = _specs()
-    names = list(specs) if args.op == "all" else [args.op]
+    names = _op_names(specs, args)
     dev = get_device()
     copy_gbs = copy_bandwidth_gbs()
     tflops = gemm_tflops()

@@ -31,6 +31,9 @@ class OpSpec:
     torch_peer: Callable[[dict], object] | None = None
     shape_help: str = ""  # how --shapes is written for this op, e.g. "TOKENSxHIDDEN"
     compare: Callable[[object, np.ndarray, dict], float] | None = None  # custom error measure (e.g. argmax)
+    # ops that `check NAME` / `bench NAME` run after this one, each at its own shapes, where neither --shapes nor
+    # --variant is given (an op's fused twins: gemv_fp8's one-row entries)
+    with_ops: tuple[str, ...] = ()
 
 
 def all_specs() -> dict[str, OpSpec]:

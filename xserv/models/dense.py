@@ -22,7 +22,7 @@ import numpy as np
 from ..ops.activation import silu_and_mul
 from ..ops.attention import attention_decode, attention_decode_rope, attention_prefill
 from ..ops.embedding import embedding
-from ..ops.gemv import (gemv_supported, linear_add, linear_gemv, prefer_gemv, rmsnorm_linear,
+from ..ops.gemv import (fp8_row_supported, gemv_supported, linear_add, linear_gemv, prefer_gemv, rmsnorm_linear,
                         rmsnorm_linear_silu_mul)
 from ..ops.linear import linear
 from ..ops.rmsnorm import fused_add_rmsnorm
@@ -238,6 +238,7 @@ class DenseModel:
         # tensor parallelism (xserv/parallel): this rank's Communicator, joined at the row-parallel outputs; None at tp 1
         self.comm = None
         self._fp8 = self.has_fp8_weights
+        self._fp8_fused_ok: bool | None = None  # do the fused FP8 GEMVs take every FP8 projection (fused_forward_ok)
         self.fp8_scratch = None  # linear_fp8's buffers (reserve_fp8_scratch, with the workspace)
         table = rope_cos_sin_table(config.head_dim, self.max_positions, config.rope_theta, config.rope_scaling)
         self.cos_sin = Tensor.from_numpy(np.ascontiguousarray(table, np.float32), device)
@@ -422,13 +423,24 @@ class DenseModel:
     # ---- forward ------------------------------------------------------------------------------------------
     def fused_forward_ok(self, num_tokens: int, num_logits: int) -> bool:
         """Does a CUDA forward of this many tokens take the fused skinny-GEMM path (every projection a GEMV
-        kernel with its norm / activation / residual add folded in: xserv/ops/gemv.py)?"""
+        kernel with its norm / activation / residual add folded in: xserv/ops/gemv.py)? FP8 projections take the
+        FP8 entries of the same ops (one row), where every one of them fits (fp8_row_supported)."""
         c = self.config
-        # FP8 weights take the unfused ops: the fused GEMVs' prologues / epilogues read bf16 weights only
-        # tp > 1 too: linear_add adds o_proj / down into the residual, where a partial sum cannot wait for the all-reduce
-        return self.comm is None and self.device == "cuda" and self.fused_gemv and not self._fp8 and num_tokens <= self.FUSED_MAX_TOKENS and all(
-            gemv_supported(m, k) for m, k in ((num_tokens, c.hidden_size), (num_tokens, c.q_size),
-                                              (num_tokens, c.intermediate_size), (num_logits, c.hidden_size)))
+        # not at tp > 1: linear_add adds o_proj / down into the residual, where a partial sum cannot wait for the
+        # all-reduce
+        return (self.comm is None and self.device == "cuda" and self.fused_gemv and num_tokens <= self.FUSED_MAX_TOKENS
+                and self.fused_fp8_ok() and all(
+                    gemv_supported(m, k) for m, k in ((num_tokens, c.hidden_size), (num_tokens, c.q_size),
+                                                      (num_tokens, c.intermediate_size), (num_logits, c.hidden_size))))
+
+    def fused_fp8_ok(self) -> bool:
+        """Does every FP8 projection of the layers fit the fused one-row FP8 GEMVs (the gate/up weight with the
+        paired SiLU-and-mul epilogue)? True for a model without FP8 weights. Computed once (the weights are fixed)."""
+        if self._fp8_fused_ok is None:
+            self._fp8_fused_ok = all(fp8_row_supported(*w.shape, paired=field == "gate_up")
+                                     for layer in self.layers for field, w in vars(layer).items()
+                                     if isinstance(w, Fp8Weight))
+        return self._fp8_fused_ok
 
     # Up to this many tokens a forward runs the fused GEMV path. Measured (docs/kernels/gemv.md, H100): one token
     # gains 32% (0.6B) and 8% (8B) per decode step; at 4 tokens the prologues, recomputed by every CTA, cost more

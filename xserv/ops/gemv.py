@@ -11,6 +11,13 @@ Each is, bit for bit in its rounding points, the composition of the unfused ops 
 normalisation, silu_and_mul, linear, the residual add), so the CPU backend runs exactly that composition of the
 NumPy references. Only the order of the fp32 sums differs from cuBLASLt's.
 
+FP8 weights (issue 31): rmsnorm_linear, rmsnorm_linear_silu_mul and linear_add also take an `Fp8Weight` (e4m3
+[N, K] with float32 128 x 128 block scales, models/fp8.py) for one row, the one-token decode step's projections:
+the same prologues and epilogues on the FP8 GEMV (gemv_fp8.cu's gemv_fp8_row_* entries: gemv_row.cuh's one-row
+kernel with the e4m3 format, the weights dequantized in registers). Their references compose the same NumPy
+references around linear_fp8_reference (dequantize, then multiply). `fp8_row_supported(n, k, paired)` says whether
+a shape fits.
+
 `gemv_supported(m, k)` says whether a shape fits (one row stages all of x in shared memory; more rows slice K
 when they would not fit); `prefer_gemv(m, n, k)` is the measured choice between these kernels and cuBLASLt for a
 plain linear (docs/kernels/gemv.md).
@@ -26,7 +33,12 @@ from ..runtime.compiler import piece
 from ..tensor import Tensor, bfloat16, float32, int32
 from ._checks import check_tensor, output, same_device
 from ._launch import aligned, cdiv, check_alias, check_eps, pooled_buffer, round_up
+from ..models.fp8 import Fp8Weight
+from ..tensor import float8_e4m3fn
 from .activation import silu_and_mul_reference
+from .gemv_fp8 import FAMILY as FP8_FAMILY
+from .gemv_fp8 import K_MULTIPLE as FP8_K_MULTIPLE
+from .gemv_fp8 import _check_scale, linear_fp8_reference
 from .linear import linear_reference
 from .rmsnorm import rmsnorm_reference
 
@@ -34,6 +46,7 @@ MAX_M = 16
 # Launch shapes of the two kernels (gemv.cu): warps per CTA, weight rows per row group, the row-padding of staged x.
 _ROW_WARPS, _ROW_ROWS = 4, 4  # gemv_row (m = 1)
 _ROW_STEP_K = 32 * 4 * 8  # gemv_row: K values one load step of a warp covers (32 lanes x 4 16-byte chunks)
+_FP8_ROW_STEP_K = 32 * 4 * 16  # the same kernel on e4m3 weights (gemv_fp8_row_*): 16 weights a 16-byte chunk
 _MMA_WARPS, _MMA_ROWS, _MMA_PAD = 8, 16, 32  # gemv_mma_m8 / _m16
 # The staged x rows live in shared memory; two CTAs of this size still fit an sm_90 SM's 228 KB. The device's own
 # limits lower it where they are smaller (smem_limit, k_slices: sm_80 allows 163 KB per CTA and 164 KB per SM,
@@ -65,6 +78,13 @@ PREFER_ONE_STEP = True
 # K = 1024: 256 tiles of whole rows on 264 slots, not 512 of half rows; docs/kernels/gemv.md, "v13"). A module
 # attribute so that benchmarks can compare settings (tools/bench_decode --gemv-set; above 1: never).
 ROW_SHORT_K_FILL = 0.9
+# The FP8 one-row entries (gemv_fp8_row_*) take the same plan with their own load step (2048 values a warp) and these
+# two settings of their own, so that benchmarks can compare them apart from the bf16 kernel's (tools/bench_decode
+# --gemv-set). The early trigger counts the e4m3 bytes: the 8B's o projection (16 MiB) is then triggered early as the
+# bf16 0.6B projections of that size are (a kernel about as long); its qkv (24 MiB) and the rest are not. Unmeasured
+# on a GPU when written (docs/kernels/fp8.md, "v4").
+FP8_EARLY_TRIGGER_BYTES = 16 << 20
+FP8_PREFER_ONE_STEP = True
 _PROLOGUE = {"bf16": 0, "rmsnorm": 1, "silu_mul": 2}
 _EPILOGUE = {bfloat16: 0, float32: 1, "add": 2, "silu_mul": 3}
 # gemv_row's entries carry their prologue and epilogue compiled in (gemv.cu): (prologue, epilogue) -> the suffix.
@@ -169,16 +189,27 @@ def prefer_gemv(m: int, n: int, k: int, smem_per_block: int | None = None, smem_
 
 
 # ---- references (NumPy; the composition of the unfused ops' references) ------------------------------------------
-def rmsnorm_linear_reference(residual: np.ndarray, norm_weight: np.ndarray, eps: float, weight: np.ndarray,
+# `weight` is a bf16 array [N, K], or an FP8 weight as its pair (e4m3 [N, K], scale_inv float32 [ceil(N / 128),
+# ceil(K / 128)]): the projection is then linear_fp8's reference (dequantize as fp8.py does, multiply in float64),
+# what the unfused FP8 path computes.
+def project_reference(x: np.ndarray, weight) -> np.ndarray:
+    """x @ W^T: linear_reference for a bf16 weight (float32), linear_fp8_reference for an (e4m3, scale_inv) pair."""
+    if isinstance(weight, tuple):
+        return linear_fp8_reference(x, *weight)
+    return linear_reference(x, weight)
+
+
+def rmsnorm_linear_reference(residual: np.ndarray, norm_weight: np.ndarray, eps: float, weight,
                              rows: np.ndarray | None = None) -> np.ndarray:
-    """float32 [m, N]: rmsnorm of fp32 residual rows (fused_add_rmsnorm_f32res's rounding), bf16, times W^T."""
+    """float32 [m, N] (float64 for an FP8 weight): rmsnorm of fp32 residual rows (fused_add_rmsnorm_f32res's
+    rounding), bf16, times W^T."""
     r = residual if rows is None else residual[rows]
     normed = rmsnorm_reference(r.astype(np.float32), norm_weight, eps).astype(bfloat16)
-    return linear_reference(normed, weight)
+    return project_reference(normed, weight)
 
 
 def rmsnorm_linear_silu_mul_reference(residual: np.ndarray, norm_weight: np.ndarray, eps: float,
-                                      gate_up_weight: np.ndarray) -> np.ndarray:
+                                      gate_up_weight) -> np.ndarray:
     """bf16 [m, I]: the gate/up projection of the normalised rows rounded to bf16 (as `linear` stores it), then
     silu_and_mul."""
     gate_up = rmsnorm_linear_reference(residual, norm_weight, eps, gate_up_weight).astype(bfloat16)
@@ -189,17 +220,51 @@ def silu_mul_linear_reference(gate_up: np.ndarray, weight: np.ndarray) -> np.nda
     return linear_reference(silu_and_mul_reference(gate_up).astype(bfloat16), weight)
 
 
+def _host_weight(weight: Tensor | Fp8Weight):
+    """What the references take: the array, or an FP8 weight's (e4m3, scale_inv) arrays."""
+    return (weight.weight.array, weight.scale_inv.array) if isinstance(weight, Fp8Weight) else weight.array
+
+
 def add_rounded(residual: np.ndarray, y: np.ndarray) -> np.ndarray:
     """residual + bf16(y) in fp32: what `hidden = linear(...)` then the fused residual add give."""
     return (residual.astype(np.float32) + y.astype(bfloat16).astype(np.float32)).astype(np.float32)
 
 
 # ---- ops ---------------------------------------------------------------------------------------------------------
-def _check_weight(weight: Tensor, k: int) -> int:
-    check_tensor("weight", weight, dtype=bfloat16, ndim=2)
+def _check_weight(weight: Tensor | Fp8Weight, k: int, m: int | None = None, paired: bool = False,
+                  name: str = "weight") -> int:
+    """N of a bf16 weight [N, K], or of an Fp8Weight where the op takes one (m: its rows; the FP8 entries take one,
+    K % 16 == 0, and for the paired SiLU-and-mul epilogue N % 8 == 0)."""
+    if not isinstance(weight, Fp8Weight):
+        check_tensor(name, weight, dtype=bfloat16, ndim=2)
+        if weight.shape[1] != k:
+            raise ValueError(f"{name}: shape {list(weight.shape)} does not match the input's in_features {k}")
+        return weight.shape[0]
+    if m is None:
+        raise ValueError(f"{name}: an Fp8Weight; this op takes bf16 weights only (linear_fp8 projects FP8 weights)")
+    check_tensor(f"{name}.weight", weight.weight, dtype=float8_e4m3fn, ndim=2)
+    n = weight.shape[0]
     if weight.shape[1] != k:
-        raise ValueError(f"weight: shape {list(weight.shape)} does not match the input's in_features {k}")
-    return weight.shape[0]
+        raise ValueError(f"{name}: shape {list(weight.shape)} does not match the input's in_features {k}")
+    _check_scale(weight.scale_inv, n, k)
+    if m != 1:
+        raise ValueError(f"{name}: an Fp8Weight takes one row in the fused GEMVs (the one-token step), this call has "
+                         f"{m}")
+    if not fp8_row_supported(n, k, paired):
+        raise ValueError(f"{name}: an Fp8Weight of [{n}, {k}] does not fit the fused FP8 GEMV (in_features a positive "
+                         f"multiple of {FP8_K_MULTIPLE} within {smem_limit(device_smem()[0])} bytes of staged x"
+                         + (f"; a gate/up weight's rows a multiple of {2 * _ROW_ROWS}" if paired else "") + ")")
+    return n
+
+
+def fp8_row_supported(n: int, k: int, paired: bool = False, smem_per_block: int | None = None,
+                      smem_per_sm: int | None = None) -> bool:
+    """Can the fused one-row FP8 GEMVs (gemv_fp8_row_*) take a weight of [n, k]? The staged x row as the bf16 row
+    kernel's (gemv_supported), K a multiple of 16 (16 e4m3 a 16-byte chunk, never across a scale block), and with
+    the paired SiLU-and-mul epilogue (n = 2I gate and up rows) I % 4 == 0, so that an up row group shares a scale
+    row as a gate row group does."""
+    return (k > 0 and k % FP8_K_MULTIPLE == 0 and gemv_supported(1, k, smem_per_block, smem_per_sm)
+            and (not paired or n % (2 * _ROW_ROWS) == 0))
 
 
 def _check_m(m: int, k: int) -> None:
@@ -227,10 +292,11 @@ def linear_gemv(x: Tensor, weight: Tensor, out: Tensor | None = None, out_dtype=
     return out
 
 
-def rmsnorm_linear(residual: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, out: Tensor | None = None,
-                   rows: Tensor | None = None, out_dtype=None) -> Tensor:
+def rmsnorm_linear(residual: Tensor, norm_weight: Tensor, eps: float, weight: Tensor | Fp8Weight,
+                   out: Tensor | None = None, rows: Tensor | None = None, out_dtype=None) -> Tensor:
     """rmsnorm(residual[rows]) @ weight^T -> out [m, N] (bf16 or float32): residual fp32 [T, K] (the decoder's
-    stream), rows int32 [m] picking residual rows (default: all T), norm_weight bf16 [K]."""
+    stream), rows int32 [m] picking residual rows (default: all T), norm_weight bf16 [K]; weight bf16 [N, K], or an
+    Fp8Weight for one row (m = 1)."""
     check_tensor("residual", residual, dtype=float32, ndim=2)
     k = residual.shape[1]
     check_tensor("norm_weight", norm_weight, dtype=bfloat16, shape=(k,))
@@ -238,34 +304,38 @@ def rmsnorm_linear(residual: Tensor, norm_weight: Tensor, eps: float, weight: Te
     if rows is not None:
         check_tensor("rows", rows, dtype=int32, ndim=1)
     m = residual.shape[0] if rows is None else rows.shape[0]
-    n = _check_weight(weight, k)
+    n = _check_weight(weight, k, m)
     _check_m(m, k)
     device = same_device(residual=residual, norm_weight=norm_weight, weight=weight, rows=rows, out=out)
     out = output("out", out, (m, n), out.dtype if out is not None else (out_dtype or bfloat16), device)
     if out.dtype not in (bfloat16, float32):
         raise ValueError(f"out: dtype {out.dtype}, expected bfloat16 or float32")
+    if isinstance(weight, Fp8Weight) and out.dtype != bfloat16:
+        raise ValueError(f"out: dtype {out.dtype}; with an Fp8Weight rmsnorm_linear stores bfloat16 (the qkv "
+                         f"projection's entry)")
     check_alias("out", out, "residual", residual, allow_identical=False)
     if device == "cpu":
         idx = None if rows is None else rows.array
         if idx is not None and (idx.min(initial=0) < 0 or idx.max(initial=0) >= residual.shape[0]):
             raise ValueError(f"rows: an index is outside [0, {residual.shape[0]})")
-        out.array[...] = rmsnorm_linear_reference(residual.array, norm_weight.array, eps32, weight.array,
+        out.array[...] = rmsnorm_linear_reference(residual.array, norm_weight.array, eps32, _host_weight(weight),
                                                   idx).astype(out.dtype)
         return out
     _launch("rmsnorm", residual, k, rows, norm_weight, eps32, weight, out, _EPILOGUE[out.dtype], m, n, k)
     return out
 
 
-def rmsnorm_linear_silu_mul(residual: Tensor, norm_weight: Tensor, eps: float, gate_up_weight: Tensor,
+def rmsnorm_linear_silu_mul(residual: Tensor, norm_weight: Tensor, eps: float, gate_up_weight: Tensor | Fp8Weight,
                             out: Tensor | None = None) -> Tensor:
     """silu_and_mul(bf16(rmsnorm(residual) @ gate_up_weight^T)) -> out bf16 [1, I]: residual fp32 [1, K] (one row:
-    the one-token decode step), gate_up_weight bf16 [2I, K] (gate rows, then up rows). The activation is computed
-    in the projection's epilogue, once per step (the down projection then takes it as a plain bf16 input)."""
+    the one-token decode step), gate_up_weight bf16 [2I, K] (gate rows, then up rows) or an Fp8Weight of that shape
+    (I % 4 == 0). The activation is computed in the projection's epilogue, once per step (the down projection then
+    takes it as a plain bf16 input)."""
     check_tensor("residual", residual, dtype=float32, ndim=2)
     m, k = residual.shape
     check_tensor("norm_weight", norm_weight, dtype=bfloat16, shape=(k,))
     eps32 = check_eps(eps)
-    n = _check_weight(gate_up_weight, k)
+    n = _check_weight(gate_up_weight, k, m, paired=True, name="gate_up_weight")
     if n % 2:
         raise ValueError(f"gate_up_weight: {n} rows, expected an even count (gate rows then up rows)")
     if m != 1:
@@ -277,16 +347,17 @@ def rmsnorm_linear_silu_mul(residual: Tensor, norm_weight: Tensor, eps: float, g
     check_alias("out", out, "residual", residual, allow_identical=False)
     if device == "cpu":
         out.array[...] = rmsnorm_linear_silu_mul_reference(residual.array, norm_weight.array, eps32,
-                                                           gate_up_weight.array)
+                                                           _host_weight(gate_up_weight))
         return out
     _launch("rmsnorm", residual, k, None, norm_weight, eps32, gate_up_weight, out, _EPILOGUE["silu_mul"], m, n, k)
     return out
 
 
-def linear_add(x: Tensor, weight: Tensor, residual: Tensor) -> Tensor:
-    """residual fp32 [m, N] += bf16(x bf16 [m, K] @ weight^T). Returns residual."""
+def linear_add(x: Tensor, weight: Tensor | Fp8Weight, residual: Tensor) -> Tensor:
+    """residual fp32 [m, N] += bf16(x bf16 [m, K] @ weight^T), weight bf16 [N, K] or an Fp8Weight for one row.
+    Returns residual."""
     check_tensor("x", x, dtype=bfloat16, ndim=2)
-    return _add_into_residual("x", x, x.shape[1], "bf16", linear_reference, weight, residual)
+    return _add_into_residual("x", x, x.shape[1], "bf16", project_reference, weight, residual, fp8=True)
 
 
 def silu_mul_linear_add(gate_up: Tensor, weight: Tensor, residual: Tensor) -> Tensor:
@@ -298,17 +369,18 @@ def silu_mul_linear_add(gate_up: Tensor, weight: Tensor, residual: Tensor) -> Te
     return _add_into_residual("gate_up", gate_up, width // 2, "silu_mul", silu_mul_linear_reference, weight, residual)
 
 
-def _add_into_residual(name: str, x: Tensor, k: int, prologue: str, reference, weight: Tensor,
-                       residual: Tensor) -> Tensor:
-    """The residual-add epilogue ops: x (checked by the caller) gives the K = k input of the projection."""
+def _add_into_residual(name: str, x: Tensor, k: int, prologue: str, reference, weight: Tensor | Fp8Weight,
+                       residual: Tensor, fp8: bool = False) -> Tensor:
+    """The residual-add epilogue ops: x (checked by the caller) gives the K = k input of the projection; fp8: the op
+    takes an Fp8Weight too."""
     m = x.shape[0]
-    n = _check_weight(weight, k)
+    n = _check_weight(weight, k, m if fp8 else None)
     _check_m(m, k)
     check_tensor("residual", residual, dtype=float32, shape=(m, n))
     device = same_device(**{name: x}, weight=weight, residual=residual)
     check_alias("residual", residual, name, x, allow_identical=False)
     if device == "cpu":
-        residual.array[...] = add_rounded(residual.array, reference(x.array, weight.array))
+        residual.array[...] = add_rounded(residual.array, reference(x.array, _host_weight(weight)))
         return residual
     _launch(prologue, x, x.shape[1], None, None, 0.0, weight, residual, _EPILOGUE["add"], m, n, k)
     return residual
@@ -317,7 +389,7 @@ def _add_into_residual(name: str, x: Tensor, k: int, prologue: str, reference, w
 # ---- launch -------------------------------------------------------------------------------------------------------
 def plan(m: int, n: int, multiprocessor_count: int, paired: bool = False, k: int = 0, normed: bool = False,
          smem_per_block: int = SM90_SMEM_PER_BLOCK_OPTIN,
-         smem_per_sm: int = SM90_SMEM_PER_MULTIPROCESSOR) -> tuple[str, int, int, int, int]:
+         smem_per_sm: int = SM90_SMEM_PER_MULTIPROCESSOR, fp8: bool = False) -> tuple[str, int, int, int, int]:
     """(kernel, threads, split, grid, slices): kernel = the base name (the launcher picks the entry: gemv_row's
     _<prologue>_<epilogue>[_1step], the mma kernel's _bf16_bf16 or _sliced), split = warps sharing a row group's K
     (the fewest that give every SM two tiles and keep the last round of tiles >= 90% full; for one row, one fewer
@@ -327,9 +399,15 @@ def plan(m: int, n: int, multiprocessor_count: int, paired: bool = False, k: int
     one-step tiles ONE_STEP_CTAS_PER_SM with the RMSNorm prologue (normed), ONE_STEP_PLAIN_CTAS_PER_SM without).
     paired (the SiLU-and-mul epilogue, one row; normed): a tile pairs gate and up row groups, so split <= 2.
     smem_per_block / smem_per_sm: the device's shared memory (sm_90's by default): they size the K slices and cap
-    the CTAs per SM at what an SM holds (resident_ctas; never binding on sm_90)."""
+    the CTAs per SM at what an SM holds (resident_ctas; never binding on sm_90).
+    fp8: the same one-row kernel on e4m3 weights (gemv_fp8_row; m = 1): its load step covers 2048 values of K, and
+    FP8_PREFER_ONE_STEP stands in for PREFER_ONE_STEP."""
+    if fp8 and m != 1:
+        raise ValueError(f"plan: the FP8 row kernel takes one row, not {m}")
+    row_step_k = _FP8_ROW_STEP_K if fp8 else _ROW_STEP_K
+    prefer_one_step = FP8_PREFER_ONE_STEP if fp8 else PREFER_ONE_STEP
     if m == 1:
-        name, warps, rows = "gemv_row", _ROW_WARPS, _ROW_ROWS
+        name, warps, rows = ("gemv_fp8_row" if fp8 else "gemv_row"), _ROW_WARPS, _ROW_ROWS
     else:
         name, warps, rows = ("gemv_mma_m8" if m <= 8 else "gemv_mma_m16"), _MMA_WARPS, _MMA_ROWS
     slices, slice_k = k_slices(m, k, smem_per_block, smem_per_sm) if k else (1, 0)
@@ -340,7 +418,7 @@ def plan(m: int, n: int, multiprocessor_count: int, paired: bool = False, k: int
     def tiles(s: int) -> int:
         return cdiv(n, rows * (warps // s))
 
-    step_k = _ROW_STEP_K if m == 1 else 32 * 4  # K values a warp's load step covers (mma: lanes x kU blocks)
+    step_k = row_step_k if m == 1 else 32 * 4  # K values a warp's load step covers (mma: lanes x kU blocks)
     if slices > 1:  # a warp's share of a slice keeps at least two load steps (split: a power of two)
         while max_split > 1 and slice_k < 2 * max_split * step_k:
             max_split //= 2
@@ -354,18 +432,19 @@ def plan(m: int, n: int, multiprocessor_count: int, paired: bool = False, k: int
     while (split < max_split and tiles(split) / (slots * cdiv(tiles(split), slots)) < 0.9
            and slice_k >= 2 * split * step_k):
         split *= 2
-    if m == 1 and PREFER_ONE_STEP and not one_load_step(k, split):  # more splits where they make a tile one step
-        split = next((s for s in (2, 4) if split < s <= max_split and one_load_step(k, s)), split)
-    if m == 1 and one_load_step(k, split):
+    if m == 1 and prefer_one_step and not one_load_step(k, split, fp8):  # more splits where a tile is then one step
+        split = next((s for s in (2, 4) if split < s <= max_split and one_load_step(k, s, fp8)), split)
+    if m == 1 and one_load_step(k, split, fp8):
         slots = multiprocessor_count * min(resident, ONE_STEP_CTAS_PER_SM if normed or paired
                                            else ONE_STEP_PLAIN_CTAS_PER_SM)
     return name, warps * 32, split, min(tiles(split), slots) * slices, slices
 
 
-def one_load_step(k: int, split: int) -> bool:
-    """Is a warp's share of a k-long row at most one of gemv_row's load steps (32 lanes x 4 chunks of 8 values)?
-    Then the launcher takes the row kernel's _1step entry (gemv.cu: one register set, 3-4 CTAs per SM)."""
-    return 0 < k <= split * _ROW_STEP_K
+def one_load_step(k: int, split: int, fp8: bool = False) -> bool:
+    """Is a warp's share of a k-long row at most one of gemv_row's load steps (32 lanes x 4 chunks of 8 values; of
+    16 e4m3 values with fp8)? Then the launcher takes the row kernel's _1step entry (gemv_row.cuh: one register set,
+    3-4 CTAs per SM)."""
+    return 0 < k <= split * (_FP8_ROW_STEP_K if fp8 else _ROW_STEP_K)
 
 
 _workspaces: list[Tensor] = []  # K-slice partial sums (pooled_buffer: kept for the life of the process)
@@ -373,24 +452,29 @@ _counters: list[Tensor] = []  # tile-set counters: zeroed once, reset by the ker
 
 
 def _launch(prologue: str, x: Tensor, x_stride: int, rows: Tensor | None, norm_weight: Tensor | None, eps32,
-            weight: Tensor, out: Tensor, epilogue: int, m: int, n: int, k: int) -> None:
+            weight: Tensor | Fp8Weight, out: Tensor, epilogue: int, m: int, n: int, k: int) -> None:
     if m == 0 or n == 0:
         return
-    if not aligned(x, weight) or (x_stride * x.dtype.itemsize) % 16:
+    fp8 = isinstance(weight, Fp8Weight)
+    w = weight.weight if fp8 else weight
+    if not aligned(x, w) or (x_stride * x.dtype.itemsize) % 16:
         raise ValueError("gemv: x and weight must be 16-byte aligned with 16-byte aligned rows")
     paired = epilogue == _EPILOGUE["silu_mul"]
     info = get_device().info
     block_smem, sm_smem = info.max_shared_memory_per_block_optin, info.max_shared_memory_per_multiprocessor
     name, threads, split, grid, slices = plan(m, n, info.multiprocessor_count, paired, k, prologue == "rmsnorm",
-                                              block_smem, sm_smem)
+                                              block_smem, sm_smem, fp8=fp8)
     slice_k = k_slices(m, k, block_smem, sm_smem)[1]
     x_rows = rows if rows is not None else 0  # a null pointer: rows 0..m-1
     norm = norm_weight if norm_weight is not None else 0
     modes = (np.int32(_PROLOGUE[prologue]), np.int32(epilogue))
-    if m == 1:  # gemv_row_<prologue>_<epilogue>[_1step](x, x_stride, x_rows, norm_w, eps, W, out, N, K, split, early)
-        name += "_" + _ROW_ENTRY[_PROLOGUE[prologue], epilogue] + ("_1step" if one_load_step(k, split) else "")
-        args = (x, np.int64(x_stride), x_rows, norm, np.float32(eps32), weight, out, np.int32(n), np.int32(k),
-                np.int32(split), np.int32(n * k * 2 <= EARLY_TRIGGER_BYTES))
+    if m == 1:  # gemv[_fp8]_row_<prologue>_<epilogue>[_1step](x, x_stride, x_rows, norm_w, eps, W, [scale_inv: FP8],
+        #                                                      out, N, K, split, early_trigger)
+        name += "_" + _ROW_ENTRY[_PROLOGUE[prologue], epilogue] + ("_1step" if one_load_step(k, split, fp8) else "")
+        early = n * k * w.dtype.itemsize <= (FP8_EARLY_TRIGGER_BYTES if fp8 else EARLY_TRIGGER_BYTES)
+        scales = (weight.scale_inv,) if fp8 else ()
+        args = (x, np.int64(x_stride), x_rows, norm, np.float32(eps32), w, *scales, out, np.int32(n), np.int32(k),
+                np.int32(split), np.int32(early))
     else:  # gemv_mma_m*(x, x_stride, x_rows, norm_w, eps, W, out, out_stride, m, N, K, split,
         #              [slices, kc, partials, counters: the _sliced entries], [prologue, epilogue: not _bf16_bf16])
         sliced = ()
@@ -413,5 +497,10 @@ def _launch(prologue: str, x: Tensor, x_stride: int, rows: Tensor | None, norm_w
 _FUSED_ROW_ENTRIES = ("bf16_add", "rmsnorm_bf16", "rmsnorm_f32", "rmsnorm_silu_mul")
 _PIECES = {f"gemv_row_{entry}{step}": piece("gemv", rows=1, part=int(entry not in _FUSED_ROW_ENTRIES))
            for entry in _ROW_ENTRY.values() for step in ("", "_1step")}
+# gemv_fp8.cu's one-row entries (its one piece gemv_fp8:f1, compiled at an FP8 model's start): the fused one-token
+# step's three (qkv, o and down, gate/up)
+_FP8_ROW_ENTRIES = ("rmsnorm_bf16", "bf16_add", "rmsnorm_silu_mul")
+_PIECES.update({f"gemv_fp8_row_{entry}{step}": piece(FP8_FAMILY, fp8=1)
+                for entry in _FP8_ROW_ENTRIES for step in ("", "_1step")})
 _PIECES.update({f"gemv_mma_m{rows}{suffix}": piece("gemv", rows=rows, part=int(suffix != "_bf16_bf16"))
                 for rows in (8, 16) for suffix in ("", "_sliced", "_bf16_bf16")})
