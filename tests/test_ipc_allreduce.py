@@ -66,6 +66,20 @@ def test_forcing_nccl_makes_no_buffer():
     assert IpcAllReduce.create(0, MAX_WORLD + 1, never, mode="auto") is None
 
 
+def test_ipc_handles_round_trip_through_bytes():
+    """What the all-gather carries: a CUipcMemHandle's 64 bytes, and a handle rebuilt from them."""
+    from cuda.bindings import driver
+
+    from xserv.parallel.ipc import handle_from_bytes, handle_to_bytes
+
+    data = bytes(np.random.default_rng(3).integers(0, 256, 64, dtype=np.uint8))
+    handle = handle_from_bytes(data)
+    assert isinstance(handle, driver.CUipcMemHandle)
+    assert handle_to_bytes(handle) == data
+    with pytest.raises(ValueError, match="64 bytes, not 63"):
+        handle_from_bytes(data[:63])
+
+
 def _message(shape, dtype=bfloat16, ptr=1 << 20, device="cuda"):
     numel = int(np.prod(shape))
     return SimpleNamespace(shape=shape, dtype=np.dtype(dtype), ptr=ptr, numel=numel, device=device,

@@ -163,7 +163,7 @@ class IpcAllReduce:
             own = int(check_driver(driver.cuMemAlloc(layout.nbytes), "cuMemAlloc (IPC all-reduce buffer)"))
             # zero flags and counters: epochs start at 1 on every rank; synchronised before any peer can write
             check_driver(driver.cuMemsetD8(own, 0, layout.nbytes), "cuMemsetD8")
-            handle = bytes(check_driver(driver.cuIpcGetMemHandle(own), "cuIpcGetMemHandle").reserved)
+            handle = handle_to_bytes(check_driver(driver.cuIpcGetMemHandle(own), "cuIpcGetMemHandle"))
             ok = 1
         except Exception:
             ok = 0  # this rank cannot export (e.g. the driver has no IPC here): every rank falls back
@@ -189,9 +189,8 @@ class IpcAllReduce:
                 if q == rank:
                     bases.append(own)
                     continue
-                h = driver.CUipcMemHandle()
-                h.reserved = bytes(records[q, :_HANDLE_BYTES])
-                flag = driver.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+                h = handle_from_bytes(bytes(records[q, :_HANDLE_BYTES]))
+                flag = int(driver.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
                 ptr = int(check_driver(driver.cuIpcOpenMemHandle(h, flag), f"cuIpcOpenMemHandle (rank {q}'s buffer)"))
                 opened.append(ptr)
                 bases.append(ptr)
@@ -243,6 +242,26 @@ class IpcAllReduce:
         self._bases = None
 
 
+def handle_to_bytes(handle) -> bytes:
+    """The 64 bytes of a CUipcMemHandle (cuda-python 13 exposes no `reserved` field: read them at getPtr())."""
+    import ctypes
+
+    return ctypes.string_at(handle.getPtr(), _HANDLE_BYTES)
+
+
+def handle_from_bytes(data: bytes):
+    """A CUipcMemHandle holding `data` (64 bytes another process exported)."""
+    import ctypes
+
+    from cuda.bindings import driver
+
+    if len(data) != _HANDLE_BYTES:
+        raise ValueError(f"an IPC memory handle is {_HANDLE_BYTES} bytes, not {len(data)}")
+    handle = driver.CUipcMemHandle()
+    ctypes.memmove(handle.getPtr(), data, _HANDLE_BYTES)
+    return handle
+
+
 def _mapped_pointer(host_ptr: int) -> int:
     """The device address of pinned host memory (cuMemHostAlloc; with unified addressing, the same number)."""
     from cuda.bindings import driver
@@ -252,5 +271,6 @@ def _mapped_pointer(host_ptr: int) -> int:
     return int(check_driver(driver.cuMemHostGetDevicePointer(host_ptr, 0), "cuMemHostGetDevicePointer"))
 
 
-__all__ = ["ENV", "ENV_MAX_BYTES", "IPC_MAX_BYTES", "IpcAllReduce", "IpcLayout", "block_ranges", "mode_from_env",
+__all__ = ["ENV", "ENV_MAX_BYTES", "IPC_MAX_BYTES", "IpcAllReduce", "IpcLayout", "block_ranges", "handle_from_bytes",
+           "handle_to_bytes", "mode_from_env",
            "max_bytes_from_env", "reference_sum", "use_ipc"]
