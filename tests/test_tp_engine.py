@@ -315,3 +315,28 @@ def test_cuda_killed_worker(perturbed_model_dir):  # noqa: F811
     assert time.monotonic() - start < 30
     llm.close()
     assert not proc.is_alive()
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_cuda_tp2_ipc_all_reduce_matches_nccl(small_8b_dir, monkeypatch):
+    """The one-shot IPC all-reduce (small messages: every decode step, graphs included) against NCCL for every
+    all-reduce (XSERV_TP_ALLREDUCE=nccl, inherited by the spawned worker): the logits within the model tests'
+    tolerance (2 ranks: both round a + b once, so equal bits are expected), the greedy tokens equal."""
+    from xserv import LLM
+
+    opts = dict(device="cuda", max_model_len=512, kv_cache_tokens=4096, max_num_seqs=8, progress=False,
+                tensor_parallel_size=2)
+    ids = PROMPTS[2][:3]  # 3 rows x 4096 bf16: 24 KB, an IPC message
+    monkeypatch.setenv("XSERV_TP_ALLREDUCE", "nccl")
+    with LLM(str(small_8b_dir), **opts) as nccl:
+        assert nccl.runner.model.comm.ipc is None
+        want = nccl.logits(ids)
+        want_tokens = [o.token_ids for o in nccl.generate(PROMPTS, GREEDY)]
+    monkeypatch.setenv("XSERV_TP_ALLREDUCE", "auto")
+    with LLM(str(small_8b_dir), **opts) as tp:
+        assert tp.runner.model.comm.ipc is not None, "the IPC path is off: no peer access between the GPUs?"
+        assert tp.runner.graphs
+        err = rel_err_rows(tp.logits(ids), want)
+        assert err.max() < LOGITS_TOL, err
+        assert [o.token_ids for o in tp.generate(PROMPTS, GREEDY)] == want_tokens

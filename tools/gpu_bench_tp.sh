@@ -23,7 +23,7 @@ if want tests; then  # the multi-GPU tests, while the checkpoints are written
     | tee -a "$OUT/bench_tp.txt"
 fi
 cat > /tmp/bench_tp.py <<'EOF'
-import sys, time
+import os, sys, time
 import numpy as np
 
 
@@ -106,7 +106,8 @@ def main():
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s (read + write, one GPU)")
     ar = {h: allreduce_us(h) for h in (4096, 5120)}
     for h, (e, g) in ar.items():
-        print(f"NCCL all-reduce [1, {h}] bf16, 2 ranks: {e:.1f} us eager, {g:.1f} us inside a CUDA graph")
+        path = "NCCL" if os.environ.get("XSERV_TP_ALLREDUCE", "auto").lower() == "nccl" else "IPC one-shot (<= 64 KB)"
+        print(f"{path} all-reduce [1, {h}] bf16, 2 ranks: {e:.1f} us eager, {g:.1f} us inside a CUDA graph")
     if "8b" in stages:
         while not Path("/dev/shm/model-8b/config.json").exists():
             time.sleep(2)

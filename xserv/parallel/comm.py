@@ -11,6 +11,8 @@ Two implementations with one interface:
 - NcclCommunicator (CUDA): nccl4py's raw bindings (ncclAllReduce / ncclAllGather) on xserv's own stream and raw
   device pointers, so they are captured inside the decode CUDA graphs like any kernel. (nccl4py's high-level
   Communicator.allreduce inferred the wrong device for a __cuda_array_interface__ buffer on rank 1: not used.)
+  A bf16 message of at most 64 KB (a decode step's rows) takes the one-shot IPC kernel instead where every pair of
+  GPUs has peer access (xserv/parallel/ipc.py; XSERV_TP_ALLREDUCE=nccl keeps everything on NCCL).
 - ShmCommunicator (CPU backend): a shared-memory segment of one slot per rank, twice (calls alternate, so one
   barrier per collective suffices), summed in float32 in rank order on every rank. It exists so that CI runs the
   whole tensor-parallel engine, collectives included, without a GPU.
@@ -22,6 +24,7 @@ import time
 import numpy as np
 
 from ..tensor import Tensor, bfloat16, float32
+from .ipc import use_ipc
 
 SHM_SLOT_BYTES = 4 << 20  # ShmCommunicator: bytes of one rank's slot (a larger message goes in pieces)
 _SHM_HEADER = 4096  # counters: one int64 per rank at 64-byte strides, the abort flag after them
@@ -174,6 +177,7 @@ def _assemble_cpu(gathered: np.ndarray, out: np.ndarray, vocab_size: int) -> Non
 
 # ---- CUDA: NCCL -------------------------------------------------------------------------------------------------
 _NCCL_SUM = 0
+_NCCL_UINT8 = 1
 _NCCL_DTYPES = {np.dtype(bfloat16): 9, np.dtype(np.float32): 7, np.dtype(np.float16): 6}
 
 
@@ -199,12 +203,27 @@ class NcclCommunicator(Communicator):
         from ..runtime import get_device
 
         super().__init__(rank, world_size, vocab_part, vocab_size, "cuda")
+        self.ipc = None
         self._driver, self._raw = driver, nccl_raw
         self._nccl = NcclComm.init(world_size, rank, UniqueId.from_bytes(unique_id))
         self._handle = self._nccl._comm
         self._stream = get_device().stream_handle
+        from .ipc import IpcAllReduce
+
+        self.ipc = IpcAllReduce.create(rank, world_size, self._all_gather_bytes)  # None: NCCL for every all-reduce
+
+    def _all_gather_bytes(self, record: bytes) -> bytes:
+        """Every rank's `record` (the same length on every rank), rank order, through NCCL (setup only: synchronous)."""
+        n = len(record)
+        send = Tensor.from_numpy(np.frombuffer(record, np.uint8), "cuda")
+        recv = Tensor.empty((self.world_size * n,), np.uint8, "cuda")
+        self._raw.all_gather(send.ptr, recv.ptr, n, _NCCL_UINT8, self._handle, self._stream)
+        return recv.numpy().tobytes()  # synchronises xserv's stream
 
     def all_reduce(self, t: Tensor) -> Tensor:
+        ipc = self.ipc
+        if ipc is not None and use_ipc(ipc, t):
+            return ipc.all_reduce(t)
         self._raw.all_reduce(t.ptr, t.ptr, t.numel, _NCCL_DTYPES[np.dtype(t.dtype)], _NCCL_SUM, self._handle,
                              self._stream)
         return t
@@ -239,6 +258,8 @@ class NcclCommunicator(Communicator):
         return out
 
     def abort(self) -> None:
+        if self.ipc is not None:  # a one-shot kernel waiting for the dead rank's flag returns
+            self.ipc.abort()
         comm, self._handle = self._handle, None
         if comm is not None:
             try:
@@ -248,6 +269,9 @@ class NcclCommunicator(Communicator):
 
     def close(self) -> None:
         super().close()
+        if self.ipc is not None:
+            self.ipc.close()
+            self.ipc = None
         if self._nccl is not None and self._handle is not None:
             try:
                 self._nccl.destroy()

@@ -215,6 +215,9 @@ KERNEL_PATHS: dict[str, dict[KernelPath, tuple[Route, ...]]] = {
                  Route("fp8", "M > 8: fp8_quantize_1x128 (x to e4m3 + 1x128 scales), then cuBLASLt's block-scaled FP8 "
                        "GEMM; fp8_dequantize_bf16 + bf16 GEMM where cuBLASLt has no algorithm")),
     },
+    "all_reduce (tensor parallelism, bf16 messages <= 64 KB)": {
+        p: (r,) for p, r in _both(Route("allreduce", "one-shot over CUDA IPC peer memory: push, release/acquire flags, "
+                                        "rank-order sum (NCCL for larger messages)")).items()},
     "fill (benchmarks)": {p: (r,) for p, r in _both(Route("fill", "fill_f32")).items()},
 }
 

@@ -1,0 +1,205 @@
+"""The IPC one-shot all-reduce (xserv/parallel/ipc.py) on 2+ GPUs: checked against NumPy and NCCL, and timed.
+
+    python -m tools.check_ipc_allreduce check [--world 2]     # exits 1 on a mismatch; prints what it checked
+    python -m tools.check_ipc_allreduce bench [--world 2]     # us per all-reduce, IPC vs NCCL, eager and graph
+
+One process per rank (spawn), each on GPU `rank`, joined through NCCL as the engine's ranks are. Every rank draws
+every rank's partials from the same seed, so each one computes the NumPy reference itself; the results come back to
+the parent, which checks they are the same bits on every rank. tests/test_ipc_allreduce.py runs `check`.
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import sys
+
+import numpy as np
+
+CHECK_SHAPES = [(1, 4096), (1, 5120), (4, 4096), (1, 1003), (3, 7), (8, 4096)]
+BENCH_SHAPES = [(1, 4096), (1, 5120), (4, 4096), (8, 4096), (16, 4096), (64, 4096)]
+
+
+def _partials(seed: int, world: int, shape):
+    from xserv.tensor import bfloat16
+
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((world, *shape)) + 0.25).astype(bfloat16)
+
+
+def _rank_main(rank: int, world: int, uid: bytes, what: str, q) -> None:
+    try:
+        from xserv.parallel.group import _bind_device
+
+        _bind_device(rank)
+        from xserv.parallel.comm import NcclCommunicator
+
+        comm = NcclCommunicator(uid, rank, world, 8, 8 * world)
+        if comm.ipc is None:
+            q.put((rank, "error", "the IPC path is off on this machine (no peer access, or XSERV_TP_ALLREDUCE=nccl)"))
+            return
+        q.put((rank, "ok", _check(comm, rank, world) if what == "check" else _bench(comm, rank, world)))
+        comm.close()
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        import traceback
+
+        q.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def _nccl(comm, t):
+    ipc, comm.ipc = comm.ipc, None
+    try:
+        return comm.all_reduce(t)
+    finally:
+        comm.ipc = ipc
+
+
+def _check(comm, rank: int, world: int) -> dict:
+    """Results keyed by case: (the result's bytes, mismatches against NumPy / NCCL as text)."""
+    from xserv.parallel.ipc import reference_sum, use_ipc
+    from xserv.runtime.graphs import CUDAGraph
+    from xserv.tensor import Tensor
+
+    out, problems = {}, []
+    seed = 0
+    # eager, many epochs: every shape in turn, 64 rounds (the halves and the flags reused 192 times each)
+    for rnd in range(64):
+        for shape in CHECK_SHAPES:
+            seed += 1
+            parts = _partials(seed, world, shape)
+            t = Tensor.from_numpy(parts[rank], "cuda")
+            assert use_ipc(comm.ipc, t), shape
+            got = comm.all_reduce(t).numpy()
+            want = reference_sum(parts.reshape(world, -1)).reshape(shape)
+            if not np.array_equal(got.view(np.uint16), want.view(np.uint16)):
+                problems.append(f"eager round {rnd} {shape}: differs from NumPy's rank-order float32 sum")
+            if rnd in (0, 63):
+                out[f"eager{rnd}{shape}"] = got.tobytes()
+                nccl = _nccl(comm, Tensor.from_numpy(parts[rank], "cuda")).numpy()
+                if world == 2 and not np.array_equal(nccl.view(np.uint16), got.view(np.uint16)):
+                    problems.append(f"eager {shape}: differs from NCCL (2 ranks: one rounding of a + b in both)")
+    # a CUDA graph of three all-reduces (two shapes), replayed with fresh inputs: the epochs come from the device
+    shapes = [(1, 4096), (1, 5120), (1, 4096)]
+    from xserv.tensor import bfloat16
+
+    xs = [Tensor.empty(s, bfloat16, "cuda") for s in shapes]
+    for x in xs:  # warm-up outside the capture (the kernel loads here)
+        x.copy_(np.zeros(x.shape, bfloat16))
+        comm.all_reduce(x)
+    graph = CUDAGraph()
+    with graph.capture():
+        for x in xs:
+            comm.all_reduce(x)
+    for rep in range(200):
+        parts = [_partials(10_000 + 3 * rep + i, world, s) for i, s in enumerate(shapes)]
+        for x, p in zip(xs, parts):
+            x.copy_(p[rank])
+        graph.replay()
+        for i, (x, p) in enumerate(zip(xs, parts)):
+            got = x.numpy()
+            want = reference_sum(p.reshape(world, -1)).reshape(p.shape[1:])
+            if not np.array_equal(got.view(np.uint16), want.view(np.uint16)):
+                problems.append(f"graph replay {rep} all-reduce {i}: differs from NumPy")
+            if rep == 199:
+                out[f"graph{i}"] = got.tobytes()
+    graph.close()
+    return {"bytes": out, "problems": problems[:20], "count": len(problems)}
+
+
+def _bench(comm, rank: int, world: int) -> dict:
+    from xserv.runtime import synchronize
+    from xserv.runtime.graphs import CUDAGraph
+    from xserv.runtime.pinned import Event
+    from xserv.runtime import get_device
+    from xserv.tensor import Tensor, bfloat16
+
+    stream = get_device().stream_handle
+    rows = {}
+    calls = 200
+    for shape in BENCH_SHAPES:
+        x = Tensor.from_numpy(_partials(1, world, shape)[rank], "cuda")
+        row = {"KiB": x.nbytes / 1024}
+        for name, fn in (("ipc", comm.all_reduce), ("nccl", lambda t: _nccl(comm, t))):
+            if name == "ipc" and x.numel > comm.ipc.layout.cap:
+                continue
+            for _ in range(20):
+                fn(x)
+            synchronize()
+            a, b = Event(timing=True), Event(timing=True)
+            a.record(stream)
+            for _ in range(calls):
+                fn(x)
+            b.record(stream)
+            b.synchronize()
+            row[f"{name}_eager_us"] = a.elapsed_ms(b) * 1e3 / calls
+            graph = CUDAGraph()
+            with graph.capture():
+                for _ in range(calls):
+                    fn(x)
+            graph.replay()
+            synchronize()
+            reps = []
+            for _ in range(5):
+                a.record(stream)
+                graph.replay()
+                b.record(stream)
+                b.synchronize()
+                reps.append(a.elapsed_ms(b) * 1e3 / calls)
+            row[f"{name}_graph_us"] = float(np.median(reps))
+            graph.close()
+        rows[str(shape)] = row
+    return rows
+
+
+def run(what: str, world: int = 2, timeout: float = 300.0) -> dict:
+    """Run `what` ("check" / "bench") on `world` GPUs; {rank: result}; RuntimeError naming a rank that failed."""
+    from xserv.parallel.comm import nccl_unique_id
+
+    ctx = mp.get_context("spawn")
+    uid = nccl_unique_id()
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(r, world, uid, what, q), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = {}
+    try:
+        for _ in range(world):
+            rank, kind, value = q.get(timeout=timeout)
+            if kind != "ok":
+                raise RuntimeError(f"rank {rank}: {value}")
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    return results
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("what", choices=("check", "bench"))
+    ap.add_argument("--world", type=int, default=2)
+    args = ap.parse_args(argv)
+    results = run(args.what, args.world)
+    if args.what == "bench":
+        for shape, row in results[0].items():
+            cells = "  ".join(f"{k} {v:6.2f}" for k, v in row.items())
+            print(f"{shape} bf16, {args.world} ranks:  {cells}")
+        return 0
+    bad = 0
+    for rank, res in sorted(results.items()):
+        bad += res["count"]
+        for p in res["problems"]:
+            print(f"rank {rank}: {p}")
+    ref = results[0]["bytes"]
+    for rank, res in results.items():
+        for key, data in res["bytes"].items():
+            if data != ref[key]:
+                bad += 1
+                print(f"rank {rank}: {key} differs from rank 0's bits")
+    print(f"{'FAIL' if bad else 'ok'}: {len(ref)} results compared across {args.world} ranks, {bad} problems")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
