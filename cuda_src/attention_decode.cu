@@ -645,6 +645,14 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS) {
         decode_split_v4<D, G, 2, 8, 1, true>(XSERV_DECODE_V4_PASS);                                              \
     }
 
+// The same for the query-head subgroup kernels (_w8_r{R}_lean): groups of 5, 6 and 8 (Qwen3-14B, 32B, and the
+// 30B-A3B's 32 q / 4 kv heads, whose batch-1 fused op at short context runs 2 subgroups of 4 in 8 splits of 64 keys).
+#define XSERV_DECODE_V4_LEAN_SUBGROUPS_KERNEL(D, G, R)                                                           \
+    extern "C" __global__ void __launch_bounds__(256, 2)                                                         \
+        attention_decode_v4_d##D##_g##G##_s2_w8_r##R##_lean(XSERV_DECODE_V4_ARGS) {                             \
+        decode_split_v4<D, G, 2, 8, R, true>(XSERV_DECODE_V4_PASS);                                              \
+    }
+
 // 2 stages, for every head_dim and group size; 8 warps for the groups of at most 4 (the 16 / W bound holds there);
 // lean entries for the head_dim of every Qwen3 size (128); groups of 6 and 8 as 2 subgroups (Qwen3-32B's 64/8 heads),
 // groups of 5 as 5 of one (Qwen3-14B's 40/8), 7 whole. Grouped by the shape piece that has them (XSERV_PIECE: head
@@ -703,10 +711,12 @@ XSERV_DECODE_V4_LEAN_KERNEL(128, 4)
 #if XSERV_PIECE(128, 5)
 XSERV_DECODE_V4_KERNEL(128, 5, 2)
 XSERV_DECODE_V4_WIDE_SUBGROUPS_KERNEL(128, 1, 2, 8, 5)
+XSERV_DECODE_V4_LEAN_SUBGROUPS_KERNEL(128, 1, 5)
 #endif
 #if XSERV_PIECE(128, 6)
 XSERV_DECODE_V4_KERNEL(128, 6, 2)
 XSERV_DECODE_V4_WIDE_SUBGROUPS_KERNEL(128, 3, 2, 8, 2)
+XSERV_DECODE_V4_LEAN_SUBGROUPS_KERNEL(128, 3, 2)
 #endif
 #if XSERV_PIECE(128, 7)
 XSERV_DECODE_V4_KERNEL(128, 7, 2)
@@ -714,4 +724,5 @@ XSERV_DECODE_V4_KERNEL(128, 7, 2)
 #if XSERV_PIECE(128, 8)
 XSERV_DECODE_V4_KERNEL(128, 8, 2)
 XSERV_DECODE_V4_WIDE_SUBGROUPS_KERNEL(128, 4, 2, 8, 2)
+XSERV_DECODE_V4_LEAN_SUBGROUPS_KERNEL(128, 4, 2)
 #endif

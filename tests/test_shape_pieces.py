@@ -101,7 +101,9 @@ def _piece_names(family: str, key) -> set[str]:
                    "DECODE_V4_WIDE_KERNEL": lambda: f"attention_decode_v4_d{a[0]}_g{a[1]}_s{a[2]}_w{a[3]}",
                    "DECODE_V4_WIDE_SUBGROUPS_KERNEL":
                        lambda: f"attention_decode_v4_d{a[0]}_g{a[1]}_s{a[2]}_w{a[3]}_r{a[4]}",
-                   "DECODE_V4_LEAN_KERNEL": lambda: f"attention_decode_v4_d{a[0]}_g{a[1]}_s2_w8_lean"}[macro]())
+                   "DECODE_V4_LEAN_KERNEL": lambda: f"attention_decode_v4_d{a[0]}_g{a[1]}_s2_w8_lean",
+                   "DECODE_V4_LEAN_SUBGROUPS_KERNEL":
+                       lambda: f"attention_decode_v4_d{a[0]}_g{a[1]}_s2_w8_r{a[2]}_lean"}[macro]())
     return names
 
 
@@ -113,12 +115,15 @@ def launched_decode_kernels(head_dim: int, group: int) -> dict[str, set[str]]:
         names = out.setdefault(k.family, set())
         if k.shapes is None or (head_dim, group) in k.shapes:
             names.add(k.name(head_dim, group))
-            if (head_dim, group) in k.lean:
+            if k.has_lean(head_dim, group):
                 names.add(k.name(head_dim, group) + "_lean")
         if k.wide:
             wide = D.DECODE_KERNELS[k.wide]
             for r in D._subgroup_counts(group, head_dim, wide)[:-1]:
-                names.add(dataclasses.replace(wide, subgroups=r).name(head_dim, group))
+                sub = dataclasses.replace(wide, subgroups=r)
+                names.add(sub.name(head_dim, group))
+                if sub.has_lean(head_dim, group):
+                    names.add(sub.name(head_dim, group) + "_lean")
     return out
 
 

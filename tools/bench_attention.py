@@ -31,6 +31,11 @@ DECODE = [  # (label, B, HQ, HKV, LKV, D, block)
     ("decode 64x4096 32/8 bs256", 64, 32, 8, 4096, 128, 256),
     ("decode 32x4096 16/8 d64 bs16", 32, 16, 8, 4096, 64, 16),
     ("decode 32x4096 64/8 bs16", 32, 64, 8, 4096, 128, 16),  # G = 8 (Qwen3-32B)
+    # batch 1 at few kv heads (pure latency): the 30B-A3B's 32/4 heads (G = 8, 2 query-head subgroups) and 32/8
+    ("decode 1x512 32/4 bs16", 1, 32, 4, 512, 128, 16),
+    ("decode 1x4096 32/4 bs16", 1, 32, 4, 4096, 128, 16),
+    ("decode 1x512 32/8 bs16", 1, 32, 8, 512, 128, 16),
+    ("decode 1x4096 32/8 bs16", 1, 32, 8, 4096, 128, 16),
 ]
 
 
@@ -49,6 +54,8 @@ def main(argv=None) -> int:
     p.add_argument("--once", action="store_true", help="run each prefill kernel once, untimed (for ncu)")
     p.add_argument("--prefill-only", action="store_true", help="skip the decode configs")
     p.add_argument("--decode-only", action="store_true", help="skip the prefill configs")
+    p.add_argument("--decode-only-labels", default="", help="decode configs whose label contains one of these "
+                   "comma-separated texts (default: all)")
     p.add_argument("--decode-variants", default="v4,v2,v3,v3s3", help="decode kernels to time (DECODE_KERNELS "
                    "names; v4p is a load-only probe with a wrong result; v4s3, v4s4, v4n, v4p exist for the shapes "
                    "here only)")
@@ -146,7 +153,10 @@ def main(argv=None) -> int:
         return 0
     # ---- decode
     print(f"\n{'decode':32s} {'impl':10s} {'us':>8s} {'GB/s':>8s} {'%copy':>6s} {'vs flash':>8s} {'splits':>6s}")
+    wanted = [t for t in args.decode_only_labels.split(",") if t]
     for label, b, hq, hkv, lkv, d, block in DECODE:
+        if wanted and not any(t in label for t in wanted):
+            continue
         shape = (b, hq, hkv, lkv, d, block)
         nbytes = S._decode_bytes(shape)
         sets_np = _sets(S._decode_inputs, rng, shape, nbytes, l2)

@@ -341,6 +341,8 @@ def _kernel_names(family: str) -> set[str]:
         names.add(f"attention_decode_v4_d{d}_g{g}_s{s}_w{w}")
     for d, g in re.findall(r"^XSERV_DECODE_V4_LEAN_KERNEL\((\d+), (\d)\)", src, re.M):
         names.add(f"attention_decode_v4_d{d}_g{g}_s2_w8_lean")
+    for d, g, r in re.findall(r"^XSERV_DECODE_V4_LEAN_SUBGROUPS_KERNEL\((\d+), (\d), (\d)\)", src, re.M):
+        names.add(f"attention_decode_v4_d{d}_g{g}_s2_w8_r{r}_lean")
     for d, g, s, w, r in re.findall(r"^XSERV_DECODE_V4_WIDE_SUBGROUPS_KERNEL\((\d+), (\d), (\d), (\d+), (\d)\)", src,
                                     re.M):
         names.add(f"attention_decode_v4_d{d}_g{g}_s{s}_w{w}_r{r}")
@@ -370,8 +372,9 @@ def test_launch_tables_name_instantiated_kernels():
         shapes = k.shapes or {(d, g) for d in A.HEAD_DIMS for g in range(1, A.MAX_GQA_GROUP + 1)}
         for d, g in shapes:
             assert k.name(d, g) in _kernel_names(k.family), (variant, k.name(d, g))
-        for d, g in k.lean:  # the fused op's _lean entries (lean_entry)
-            assert k.name(d, g) + "_lean" in _kernel_names(k.family), (variant, d, g)
+        for d, g, r in k.lean:  # the fused op's _lean entries (lean_entry), whole groups and subgroups
+            sub = dataclasses.replace(k, subgroups=r)
+            assert sub.has_lean(d, g * r) and sub.name(d, g * r) + "_lean" in _kernel_names(k.family), (variant, d, g, r)
         assert k.dev == (variant not in ("v4", "v4w4", "v4w8", "v2")), variant
     wide = A.DECODE_KERNELS["v4w8"]
     for d in A.HEAD_DIMS:  # the query-head subgroup kernels the plan can pick
@@ -980,13 +983,14 @@ def test_decode_rope_gpu_dev_wide(rng, monkeypatch, head_dim, hq, hkv, one_split
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("hq,hkv", [(16, 8), (32, 8), (8, 8)])
+@pytest.mark.parametrize("hq,hkv", [(16, 8), (32, 8), (8, 8), (32, 4), (48, 8), (40, 8)])
 @pytest.mark.parametrize("norm", [True, False])
 @pytest.mark.parametrize("lens", [[513], [1], [65, 520, 1000, 1, 0], [4097], [20000]])
 def test_decode_rope_gpu_lean_entry(rng, monkeypatch, hq, hkv, norm, lens):
     """The fused op's _lean entries (the fused path only, at most 16 splits) give the full 8-warp entry's bits (out
     and both caches); longer contexts (more splits) take the full entry either way; near the references; padding
-    and zero rows."""
+    and zero rows. 32/4 (the 30B-A3B), 48/8 and 40/8 run the query-head subgroup kernels' _lean entries (2 x 4,
+    2 x 3, 5 x 1) at the short contexts."""
     kinds = ["new"] * len(lens) if len(lens) == 1 else ["new", "elsewhere", "new", "pad", "zero"]
     c = rope_case(rng, lens, hq, hkv, 128, 16, norm=norm, kinds=kinds)
     max_kv = max(max(lens), 512)
@@ -999,9 +1003,9 @@ def test_decode_rope_gpu_lean_entry(rng, monkeypatch, hq, hkv, norm, lens):
 
 
 def test_lean_entry_only_where_the_plan_allows(monkeypatch):
-    """The fused op takes the _lean entry for the 8-warp kernel's shapes with one (head_dim 128, groups 1-4), no
-    query-head subgroups and at most V4_FAST_COMBINE splits (1 x 513 keys: 9; 1 x 32k: 32), and only with
-    LEAN_FUSED."""
+    """The fused op takes the _lean entry for the 8-warp kernel's shapes with one (head_dim 128: groups 1-4 whole,
+    groups 5, 6 and 8 in the plan's query-head subgroups) and at most V4_FAST_COMBINE splits (1 x 513 keys: 9; 1 x
+    32k: 32), and only with LEAN_FUSED."""
     wide = D.DECODE_KERNELS["v4w8"]
     k, splits, _ = D.plan_decode("v4", 1, 8, 513, 16, 128, 2, 132)
     assert k is wide and splits <= D.V4_FAST_COMBINE and D.lean_entry(k, 128, 2, splits)
@@ -1009,7 +1013,13 @@ def test_lean_entry_only_where_the_plan_allows(monkeypatch):
     assert splits > D.V4_FAST_COMBINE and not D.lean_entry(k, 128, 2, splits)
     assert D.lean_entry(wide, 128, 4, 16) and not D.lean_entry(wide, 128, 4, 17)
     assert not D.lean_entry(wide, 64, 2, 8)  # no _lean entry compiled for head_dim 64
-    assert not D.lean_entry(dataclasses.replace(wide, subgroups=2), 128, 4, 8)
+    assert not D.lean_entry(dataclasses.replace(wide, subgroups=2), 128, 4, 8)  # no _g2_s2_w8_r2_lean
+    # the query-head subgroup kernels' entries: 30B-A3B (32/4), Qwen3-32B (64/8), 14B (40/8), and a group of 6
+    for hkv, group, r in ((4, 8, 2), (8, 8, 2), (8, 5, 5), (8, 6, 2)):
+        k, splits, _ = D.plan_decode("v4", 1, hkv, 513, 16, 128, group, 132)
+        assert (k.variant, k.subgroups) == ("v4w8", r) and D.lean_entry(k, 128, group, splits), (hkv, group)
+        assert not D.lean_entry(k, 128, group, D.V4_FAST_COMBINE + 1)
+        assert not D.lean_entry(k, 64, group, splits)  # head_dim 64: the full entries only
     assert not D.lean_entry(D.DECODE_KERNELS["v4"], 128, 2, 8)  # the 4-warp kernel has none
     monkeypatch.setattr(D, "LEAN_FUSED", False)
     assert not D.lean_entry(wide, 128, 2, 9)

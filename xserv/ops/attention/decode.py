@@ -78,9 +78,9 @@ class DecodeKernel:
     arguments (the _n / _p experiments are not), its warps per CTA (8 for v4w8, 16 for the v4w16 experiment), and
     `wide`: the variant the plan runs instead where its grid is one wave of that variant's CTAs (v4 -> v4w8), and
     `subgroups` (set by the plan, not in DECODE_KERNELS): R CTAs per (sequence, kv head, split), each over group / R
-    of the kv head's query heads. `lean`: the (head_dim, group) shapes that also have a _lean entry (LEAN in
-    attention_decode.cu: the fused entry only, at most V4_FAST_COMBINE splits), which the fused op launches where it
-    can (lean_entry)."""
+    of the kv head's query heads. `lean`: the (head_dim, query heads per CTA, subgroups) shapes that also have a
+    _lean entry (LEAN in attention_decode.cu: the fused entry only, at most V4_FAST_COMBINE splits), which the fused
+    op launches where it can (lean_entry)."""
 
     variant: str
     generation: int
@@ -105,6 +105,10 @@ class DecodeKernel:
         sub = f"_r{self.subgroups}" if self.subgroups > 1 else ""
         return (f"attention_decode_v{self.generation}_d{head_dim}_g{group // self.subgroups}_s{self.stages}"
                 f"{self.suffix}{sub}")
+
+    def has_lean(self, head_dim: int, group: int) -> bool:
+        """Is name(head_dim, group) + "_lean" compiled (its query heads per CTA and subgroups in `lean`)?"""
+        return group % self.subgroups == 0 and (head_dim, group // self.subgroups, self.subgroups) in self.lean
 
     def smem(self, head_dim: int) -> int:
         """Dynamic shared memory: v4's ring + page table + a flag + the fused entry's rows; v3's per-warp staging + a
@@ -133,7 +137,9 @@ class DecodeKernel:
 
 _EXPERIMENT_SHAPES = frozenset({(128, 4), (128, 2), (64, 2)})  # the benchmark's (head_dim, group)
 _WIDE_SHAPES = frozenset((d, g) for d in (64, 128) for g in (1, 2, 3, 4))  # 8 warps: 16 / 8 CTAs per SM for G <= 4
-_LEAN_SHAPES = frozenset((128, g) for g in (1, 2, 3, 4))  # the 8-warp kernel's _lean entries (Qwen3's head_dim)
+# The 8-warp kernel's _lean entries (Qwen3's head_dim) as (head_dim, query heads per CTA, subgroups): groups 1-4
+# whole, and the subgroup kernels of groups 5 (5 x 1), 6 (2 x 3) and 8 (2 x 4: Qwen3-32B, and the 30B-A3B's 32/4).
+_LEAN_SHAPES = frozenset({(128, g, 1) for g in (1, 2, 3, 4)} | {(128, 1, 5), (128, 3, 2), (128, 4, 2)})
 # The fused op launches a kernel's _lean entry where it has one and the plan allows it (lean_entry). A module
 # attribute so that tests and benchmarks can turn it off (the full entry: the same bits).
 LEAN_FUSED = True
@@ -422,9 +428,9 @@ def _module(family: str, head_dim: int, group: int) -> str:
 
 
 def lean_entry(k: DecodeKernel, head_dim: int, group: int, splits: int) -> bool:
-    """Does the fused op launch k's _lean entry for this plan (LEAN_FUSED; k has one for the shape, no query-head
+    """Does the fused op launch k's _lean entry for this plan (LEAN_FUSED; k has one for the shape and its query-head
     subgroups, at most V4_FAST_COMBINE splits)?"""
-    return LEAN_FUSED and (head_dim, group) in k.lean and k.subgroups == 1 and splits <= V4_FAST_COMBINE
+    return LEAN_FUSED and k.has_lean(head_dim, group) and splits <= V4_FAST_COMBINE
 
 
 _rope_module = None
