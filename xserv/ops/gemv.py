@@ -38,7 +38,7 @@ from ..tensor import float8_e4m3fn
 from .activation import silu_and_mul_reference
 from .gemv_fp8 import FAMILY as FP8_FAMILY
 from .gemv_fp8 import K_MULTIPLE as FP8_K_MULTIPLE
-from .gemv_fp8 import _check_scale, linear_fp8_reference
+from .gemv_fp8 import check_fp8_scale, linear_fp8_reference
 from .linear import linear_reference
 from .rmsnorm import rmsnorm_reference
 
@@ -246,7 +246,7 @@ def _check_weight(weight: Tensor | Fp8Weight, k: int, m: int | None = None, pair
     n = weight.shape[0]
     if weight.shape[1] != k:
         raise ValueError(f"{name}: shape {list(weight.shape)} does not match the input's in_features {k}")
-    _check_scale(weight.scale_inv, n, k)
+    check_fp8_scale(weight.scale_inv, n, k)
     if m != 1:
         raise ValueError(f"{name}: an Fp8Weight takes one row in the fused GEMVs (the one-token step), this call has "
                          f"{m}")

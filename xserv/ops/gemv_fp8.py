@@ -63,6 +63,15 @@ def plan(m: int, n: int, k: int, multiprocessor_count: int) -> tuple[str, int, i
     return f"gemv_fp8_m{rows}", split, min(tiles(split), slots)
 
 
+def check_fp8_scale(scale_inv: Tensor, n: int, k: int) -> None:
+    """scale_inv float32 [ceil(N / 128), ceil(K / 128)] for an e4m3 weight [N, K] in 128 x 128 blocks."""
+    want = scale_shape((n, k), DEFAULT_BLOCK)
+    check_tensor("scale_inv", scale_inv, dtype=float32, ndim=2)
+    if scale_inv.shape != want:
+        raise ValueError(f"scale_inv: shape {list(scale_inv.shape)}, expected {list(want)} (ceil(N / 128), "
+                         f"ceil(K / 128)) for a weight of [{n}, {k}]")
+
+
 def check_fp8_linear(x: Tensor, weight: Tensor, scale_inv: Tensor, out: Tensor | None, out_dtype,
                      weight_name: str = "weight") -> tuple[int, int, int, str, Tensor]:
     """The checks of every FP8 linear entry point (this GEMV, ops/fp8_linear.py): x bf16 [m, K], the weight e4m3
@@ -74,11 +83,7 @@ def check_fp8_linear(x: Tensor, weight: Tensor, scale_inv: Tensor, out: Tensor |
     n = weight.shape[0]
     if weight.shape[1] != k:
         raise ValueError(f"{weight_name}: shape {list(weight.shape)} does not match x's in_features {k}")
-    want = scale_shape((n, k), DEFAULT_BLOCK)
-    check_tensor("scale_inv", scale_inv, dtype=float32, ndim=2)
-    if scale_inv.shape != want:
-        raise ValueError(f"scale_inv: shape {list(scale_inv.shape)}, expected {list(want)} (ceil(N / 128), "
-                         f"ceil(K / 128)) for a weight of [{n}, {k}]")
+    check_fp8_scale(scale_inv, n, k)
     device = same_device(x=x, **{weight_name: weight}, scale_inv=scale_inv, out=out)
     dtype = out.dtype if out is not None else (out_dtype or bfloat16)
     if dtype not in _OUT_DTYPE:
