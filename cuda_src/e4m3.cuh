@@ -1,6 +1,6 @@
 // e4m3 (float8_e4m3fn) conversions for the FP8 KV cache (kv_cache.cu's write_kv_fp8 / dequantize_kv_blocks_fp8,
-// attention_decode_fp8.cu). Both directions have a hardware form from sm_89 (cvt ... e4m3x2) and a bit-manipulation
-// form below it (sm_80 has no FP8 conversion); the two give the same bits, which tests/ops/test_attention_fp8_kv.py
+// attention_decode_fp8.cu) and the FP8 GEMV (gemv_fp8.cu). Both directions have a hardware form from sm_89
+// (cvt ... e4m3x2) and a bit-manipulation form below it (sm_80 has no FP8 conversion); the two give the same bits, which tests/ops/test_attention_fp8_kv.py
 // checks (the soft forms re-implemented in NumPy, xserv/ops/attention/fp8_kv.py, against ml_dtypes; on a GPU the
 // XSERV_ARCH=sm_80 run against the native one).
 //
@@ -8,8 +8,8 @@
 // infinities, NaN = S.1111.111. Encoding rounds to nearest even and saturates: |x| > 448 -> 448 (the cvt's
 // .satfinite), so a value past the range costs accuracy, never a NaN in the cache. NaN stays NaN (0x7f).
 //
-// The decode direction is gemv_fp8.cu's (e4m3x4_to_half2x2_soft: exact, every e4m3 value is an f16 normal), kept
-// here in the xserv::e4m3 namespace so that gemv_fp8.cu's binary does not change.
+// The decode direction (e4m3x4_to_half2x2_soft: exact, every e4m3 value is an f16 normal) is also the FP8 GEMV's
+// (gemv_fp8.cu includes this header).
 #pragma once
 #include <cuda_fp16.h>
 
@@ -62,13 +62,16 @@ __device__ __forceinline__ uint2 float8_to_e4m3x8(const float (&f)[8]) {
 // byte of a 16-bit lane, f16 bits = sign | (eeeemmm << 7) = the value times 2^-8 (the biases 15 and 7; a subnormal
 // lands on the f16 subnormal of the same scaling), times 256 in f16 (exact). NaN codes get an f16 NaN.
 __device__ __forceinline__ void e4m3x4_to_half2x2_soft(unsigned v, unsigned& lo, unsigned& hi) {
+    // byte b -> the high byte of a 16-bit lane (the low byte zero): lo = [b1 00 b0 00], hi = [b3 00 b2 00]
     const unsigned a = __byte_perm(v, 0u, 0x1404), b = __byte_perm(v, 0u, 0x3424);
+    // f16 bits = sign | (eeeemmm << 7): the code's 7 low bits moved down one place, the sign kept (value * 2^-8)
     lo = ((a >> 1) & 0x3f803f80u) | (a & 0x80008000u);
     hi = ((b >> 1) & 0x3f803f80u) | (b & 0x80008000u);
-    const unsigned nan = ((v & 0x7f7f7f7fu) + 0x01010101u) & 0x80808080u;  // bit 7 set where the low 7 bits are 0x7f
+    // NaN codes (7 low bits all ones): adding 1 to each byte's 7 low bits carries into its bit 7 only for 0x7f.
+    const unsigned nan = ((v & 0x7f7f7f7fu) + 0x01010101u) & 0x80808080u;
     if (nan) {
-        const unsigned na = __byte_perm(nan, 0u, 0x1404), nb = __byte_perm(nan, 0u, 0x3424);
-        lo |= na - (na >> 6);
+        const unsigned na = __byte_perm(nan, 0u, 0x1404), nb = __byte_perm(nan, 0u, 0x3424);  // bit 15 of a lane
+        lo |= na - (na >> 6);  // 0x8000 - 0x0200 = 0x7e00: exponent 31, mantissa nonzero -> NaN
         hi |= nb - (nb >> 6);
     }
     const __half2 k256 = __half2(__half2_raw{0x5c00, 0x5c00});  // 256.0 in f16
@@ -87,14 +90,20 @@ __device__ __forceinline__ float2 half2_bits_to_float2(unsigned h) {
     return __half22float2(__half2(r));
 }
 
-// Four codes -> four exact floats (code i -> f[i]).
+// Four codes -> four exact floats (code i -> f[i]): the hardware conversion on sm_89+ unless HW is false (the FP8
+// GEMV's _soft entries, which its GPU test compares with the hardware ones bit for bit), the soft one below sm_89.
+template <bool HW = true>
 __device__ __forceinline__ void e4m3x4_to_float4(unsigned v, float* f) {
     unsigned lo, hi;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-    // the low byte of each 16-bit source goes to the low half (cuda_fp8.hpp's __nv_cvt_fp8x2_to_halfraw2)
-    asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n cvt.rn.f16x2.e4m3x2 %1, h;\n}"
-        : "=r"(lo), "=r"(hi)
-        : "r"(v));
+    if (HW) {
+        // the low byte of each 16-bit source goes to the low half (cuda_fp8.hpp's __nv_cvt_fp8x2_to_halfraw2)
+        asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n cvt.rn.f16x2.e4m3x2 %1, h;\n}"
+            : "=r"(lo), "=r"(hi)
+            : "r"(v));
+    } else {
+        e4m3x4_to_half2x2_soft(v, lo, hi);
+    }
 #else
     e4m3x4_to_half2x2_soft(v, lo, hi);
 #endif

@@ -46,6 +46,7 @@
 // (docs/kernels/gemv.md, "FP8 weight-only").
 //
 // xserv-shapes: fp8=1 (compiled as the piece gemv_fp8:f1 at the start of an FP8-quantized model only; others never load it)
+#include "e4m3.cuh"
 #include "gemv_row.cuh"
 
 namespace {
@@ -61,55 +62,8 @@ constexpr int kBlock = 128;  // the scale block, both dimensions (weight_block_s
 constexpr int kChunk = 16;   // weights per 16-byte chunk
 enum OutDtype : int { kOutBf16 = 0, kOutF32 = 1 };
 
-__device__ __forceinline__ float2 half2_bits_to_float2(unsigned h) {
-    __half2_raw r;
-    r.x = static_cast<unsigned short>(h & 0xffffu);
-    r.y = static_cast<unsigned short>(h >> 16);
-    return __half22float2(__half2(r));
-}
-
-// Soft: four e4m3 codes (bytes 0..3 of v: columns k..k+3) -> f16x2 words (lo: k, k+1; hi: k+2, k+3), exact.
-__device__ __forceinline__ void e4m3x4_to_half2x2_soft(unsigned v, unsigned& lo, unsigned& hi) {
-    // byte b -> the high byte of a 16-bit lane (the low byte zero): lo = [b1 00 b0 00], hi = [b3 00 b2 00]
-    const unsigned a = __byte_perm(v, 0u, 0x1404), b = __byte_perm(v, 0u, 0x3424);
-    // f16 bits = sign | (eeeemmm << 7): the code's 7 low bits moved down one place, the sign kept (value * 2^-8)
-    lo = ((a >> 1) & 0x3f803f80u) | (a & 0x80008000u);
-    hi = ((b >> 1) & 0x3f803f80u) | (b & 0x80008000u);
-    // NaN codes (7 low bits all ones): adding 1 to each byte's 7 low bits carries into its bit 7 only for 0x7f.
-    const unsigned nan = ((v & 0x7f7f7f7fu) + 0x01010101u) & 0x80808080u;
-    if (nan) {
-        const unsigned na = __byte_perm(nan, 0u, 0x1404), nb = __byte_perm(nan, 0u, 0x3424);  // bit 15 of a lane
-        lo |= na - (na >> 6);  // 0x8000 - 0x0200 = 0x7e00: exponent 31, mantissa nonzero -> NaN
-        hi |= nb - (nb >> 6);
-    }
-    const __half2 k256 = __half2(__half2_raw{0x5c00, 0x5c00});  // 256.0 in f16
-    __half2_raw rl, rh;
-    rl.x = static_cast<unsigned short>(lo & 0xffffu); rl.y = static_cast<unsigned short>(lo >> 16);
-    rh.x = static_cast<unsigned short>(hi & 0xffffu); rh.y = static_cast<unsigned short>(hi >> 16);
-    const __half2 ml = __hmul2(__half2(rl), k256), mh = __hmul2(__half2(rh), k256);
-    lo = *reinterpret_cast<const unsigned*>(&ml);
-    hi = *reinterpret_cast<const unsigned*>(&mh);
-}
-
-// Four e4m3 codes -> four exact floats (columns k..k+3), by the hardware conversion where HW and the arch has one.
-template <bool HW>
-__device__ __forceinline__ void e4m3x4_to_float4(unsigned v, float* f) {
-    unsigned lo, hi;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-    if (HW) {
-        // the low byte of each 16-bit source goes to the low half (cuda_fp8.hpp's __nv_cvt_fp8x2_to_halfraw2)
-        asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n cvt.rn.f16x2.e4m3x2 %1, h;\n}"
-            : "=r"(lo), "=r"(hi)
-            : "r"(v));
-    } else {
-        e4m3x4_to_half2x2_soft(v, lo, hi);
-    }
-#else
-    e4m3x4_to_half2x2_soft(v, lo, hi);
-#endif
-    const float2 a = half2_bits_to_float2(lo), b = half2_bits_to_float2(hi);
-    f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y;
-}
+// The e4m3 -> float conversions (hardware cvt from sm_89, the bit-identical soft one everywhere): e4m3.cuh.
+using xserv::e4m3::e4m3x4_to_float4;
 
 template <bool HW>
 __device__ __forceinline__ void e4m3x16_to_float(const uint4& w, float (&f)[kChunk]) {

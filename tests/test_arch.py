@@ -235,15 +235,13 @@ def test_ptx_targets_that_cannot_serve_an_arch_are_refused():
 def test_arch_guards_are_only_the_documented_ones():
     """`#if __CUDA_ARCH__...` that compiles a kernel body to nothing (or a trap) on other archs is not allowed: a
     kernel has real code for its target or is not compiled there. The exceptions: the PDL wrappers (exact no-ops
-    below sm_90, common.cuh says why), the sm_90a-only family's #error, and the FP8 GEMV's choice between two
-    real e4m3 conversions (the hardware cvt from sm_89, the bit-identical soft one on every arch; its GPU test
-    compares them bit for bit), and the FP8 KV cache's conversions in e4m3.cuh (the same choice both ways: the
-    hardware cvt from sm_89, the soft forms below; tests/ops/test_attention_fp8_kv.py checks the soft encoding
-    against ml_dtypes, and tools/gpu_check_fp8_kv.sh runs the GPU tests with XSERV_ARCH=sm_80 beside the native
+    below sm_90, common.cuh says why), the sm_90a-only family's #error, and the e4m3 conversions in e4m3.cuh (the
+    FP8 GEMV's and the FP8 KV cache's: the hardware cvt from sm_89, the bit-identical soft forms below; the FP8
+    GEMV's GPU test compares its _soft entries with the hardware ones bit for bit, tests/ops/test_attention_fp8_kv.py
+    checks the soft encoding against ml_dtypes, and the GPU tests run with XSERV_ARCH=sm_80 beside the native
     ones)."""
     allowed = {("common.cuh", "#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900"),
                ("attention_prefill_sm90.cu", "#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)"),
-               ("gemv_fp8.cu", "#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890"),
                ("e4m3.cuh", "#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890")}
     found = []
     for path in sorted(kernel_source_dir().rglob("*")):
