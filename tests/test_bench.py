@@ -209,6 +209,25 @@ def test_moe_workload_limit_counts_the_experts_a_step_touches():
         assert a["prefill_s"] == pytest.approx(b["prefill_s"]) and "moe" not in b
 
 
+def test_limits_count_the_kv_caches_element_size():
+    """An FP8 KV cache (1 byte an element) halves the K/V bytes the limits count; the weights' share is unchanged."""
+    from xserv.bench.common import batch1_limits, kv_bytes_per_token, workload_limit
+
+    ceilings = {"copy_bytes_per_s": 1e12, "gemm_flops_per_s": 1e14}
+    m = _fake_model(16, 4)
+    c = m.config
+    per_layer_bf16 = 4 * c.num_key_value_heads * c.head_dim  # K and V, 2 bytes an element
+    assert kv_bytes_per_token(c) == 2 * kv_bytes_per_token(c, 1) == c.num_hidden_layers * per_layer_bf16
+    prompts, outs = [10, 20, 30], [3, 5, 5]
+    bf16, fp8 = workload_limit(m, prompts, outs, ceilings), workload_limit(m, prompts, outs, ceilings, 1)
+    kv_bf16 = sum(kv_bytes_per_token(c) * sum(p + s for p, o in zip(prompts, outs) if o > s) for s in range(1, 5))
+    assert bf16["decode_s"] - fp8["decode_s"] == pytest.approx(kv_bf16 / 2 / 1e12)
+    assert bf16["prefill_s"] == fp8["prefill_s"]
+    a, b = batch1_limits(m, 512, 128, ceilings), batch1_limits(m, 512, 128, ceilings, 1)
+    saved = kv_bytes_per_token(c, 1) * a["decode_mean_context"]
+    assert a["decode_step_bytes"] - b["decode_step_bytes"] == pytest.approx(saved)
+
+
 def test_moe_prefill_flops_count_active_parameters():
     from xserv.bench.common import active_weight_bytes, all_weight_bytes, prefill_flops
 

@@ -154,8 +154,15 @@ def active_parameters(model, weight_bytes: int | None = None) -> int:
     return int(model.num_parameters()) - (all_bytes - active_weight_bytes(model, all_bytes)) // 2
 
 
-def kv_bytes_per_token(config) -> int:
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 2  # bf16 K and V
+def kv_bytes_per_token(config, element_bytes: int = 2) -> int:
+    """K and V of one token in every layer: element_bytes 2 for the bf16 cache, 1 for kv_cache_dtype fp8_e4m3 (its
+    per-head scales are a few bytes a layer, left out)."""
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * element_bytes
+
+
+def kv_element_bytes(llm) -> int:
+    """Bytes per cached K or V element of this LLM's KV cache (2 bf16, 1 fp8_e4m3)."""
+    return int(llm.engine.runner.kv_cache.dtype.itemsize)
 
 
 def prefill_flops(model, prompt_lens, weight_bytes: int | None = None) -> float:
@@ -194,15 +201,15 @@ def moe_summary_line(summary: dict) -> str:
             f"{summary['active_weight_bytes'] / 1e9:.2f} GB (the prefill FLOPs count these)")
 
 
-def workload_limit(model, prompt_lens, output_lens, ceilings: dict) -> dict:
+def workload_limit(model, prompt_lens, output_lens, ceilings: dict, kv_element_bytes: int = 2) -> dict:
     """The physical limit of generating `output_lens[i]` tokens after prompts of `prompt_lens[i]` tokens, all
     batched together: every decode step reads the weights once (a mixture-of-experts model: the non-expert weights
     but the embedding table, and the experts its B live sequences touch under uniform routing; decode_weight_bytes)
-    and every live sequence's K/V at the copy bandwidth; prefill runs its GEMM and attention FLOPs (active
+    and every live sequence's K/V (kv_element_bytes an element) at the copy bandwidth; prefill runs its GEMM and attention FLOPs (active
     parameters) at the measured GEMM rate."""
     c = model.config
     weight_bytes = all_weight_bytes(model)
-    kv_per_token = kv_bytes_per_token(c)
+    kv_per_token = kv_bytes_per_token(c, kv_element_bytes)
     prompts = np.asarray(prompt_lens, np.float64)
     outs = np.asarray(output_lens, np.int64)
     prefill_s = prefill_flops(model, prompt_lens, weight_bytes) / ceilings["gemm_flops_per_s"]
@@ -227,7 +234,7 @@ def workload_limit(model, prompt_lens, output_lens, ceilings: dict) -> dict:
     return result
 
 
-def batch1_limits(model, prompt_len: int, output_len: int, ceilings: dict) -> dict:
+def batch1_limits(model, prompt_len: int, output_len: int, ceilings: dict, kv_element_bytes: int = 2) -> dict:
     """Batch-1 rooflines of one request: its decode steps (weights a one-token step reads + the K/V of the context,
     at the copy bandwidth), averaged over the output_len - 1 steps after the first token, and its time to first
     token at the prompt's FLOPs (active parameters) at the GEMM rate, with the weights a prompt of that many tokens
@@ -240,7 +247,7 @@ def batch1_limits(model, prompt_len: int, output_len: int, ceilings: dict) -> di
     (decode_limit_tokens_per_s_with_embedding)."""
     c = model.config
     weight_bytes = all_weight_bytes(model)
-    kv = kv_bytes_per_token(c)
+    kv = kv_bytes_per_token(c, kv_element_bytes)
     steps = max(output_len - 1, 1)
     mean_context = prompt_len + (steps + 1) / 2  # step j (1..steps) reads the K/V of prompt + j tokens
     step_bytes = decode_weight_bytes(model, 1, weight_bytes) + kv * mean_context

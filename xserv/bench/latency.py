@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from .common import batch1_limits, device_name, measure_ceilings, moe_summary_line, write_json
+from .common import batch1_limits, device_name, kv_element_bytes, measure_ceilings, moe_summary_line, write_json
 
 
 def add_arguments(p) -> None:
@@ -100,7 +100,7 @@ def run(args) -> int:
 def _print_roofline(llm, args, result: dict) -> None:
     ceilings = measure_ceilings()
     prompt_len = args.shared_prefix + args.input_len
-    lim = batch1_limits(llm.model, prompt_len, args.output_len, ceilings)
+    lim = batch1_limits(llm.model, prompt_len, args.output_len, ceilings, kv_element_bytes(llm))
     result.update(ceilings=ceilings, roofline=lim)
     copy, gemm = ceilings["copy_bytes_per_s"], ceilings["gemm_flops_per_s"]
     rate = result["decode_tokens_per_s"]

@@ -9,8 +9,8 @@ import time
 
 import numpy as np
 
-from .common import (add_workload_arguments, device_name, measure_ceilings, moe_summary_line, workload_limit,
-                     write_json)
+from .common import (add_workload_arguments, device_name, kv_element_bytes, measure_ceilings, moe_summary_line,
+                     workload_limit, write_json)
 
 
 def add_arguments(p) -> None:
@@ -100,7 +100,7 @@ def run(args) -> int:
               f"{llm.engine.num_steps_ahead} steps launched ahead")
     if llm.device == "cuda":
         ceilings = measure_ceilings()
-        limit = workload_limit(llm.model, [len(p) for p in prompts], out_lens, ceilings)
+        limit = workload_limit(llm.model, [len(p) for p in prompts], out_lens, ceilings, kv_element_bytes(llm))
         result.update(ceilings=ceilings, limit=limit)
         print(f"  limit {limit['limit_s']:.2f} s = {limit['limit_output_tokens_per_s']:,.0f} output tok/s "
               f"(prefill {limit['prefill_s']:.2f} s at {ceilings['gemm_flops_per_s'] / 1e12:.0f} TFLOP/s, decode "
