@@ -97,6 +97,58 @@ def rel_err_rows(out, ref) -> np.ndarray:
     return np.linalg.norm(out - ref, axis=-1) / np.linalg.norm(ref, axis=-1)
 
 
+def write_dequantized_twin(folder: Path, out: Path, dtype=None) -> Path:
+    """The twin of an FP8 checkpoint: every quantized tensor dequantized blockwise (weight * weight_scale_inv; dtype
+    None: rounded to bf16 as the loader does, np.float32: the exact products), the rest as stored, the config without
+    its quantization_config."""
+    import shutil
+
+    from xserv.models.checkpoint import CheckpointReader
+    from xserv.models.fp8 import dequantize_blockwise
+    from xserv.models.random_checkpoint import TOKENIZER_FILES, save_safetensors
+    from xserv.models.registry import config_from_dict, model_class
+
+    out.mkdir()
+    config = json.loads((folder / "config.json").read_text())
+    c = config_from_dict(config)
+    tensors = {}
+    with CheckpointReader(folder) as r:
+        for w in model_class(c).weight_table(c):
+            arr = r.get(w.name)
+            if w.quantized:
+                tensors[w.name] = dequantize_blockwise(arr, r.get(w.scale_name), w.block, *(() if dtype is None
+                                                                                            else (dtype,)))
+            else:
+                tensors[w.name] = arr.copy() if dtype is None else arr.astype(dtype)
+    save_safetensors(out / "model.safetensors", tensors)
+    del config["quantization_config"]
+    if dtype is not None:
+        config["torch_dtype"] = "float32"
+    (out / "config.json").write_text(json.dumps(config))
+    for name in TOKENIZER_FILES + ("generation_config.json",):
+        shutil.copyfile(folder / name, out / name)
+    return out
+
+
+def hf_logits(folder, prompt, dtype) -> tuple[np.ndarray, list[int]]:
+    """transformers' logits at every position of one prompt on the GPU (`AutoModelForCausalLM` in `dtype`), and which
+    of its layers hold experts (a MoE variant's layer rule as transformers reads it; [] for a dense model)."""
+    import gc
+
+    import torch
+
+    from tools.check_parity import hf_model
+
+    model = hf_model(str(folder), dtype)
+    sparse = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt], device="cuda")).logits[0].float().cpu().numpy()
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return logits, sparse
+
+
 # A module that imports a fixture gets its own copy of it, session scope or not: each checkpoint below is made once
 # per test process, whichever modules import its fixture.
 _MADE: dict[str, Path] = {}

@@ -26,6 +26,8 @@ from xserv.models.random_checkpoint import TOKENIZER_FILES, make_test_model, sav
 from xserv.models.registry import config_from_dict, config_from_pretrained, load_model, model_class
 from xserv.tensor import Tensor
 
+from qwen3_reference import write_dequantized_twin
+
 BF16 = np.dtype(ml_dtypes.bfloat16)
 # Qwen3-8B-FP8's quantization_config (/work/shared/qwen3-configs/qwen3-8b-fp8.json)
 QWEN_FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
@@ -259,23 +261,6 @@ def fp8_folders(tmp_path_factory):
     for name, (preset, overrides, fp8) in VARIANTS.items():
         folder = make_test_model(preset, root / name, seed=7, overrides=overrides, fp8=fp8, progress=False)
         out[name] = (folder, write_dequantized_twin(folder, root / f"{name}-bf16"))
-    return out
-
-
-def write_dequantized_twin(folder: Path, out: Path) -> Path:
-    out.mkdir()
-    config = json.loads((folder / "config.json").read_text())
-    c = config_from_dict(config)
-    tensors = {}
-    with CheckpointReader(folder) as r:
-        for w in model_class(c).weight_table(c):
-            arr = r.get(w.name)
-            tensors[w.name] = dequantize_blockwise(arr, r.get(w.scale_name), w.block) if w.quantized else arr.copy()
-    save_safetensors(out / "model.safetensors", tensors)
-    del config["quantization_config"]
-    (out / "config.json").write_text(json.dumps(config))
-    for name in TOKENIZER_FILES + ("generation_config.json",):
-        shutil.copyfile(folder / name, out / name)
     return out
 
 

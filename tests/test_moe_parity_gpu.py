@@ -20,12 +20,10 @@ first near tie of the alone run (NEAR_TIE nats between its two best tokens, as t
 a request's rows depend slightly on the batch around it (GEMV at one row, cuBLASLt above, the grouped expert GEMMs'
 tiles), which may flip a near tie but nothing else.
 """
-import gc
-
 import numpy as np
 import pytest
 
-from qwen3_reference import rel_err_rows
+from qwen3_reference import hf_logits, rel_err_rows
 from xserv.testing import agree_until_near_tie
 
 pytestmark = pytest.mark.gpu
@@ -61,23 +59,6 @@ def _xserv_logits(folder, prompt) -> tuple[np.ndarray, list[int]]:
         return llm.logits(prompt), sparse
 
 
-def _hf_logits(folder, prompt, dtype) -> tuple[np.ndarray, list[int]]:
-    """transformers' logits at every position, and which of its layers hold experts (the variant's layer rule as
-    transformers reads it)."""
-    import torch
-
-    from tools.check_parity import hf_model
-
-    model = hf_model(str(folder), dtype)
-    sparse = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt], device="cuda")).logits[0].float().cpu().numpy()
-    del model
-    gc.collect()
-    torch.cuda.empty_cache()
-    return logits, sparse
-
-
 @pytest.fixture(scope="module")
 def transformers_moe():
     pytest.importorskip("torch")
@@ -94,8 +75,8 @@ def test_moe_logits_as_close_to_float32_as_transformers_bf16(variant, transforme
     folder = _make(tmp_path, variant, VARIANTS[variant], seed=list(VARIANTS).index(variant))
     prompt = np.random.default_rng(1500).integers(0, 151643, PROMPT_LEN).tolist()
     ours, our_sparse = _xserv_logits(folder, prompt)
-    peer, _ = _hf_logits(folder, prompt, torch.bfloat16)
-    ref, hf_sparse = _hf_logits(folder, prompt, torch.float32)
+    peer, _ = hf_logits(folder, prompt, torch.bfloat16)
+    ref, hf_sparse = hf_logits(folder, prompt, torch.float32)
     assert our_sparse == hf_sparse, "xserv and transformers disagree on which layers are sparse"
     assert np.all(np.isfinite(ours))
     err, err_peer = rel_err_rows(ours, ref), rel_err_rows(peer, ref)
