@@ -130,9 +130,10 @@ def write_dequantized_twin(folder: Path, out: Path, dtype=None) -> Path:
     return out
 
 
-def hf_logits(folder, prompt, dtype) -> tuple[np.ndarray, list[int]]:
-    """transformers' logits at every position of one prompt on the GPU (`AutoModelForCausalLM` in `dtype`), and which
-    of its layers hold experts (a MoE variant's layer rule as transformers reads it; [] for a dense model)."""
+def hf_logits(folder, prompt, dtype, prepare=None) -> tuple[np.ndarray, list[int]]:
+    """transformers' logits at every position of one prompt on the GPU (`AutoModelForCausalLM` in `dtype`; prepare:
+    called with the loaded model first, e.g. to add hooks), and which of its layers hold experts (a MoE variant's
+    layer rule as transformers reads it; [] for a dense model)."""
     import gc
 
     import torch
@@ -140,6 +141,8 @@ def hf_logits(folder, prompt, dtype) -> tuple[np.ndarray, list[int]]:
     from tools.check_parity import hf_model
 
     model = hf_model(str(folder), dtype)
+    if prepare is not None:
+        prepare(model)
     sparse = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
     with torch.no_grad():
         logits = model(torch.tensor([prompt], device="cuda")).logits[0].float().cpu().numpy()

@@ -116,6 +116,19 @@ def test_dispatch_rule():
         assert choose_path(m, "sm_89@sm_90a") == "dequant" and choose_path(m, "sm_80@sm_90a") == "dequant"
 
 
+def test_bf16_activations_take_the_weight_only_paths(monkeypatch):
+    """XSERV_FP8_ACTIVATIONS=bf16: no W8A8 on any arch (the GEMV up to 8 rows, dequantize + bf16 GEMM above); an
+    unknown value is an error naming the variable."""
+    monkeypatch.setenv("XSERV_FP8_ACTIVATIONS", "bf16")
+    for target in ("sm_90a", "sm_100a", "sm_120a", "sm_80"):
+        assert [choose_path(m, target) for m in (1, 7, 8, 9, 2048)] == ["gemv"] * 3 + ["dequant"] * 2
+    monkeypatch.setenv("XSERV_FP8_ACTIVATIONS", "e4m3")
+    assert choose_path(2048, "sm_90a") == "cublas_fp8"
+    monkeypatch.setenv("XSERV_FP8_ACTIVATIONS", "fp8")
+    with pytest.raises(ValueError, match="XSERV_FP8_ACTIVATIONS='fp8': expected one of e4m3, bf16"):
+        choose_path(2048, "sm_90a")
+
+
 def test_scratch_sizes_and_checks():
     from xserv.ops.fp8_linear import _padded_scale_capacity
 

@@ -21,6 +21,9 @@ The dispatch rule (choose_path; docs/kernels/fp8.md says why):
                         scale_inv), as fp8.py rounds), then the bf16 cuBLAS GEMM. sm_80 has no FP8 tensor cores;
                         the compute capability is the target's (XSERV_ARCH=sm_89 on an H100 takes this path).
 `path` forces one ("gemv" takes M <= 8 only): tests run both large-M paths on one GPU; benchmarks compare them.
+XSERV_FP8_ACTIVATIONS=bf16 (w8a8_enabled) makes the rule weight-only on every arch (the GEMV up to 8 rows, "dequant"
+above): no activation rounding (on a random-weight 0.6B-shaped checkpoint the W8A8 logits are ~1.4e-1 mean relative
+from the float32 dequantized run, weight-only 1.8e-2; tests/test_fp8_tp_parity_gpu.py), at the bf16 GEMM's speed.
 
 Scratch: the large-M paths need device buffers: "cublas_fp8" the quantized x and its scales (and the weight's scales
 copied at a 16-byte row stride when ceil(K / 128) % 4 != 0 or scale_inv is not 16-byte aligned), "dequant" the bf16
@@ -33,6 +36,7 @@ raises instead.
 """
 from __future__ import annotations
 
+import os
 import warnings
 
 from ..runtime import get_device, get_runtime
@@ -56,9 +60,24 @@ FP8_GEMM_FROM_M = 8
 FP8_GEMM_M_MULTIPLE = 4
 
 
+ACTIVATIONS_ENV = "XSERV_FP8_ACTIVATIONS"
+ACTIVATION_FORMATS = ("e4m3", "bf16")
+
+
+def w8a8_enabled() -> bool:
+    """XSERV_FP8_ACTIVATIONS: "e4m3" (the default: from 8 rows on sm_90+, the activations are quantized per 1 x 128
+    group, Qwen's dynamic scheme, for the FP8 GEMM) or "bf16" (weight-only everywhere: bf16 activations, the weight
+    dequantized for the bf16 GEMM; slower prefill, no activation rounding)."""
+    value = os.environ.get(ACTIVATIONS_ENV, "e4m3")
+    if value not in ACTIVATION_FORMATS:
+        raise ValueError(f"{ACTIVATIONS_ENV}={value!r}: expected one of {', '.join(ACTIVATION_FORMATS)}")
+    return value == "e4m3"
+
+
 def choose_path(m: int, target: str) -> str:
-    """The kernel path of an M-row call on `target` (a device's arch string, "sm_90a" or "sm_89@sm_90a")."""
-    fp8_gemm = compute_capability(target) >= FP8_GEMM_MIN_CC
+    """The kernel path of an M-row call on `target` (a device's arch string, "sm_90a" or "sm_89@sm_90a");
+    XSERV_FP8_ACTIVATIONS=bf16 takes the weight-only paths where the rule would quantize activations."""
+    fp8_gemm = compute_capability(target) >= FP8_GEMM_MIN_CC and w8a8_enabled()
     if m < FP8_GEMM_FROM_M or (m <= MAX_M and not fp8_gemm):
         return "gemv"
     return "cublas_fp8" if fp8_gemm else "dequant"
