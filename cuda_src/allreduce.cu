@@ -62,10 +62,11 @@ __device__ __forceinline__ unsigned int load_volatile(const unsigned int* p) {
 
 }  // namespace
 
-// in, out: [n] bf16 (may alias); bases: [world] device addresses of every rank's IPC buffer in this process;
-// abort_flag: [1] uint32, host-mapped (nonzero: the host gave up on a dead peer; the waits end, the output is garbage).
-extern "C" __global__ void __launch_bounds__(512) allreduce_oneshot_bf16(
-    const __nv_bfloat16* in, __nv_bfloat16* out, const unsigned long long* __restrict__ bases,
+// residual: [n] float32 or null (ADD_RESIDUAL only): residual += the rounded sum, element by element, by the thread
+// that computed it (no other thread or rank touches it: the tensor-parallel fused one-token path's residual add).
+template <bool ADD_RESIDUAL>
+__device__ __forceinline__ void allreduce_oneshot(
+    const __nv_bfloat16* in, __nv_bfloat16* out, float* residual, const unsigned long long* __restrict__ bases,
     const unsigned int* abort_flag, int rank, int world, long long n, long long cap) {
     const int b = blockIdx.x;
     const int tid = threadIdx.x;
@@ -142,15 +143,41 @@ extern "C" __global__ void __launch_bounds__(512) allreduce_oneshot_bf16(
 #pragma unroll
             for (int k = 0; k < 4; ++k) r.h[k] = __floats2bfloat162_rn(acc[2 * k], acc[2 * k + 1]);
             *reinterpret_cast<xserv::bf16x8*>(out + i) = r;
+            if constexpr (ADD_RESIDUAL) {
+                // the rounded bf16 sum, as fused_add_rmsnorm would add the stored all-reduce output
+#pragma unroll
+                for (int k = 0; k < 4; ++k) {
+                    const float2 f = __bfloat1622float2(r.h[k]);
+                    residual[i + 2 * k] += f.x;
+                    residual[i + 2 * k + 1] += f.y;
+                }
+            }
         } else {
             for (long long j = i; j < n; ++j) {
                 float acc = __bfloat162float(__ldcg(data + j));
                 for (int q = 1; q < world; ++q) acc += __bfloat162float(__ldcg(data + (long long)q * cap + j));
                 out[j] = __float2bfloat16_rn(acc);
+                if constexpr (ADD_RESIDUAL) residual[j] += __bfloat162float(out[j]);
             }
         }
     }
     // 5. the next call on this stream starts from this epoch. Plain store: read back only by this block in the next
     // kernel on this stream (kernel boundary). Every thread read `epoch` before the first bar.sync.
     if (tid == 0) counters[b] = epoch;
+}
+
+// in, out: [n] bf16 (may alias); bases: [world] device addresses of every rank's IPC buffer in this process;
+// abort_flag: [1] uint32, host-mapped (nonzero: the host gave up on a dead peer; the waits end, the output is garbage).
+extern "C" __global__ void __launch_bounds__(512) allreduce_oneshot_bf16(
+    const __nv_bfloat16* in, __nv_bfloat16* out, const unsigned long long* __restrict__ bases,
+    const unsigned int* abort_flag, int rank, int world, long long n, long long cap) {
+    allreduce_oneshot<false>(in, out, nullptr, bases, abort_flag, rank, world, n, cap);
+}
+
+// The same, then residual += out (float32 [n]): the all-reduce of a row-parallel o / down projection's partial and
+// the residual add of the fused one-token path in one launch (xserv/models/dense.py, docs/engine.md).
+extern "C" __global__ void __launch_bounds__(512) allreduce_oneshot_add_bf16(
+    const __nv_bfloat16* in, __nv_bfloat16* out, float* residual, const unsigned long long* __restrict__ bases,
+    const unsigned int* abort_flag, int rank, int world, long long n, long long cap) {
+    allreduce_oneshot<true>(in, out, residual, bases, abort_flag, rank, world, n, cap);
 }

@@ -6,7 +6,8 @@ flag / epoch protocol simulated step by step in NumPy over the same layout, unde
 blocks, many calls: every call's sum is right on every rank, and the same protocol with one data half instead of
 two fails (so the simulation can tell). The kernel compiles for every CI arch in tests/test_compile_all.py.
 On 2 GPUs (marked gpu): tools/check_ipc_allreduce.py against NumPy and NCCL, eager and inside a CUDA graph, the same
-bits on both ranks; the TP=2 model's logits with it against NCCL-only.
+bits on both ranks (and its residual-add epilogue, all_reduce_add); the TP=2 model's logits with it against
+NCCL-only.
 """
 import re
 from pathlib import Path
@@ -118,6 +119,36 @@ def test_the_communicator_routes_by_size():
     comm.ipc = None
     comm.all_reduce(_message((1, 4096)))
     assert calls[-1] == ("nccl", 4096)
+
+
+def test_all_reduce_add_takes_the_kernel_epilogue_or_nothing():
+    """NcclCommunicator.adds_residual / all_reduce_add: the IPC kernel's residual-add epilogue for a message it takes;
+    without the IPC path there is none (the model then keeps the unfused path). The launcher checks the residual
+    before anything reaches the GPU."""
+    from xserv.parallel.comm import NcclCommunicator
+    from xserv.tensor import float32
+
+    calls = []
+    comm = object.__new__(NcclCommunicator)
+    comm.ipc = SimpleNamespace(layout=IpcLayout(2, 32768), all_reduce_add=lambda t, r: calls.append((t.numel, r)))
+    assert comm.adds_residual(4096) and comm.adds_residual(32768) and not comm.adds_residual(32769)
+    comm.all_reduce_add(_message((1, 4096)), "residual")
+    assert calls == [(4096, "residual")]
+    comm.ipc = None
+    assert not comm.adds_residual(4096)
+    with pytest.raises(ValueError, match="needs the IPC all-reduce"):
+        comm.all_reduce_add(_message((1, 4096)), "residual")
+
+    fake = object.__new__(IpcAllReduce)
+    fake.layout, fake.dtype = IpcLayout(2, 32768), bfloat16
+    fake._add_kernel = lambda *a: calls.append("launched")
+    for bad in (_message((1, 4096), bfloat16), _message((1, 2048), float32),
+                _message((1, 4096), float32, ptr=8 + (1 << 20)), _message((1, 4096), float32, device="cpu")):
+        with pytest.raises(ValueError, match="residual must be"):
+            fake.all_reduce_add(_message((1, 4096)), bad)
+    with pytest.raises(ValueError, match="not a 16-byte aligned bf16"):
+        fake.all_reduce_add(_message((9, 4096)), _message((9, 4096), float32))
+    assert "launched" not in calls
 
 
 @pytest.mark.parametrize("n", [1, 7, 8, 9, 63, 4096, 5120, 1003])

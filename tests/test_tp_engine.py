@@ -322,7 +322,9 @@ def test_cuda_killed_worker(perturbed_model_dir):  # noqa: F811
 def test_cuda_tp2_ipc_all_reduce_matches_nccl(small_8b_dir, monkeypatch):
     """The one-shot IPC all-reduce (small messages: every decode step, graphs included) against NCCL for every
     all-reduce (XSERV_TP_ALLREDUCE=nccl, inherited by the spawned worker): the logits within the model tests'
-    tolerance (2 ranks: both round a + b once, so equal bits are expected), the greedy tokens equal."""
+    tolerance (2 ranks: both round a + b once, so equal bits are expected); the greedy tokens equal up to near ties
+    (the decode steps differ in more than the all-reduce: with IPC they take the fused one-token path, whose GEMV
+    prologues normalise in other registers than the unfused rmsnorm kernel; with NCCL only, the unfused ops)."""
     from xserv import LLM
 
     opts = dict(device="cuda", max_model_len=512, kv_cache_tokens=4096, max_num_seqs=8, progress=False,
@@ -333,10 +335,22 @@ def test_cuda_tp2_ipc_all_reduce_matches_nccl(small_8b_dir, monkeypatch):
         assert nccl.runner.model.comm.ipc is None
         want = nccl.logits(ids)
         want_tokens = [o.token_ids for o in nccl.generate(PROMPTS, GREEDY)]
+        want_rows = [nccl.logits(list(p) + list(t)) for p, t in zip(PROMPTS, want_tokens)]
     monkeypatch.setenv("XSERV_TP_ALLREDUCE", "auto")
     with LLM(str(small_8b_dir), **opts) as tp:
         assert tp.runner.model.comm.ipc is not None, "the IPC path is off: no peer access between the GPUs?"
         assert tp.runner.graphs
         err = rel_err_rows(tp.logits(ids), want)
         assert err.max() < LOGITS_TOL, err
-        assert [o.token_ids for o in tp.generate(PROMPTS, GREEDY)] == want_tokens
+        got_tokens = [o.token_ids for o in tp.generate(PROMPTS, GREEDY)]
+        same = 0
+        for p, a, b, rows in zip(PROMPTS, want_tokens, got_tokens, want_rows):
+            assert len(a) == len(b)
+            if a == b:
+                same += 1
+                continue
+            i = next(k for k, (x, y) in enumerate(zip(a, b)) if x != y)
+            l1, l2 = rows[len(p) + i - 1], tp.logits(list(p) + list(a[:i]))[-1]
+            top = np.sort(l1)[-2:]
+            assert top[1] - top[0] <= 2 * np.abs(l1 - l2).max() + 1e-3 * np.abs(l1).max(), (p, a, b)  # a near tie
+        assert same >= 1

@@ -5,7 +5,9 @@
 
 One process per rank (spawn), each on GPU `rank`, joined through NCCL as the engine's ranks are. Every rank draws
 every rank's partials from the same seed, so each one computes the NumPy reference itself; the results come back to
-the parent, which checks they are the same bits on every rank. tests/test_ipc_allreduce.py runs `check`.
+the parent, which checks they are the same bits on every rank. `check` also covers all_reduce_add (the kernel's
+residual-add epilogue, allreduce_oneshot_add_bf16) against ipc.reference_sum_add, eager and in a CUDA graph
+interleaved with plain all-reduces. tests/test_ipc_allreduce.py runs `check`.
 """
 from __future__ import annotations
 
@@ -102,7 +104,71 @@ def _check(comm, rank: int, world: int) -> dict:
             if rep == 199:
                 out[f"graph{i}"] = got.tobytes()
     graph.close()
+    _check_add(comm, rank, world, out, problems)
     return {"bytes": out, "problems": problems[:20], "count": len(problems)}
+
+
+def _residual(seed: int, shape):
+    return (np.random.default_rng(seed).standard_normal(shape) * 3 + 0.5).astype(np.float32)
+
+
+def _check_add(comm, rank: int, world: int, out: dict, problems: list) -> None:
+    """all_reduce_add (the kernel's residual-add epilogue) against reference_sum_add, bit for bit: eager, then in a
+    CUDA graph interleaved with plain all-reduces (both kernels step the same epoch counters), as a decode step
+    at tp > 1 does."""
+    from xserv.parallel.ipc import reference_sum, reference_sum_add
+    from xserv.runtime.graphs import CUDAGraph
+    from xserv.tensor import Tensor, bfloat16, float32
+
+    def compare(what, t, res, parts, residual):
+        want_sum, want_res = reference_sum_add(parts.reshape(world, -1), residual.reshape(-1))
+        got_sum, got_res = t.numpy().reshape(-1), res.numpy().reshape(-1)
+        if not np.array_equal(got_sum.view(np.uint16), want_sum.view(np.uint16)):
+            problems.append(f"{what}: all_reduce_add's sum differs from NumPy")
+        if not np.array_equal(got_res.view(np.uint32), want_res.view(np.uint32)):
+            problems.append(f"{what}: all_reduce_add's residual differs from NumPy")
+        return got_res.tobytes()
+
+    seed = 50_000
+    for rnd in range(16):
+        for shape in CHECK_SHAPES:
+            seed += 1
+            parts, residual = _partials(seed, world, shape), _residual(seed, shape)
+            t, res = Tensor.from_numpy(parts[rank], "cuda"), Tensor.from_numpy(residual, "cuda")
+            comm.all_reduce_add(t, res)
+            got = compare(f"add eager round {rnd} {shape}", t, res, parts, residual)
+            if rnd == 15:
+                out[f"add-eager{shape}"] = got
+    shape = (1, 4096)
+    x, y = Tensor.empty(shape, bfloat16, "cuda"), Tensor.empty(shape, bfloat16, "cuda")
+    res = Tensor.empty(shape, float32, "cuda")
+    for a in (x, y):
+        a.copy_(np.zeros(shape, bfloat16))
+    res.copy_(np.zeros(shape, np.float32))
+    comm.all_reduce_add(x, res)  # warm-up outside the capture
+    comm.all_reduce(y)
+    graph = CUDAGraph()
+    with graph.capture():
+        comm.all_reduce_add(x, res)
+        comm.all_reduce(y)
+        comm.all_reduce_add(x, res)
+    for rep in range(100):
+        px, py = _partials(70_000 + 2 * rep, world, shape), _partials(70_001 + 2 * rep, world, shape)
+        residual = _residual(70_000 + rep, shape)
+        x.copy_(px[rank])
+        y.copy_(py[rank])
+        res.copy_(residual)
+        graph.replay()
+        # the second add sums the first's output again: x holds the sum s, every rank pushes s, so 2 s (exact)
+        s = reference_sum_add(px.reshape(world, -1), residual.reshape(-1))
+        twice = np.stack([s[0]] * world)
+        got = compare(f"add graph replay {rep}", x, res, twice, s[1])
+        yv = y.numpy().reshape(-1)
+        if not np.array_equal(yv.view(np.uint16), reference_sum(py.reshape(world, -1)).view(np.uint16)):
+            problems.append(f"add graph replay {rep}: the plain all-reduce between the adds differs from NumPy")
+        if rep == 99:
+            out["add-graph"] = got
+    graph.close()
 
 
 def _bench(comm, rank: int, world: int) -> dict:

@@ -426,12 +426,16 @@ class DenseModel:
         kernel with its norm / activation / residual add folded in: xserv/ops/gemv.py)? FP8 projections take the
         FP8 entries of the same ops (one row), where every one of them fits (fp8_row_supported)."""
         c = self.config
-        # not at tp > 1: linear_add adds o_proj / down into the residual, where a partial sum cannot wait for the
-        # all-reduce
-        return (self.comm is None and self.device == "cuda" and self.fused_gemv and num_tokens <= self.FUSED_MAX_TOKENS
-                and self.fused_fp8_ok() and all(
+        return (self.fused_tp_ok(num_tokens) and self.device == "cuda" and self.fused_gemv
+                and num_tokens <= self.FUSED_MAX_TOKENS and self.fused_fp8_ok() and all(
                     gemv_supported(m, k) for m, k in ((num_tokens, c.hidden_size), (num_tokens, c.q_size),
                                                       (num_tokens, c.intermediate_size), (num_logits, c.hidden_size))))
+
+    def fused_tp_ok(self, num_tokens: int) -> bool:
+        """At tp > 1 the fused path sends the o / down partial sums through comm.all_reduce_add (the all-reduce with
+        the residual add in its epilogue: the IPC kernel). With NCCL only, or a block that adds its own output into
+        the residual (FUSED_TP False), the unfused path. The same answer on every rank."""
+        return self.comm is None or (self.FUSED_TP and self.comm.adds_residual(num_tokens * self.config.hidden_size))
 
     def fused_fp8_ok(self) -> bool:
         """Does every FP8 projection of the layers fit the fused one-row FP8 GEMVs (the gate/up weight with the
@@ -447,6 +451,8 @@ class DenseModel:
     # than the launches they save (8B: 468 vs 609 tok/s), so wider steps keep the unfused ops (and the SiLU-and-mul
     # epilogue, rmsnorm_linear_silu_mul, takes one row).
     FUSED_MAX_TOKENS: ClassVar[int] = 1
+    # Does the fused path hold at tp > 1 (every layer's row-parallel outputs through _post_attention_fused_tp)?
+    FUSED_TP: ClassVar[bool] = True
 
     def forward(self, batch, kv_cache, workspace: Workspace | None = None) -> Tensor:
         """Logits float32 [rows, vocab] for the rows batch.logits_indices names (every row if None)."""
@@ -547,6 +553,18 @@ class DenseModel:
         rmsnorm_linear_silu_mul(residual, layer.post_norm, self.eps, layer.gate_up, out=act)
         linear_add(act, layer.down, residual)
 
+    def _post_attention_fused_tp(self, layer: DenseLayer, ws: Workspace, attn: Tensor, residual: Tensor,
+                                 act: Tensor) -> None:
+        """`_post_attention_fused` at tp > 1: the o / down GEMVs write this rank's partial sums (bf16), each
+        all-reduced with the residual add in the all-reduce's epilogue (the same rounding points as the unfused
+        path: the bf16 sum added into the fp32 residual); the RMSNorm stays in the gate/up GEMV's prologue."""
+        hidden = ws.hidden[:residual.shape[0]]
+        self._project(attn, layer.o_proj, hidden)
+        self.comm.all_reduce_add(hidden, residual)
+        rmsnorm_linear_silu_mul(residual, layer.post_norm, self.eps, layer.gate_up, out=act)
+        self._project(act, layer.down, hidden)
+        self.comm.all_reduce_add(hidden, residual)
+
     def _forward_fused(self, batch, kv_cache, ws: Workspace, t: int, n: int) -> Tensor:
         """The forward of one token as 5 launches per layer, chained by programmatic dependent launch: decode
         attention with QK-norm, RoPE and the KV write folded in (`_attention`), and the four projections as GEMV
@@ -559,11 +577,26 @@ class DenseModel:
         qkv, attn = ws.qkv[:t], ws.attn[:t]
         act = ws.act[:t] if ws.act is not None else None
         qkv3, attn3 = qkv.view(t, hq + 2 * hkv, d), attn.view(t, hq, d)
-        # the float32 stream starts from the embeddings, exactly
-        embedding(batch.input_ids, self.embed, out=residual, feed=batch.feed)
+        comm = self.comm
+        # the float32 stream starts from the embeddings, exactly (tp > 1: each rank's vocab part gives its own ids'
+        # rows and zeros for the others, summed into the zeroed residual)
+        if comm is None:
+            embedding(batch.input_ids, self.embed, out=residual, feed=batch.feed)
+        else:
+            hidden = ws.hidden[:t]
+            embedding(batch.input_ids, self.embed, out=hidden, feed=batch.feed)
+            residual.zero_()
+            comm.all_reduce_add(hidden, residual)
         for i, layer in enumerate(self.layers):
             rmsnorm_linear(residual, layer.input_norm, self.eps, layer.qkv, out=qkv)
             self._attention(i, layer, batch, kv_cache, qkv3, attn3)
-            self._post_attention_fused(i, layer, ws, attn, residual, act)
-        return rmsnorm_linear(residual, self.final_norm, self.eps, self.lm_head, out=ws.logits[:n],
+            if comm is None:
+                self._post_attention_fused(i, layer, ws, attn, residual, act)
+            else:
+                self._post_attention_fused_tp(layer, ws, attn, residual, act)
+        if comm is None:
+            return rmsnorm_linear(residual, self.final_norm, self.eps, self.lm_head, out=ws.logits[:n],
+                                  rows=batch.logits_indices)
+        part = rmsnorm_linear(residual, self.final_norm, self.eps, self.lm_head, out=comm.logits_part(n),
                               rows=batch.logits_indices)
+        return comm.gather_logits(part, ws.logits[:n])

@@ -257,6 +257,9 @@ class Qwen3MoeModel(Qwen3Model):
         moe_experts(normed, layer.router, experts[0], experts[1], c.num_experts_per_tok, c.norm_topk_prob, out=out,
                     workspace=ws.moe)
 
+    # a sparse layer's moe_experts adds into the fp32 residual: at tp > 1 a partial sum, so the unfused path there
+    FUSED_TP = False
+
     def _post_attention_fused(self, i, layer, ws, attn, residual, act) -> None:
         """A sparse layer of the one-token path: o projection (GEMV) and fused_add_rmsnorm as in the unfused path,
         then moe_experts adds its bf16-rounded output into the fp32 residual (what the next fused_add_rmsnorm

@@ -52,6 +52,16 @@ class Communicator:
     def gather_logits(self, part: Tensor, out: Tensor) -> Tensor:
         raise NotImplementedError
 
+    def adds_residual(self, numel: int) -> bool:
+        """Can all_reduce_add take a bf16 message of numel elements (the same answer on every rank)? The fused
+        one-token path runs at tp > 1 only where it can."""
+        return False
+
+    def all_reduce_add(self, t: Tensor, residual: Tensor) -> Tensor:
+        """all_reduce(t) in place, then residual (float32, as many elements) += the bf16 sum: the row-parallel
+        output's all-reduce and the residual add of the fused one-token path (ipc.reference_sum_add)."""
+        raise NotImplementedError
+
     def logits_part(self, rows: int) -> Tensor:
         """A [rows, vocab_part] float32 buffer for this rank's lm_head output (kept: stable across steps, so a
         CUDA graph may capture it; a larger request allocates a larger one and keeps the old alive)."""
@@ -147,6 +157,17 @@ class ShmCommunicator(Communicator):
         self._exchange(flat.copy(), read)
         return t
 
+    def adds_residual(self, numel: int) -> bool:
+        return True
+
+    def all_reduce_add(self, t: Tensor, residual: Tensor) -> Tensor:
+        if residual.shape != t.shape or np.dtype(residual.dtype) != np.dtype(float32):
+            raise ValueError(f"all_reduce_add: residual must be float32 {t.shape}, got {residual.shape} "
+                             f"{np.dtype(residual.dtype).name}")
+        self.all_reduce(t)
+        residual.array[...] += t.array.astype(np.float32)
+        return residual
+
     def gather_logits(self, part: Tensor, out: Tensor) -> Tensor:
         rows, p = part.shape
         gathered = self._gathered.array.reshape(-1)[:self.world_size * rows * p].reshape(self.world_size, rows * p)
@@ -227,6 +248,14 @@ class NcclCommunicator(Communicator):
         self._raw.all_reduce(t.ptr, t.ptr, t.numel, _NCCL_DTYPES[np.dtype(t.dtype)], _NCCL_SUM, self._handle,
                              self._stream)
         return t
+
+    def adds_residual(self, numel: int) -> bool:
+        return self.ipc is not None and 0 < numel <= self.ipc.layout.cap  # the IPC kernel's epilogue; NCCL has none
+
+    def all_reduce_add(self, t: Tensor, residual: Tensor) -> Tensor:
+        if self.ipc is None:
+            raise ValueError("all_reduce_add: needs the IPC all-reduce (XSERV_TP_ALLREDUCE=nccl turns it off)")
+        return self.ipc.all_reduce_add(t, residual)
 
     def gather_logits(self, part: Tensor, out: Tensor) -> Tensor:
         rows, p = part.shape

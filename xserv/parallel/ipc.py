@@ -121,10 +121,17 @@ def reference_sum(parts: np.ndarray) -> np.ndarray:
     return acc.astype(bfloat16)
 
 
+def reference_sum_add(parts: np.ndarray, residual: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """allreduce_oneshot_add_bf16's results: the rounded sum (reference_sum) and residual (float32) + that sum."""
+    total = reference_sum(parts)
+    return total, residual.astype(np.float32) + total.astype(np.float32)
+
+
 class IpcAllReduce:
     """This rank's side of the IPC all-reduce: its buffer, the peers' buffers opened, the kernel (module doc)."""
 
-    def __init__(self, rank: int, world: int, cap: int, own: int, opened: list[int], bases, abort_word, kernel):
+    def __init__(self, rank: int, world: int, cap: int, own: int, opened: list[int], bases, abort_word, kernel,
+                 add_kernel=None):
         from ..tensor import bfloat16
 
         self.rank, self.world = rank, world
@@ -135,6 +142,7 @@ class IpcAllReduce:
         self._abort = abort_word  # PinnedArray uint32 [1], host-mapped
         self._abort_dev = _mapped_pointer(abort_word.ptr)
         self._kernel = kernel
+        self._add_kernel = add_kernel  # the same, then residual += the sum (all_reduce_add)
         self._rank32, self._world32 = np.int32(rank), np.int32(world)
         self._cap64 = np.int64(cap)
 
@@ -199,7 +207,7 @@ class IpcAllReduce:
             abort_word.array[0] = 0
             device.synchronize()  # the zeroed buffer and the table are in place before the first launch
             return cls(rank, world, layout.cap, own, opened, table, abort_word,
-                       kernel("allreduce", "allreduce_oneshot_bf16"))
+                       kernel("allreduce", "allreduce_oneshot_bf16"), kernel("allreduce", "allreduce_oneshot_add_bf16"))
         except BaseException:
             for ptr in opened:
                 driver.cuIpcCloseMemHandle(ptr)
@@ -218,6 +226,22 @@ class IpcAllReduce:
         self._kernel(BLOCKS, THREADS, t, out, self._bases, self._abort_dev, self._rank32, self._world32,
                      np.int64(t.numel), self._cap64)
         return out
+
+    def all_reduce_add(self, t, residual):
+        """all_reduce(t) in place, then residual (float32, the same element count) += the bf16 sum, in the same
+        launch (the tensor-parallel fused one-token path's residual add: reference_sum_add)."""
+        from ..tensor import float32
+
+        if not use_ipc(self, t):
+            raise ValueError(f"IPC all-reduce: {t.shape} {np.dtype(t.dtype).name} is not a 16-byte aligned bf16 "
+                             f"CUDA message of at most {self.layout.cap} elements")
+        if (residual.device != "cuda" or np.dtype(residual.dtype) != np.dtype(float32) or residual.numel != t.numel
+                or residual.ptr % 16):
+            raise ValueError(f"IPC all-reduce: residual must be a 16-byte aligned float32 CUDA tensor of {t.numel} "
+                             f"elements, got {residual.shape} {np.dtype(residual.dtype).name}")
+        self._add_kernel(BLOCKS, THREADS, t, t, residual, self._bases, self._abort_dev, self._rank32, self._world32,
+                         np.int64(t.numel), self._cap64)
+        return residual
 
     def abort(self) -> None:
         """A peer died: the kernel's waits end at their next poll of the host-mapped word (results are garbage)."""
