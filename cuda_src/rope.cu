@@ -18,6 +18,7 @@
 // One warp per head row (layout in norm.cuh), kRowsPerWarp rows per warp with all loads issued before any math.
 // The row index is warp-uniform, so bounds checks keep whole warps together (warp_sum needs all 32 lanes).
 #include "rope.cuh"
+#include "e4m3.cuh"
 
 namespace {
 
@@ -208,15 +209,61 @@ namespace {
 
 using namespace xserv::rope16;
 
-template <int D, bool NORM, int STEPS>
+// The KV element formats of the cache write (KV: the template parameter of qk_rope_write_kv_rows). store() puts a
+// lane's two 8-element chunks of a row (elements 8t.. and D/2 + 8t.., as bf16 bits) at row pointer dst of the cache.
+// KvBf16: the bf16 bits as they are (16-byte stores). KvE4m3: write_kv_fp8's conversion (kv_cache.cu): bf16 -> float
+// (exact), IEEE division by the kv head's scale, one rounding to e4m3 (e4m3.cuh), 8-byte stores; the same bits as
+// qk_norm_rope followed by write_kv_fp8. The chunks are passed by value: taken by reference, NVRTC scheduled the bf16
+// kernels differently (their machine code is unchanged this way: every .text section compared, sm_80 and sm_90a).
+struct KvBf16 {
+    using T = __nv_bfloat16;
+    template <int D>
+    __device__ __forceinline__ void store_k(T* dst, int t, uint4 lo, uint4 hi, int) const {
+        *reinterpret_cast<uint4*>(dst + 8 * t) = lo;
+        *reinterpret_cast<uint4*>(dst + D / 2 + 8 * t) = hi;
+    }
+    template <int D>
+    __device__ __forceinline__ void store_v(T* dst, int t, uint4 lo, uint4 hi, int h) const {
+        store_k<D>(dst, t, lo, hi, h);
+    }
+};
+struct KvE4m3 {
+    using T = unsigned char;
+    static __device__ __forceinline__ uint2 quantize(const uint4& bits, float scale) {
+        float f[8];
+        xserv::bf16x8_to_float(bits, f);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) f[e] = __fdiv_rn(f[e], scale);
+        return xserv::e4m3::float8_to_e4m3x8(f);
+    }
+    const float* __restrict__ k_scale;  // [num_kv_heads] float32
+    const float* __restrict__ v_scale;
+    template <int D>
+    static __device__ __forceinline__ void store(T* dst, int t, uint4 lo, uint4 hi, float scale) {
+        *reinterpret_cast<uint2*>(dst + 8 * t) = quantize(lo, scale);
+        *reinterpret_cast<uint2*>(dst + D / 2 + 8 * t) = quantize(hi, scale);
+    }
+    template <int D>
+    __device__ __forceinline__ void store_k(T* dst, int t, uint4 lo, uint4 hi, int h) const {
+        store<D>(dst, t, lo, hi, k_scale[h]);
+    }
+    template <int D>
+    __device__ __forceinline__ void store_v(T* dst, int t, uint4 lo, uint4 hi, int h) const {
+        store<D>(dst, t, lo, hi, v_scale[h]);
+    }
+};
+
+// kv: the cache's element format (KvBf16: nothing; KvE4m3: this layer's scales).
+template <int D, bool NORM, int STEPS, class KV = KvBf16>
 __device__ __forceinline__ void qk_rope_write_kv_rows(__nv_bfloat16* qkv, const __nv_bfloat16* __restrict__ q_weight,
                                                       const __nv_bfloat16* __restrict__ k_weight,
                                                       const int* __restrict__ positions,
                                                       const float* __restrict__ cos_sin,
-                                                      __nv_bfloat16* __restrict__ k_cache,
-                                                      __nv_bfloat16* __restrict__ v_cache,
+                                                      typename KV::T* __restrict__ k_cache,
+                                                      typename KV::T* __restrict__ v_cache,
                                                       const int* __restrict__ slot_mapping, int num_tokens,
-                                                      int num_q_heads, int num_kv_heads, int max_pos, float eps) {
+                                                      int num_q_heads, int num_kv_heads, int max_pos, float eps,
+                                                      KV kv = KV()) {
     constexpr int LPR = D / 16;    // lanes per row
     constexpr int RPW = 32 / LPR;  // rows a warp holds at a time
     const int lane = threadIdx.x & 31, t = lane % LPR, grp = lane / LPR;
@@ -263,14 +310,12 @@ __device__ __forceinline__ void qk_rope_write_kv_rows(__nv_bfloat16* qkv, const 
             *reinterpret_cast<uint4*>(qkv + row * D + 8 * t) = out_lo;
             *reinterpret_cast<uint4*>(qkv + row * D + D / 2 + 8 * t) = out_hi;
             if (slot[k] >= 0) {
-                __nv_bfloat16* dst = k_cache + ((long long)slot[k] * num_kv_heads + (head[k] - num_q_heads)) * D;
-                *reinterpret_cast<uint4*>(dst + 8 * t) = out_lo;
-                *reinterpret_cast<uint4*>(dst + D / 2 + 8 * t) = out_hi;
+                typename KV::T* dst = k_cache + ((long long)slot[k] * num_kv_heads + (head[k] - num_q_heads)) * D;
+                kv.template store_k<D>(dst, t, out_lo, out_hi, head[k] - num_q_heads);
             }
         } else if (head[k] >= qk_heads && slot[k] >= 0) {
-            __nv_bfloat16* dst = v_cache + ((long long)slot[k] * num_kv_heads + (head[k] - qk_heads)) * D;
-            *reinterpret_cast<uint4*>(dst + 8 * t) = raw_lo[k];
-            *reinterpret_cast<uint4*>(dst + D / 2 + 8 * t) = raw_hi[k];
+            typename KV::T* dst = v_cache + ((long long)slot[k] * num_kv_heads + (head[k] - qk_heads)) * D;
+            kv.template store_v<D>(dst, t, raw_lo[k], raw_hi[k], head[k] - qk_heads);
         }
     }
 }
@@ -308,3 +353,32 @@ XSERV_QK_ROPE_WRITE_KV(64, 1)
 XSERV_QK_ROPE_WRITE_KV(128, 1)
 #undef XSERV_QK_NORM_ROPE_WRITE_KV
 #undef XSERV_QK_ROPE_WRITE_KV
+
+// FP8 KV cache (docs/kernels/attention.md, "FP8 KV cache"): the same kernels writing an e4m3 cache (KvE4m3), one launch
+// instead of qk_norm_rope + write_kv_fp8; k_cache, v_cache: [num_blocks * block_size, num_kv_heads, D] e4m3 codes,
+// 8-byte aligned; k_scale, v_scale: [num_kv_heads] float32 (this layer's). Arguments otherwise as above.
+#define XSERV_QK_NORM_ROPE_WRITE_KV_FP8(D, STEPS)                                                                    \
+    extern "C" __global__ void qk_norm_rope_write_kv_fp8_d##D##_s##STEPS(                                           \
+        __nv_bfloat16* qkv, const __nv_bfloat16* q_weight, const __nv_bfloat16* k_weight, const int* positions,      \
+        const float* cos_sin, unsigned char* k_cache, unsigned char* v_cache, const int* slot_mapping,               \
+        int num_tokens, int num_q_heads, int num_kv_heads, int max_pos, float eps, const float* k_scale,             \
+        const float* v_scale) {                                                                                      \
+        qk_rope_write_kv_rows<D, true, STEPS, KvE4m3>(qkv, q_weight, k_weight, positions, cos_sin, k_cache, v_cache, \
+                                                      slot_mapping, num_tokens, num_q_heads, num_kv_heads, max_pos,  \
+                                                      eps, KvE4m3{k_scale, v_scale});                       \
+    }
+#define XSERV_QK_ROPE_WRITE_KV_FP8(D, STEPS)                                                                         \
+    extern "C" __global__ void qk_rope_write_kv_fp8_d##D##_s##STEPS(                                                \
+        __nv_bfloat16* qkv, const int* positions, const float* cos_sin, unsigned char* k_cache,                      \
+        unsigned char* v_cache, const int* slot_mapping, int num_tokens, int num_q_heads, int num_kv_heads,          \
+        int max_pos, const float* k_scale, const float* v_scale) {                                                   \
+        qk_rope_write_kv_rows<D, false, STEPS, KvE4m3>(qkv, nullptr, nullptr, positions, cos_sin, k_cache, v_cache,  \
+                                                       slot_mapping, num_tokens, num_q_heads, num_kv_heads, max_pos, \
+                                                       0.0f, KvE4m3{k_scale, v_scale});                      \
+    }
+XSERV_QK_NORM_ROPE_WRITE_KV_FP8(64, 1)
+XSERV_QK_NORM_ROPE_WRITE_KV_FP8(128, 1)
+XSERV_QK_ROPE_WRITE_KV_FP8(64, 1)
+XSERV_QK_ROPE_WRITE_KV_FP8(128, 1)
+#undef XSERV_QK_NORM_ROPE_WRITE_KV_FP8
+#undef XSERV_QK_ROPE_WRITE_KV_FP8

@@ -5,6 +5,8 @@
 # side by side, each with its own kernel cache; then a 0.6B-shaped checkpoint in /dev/shm and, in the same call,
 # `xserv bench throughput` (the standard offline workload) and batch-1 latency at context 512, bf16 KV against
 # --kv-cache-dtype fp8_e4m3. The issue's goal: fp8_e4m3 >= 1.3x bf16 output tok/s. Logs under $OUT.
+# The tests include the quantizing rope kernel (qk_norm_rope_write_kv_fp8: bit-identical to the two ops it replaced) and
+# attention_decode_rope over an FP8 cache. At most 3 pytest processes at once (9 ran out of host memory).
 #   bash tools/gpu_check_fp8_kv.sh [STEP ...]     steps: tests make bench (default all)
 set -u
 source "$(dirname "$0")/gpu_env.sh"

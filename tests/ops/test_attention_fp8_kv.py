@@ -8,7 +8,8 @@ import pytest
 
 from xserv.ops import attention as A
 from xserv.ops.attention import fp8_kv as F
-from xserv.ops.rope import qk_norm_rope_write_kv_reference, rope_cos_sin_table
+from xserv.ops.rope import (qk_norm_rope, qk_norm_rope_write_kv, qk_norm_rope_write_kv_reference, qk_rope,
+                            rope_cos_sin_table)
 from xserv.tensor import Tensor, bfloat16, float8_e4m3fn, float32, int32
 from xserv.testing import paged_kv_from_dense, random_array
 
@@ -203,6 +204,67 @@ def test_decode_rope_over_an_fp8_cache_cpu_is_the_composition():
     assert max(errors(out, want)) <= 1e-2
 
 
+def test_qk_norm_rope_write_kv_fp8_kernels_exist():
+    """qk_norm_rope_write_kv's FP8 names (rope.cu, the KvE4m3 instantiations) for every head_dim and steps variant."""
+    import re
+
+    from xserv.ops import rope as R
+    from xserv.runtime.compiler import kernel_source_dir
+
+    src = (kernel_source_dir() / "rope.cu").read_text()
+    made = set(re.findall(r"^XSERV_(QK_NORM_ROPE|QK_ROPE)_WRITE_KV_FP8\((\d+), (\d)\)", src, re.M))
+    for d in (64, 128):
+        assert {("QK_NORM_ROPE", str(d), str(R._FUSED_STEPS)), ("QK_ROPE", str(d), str(R._FUSED_STEPS))} <= made
+
+
+def rope_fp8_case(rng, t, hq, hkv, d, norm, bs=16, max_pos=4096):
+    """Packed qkv over e4m3's range and past it (saturation, subnormals after the scale), head-norm weights (None:
+    Llama), positions, slots with -1 padding entries, scales in [0.25, 2] and NaN-poisoned FP8 caches."""
+    blocks = -(-t // bs) + 2
+    slots = rng.permutation(blocks * bs)[:t].astype(np.int32)
+    slots[1::5] = -1  # padding entries (a single token is written)
+    qkv = (random_array(rng, (t, hq + 2 * hkv, d), np.float32, mean=0.3)
+           * np.exp2(rng.uniform(-10, 9, (t, hq + 2 * hkv, 1)))).astype(bfloat16)
+    return dict(qkv=qkv, qw=random_array(rng, (d,), bfloat16, mean=1.0, std=0.3) if norm else None,
+                kw=random_array(rng, (d,), bfloat16, mean=1.0, std=0.3) if norm else None,
+                pos=rng.integers(0, max_pos, t).astype(np.int32), table=rope_cos_sin_table(d, max_pos, 1e6),
+                slots=slots, cache=np.full((blocks, bs, hkv, d), np.nan, np.float32).astype(E4M3),
+                k_scale=_scales(rng, hkv), v_scale=_scales(rng, hkv), hq=hq, hkv=hkv)
+
+
+def run_rope_fp8(c, device, fused=True):
+    """(qkv, k_cache, v_cache) after qk_norm_rope_write_kv over the FP8 cache (fused), or after the two ops it
+    replaces (qk_norm_rope / qk_rope in place, then write_kv_packed quantizing)."""
+    to = lambda a: Tensor.from_numpy(a, device)
+    qkv, kc, vc = to(c["qkv"].copy()), to(c["cache"].copy()), to(c["cache"].copy())
+    w = (None, None) if c["qw"] is None else (to(c["qw"]), to(c["kw"]))
+    ks, vs = to(c["k_scale"]), to(c["v_scale"])
+    if fused:
+        qk_norm_rope_write_kv(qkv, *w, to(c["pos"]), to(c["table"]), c["hq"], c["hkv"], 1e-6, kc, vc, to(c["slots"]),
+                              k_scale=ks, v_scale=vs)
+    else:
+        if c["qw"] is None:
+            qk_rope(qkv, to(c["pos"]), to(c["table"]), c["hq"], c["hkv"])
+        else:
+            qk_norm_rope(qkv, *w, to(c["pos"]), to(c["table"]), c["hq"], c["hkv"], 1e-6)
+        A.write_kv_packed(qkv, c["hq"], kc, vc, to(c["slots"]), ks, vs)
+    return qkv.numpy(), kc.numpy(), vc.numpy()
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_qk_norm_rope_write_kv_fp8_cpu_is_the_composition(norm):
+    rng = np.random.default_rng(30 + norm)
+    c = rope_fp8_case(rng, 11, 4, 2, 64, norm, bs=4)
+    got, want = run_rope_fp8(c, "cpu"), run_rope_fp8(c, "cpu", fused=False)
+    np.testing.assert_array_equal(got[0].view(np.uint16), want[0].view(np.uint16))
+    for g, w in zip(got[1:], want[1:]):
+        np.testing.assert_array_equal(g.view(np.uint8), w.view(np.uint8))
+    kept = c["slots"] >= 0
+    vc = got[2].reshape(-1, 2, 64)
+    np.testing.assert_array_equal(vc[c["slots"][kept]].view(np.uint8), F.quantize_kv_reference(
+        c["qkv"][kept, 6:].astype(np.float32), c["v_scale"]).view(np.uint8))
+
+
 # ---- GPU: the CUDA kernels against the NumPy path ------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("packed, t", [(False, 1), (True, 37), (False, 300)])
@@ -230,6 +292,65 @@ def test_write_kv_fp8_cuda_codes_equal_the_reference(packed, t):
     F.write_kv_fp8_reference(k, v, kc, vc, slots, k_scale, v_scale)
     assert np.array_equal(gk.numpy().view(np.uint8), kc.view(np.uint8))
     assert np.array_equal(gv.numpy().view(np.uint8), vc.view(np.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 37, 1023])
+@pytest.mark.parametrize("hq, hkv", [(16, 8), (14, 2)])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("norm", [True, False])
+def test_qk_norm_rope_write_kv_fp8_cuda_equals_the_two_ops(t, hq, hkv, d, norm):
+    """The one-launch quantizing kernel (rope.cu, KvE4m3): qkv and both caches bit-identical to the two CUDA ops it
+    replaces on the same NaN-poisoned buffers; V codes bit-equal to NumPy's quantization of the input; K and q close
+    to the NumPy composition; unwritten slots stay NaN."""
+    rng = np.random.default_rng(t * 7 + hq + d + norm)
+    c = rope_fp8_case(rng, t, hq, hkv, d, norm)
+    got, two = run_rope_fp8(c, "cuda"), run_rope_fp8(c, "cuda", fused=False)
+    np.testing.assert_array_equal(got[0].view(np.uint16), two[0].view(np.uint16))
+    for g, w in zip(got[1:], two[1:]):
+        np.testing.assert_array_equal(g.view(np.uint8), w.view(np.uint8))
+    want = run_rope_fp8(c, "cpu")
+    kept = c["slots"] >= 0
+    assert 0 < kept.sum() < len(kept) or t == 1
+    np.testing.assert_array_equal(got[2].view(np.uint8), want[2].view(np.uint8))  # V: no rounding before the write
+    unused = np.setdiff1d(np.arange(got[1].shape[0] * got[1].shape[1]), c["slots"][kept])
+    for cache in got[1:]:
+        assert np.all(np.isnan(cache.reshape(-1, hkv, d)[unused].astype(np.float32)))
+    rows = c["slots"][kept]
+    k_got = F.dequantize_kv_reference(got[1].reshape(-1, hkv, d)[rows], c["k_scale"], np.float64)
+    k_want = F.dequantize_kv_reference(want[1].reshape(-1, hkv, d)[rows], c["k_scale"], np.float64)
+    if len(rows):
+        assert np.linalg.norm(k_got - k_want) / np.linalg.norm(k_want) < 3e-2
+    q_err = np.linalg.norm(got[0][:, :hq].astype(np.float64) - want[0][:, :hq].astype(np.float64))
+    assert q_err / np.linalg.norm(want[0][:, :hq].astype(np.float64)) < 3e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq, hkv, d", [(16, 8, 128), (32, 8, 128), (16, 8, 64)])
+def test_decode_rope_fp8_cuda_matches_numpy(hq, hkv, d):
+    """attention_decode_rope over an FP8 cache (the quantizing rope kernel, then attention_decode_fp8): the new K/V
+    codes equal the NumPy composition's for V, K close; the output close to the NumPy composition."""
+    rng = np.random.default_rng(40 + hq + d)
+    bs = 16
+    c = fp8_case(rng, [1, 1, 1], [512, 77, 1], hq, hkv, d, bs, packed=True)
+    cos_sin = rope_cos_sin_table(d, 1024, 1e6)
+    positions = (c["kv_lens"] - 1).astype(np.int32)
+    slots = np.array([c["tables"][s, p // bs] * bs + p % bs for s, p in enumerate(positions)], np.int32)
+    qw, kw = (random_array(rng, (d,), bfloat16, mean=1.0, std=0.1) for _ in range(2))
+    outs, caches = {}, {}
+    for device in ("cuda", "cpu"):
+        t = tensors(c, device)
+        to = lambda a: Tensor.from_numpy(a, device)
+        outs[device] = A.attention_decode_rope(
+            t["q"], to(qw), to(kw), to(positions), to(cos_sin), hq, 1e-6, t["k_cache"], t["v_cache"], to(slots),
+            t["kv_lens"], t["tables"], c["scale"], 512, k_scale=t["k_scale"], v_scale=t["v_scale"]).numpy()
+        caches[device] = (t["k_cache"].numpy(), t["v_cache"].numpy())
+    np.testing.assert_array_equal(caches["cuda"][1].view(np.uint8), caches["cpu"][1].view(np.uint8))
+    k_diff = caches["cuda"][0].view(np.uint8) != caches["cpu"][0].view(np.uint8)
+    assert k_diff.sum() <= 0.05 * len(positions) * hkv * d  # the new K rows only, a few ulps of rounding apart
+    mx, mean = errors(outs["cuda"], outs["cpu"].astype(np.float64))
+    print(f"decode_rope fp8 {hq}/{hkv} d{d}: max rel err {mx:.2e}, mean {mean:.2e}")
+    assert mx <= 2e-2
 
 
 GPU_SHAPES = [(16, 8, 128), (32, 8, 128), (64, 8, 128), (16, 8, 64), (40, 8, 128)]  # G = 2, 4, 8, 2 (d64), 5

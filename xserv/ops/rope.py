@@ -313,8 +313,8 @@ def qk_norm_rope_write_kv(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor
     launch; the results are bit-identical to the two ops run one after the other. qkv's v heads are not written.
     qkv, cos_sin and the caches must be 16-byte aligned (the kernel's accesses are 16 bytes wide).
     pdl=True launches it with programmatic dependent launch (the kernel waits before reading qkv). Returns qkv.
-    An FP8 cache (float8_e4m3fn, with this layer's k_scale / v_scale float32 [Hkv]): qk_norm_rope / qk_rope in place,
-    then write_kv_packed quantizing (write_kv_fp8), two launches, the same K/V values; qkv's v heads as they were."""
+    An FP8 cache (float8_e4m3fn, with this layer's k_scale / v_scale float32 [Hkv]): the same one launch, its cache
+    store quantizing as write_kv_fp8 does (the bits of qk_norm_rope / qk_rope then write_kv_packed quantizing)."""
     head_dim = check_packed_qkv(qkv, positions, cos_sin, num_q_heads, num_kv_heads)
     norm = check_head_norms(q_weight, k_weight, head_dim)
     eps32 = check_eps(eps)
@@ -339,13 +339,6 @@ def qk_norm_rope_write_kv(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor
             cos_sin.array, int(num_q_heads), int(num_kv_heads), eps32, k_cache.array, v_cache.array,
             slot_mapping.array, None if k_scale is None else k_scale.array, None if v_scale is None else v_scale.array)
         return qkv
-    if is_fp8(k_cache):
-        if norm:
-            qk_norm_rope(qkv, q_weight, k_weight, positions, cos_sin, num_q_heads, num_kv_heads, eps32)
-        else:
-            qk_rope(qkv, positions, cos_sin, num_q_heads, num_kv_heads)
-        write_kv_packed(qkv, int(num_q_heads), k_cache, v_cache, slot_mapping, k_scale, v_scale)
-        return qkv
     check_aligned("qkv", qkv)
     check_aligned("cos_sin", cos_sin)
     rows = num_tokens * (num_q_heads + 2 * num_kv_heads)
@@ -353,10 +346,13 @@ def qk_norm_rope_write_kv(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor
     grid = cdiv(rows, _FUSED_STEPS * (32 // (head_dim // 16)) * _BLOCK // 32)
     tail = (k_cache, v_cache, slot_mapping, np.int32(num_tokens), np.int32(num_q_heads), np.int32(num_kv_heads),
             np.int32(cos_sin.shape[0]))
+    fp8 = is_fp8(k_cache)  # the same kernel with the quantizing store (rope.cu, KvE4m3): scales after the arguments
+    scales = (k_scale, v_scale) if fp8 else ()
+    suffix = "_fp8" if fp8 else ""
     if norm:
-        kernel("rope", f"qk_norm_rope_write_kv_d{head_dim}_s{_FUSED_STEPS}")(
-            grid, _BLOCK, qkv, q_weight, k_weight, positions, cos_sin, *tail, eps32, pdl=pdl)
+        kernel("rope", f"qk_norm_rope_write_kv{suffix}_d{head_dim}_s{_FUSED_STEPS}")(
+            grid, _BLOCK, qkv, q_weight, k_weight, positions, cos_sin, *tail, eps32, *scales, pdl=pdl)
     else:
-        kernel("rope", f"qk_rope_write_kv_d{head_dim}_s{_FUSED_STEPS}")(grid, _BLOCK, qkv, positions, cos_sin, *tail,
-                                                                       pdl=pdl)
+        kernel("rope", f"qk_rope_write_kv{suffix}_d{head_dim}_s{_FUSED_STEPS}")(
+            grid, _BLOCK, qkv, positions, cos_sin, *tail, *scales, pdl=pdl)
     return qkv

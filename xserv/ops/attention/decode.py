@@ -461,7 +461,8 @@ def attention_decode_rope(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor
     is the slot the block table gives position kv_len - 1 (any batch xserv builds), else as the cache holds it there,
     as attention_decode would. variant: as attention_decode; a plan that runs v2 (variant "v2", or block_size < 8
     with very long contexts) runs qk_norm_rope_write_kv and attention_decode, two launches. An FP8 cache (with
-    k_scale / v_scale) always takes the two launches (qk_norm_rope_write_kv quantizing, then attention_decode_fp8)."""
+    k_scale / v_scale) always takes two launches (qk_norm_rope_write_kv's quantizing kernel, then attention_decode_fp8).
+    """
     _, block_size, num_kv_heads, head_dim = check_cache(k_cache, v_cache, k_scale, v_scale)
     rope = _rope()
     rope.check_packed_qkv(qkv, positions, cos_sin, num_q_heads, num_kv_heads)
@@ -498,9 +499,9 @@ def attention_decode_rope(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor
                                                     **scales).astype(bfloat16)
         return out
     check_aligned("cos_sin", cos_sin)
-    if is_fp8(k_cache):  # the two ops: no fused FP8 entry (docs/kernels/attention.md, "FP8 KV cache")
+    if is_fp8(k_cache):  # two launches: no fused FP8 attention entry yet (docs/kernels/attention.md, "FP8 KV cache")
         rope.qk_norm_rope_write_kv(qkv, q_weight, k_weight, positions, cos_sin, num_q_heads, num_kv_heads, eps32,
-                                   k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+                                   k_cache, v_cache, slot_mapping, pdl=True, k_scale=k_scale, v_scale=v_scale)
         return attention_decode(qkv, k_cache, v_cache, kv_lens, block_tables, scale, max_kv_len, out=out,
                                 num_q_heads=num_q_heads, k_scale=k_scale, v_scale=v_scale)
     plan = _plan(variant, num_seqs, num_kv_heads, max_kv_len, block_size, head_dim, num_q_heads // num_kv_heads)
