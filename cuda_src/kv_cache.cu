@@ -2,6 +2,29 @@
 #include "attention.cuh"
 #include "e4m3.cuh"
 
+// The chunk thread i of a KV write moves: token t, chunk `within` of its row (h * (head_dim / 8) + chunk), and the
+// element offsets of that chunk in the source and in the cache. False past the last token or for a padding token
+// (slot < 0).
+struct KvWriteChunk {
+    int t, within;
+    long long src, dst;
+};
+
+__device__ __forceinline__ bool locate_kv_write_chunk(long long src_row_stride, const int* __restrict__ slot_mapping,
+                                                      int num_tokens, int num_kv_heads, int head_dim,
+                                                      KvWriteChunk& c) {
+    const int chunks_per_token = num_kv_heads * (head_dim / 8);
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)num_tokens * chunks_per_token) return false;
+    c.t = (int)(i / chunks_per_token);
+    c.within = (int)(i % chunks_per_token);
+    const int slot = slot_mapping[c.t];
+    if (slot < 0) return false;
+    c.src = c.t * src_row_stride + (long long)c.within * 8;
+    c.dst = (long long)slot * num_kv_heads * head_dim + (long long)c.within * 8;
+    return true;
+}
+
 // k_cache[slot, h, :] = k[t, h, :], v_cache[slot, h, :] = v[t, h, :] for slot = slot_mapping[t] >= 0
 // (slot = block * block_size + offset; a negative slot marks a padding token and is skipped).
 // One thread moves one 16-byte chunk (8 bf16) of K and the same chunk of V.
@@ -14,17 +37,10 @@ extern "C" __global__ void write_kv_bf16(const __nv_bfloat16* __restrict__ k, co
                                          long long src_row_stride, __nv_bfloat16* __restrict__ k_cache,
                                          __nv_bfloat16* __restrict__ v_cache, const int* __restrict__ slot_mapping,
                                          int num_tokens, int num_kv_heads, int head_dim) {
-    const int chunks_per_token = num_kv_heads * (head_dim / 8);
-    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (long long)num_tokens * chunks_per_token) return;
-    const int t = (int)(i / chunks_per_token);
-    const int within = (int)(i % chunks_per_token);  // = h * (head_dim / 8) + chunk
-    const int slot = slot_mapping[t];
-    if (slot < 0) return;
-    const long long src = t * src_row_stride + (long long)within * 8;
-    const long long dst = (long long)slot * num_kv_heads * head_dim + (long long)within * 8;
-    *reinterpret_cast<uint4*>(k_cache + dst) = *reinterpret_cast<const uint4*>(k + src);
-    *reinterpret_cast<uint4*>(v_cache + dst) = *reinterpret_cast<const uint4*>(v + src);
+    KvWriteChunk c;
+    if (!locate_kv_write_chunk(src_row_stride, slot_mapping, num_tokens, num_kv_heads, head_dim, c)) return;
+    *reinterpret_cast<uint4*>(k_cache + c.dst) = *reinterpret_cast<const uint4*>(k + c.src);
+    *reinterpret_cast<uint4*>(v_cache + c.dst) = *reinterpret_cast<const uint4*>(v + c.src);
 }
 
 // ---- FP8 KV cache (EngineConfig.kv_cache_dtype = "fp8_e4m3"; docs/kernels/attention.md, "FP8 KV cache") ----------
@@ -43,16 +59,10 @@ extern "C" __global__ void write_kv_fp8(const __nv_bfloat16* __restrict__ k, con
                                         unsigned char* __restrict__ v_cache, const int* __restrict__ slot_mapping,
                                         const float* __restrict__ k_scale, const float* __restrict__ v_scale,
                                         int num_tokens, int num_kv_heads, int head_dim) {
-    const int chunks_per_token = num_kv_heads * (head_dim / 8);
-    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (long long)num_tokens * chunks_per_token) return;
-    const int t = (int)(i / chunks_per_token);
-    const int within = (int)(i % chunks_per_token);  // = h * (head_dim / 8) + chunk
-    const int h = within / (head_dim / 8);
-    const int slot = slot_mapping[t];
-    if (slot < 0) return;
-    const long long src = t * src_row_stride + (long long)within * 8;
-    const long long dst = (long long)slot * num_kv_heads * head_dim + (long long)within * 8;
+    KvWriteChunk c;
+    if (!locate_kv_write_chunk(src_row_stride, slot_mapping, num_tokens, num_kv_heads, head_dim, c)) return;
+    const long long src = c.src, dst = c.dst;
+    const int h = c.within / (head_dim / 8);
     const float ks = k_scale[h], vs = v_scale[h];
     float kf[8], vf[8];
     xserv::bf16x8_to_float(*reinterpret_cast<const uint4*>(k + src), kf);
