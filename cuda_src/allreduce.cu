@@ -62,37 +62,51 @@ __device__ __forceinline__ unsigned int load_volatile(const unsigned int* p) {
 
 }  // namespace
 
-// residual: [n] float32 or null (ADD_RESIDUAL only): residual += the rounded sum, element by element, by the thread
-// that computed it (no other thread or rank touches it: the tensor-parallel fused one-token path's residual add).
-template <bool ADD_RESIDUAL>
-__device__ __forceinline__ void allreduce_oneshot(
-    const __nv_bfloat16* in, __nv_bfloat16* out, float* residual, const unsigned long long* __restrict__ bases,
-    const unsigned int* abort_flag, int rank, int world, long long n, long long cap) {
-    const int b = blockIdx.x;
-    const int tid = threadIdx.x;
-    char* own = reinterpret_cast<char*>(bases[rank]);
-    unsigned int* counters = reinterpret_cast<unsigned int*>(own + COUNTERS_OFFSET);
+// One call's place in the protocol for this block: its epoch, data half, own buffer, and its range of 8-element
+// (16-byte) chunks. Begins with the programmatic-dependent-launch wait (the launcher sets the attribute from sm_90
+// on): everything after it reads what earlier kernels wrote (the input, the residual, this block's counter), and it
+// also orders this call after the previous one on this stream, which the two-halves argument above relies on.
+// trigger == 1 then releases the next kernel at once: its CTAs start beside ours and stream their weights (a GEMV's
+// pre-wait prefetch) during the NVLink round trip, and its own pdl_wait still waits for this grid to complete.
+// trigger == 0: the next kernel starts when this grid ends (XSERV_TP_IPC_TRIGGER=late, for measurement).
+struct IpcCall {
+    char* own;
+    unsigned int epoch;
+    int p;
+    long long half;    // elements of one half of the data array
+    long long c0, c1;  // this block's chunks [c0, c1)
+};
+
+__device__ __forceinline__ IpcCall ipc_begin(const unsigned long long* __restrict__ bases, int rank, int world,
+                                             long long n, long long cap, int trigger) {
+    xserv::pdl_wait();
+    if (trigger) xserv::pdl_launch_dependents();
+    IpcCall c;
+    c.own = reinterpret_cast<char*>(bases[rank]);
     // Plain load: the previous writer of counters[b] is this block's thread 0 in an earlier kernel on this stream,
-    // ordered before us by the kernel boundary.
-    const unsigned int epoch = counters[b] + 1u;
-    const int p = epoch & 1u;
-    const long long half = (long long)world * cap;  // elements of one half of the data array
-
-    // This block's chunks of 8 elements: a contiguous range, the last chunk possibly partial.
-    const long long chunks = (n + 7) / 8;
+    // ordered before us by the kernel boundary (and the wait above).
+    c.epoch = reinterpret_cast<unsigned int*>(c.own + COUNTERS_OFFSET)[blockIdx.x] + 1u;
+    c.p = c.epoch & 1u;
+    c.half = (long long)world * cap;
+    const long long chunks = (n + 7) / 8;  // the last chunk possibly partial
     const long long per_block = (chunks + gridDim.x - 1) / gridDim.x;
-    const long long c0 = b * per_block;
-    const long long c1 = min(chunks, c0 + per_block);
+    c.c0 = blockIdx.x * per_block;
+    c.c1 = min(chunks, c.c0 + per_block);
+    return c;
+}
 
-    // 1. push our partial into slot `rank` of half p of every rank's data (our own buffer included). Weak stores:
-    // their ordering before the flag comes from the bar.sync + release store below.
-    for (long long c = c0 + tid; c < c1; c += blockDim.x) {
-        const long long i = c * 8;
+// 1. push this block's chunks of `in` into slot `rank` of half p of every rank's data (our own buffer included).
+// Weak stores: their ordering before the flag comes from the bar.sync + release store in ipc_signal_wait.
+__device__ __forceinline__ void ipc_push(const IpcCall& c, const __nv_bfloat16* in,
+                                         const unsigned long long* __restrict__ bases, int rank, int world,
+                                         long long n, long long cap) {
+    for (long long k = c.c0 + threadIdx.x; k < c.c1; k += blockDim.x) {
+        const long long i = k * 8;
         if (i + 8 <= n) {
             const uint4 v = *reinterpret_cast<const uint4*>(in + i);
             for (int q = 0; q < world; ++q) {
                 __nv_bfloat16* dst = reinterpret_cast<__nv_bfloat16*>(reinterpret_cast<char*>(bases[q]) + DATA_OFFSET)
-                                     + p * half + (long long)rank * cap + i;
+                                     + c.p * c.half + (long long)rank * cap + i;
                 *reinterpret_cast<uint4*>(dst) = v;
             }
         } else {
@@ -100,56 +114,79 @@ __device__ __forceinline__ void allreduce_oneshot(
                 const __nv_bfloat16 v = in[j];
                 for (int q = 0; q < world; ++q) {
                     __nv_bfloat16* dst = reinterpret_cast<__nv_bfloat16*>(reinterpret_cast<char*>(bases[q]) +
-                                                                          DATA_OFFSET) + p * half + (long long)rank * cap;
+                                                                          DATA_OFFSET) + c.p * c.half + (long long)rank * cap;
                     dst[j] = v;
                 }
             }
         }
     }
+}
+
+// 2-3. signal every rank that our block's data of this epoch is in its buffer, then wait for every rank's block b.
+__device__ __forceinline__ void ipc_signal_wait(const IpcCall& c, const unsigned long long* __restrict__ bases,
+                                                const unsigned int* abort_flag, int rank, int world) {
+    const int b = blockIdx.x;
+    const int tid = threadIdx.x;
     // Every thread's pushes happen-before thread q's release below (CTA-scope barrier; the release is cumulative).
     __syncthreads();
-
-    // 2. signal rank `tid`: our block b's data of this epoch is in its buffer.
     if (tid < world) {
         unsigned int* flags = reinterpret_cast<unsigned int*>(bases[tid]);
-        store_release_sys(flags + ((p * MAX_BLOCKS + b) * MAX_WORLD + rank), epoch);
+        store_release_sys(flags + ((c.p * MAX_BLOCKS + b) * MAX_WORLD + rank), c.epoch);
     }
-    // 3. wait for rank `tid`'s block b. The abort word is polled every 1024 spins (a host-mapped read crosses PCIe).
+    // The abort word is polled every 1024 spins (a host-mapped read crosses PCIe).
     if (tid < world) {
-        const unsigned int* flag = reinterpret_cast<const unsigned int*>(own) + ((p * MAX_BLOCKS + b) * MAX_WORLD + tid);
+        const unsigned int* flag =
+            reinterpret_cast<const unsigned int*>(c.own) + ((c.p * MAX_BLOCKS + b) * MAX_WORLD + tid);
         unsigned int spins = 0;
-        while (load_acquire_sys(flag) != epoch) {
+        while (load_acquire_sys(flag) != c.epoch) {
             if ((++spins & 1023u) == 0 && load_volatile(abort_flag) != 0) break;
         }
     }
-    // The waiting threads' acquires happen-before every thread's reads below (CTA-scope barrier after an acquire).
+    // The waiting threads' acquires happen-before every thread's reads after this (CTA-scope barrier).
     __syncthreads();
+}
+
+// 5. the next call on this stream starts from this epoch. Plain store: read back only by this block in the next
+// kernel on this stream (kernel boundary). Every thread read the epoch before the first bar.sync.
+__device__ __forceinline__ void ipc_end(const IpcCall& c) {
+    if (threadIdx.x == 0) reinterpret_cast<unsigned int*>(c.own + COUNTERS_OFFSET)[blockIdx.x] = c.epoch;
+}
+
+// residual: [n] float32 or null (ADD_RESIDUAL only): residual += the rounded sum, element by element, by the thread
+// that computed it (no other thread or rank touches it: the tensor-parallel fused one-token path's residual add).
+template <bool ADD_RESIDUAL>
+__device__ __forceinline__ void allreduce_oneshot(
+    const __nv_bfloat16* in, __nv_bfloat16* out, float* residual, const unsigned long long* __restrict__ bases,
+    const unsigned int* abort_flag, int rank, int world, long long n, long long cap, int trigger) {
+    const IpcCall c = ipc_begin(bases, rank, world, n, cap, trigger);
+    ipc_push(c, in, bases, rank, world, n, cap);
+    ipc_signal_wait(c, bases, abort_flag, rank, world);
 
     // 4. sum the world partials in rank order, float32, one rounding. ld.global.cg reads at L2, the point of
     // coherence for the NVLink writes into our memory: no L1 line of an earlier epoch can be returned (the acquire
     // already orders this; the .cg is belt and braces at no cost, each address is read once).
-    const __nv_bfloat16* data = reinterpret_cast<const __nv_bfloat16*>(own + DATA_OFFSET) + p * half;
-    for (long long c = c0 + tid; c < c1; c += blockDim.x) {
-        const long long i = c * 8;
+    const __nv_bfloat16* data = reinterpret_cast<const __nv_bfloat16*>(c.own + DATA_OFFSET) + c.p * c.half;
+    for (long long k = c.c0 + threadIdx.x; k < c.c1; k += blockDim.x) {
+        const long long i = k * 8;
         if (i + 8 <= n) {
             float acc[8], part[8];
             xserv::bf16x8_to_float(__ldcg(reinterpret_cast<const uint4*>(data + i)), acc);
             for (int q = 1; q < world; ++q) {
                 xserv::bf16x8_to_float(__ldcg(reinterpret_cast<const uint4*>(data + (long long)q * cap + i)), part);
 #pragma unroll
-                for (int k = 0; k < 8; ++k) acc[k] += part[k];
+                for (int e = 0; e < 8; ++e) acc[e] += part[e];
             }
             xserv::bf16x8 r;
 #pragma unroll
-            for (int k = 0; k < 4; ++k) r.h[k] = __floats2bfloat162_rn(acc[2 * k], acc[2 * k + 1]);
+            for (int e = 0; e < 4; ++e) r.h[e] = __floats2bfloat162_rn(acc[2 * e], acc[2 * e + 1]);
             *reinterpret_cast<xserv::bf16x8*>(out + i) = r;
             if constexpr (ADD_RESIDUAL) {
                 // the rounded bf16 sum, as fused_add_rmsnorm would add the stored all-reduce output
 #pragma unroll
-                for (int k = 0; k < 4; ++k) {
-                    const float2 f = __bfloat1622float2(r.h[k]);
-                    residual[i + 2 * k] += f.x;
-                    residual[i + 2 * k + 1] += f.y;
+                for (int e = 0; e < 4; ++e) {
+                    const float2 f = __bfloat1622float2(r.h[e]);
+                    residual[i + 2 * e] += f.x;
+                    residual[i + 2 * e + 1] += f.y;
                 }
             }
         } else {
@@ -161,23 +198,44 @@ __device__ __forceinline__ void allreduce_oneshot(
             }
         }
     }
-    // 5. the next call on this stream starts from this epoch. Plain store: read back only by this block in the next
-    // kernel on this stream (kernel boundary). Every thread read `epoch` before the first bar.sync.
-    if (tid == 0) counters[b] = epoch;
+    ipc_end(c);
 }
 
 // in, out: [n] bf16 (may alias); bases: [world] device addresses of every rank's IPC buffer in this process;
-// abort_flag: [1] uint32, host-mapped (nonzero: the host gave up on a dead peer; the waits end, the output is garbage).
+// abort_flag: [1] uint32, host-mapped (nonzero: the host gave up on a dead peer; the waits end, the output is garbage);
+// trigger: 1 releases the next kernel (programmatic dependent launch) right after this grid's wait, 0 at its end.
 extern "C" __global__ void __launch_bounds__(512) allreduce_oneshot_bf16(
     const __nv_bfloat16* in, __nv_bfloat16* out, const unsigned long long* __restrict__ bases,
-    const unsigned int* abort_flag, int rank, int world, long long n, long long cap) {
-    allreduce_oneshot<false>(in, out, nullptr, bases, abort_flag, rank, world, n, cap);
+    const unsigned int* abort_flag, int rank, int world, long long n, long long cap, int trigger) {
+    allreduce_oneshot<false>(in, out, nullptr, bases, abort_flag, rank, world, n, cap, trigger);
 }
 
 // The same, then residual += out (float32 [n]): the all-reduce of a row-parallel o / down projection's partial and
 // the residual add of the fused one-token path in one launch (xserv/models/dense.py, docs/engine.md).
 extern "C" __global__ void __launch_bounds__(512) allreduce_oneshot_add_bf16(
     const __nv_bfloat16* in, __nv_bfloat16* out, float* residual, const unsigned long long* __restrict__ bases,
-    const unsigned int* abort_flag, int rank, int world, long long n, long long cap) {
-    allreduce_oneshot<true>(in, out, residual, bases, abort_flag, rank, world, n, cap);
+    const unsigned int* abort_flag, int rank, int world, long long n, long long cap, int trigger) {
+    allreduce_oneshot<true>(in, out, residual, bases, abort_flag, rank, world, n, cap, trigger);
+}
+
+// Rank 0's int32 tokens to every rank, through the same protocol (one more call in every rank's sequence of calls:
+// the epochs stay equal): rank 0 pushes its `tokens` (bits, as 2 x count bf16 elements) into slot 0 of every rank's
+// data, every rank signals and waits as for a sum, then copies slot 0 into its `tokens`, minus `offset` (this rank's
+// first vocab-parallel token id: the embedding's row numbering). A decode step launched before the previous step's
+// tokens reached the host (xserv/engine/model_runner.py) starts with this on every rank: the other ranks have no
+// sampler. Rank 0's `tokens` are only read (its offset is 0: nothing to copy back).
+extern "C" __global__ void __launch_bounds__(512) ipc_broadcast_tokens(
+    int* tokens, const unsigned long long* __restrict__ bases, const unsigned int* abort_flag, int rank, int world,
+    long long count, long long cap, int offset, int trigger) {
+    const long long n = 2 * count;  // bf16 elements
+    const IpcCall c = ipc_begin(bases, rank, world, n, cap, trigger);
+    if (rank == 0) ipc_push(c, reinterpret_cast<const __nv_bfloat16*>(tokens), bases, rank, world, n, cap);
+    ipc_signal_wait(c, bases, abort_flag, rank, world);
+    const int* data = reinterpret_cast<const int*>(
+        reinterpret_cast<const __nv_bfloat16*>(c.own + DATA_OFFSET) + c.p * c.half);  // slot 0
+    // this block's chunks cover tokens [4 * c0, 4 * c1) (a chunk is 8 bf16 = 4 tokens)
+    if (rank != 0)
+        for (long long t = 4 * c.c0 + threadIdx.x; t < min(count, 4 * c.c1); t += blockDim.x)
+            tokens[t] = __ldcg(data + t) - offset;
+    ipc_end(c);
 }

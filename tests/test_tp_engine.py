@@ -133,8 +133,12 @@ def test_tp2_graph_replay_in_lockstep(pair):
     assert runner.capture_decode_graphs(max_batch_size=4, graph_factory=factory("decode")) == [1, 2, 4]
     assert runner.capture_prefill_graphs(32, graph_factory=factory("prefill")) == [16, 32]
     replays.update(decode=0, prefill=0)
+    ahead = pair.tp.engine.num_steps_ahead
     got = [o.token_ids for o in pair.tp.generate(PROMPTS, GREEDY)]
     assert replays["decode"] > 0
+    # decode steps were launched before the previous step was booked: their input tokens reached the worker through
+    # the communicator's broadcast_tokens inside each replay (rank 0's sampler output, shifted to its vocab rows)
+    assert pair.tp.engine.num_steps_ahead > ahead
     assert got == eager
     replays.update(decode=0, prefill=0)
     one = pair.tp.generate([PROMPTS[2]], GREEDY)[0].token_ids  # alone: its prompt a prefill graph, decode replays

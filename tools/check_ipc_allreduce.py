@@ -105,7 +105,61 @@ def _check(comm, rank: int, world: int) -> dict:
                 out[f"graph{i}"] = got.tobytes()
     graph.close()
     _check_add(comm, rank, world, out, problems)
+    _check_broadcast(comm, rank, world, out, problems)
     return {"bytes": out, "problems": problems[:20], "count": len(problems)}
+
+
+def _tokens(seed: int, count: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(-5, 1 << 30, count).astype(np.int32)
+
+
+def _check_broadcast(comm, rank: int, world: int, out: dict, problems: list) -> None:
+    """broadcast_tokens (the decode step launched ahead at tp > 1): every rank ends with rank 0's int32 tokens minus
+    its own offset; the other ranks' own values (different on every rank) must not leak in. Eager for several
+    counts (partial last chunks included), then in a CUDA graph between two all-reduces, replayed with fresh
+    tokens (the epochs shared with the all-reduce kernels)."""
+    from xserv.parallel.ipc import reference_sum
+    from xserv.runtime.graphs import CUDAGraph
+    from xserv.tensor import Tensor, bfloat16, int32
+
+    offset = 1000 * rank + 7 * (rank > 0)
+    seed = 90_000
+    for rnd in range(8):
+        for count in (1, 3, 4, 5, 64, 257, 1024):
+            seed += 1
+            mine = _tokens(seed + 1000 * rank, count)  # this rank's own (ignored unless rank 0) values
+            t = Tensor.from_numpy(mine, "cuda")
+            comm.broadcast_tokens(t, offset)
+            want = _tokens(seed, count) - np.int32(offset) if rank else mine
+            if not np.array_equal(t.numpy(), want):
+                problems.append(f"broadcast eager round {rnd} count {count}: differs from rank 0's tokens - offset")
+            if rnd == 7:
+                out[f"bcast{count}"] = (t.numpy() + np.int32(offset)).tobytes()  # the same bytes on every rank
+    count, shape = 256, (1, 4096)
+    tok = Tensor.empty((count,), int32, "cuda")
+    x = Tensor.empty(shape, bfloat16, "cuda")
+    tok.copy_(np.zeros(count, np.int32))
+    x.copy_(np.zeros(shape, bfloat16))
+    comm.broadcast_tokens(tok, offset)  # warm-up outside the capture
+    comm.all_reduce(x)
+    graph = CUDAGraph()
+    with graph.capture():
+        comm.all_reduce(x)
+        comm.broadcast_tokens(tok, offset)
+        comm.all_reduce(x)
+    for rep in range(100):
+        parts = _partials(95_000 + rep, world, shape)
+        x.copy_(parts[rank])
+        mine = _tokens(97_000 + rep + 1000 * rank, count)
+        tok.copy_(mine)
+        graph.replay()
+        want = _tokens(97_000 + rep, count) - np.int32(offset) if rank else mine
+        if not np.array_equal(tok.numpy(), want):
+            problems.append(f"broadcast graph replay {rep}: differs from rank 0's tokens - offset")
+        twice = reference_sum(np.stack([reference_sum(parts.reshape(world, -1))] * world))
+        if not np.array_equal(x.numpy().reshape(-1).view(np.uint16), twice.view(np.uint16)):
+            problems.append(f"broadcast graph replay {rep}: the all-reduces around it differ from NumPy")
+    graph.close()
 
 
 def _residual(seed: int, shape):

@@ -7,6 +7,7 @@ and the device name. GPU machine only (needs torch).
     python -m tools.profile_engine --model DIR --single-context 512 --warm 32 --steps 20 --timeline 16
                                    [--decode-kernel v4s4]
 
+--tensor-parallel-size N records rank 0 only (the workers run the same kernels in lockstep).
 --single-context runs one request of that many prompt tokens instead (batch-1 decode); --timeline K prints K
 consecutive kernels of one recorded step with their start, duration and the gap before each (with programmatic
 dependent launch a kernel may start before the previous one ends: a negative gap).
@@ -31,6 +32,8 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=25, help="kernels listed (default 25)")
     ap.add_argument("--single-context", type=int, default=0, help="one request of this many prompt tokens")
     ap.add_argument("--timeline", type=int, default=0, help="print this many consecutive kernels of one step")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="profile rank 0 of a tensor-parallel engine (its kernels include the all-reduces' waits)")
     ap.add_argument("--decode-kernel", default="",
                     help="the decode-attention kernel the model runs (xserv.ops.attention.decode.DECODE_KERNELS)")
     args = ap.parse_args(argv)
@@ -43,7 +46,8 @@ def main(argv=None) -> int:
     from xserv.runtime import get_device, synchronize
 
     max_len = max(2048, args.single_context + args.warm + args.steps + 8)
-    llm = LLM(args.model, device="cuda", max_model_len=max_len, progress=False)
+    llm = LLM(args.model, device="cuda", max_model_len=max_len, progress=False,
+              tensor_parallel_size=args.tensor_parallel_size)
     if args.decode_kernel:  # the kernel is in the decode graphs: capture them again
         from xserv.ops.attention import decode
 
@@ -99,6 +103,7 @@ def main(argv=None) -> int:
             print(f"{e.name[:70]:<70} {e.time_range.start - t0:>9.2f} {e.device_time:>8.2f} "
                   f"{e.time_range.start - prev_end:>8.2f}")
             prev_end = e.time_range.end
+    llm.close()
     return 0
 
 

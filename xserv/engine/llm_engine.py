@@ -72,8 +72,11 @@ class LLMEngine:
                                    max_num_batched_tokens=config.batched_tokens(device))
         self.sampler = sampler or Sampler(self.vocab_size, config.max_num_seqs, device, config.seed)
         # what a step launched ahead reads (in the graphs captured after this). Tensor parallelism: the other ranks
-        # do not have rank 0's sampled tokens on their devices, so no step is launched ahead (overlap_steps is off)
-        runner.feed_src = self.sampler.tokens if runner.group is None else None
+        # have no sampler; each decode graph then begins by broadcasting rank 0's tokens to them, where the group's
+        # communicator can (the IPC kernels; with NCCL only, or on a larger batch, no step is launched ahead)
+        comm = getattr(runner.model, "comm", None) if runner.group is not None else None
+        feeds = comm is None or comm.can_broadcast_tokens(self.sampler.tokens.shape[0])
+        runner.feed_src = self.sampler.tokens if feeds else None
         self._ids = itertools.count()
         self._inflight: deque[_Launched] = deque()  # launched steps not yet booked (at most two)
         self.num_steps_ahead = 0  # decode steps launched before the previous step was booked
@@ -250,7 +253,7 @@ class LLMEngine:
         gathered on the device from the step in flight's output (`index`). Sequences that the token in flight ends
         by length are left out; one that a stop token or string ends keeps its row, whose token is dropped when
         booked. Returns (rows, index) or None."""
-        if (not self.config.overlap_steps or self.runner.group is not None or len(self._inflight) != 1
+        if (not self.config.overlap_steps or self.runner.feed_src is None or len(self._inflight) != 1
                 or self.scheduler.waiting):
             return None
         last = self._inflight[0]

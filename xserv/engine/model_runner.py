@@ -183,7 +183,13 @@ class ModelRunner:
                 return []
             graph_factory = self._capture_cuda_graph
         if self.group is not None:  # the other ranks capture the same graphs, their warm-up steps in lockstep
-            self.group.send("capture_decode", {"max_batch_size": max_batch_size, "eager": self.device == "cpu"})
+            self.group.send("capture_decode", {"max_batch_size": max_batch_size, "eager": self.device == "cpu",
+                                               "feed": 0 if self.feed_src is None else self.feed_src.shape[0]})
+        # Tensor parallelism with the token feedback: each graph starts by broadcasting rank 0's sampled tokens
+        # (its feed_src, the sampler's) into the other ranks' feed_src (shifted to their embedding rows), so a
+        # step launched ahead reads the same tokens on every rank.
+        comm = getattr(self.model, "comm", None)
+        broadcast = comm if self.feed_src is not None and comm is not None else None
         max_bs = min(max_batch_size or self.max_num_seqs, self.max_num_seqs)
         sizes = [b for b in GRAPH_BATCH_SIZES if b < max_bs] + [max_bs]
         self._kv_buckets = kv_len_buckets(self.max_model_len)
@@ -210,6 +216,8 @@ class ModelRunner:
                     feed=None if self.feed_src is None else (self.feed_src, g["token_index"][:bs]))
 
                 def step(batch=batch):
+                    if broadcast is not None:
+                        broadcast.broadcast_tokens(self.feed_src, self.token_offset)
                     self.model.forward(batch, self.kv_cache, self.workspace)
 
                 self._pad_inputs(0, bs, max_kv_len)
@@ -392,6 +400,8 @@ class ModelRunner:
             self._pf_meta[:meta.shape[0]].copy_(meta)
             self.prefill_graphs[tokens].replay()
         elif command == "capture_decode":
+            if args.get("feed"):  # rank 0 launches steps ahead: the broadcast tokens land here (capture_decode_graphs)
+                self.feed_src = Tensor.zeros((args["feed"],), int32, self.device)
             self.capture_decode_graphs(args["max_batch_size"], graph_factory=_eager_graph if args["eager"] else None)
         elif command == "capture_prefill":
             self.capture_prefill_graphs(args["max_tokens"], graph_factory=_eager_graph if args["eager"] else None)

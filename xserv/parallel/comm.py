@@ -62,6 +62,16 @@ class Communicator:
         output's all-reduce and the residual add of the fused one-token path (ipc.reference_sum_add)."""
         raise NotImplementedError
 
+    def can_broadcast_tokens(self, count: int) -> bool:
+        """Can broadcast_tokens take `count` tokens (the same answer on every rank)? A decode step is launched ahead
+        of the previous step's booking at tp > 1 only where it can (xserv/engine/model_runner.py)."""
+        return False
+
+    def broadcast_tokens(self, tokens: Tensor, offset: int) -> Tensor:
+        """Every rank's int32 `tokens` becomes rank 0's, minus `offset` on this rank (its first vocab-parallel token
+        id): rank 0's sampled tokens, on the device of every rank, for a step launched ahead."""
+        raise NotImplementedError
+
     def logits_part(self, rows: int) -> Tensor:
         """A [rows, vocab_part] float32 buffer for this rank's lm_head output (kept: stable across steps, so a
         CUDA graph may capture it; a larger request allocates a larger one and keeps the old alive)."""
@@ -168,6 +178,20 @@ class ShmCommunicator(Communicator):
         residual.array[...] += t.array.astype(np.float32)
         return residual
 
+    def can_broadcast_tokens(self, count: int) -> bool:
+        return True
+
+    def broadcast_tokens(self, tokens: Tensor, offset: int) -> Tensor:
+        flat = tokens.array.reshape(-1)
+
+        def read(start, pieces):
+            if self.rank != 0:
+                root = pieces[0].view(np.int32)
+                flat[start // 4:start // 4 + root.shape[0]] = root - np.int32(offset)
+
+        self._exchange(flat.copy(), read)
+        return tokens
+
     def gather_logits(self, part: Tensor, out: Tensor) -> Tensor:
         rows, p = part.shape
         gathered = self._gathered.array.reshape(-1)[:self.world_size * rows * p].reshape(self.world_size, rows * p)
@@ -256,6 +280,14 @@ class NcclCommunicator(Communicator):
         if self.ipc is None:
             raise ValueError("all_reduce_add: needs the IPC all-reduce (XSERV_TP_ALLREDUCE=nccl turns it off)")
         return self.ipc.all_reduce_add(t, residual)
+
+    def can_broadcast_tokens(self, count: int) -> bool:
+        return self.ipc is not None and self.ipc.can_broadcast_tokens(count)  # (NCCL only: no step launched ahead)
+
+    def broadcast_tokens(self, tokens: Tensor, offset: int) -> Tensor:
+        if self.ipc is None:
+            raise ValueError("broadcast_tokens: needs the IPC kernels (XSERV_TP_ALLREDUCE=nccl turns them off)")
+        return self.ipc.broadcast_tokens(tokens, offset)
 
     def gather_logits(self, part: Tensor, out: Tensor) -> Tensor:
         rows, p = part.shape

@@ -28,6 +28,11 @@ import numpy as np
 ENV = "XSERV_TP_ALLREDUCE"  # "auto" (default): the IPC kernel for small messages where peers can; "nccl": NCCL only
 ENV_MAX_BYTES = "XSERV_TP_IPC_MAX_BYTES"  # the largest message (bytes) the IPC kernel takes; default IPC_MAX_BYTES
 IPC_MAX_BYTES = 64 << 10  # [8, 4096] or [6, 5120] bf16: decode steps of up to 8 rows at the 8B / 32B widths
+# When the kernel releases the next kernel (programmatic dependent launch, sm_90 on): "early" (default) right after
+# its wait, so the next GEMV streams its weights during the NVLink round trip; "late" when it ends; "off": launched
+# without the attribute (as before 2026-11-26's last session). For measurement: tools/gpu_check_tp_pdl.sh.
+ENV_TRIGGER = "XSERV_TP_IPC_TRIGGER"
+TRIGGERS = ("early", "late", "off")
 # cuda_src/allreduce.cu's constants (tests/test_ipc_allreduce.py reads them back from the source)
 MAX_WORLD = 8
 MAX_BLOCKS = 32
@@ -43,6 +48,13 @@ def mode_from_env(environ=None) -> str:
     if value not in ("auto", "nccl"):
         raise ValueError(f"{ENV}={value!r}: expected 'auto' (the IPC one-shot kernel for small messages where every "
                          f"pair of GPUs has peer access) or 'nccl' (NCCL for every all-reduce)")
+    return value
+
+
+def trigger_from_env(environ=None) -> str:
+    value = (os.environ if environ is None else environ).get(ENV_TRIGGER, "early").strip().lower() or "early"
+    if value not in TRIGGERS:
+        raise ValueError(f"{ENV_TRIGGER}={value!r}: expected one of {', '.join(TRIGGERS)}")
     return value
 
 
@@ -131,7 +143,7 @@ class IpcAllReduce:
     """This rank's side of the IPC all-reduce: its buffer, the peers' buffers opened, the kernel (module doc)."""
 
     def __init__(self, rank: int, world: int, cap: int, own: int, opened: list[int], bases, abort_word, kernel,
-                 add_kernel=None):
+                 add_kernel=None, broadcast_kernel=None):
         from ..tensor import bfloat16
 
         self.rank, self.world = rank, world
@@ -143,8 +155,12 @@ class IpcAllReduce:
         self._abort_dev = _mapped_pointer(abort_word.ptr)
         self._kernel = kernel
         self._add_kernel = add_kernel  # the same, then residual += the sum (all_reduce_add)
+        self._broadcast_kernel = broadcast_kernel  # rank 0's int32 tokens to every rank (broadcast_tokens)
         self._rank32, self._world32 = np.int32(rank), np.int32(world)
         self._cap64 = np.int64(cap)
+        trigger = trigger_from_env()
+        self._pdl = trigger != "off"  # (the launcher drops the attribute below sm_90)
+        self._trigger32 = np.int32(trigger == "early")
 
     @classmethod
     def create(cls, rank: int, world: int, all_gather_bytes, *, max_bytes: int | None = None,
@@ -207,7 +223,8 @@ class IpcAllReduce:
             abort_word.array[0] = 0
             device.synchronize()  # the zeroed buffer and the table are in place before the first launch
             return cls(rank, world, layout.cap, own, opened, table, abort_word,
-                       kernel("allreduce", "allreduce_oneshot_bf16"), kernel("allreduce", "allreduce_oneshot_add_bf16"))
+                       kernel("allreduce", "allreduce_oneshot_bf16"), kernel("allreduce", "allreduce_oneshot_add_bf16"),
+                       kernel("allreduce", "ipc_broadcast_tokens"))
         except BaseException:
             for ptr in opened:
                 driver.cuIpcCloseMemHandle(ptr)
@@ -224,7 +241,7 @@ class IpcAllReduce:
         if out.numel != t.numel or np.dtype(out.dtype) != np.dtype(t.dtype) or out.ptr % 16:
             raise ValueError("IPC all-reduce: out must be bf16, 16-byte aligned and as large as the input")
         self._kernel(BLOCKS, THREADS, t, out, self._bases, self._abort_dev, self._rank32, self._world32,
-                     np.int64(t.numel), self._cap64)
+                     np.int64(t.numel), self._cap64, self._trigger32, pdl=self._pdl)
         return out
 
     def all_reduce_add(self, t, residual):
@@ -240,8 +257,25 @@ class IpcAllReduce:
             raise ValueError(f"IPC all-reduce: residual must be a 16-byte aligned float32 CUDA tensor of {t.numel} "
                              f"elements, got {residual.shape} {np.dtype(residual.dtype).name}")
         self._add_kernel(BLOCKS, THREADS, t, t, residual, self._bases, self._abort_dev, self._rank32, self._world32,
-                         np.int64(t.numel), self._cap64)
+                         np.int64(t.numel), self._cap64, self._trigger32, pdl=self._pdl)
         return residual
+
+    def can_broadcast_tokens(self, count: int) -> bool:
+        """Does a broadcast of `count` int32 tokens fit one rank's slot (2 bf16 elements a token)?"""
+        return self._broadcast_kernel is not None and 2 * count <= self.layout.cap
+
+    def broadcast_tokens(self, tokens, offset: int = 0):
+        """Every rank's `tokens` (int32 [count], contiguous, 16-byte aligned; the same count on every rank) becomes
+        rank 0's, minus `offset` on this rank; launched on xserv's stream, capturable in a CUDA graph."""
+        from ..tensor import int32
+
+        if (tokens.device != "cuda" or np.dtype(tokens.dtype) != np.dtype(int32) or tokens.ptr % 16
+                or not self.can_broadcast_tokens(tokens.numel)):
+            raise ValueError(f"IPC token broadcast: {tokens.shape} {np.dtype(tokens.dtype).name} is not a 16-byte "
+                             f"aligned int32 CUDA tensor of at most {self.layout.cap // 2} tokens")
+        self._broadcast_kernel(BLOCKS, THREADS, tokens, self._bases, self._abort_dev, self._rank32, self._world32,
+                               np.int64(tokens.numel), self._cap64, np.int32(offset), self._trigger32, pdl=self._pdl)
+        return tokens
 
     def abort(self) -> None:
         """A peer died: the kernel's waits end at their next poll of the host-mapped word (results are garbage)."""

@@ -1,0 +1,130 @@
+"""Tensor-parallel decode benchmarks (run by tools/gpu_bench_tp.sh and tools/gpu_check_tp_pdl.sh on the lent 2-GPU
+machine): the NCCL all-reduce of one decode row, 8B-shaped batch-1 decode at TP=1 and TP=2, 32B-shaped at TP=2, and
+(`variants`) TP=2 with and without decode steps launched ahead and with the IPC kernels' trigger placements
+(xserv/parallel/ipc.py ENV_TRIGGER), in one process.
+
+    python -m tools.bench_tp [8b] [32b] [variants]
+"""
+import os, sys, time
+import numpy as np
+
+
+def allreduce_rank(rank, uid, hidden, calls, q):
+    from xserv.parallel.group import _bind_device
+    _bind_device(rank)
+    from xserv.parallel.comm import NcclCommunicator
+    from xserv.runtime import get_device, synchronize
+    from xserv.runtime.graphs import CUDAGraph
+    from xserv.runtime.timing import EventTimer
+    from xserv.tensor import Tensor, bfloat16
+    comm = NcclCommunicator(uid, rank, 2, 8, 16)
+    x = Tensor.zeros((1, hidden), bfloat16, "cuda")
+    for _ in range(50):
+        comm.all_reduce(x)
+    synchronize()
+    timer = EventTimer()
+    eager = min(timer.time_ms(lambda: [comm.all_reduce(x) for _ in range(calls)], 1) for _ in range(3)) / calls
+    g = CUDAGraph()
+    with g.capture():
+        for _ in range(calls):
+            comm.all_reduce(x)
+    synchronize()
+    g.replay(); synchronize()
+    graphed = min(timer.time_ms(g.replay, 1) for _ in range(3)) / calls
+    q.put((rank, eager * 1e3, graphed * 1e3))
+    g.close(); comm.close()
+
+
+def allreduce_us(hidden, calls=200):
+    import multiprocessing as mp
+    from xserv.parallel.comm import nccl_unique_id
+    ctx = mp.get_context("spawn")
+    uid, q = nccl_unique_id(), ctx.Queue()
+    ps = [ctx.Process(target=allreduce_rank, args=(r, uid, hidden, calls, q)) for r in range(2)]
+    [p.start() for p in ps]
+    res = sorted(q.get(timeout=300) for _ in ps)
+    [p.join(60) for p in ps]
+    return max(r[1] for r in res), max(r[2] for r in res)
+
+
+def decode(model, tp, context=512, steps=128, warmup=16, **options):
+    from xserv import LLM, SamplingParams
+    from xserv.bench.common import kv_bytes_per_token
+    from xserv.runtime import synchronize
+    max_len = context + warmup + steps + 8
+    llm = LLM(model, device="cuda", max_model_len=max_len, max_num_seqs=1, kv_cache_tokens=max_len + 1024,
+              tensor_parallel_size=tp, progress=False, **options)
+    try:
+        eng = llm.engine
+        rng = np.random.default_rng(0)
+        seq = eng.add_request(rng.integers(0, 150000, context).tolist(),
+                              SamplingParams(temperature=0.0, max_tokens=warmup + steps + 1, ignore_eos=True))
+        while seq.num_computed < len(seq.token_ids) - 1 or seq.num_output_tokens == 0:
+            eng.step()
+        for _ in range(warmup):
+            eng.step()
+        synchronize()
+        t = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        synchronize()
+        dt = (time.perf_counter() - t) / steps
+        decode.steps_ahead = eng.num_steps_ahead
+        eng.abort(seq)
+        m = llm.model  # rank 0's shard: per-GPU weights
+        step_bytes = m.weight_bytes() + (context + warmup + steps // 2) * kv_bytes_per_token(m.config)
+        return dt, step_bytes, m.config.num_hidden_layers, m.config.hidden_size, bool(eng.runner.graphs)
+    finally:
+        llm.close()
+
+
+def main():
+    from pathlib import Path
+    from xserv.bench.common import measure_ceilings
+    from xserv.runtime import get_device
+    stages = sys.argv[1:]
+    print(f"device: {get_device().name} x2")
+    ceil = measure_ceilings()
+    bw = ceil["copy_bytes_per_s"]
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s (read + write, one GPU)")
+    ar = {h: allreduce_us(h) for h in (4096, 5120)}
+    for h, (e, g) in ar.items():
+        path = "NCCL" if os.environ.get("XSERV_TP_ALLREDUCE", "auto").lower() == "nccl" else "IPC one-shot (<= 64 KB)"
+        print(f"{path} all-reduce [1, {h}] bf16, 2 ranks: {e:.1f} us eager, {g:.1f} us inside a CUDA graph")
+    if "8b" in stages:
+        while not Path("/dev/shm/model-8b/config.json").exists():
+            time.sleep(2)
+        r1 = decode("/dev/shm/model-8b", 1)
+        r2 = decode("/dev/shm/model-8b", 2)
+        for tp, (dt, b, L, H, graphs) in ((1, r1), (2, r2)):
+            print(f"8B-shaped batch-1 decode, context 512, TP={tp}: {dt * 1e3:.3f} ms/step, {1 / dt:.1f} tok/s; "
+                  f"roofline {b / bw * 1e3:.3f} ms ({b / bw / dt:.0%} of it); decode graphs {'on' if graphs else 'OFF'}")
+        print(f"8B TP=2 / TP=1 speed-up: {r1[0] / r2[0]:.2f}x (goal >= 1.5x); all-reduces per step {2 * r2[2] + 1} "
+              f"x {ar[4096][1]:.1f} us = {(2 * r2[2] + 1) * ar[4096][1] / 1e3:.3f} ms")
+    if "variants" in stages:  # launch-ahead at tp > 1 and the IPC kernels' trigger placement, same process
+        from xserv.parallel.ipc import ENV_TRIGGER
+        while not Path("/dev/shm/model-8b/config.json").exists():
+            time.sleep(2)
+        base = r1[0] if "8b" in stages else decode("/dev/shm/model-8b", 1)[0]
+        saved = os.environ.get(ENV_TRIGGER)
+        for label, trig, options in (("launch-ahead, trigger early (default)", "early", {}),
+                                     ("no launch-ahead, trigger early", "early", {"overlap_steps": False}),
+                                     ("no launch-ahead, no PDL on the IPC kernels", "off", {"overlap_steps": False})):
+            os.environ[ENV_TRIGGER] = trig  # the spawned worker inherits it
+            dt = decode("/dev/shm/model-8b", 2, **options)[0]
+            print(f"8B TP=2, {label}: {dt * 1e3:.3f} ms/step, {1 / dt:.1f} tok/s, {base / dt:.2f}x TP=1 "
+                  f"({1 / base:.1f} tok/s); steps launched ahead: {decode.steps_ahead}")
+        os.environ.pop(ENV_TRIGGER) if saved is None else os.environ.__setitem__(ENV_TRIGGER, saved)
+    if "32b" in stages:
+        while not Path("/dev/shm/model-32b/config.json").exists():
+            time.sleep(2)
+        dt, b, L, H, graphs = decode("/dev/shm/model-32b", 2)
+        per = (2 * L + 1) * ar[5120][1] / 1e3
+        print(f"32B-shaped batch-1 decode, context 512, TP=2: {dt * 1e3:.3f} ms/step, {1 / dt:.1f} tok/s; TP=2 "
+              f"roofline (per-GPU weights + KV at copy bandwidth) {b / bw * 1e3:.3f} ms: {b / bw / dt:.0%} of it "
+              f"(goal >= 75%); all-reduce per step {2 * L + 1} x {ar[5120][1]:.1f} us = {per:.3f} ms "
+              f"({per / (dt * 1e3):.0%} of the step); decode graphs {'on' if graphs else 'OFF'}")
+
+
+if __name__ == "__main__":
+    main()
