@@ -247,7 +247,8 @@ struct Combine {
 enum { kNoCombine = 0, kCombineStore = 1, kCombineAdd = 2 };
 
 template <bool ADD, int ROWS>
-__device__ __forceinline__ void finish_row_block(const bf16* y, const Combine& comb, int tiles, int K, int N);
+__device__ __forceinline__ void finish_row_block(const bf16* y, const Combine& comb, int tiles, int K, int N,
+                                                 float* scratch);
 
 template <int WARPS_M, int WARPS_N, int WARPS_K, int TILE, int STAGES, int BK, bool GATE_UP, bool ROUTE_ONE = false,
           int COMBINE = kNoCombine>
@@ -432,8 +433,11 @@ __device__ __forceinline__ void moe_gemm(const bf16* __restrict__ x, const bf16*
                 }
             }
         }
-    if constexpr (COMBINE != kNoCombine) finish_row_block<COMBINE == kCombineAdd, ROWS>(out, comb, tile_expert[0],
-                                                                                          top_k, N);
+    if constexpr (COMBINE != kNoCombine) {  // the ring's shared memory holds the combine's products (<= 32 slots)
+        static_assert(STAGES * STAGE * sizeof(bf16) >= 32 * ROWS * sizeof(float), "combine scratch");
+        finish_row_block<COMBINE == kCombineAdd, ROWS>(out, comb, tile_expert[0], top_k, N,
+                                                       reinterpret_cast<float*>(gemm_smem));
+    }
 }
 
 // ops/moe.py's _GEMM table mirrors these shapes (rows = 32 * WARPS_M, threads, the ring's shared memory).
@@ -462,32 +466,18 @@ XSERV_MOE_GEMM(moe_gemm_gate_up_large, 4, 2, 1, 128, 3, 64, true)
 XSERV_MOE_GEMM(moe_gemm_down_large, 4, 2, 1, 128, 3, 64, false)
 
 // ---- combine --------------------------------------------------------------------------------------------------------
-// Token t's 8 columns from column 8 c: acc = sum_j w[t, j] * y[t * k + j] in slot order, each product rounded before
-// the add (no fused multiply-add), as the NumPy reference computes; stored as bf16, or rounded to bf16 and added to
-// the fp32 residual. FROM_L2: y was stored by other CTAs of the same grid (the fused down GEMM), so it is read past
-// the SM's L1, which is not coherent with them.
-__device__ __forceinline__ void load8_l2(const bf16* p, float (&out)[8]) {
-    xserv::bf16x8_to_float(__ldcg(reinterpret_cast<const uint4*>(p)), out);
+// out[t] = bf16(sum_j w[t, j] * y[t * k + j]): the sum in slot order, each product rounded before the add (no fused
+// multiply-add), as the NumPy reference computes. Two helpers hold the arithmetic both forms share: the product and
+// add of one slot, and the end (stored as bf16, or rounded to bf16 and added to the fp32 residual).
+__device__ __forceinline__ void add_product8(float (&acc)[8], float wj, const float (&v)[8]) {
+#pragma unroll
+    for (int q = 0; q < 8; ++q) acc[q] = __fadd_rn(acc[q], __fmul_rn(wj, v[q]));
 }
 
-template <bool ADD, bool FROM_L2>
-__device__ __forceinline__ void combine_vec(const bf16* __restrict__ y, const float* __restrict__ weights,
-                                            void* __restrict__ out, int t, int c, int K, int H) {
-    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    for (int j = 0; j < K; ++j) {
-        const float wj = weights[t * K + j];
-        float v[8];
-        const bf16* row = y + ((long long)t * K + j) * H + c * 8;
-        if constexpr (FROM_L2) load8_l2(row, v);
-        else xserv::load8(row, v);
-#pragma unroll
-        for (int q = 0; q < 8; ++q) acc[q] = __fadd_rn(acc[q], __fmul_rn(wj, v[q]));
-    }
-    const long long o = (long long)t * H + c * 8;
-    if (ADD) {
+template <bool ADD>
+__device__ __forceinline__ void finish8(const float (&acc)[8], void* __restrict__ out, long long o, float (&cur)[8]) {
+    if (ADD) {  // cur: the residual's 8 values, loaded by the caller
         float* r = static_cast<float*>(out) + o;
-        float cur[8];
-        xserv::load8(r, cur);
 #pragma unroll
         for (int q = 0; q < 8; ++q) cur[q] += round_bf16(acc[q]);
         xserv::store8(r, cur);
@@ -496,7 +486,23 @@ __device__ __forceinline__ void combine_vec(const bf16* __restrict__ y, const fl
     }
 }
 
-// A thread per (token, 8 columns).
+// Token t's 8 columns from column 8 c, its k slots one after another (a thread per (token, 8 columns)).
+template <bool ADD>
+__device__ __forceinline__ void combine_vec(const bf16* __restrict__ y, const float* __restrict__ weights,
+                                            void* __restrict__ out, int t, int c, int K, int H) {
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int j = 0; j < K; ++j) {
+        const float wj = weights[t * K + j];
+        float v[8];
+        xserv::load8(y + ((long long)t * K + j) * H + c * 8, v);
+        add_product8(acc, wj, v);
+    }
+    const long long o = (long long)t * H + c * 8;
+    float cur[8];
+    if (ADD) xserv::load8(static_cast<float*>(out) + o, cur);
+    finish8<ADD>(acc, out, o, cur);
+}
+
 template <bool ADD, bool LATE = false>
 __device__ __forceinline__ void moe_combine(const bf16* __restrict__ y, const float* __restrict__ weights,
                                             void* __restrict__ out, int T, int K, int H) {
@@ -505,23 +511,48 @@ __device__ __forceinline__ void moe_combine(const bf16* __restrict__ y, const fl
     const int vecs = H / 8;
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)T * vecs) return;
-    combine_vec<ADD, false>(y, weights, out, (int)(i / vecs), (int)(i % vecs), K, H);
+    combine_vec<ADD>(y, weights, out, (int)(i / vecs), (int)(i % vecs), K, H);
 }
 
-// The fused combine at one token: every down CTA of row block blockIdx.x (ROWS hidden rows) has stored its expert's
-// rows of y; the one that arrives last of the `tiles` that hold an expert (CTAs past the tile count returned before
-// arriving) combines the block's columns as moe_combine does. last_to_arrive's barrier orders the CTA's y stores
+// The fused combine at one token: every down CTA of row block blockIdx.x (ROWS hidden rows, VECS = ROWS / 8 column
+// groups) has stored its expert's rows of y; the one that arrives last of the `tiles` that hold an expert (CTAs past
+// the tile count returned before arriving) combines the block. last_to_arrive's barrier orders the CTA's y stores
 // before its thread 0's acq_rel atomic, which publishes them at GPU scope (release is cumulative) and, in the last
-// CTA, acquires the others'. The last CTA resets the counter: CUDA graph replays reuse it, and the next launch on
-// the stream (the next layer's down GEMM) starts its counting only after this grid has finished.
+// CTA, acquires the others'; the rows are read with ld.global.cg (L2: the SM's L1 is not coherent with the other
+// SMs' stores). This tail is on the layer's critical path, so its loads go out at once, a (slot, column group) per
+// thread (k * VECS <= 32 * 4 = the CTA's 128 threads), each thread's rounded products land in `scratch` (the ring's
+// shared memory, idle now), and a thread per column group adds them in slot order: the same arithmetic as
+// combine_vec. The residual's load is issued before the barrier, beside the rows'. The last CTA resets the counter:
+// CUDA graph replays reuse it, and the next launch on the stream (the next layer's down GEMM) starts counting only
+// after this grid has finished.
 template <bool ADD, int ROWS>
-__device__ __forceinline__ void finish_row_block(const bf16* y, const Combine& comb, int tiles, int K, int N) {
+__device__ __forceinline__ void finish_row_block(const bf16* y, const Combine& comb, int tiles, int K, int N,
+                                                 float* scratch) {
+    constexpr int VECS = ROWS / 8;
     __shared__ int last;
     if (!xserv::last_to_arrive(comb.counters + blockIdx.x, tiles, last)) return;
-    const int c0 = blockIdx.x * (ROWS / 8);  // the block's first 8-column group; N % 8 == 0 (ops/moe.py checks)
-    for (int c = c0 + threadIdx.x; c < min(c0 + ROWS / 8, N / 8); c += blockDim.x)
-        combine_vec<ADD, true>(y, comb.weights, comb.out, 0, c, K, N);
-    if (threadIdx.x == 0) comb.counters[blockIdx.x] = 0;
+    const int c0 = blockIdx.x * VECS;  // the block's first column group; N % 8 == 0 (ops/moe.py checks)
+    const int vecs = min(VECS, N / 8 - c0);
+    const int tid = threadIdx.x;
+    float cur[8];
+    if (ADD && tid < vecs) xserv::load8(static_cast<float*>(comb.out) + (c0 + tid) * 8, cur);
+    for (int i = tid; i < K * vecs; i += blockDim.x) {
+        const int j = i / vecs, v = i % vecs;
+        float row[8], prod[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        xserv::bf16x8_to_float(__ldcg(reinterpret_cast<const uint4*>(y + (long long)j * N + (c0 + v) * 8)), row);
+        add_product8(prod, comb.weights[j], row);  // 0 + rounded product: the rounded product itself
+#pragma unroll
+        for (int q = 0; q < 8; ++q) scratch[(j * VECS + v) * 8 + q] = prod[q];
+    }
+    __syncthreads();  // every slot's products are in shared memory
+    if (tid < vecs) {
+        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        for (int j = 0; j < K; ++j)
+#pragma unroll
+            for (int q = 0; q < 8; ++q) acc[q] = __fadd_rn(acc[q], scratch[(j * VECS + tid) * 8 + q]);
+        finish8<ADD>(acc, comb.out, (long long)(c0 + tid) * 8, cur);
+    }
+    if (tid == 0) comb.counters[blockIdx.x] = 0;
 }
 
 extern "C" __global__ void __launch_bounds__(256) moe_combine_store(const bf16* __restrict__ y,
