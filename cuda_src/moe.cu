@@ -530,6 +530,11 @@ __device__ __forceinline__ void finish_row_block(const bf16* y, const Combine& c
                                                  float* scratch) {
     constexpr int VECS = ROWS / 8;
     __shared__ int last;
+    // Each storing thread's own fence first (the threadfence-reduction order). Under the PTX memory model the
+    // barrier and the acq_rel atomic below already suffice (the split GEMV, argmax and decode attention rely on
+    // that alone); the fence makes the order hold without relying on the model's cumulativity, for the cost of
+    // waiting for the stores' acknowledgement (about one L2 round trip on the tail; moe.md v4 counts it).
+    __threadfence();
     if (!xserv::last_to_arrive(comb.counters + blockIdx.x, tiles, last)) return;
     const int c0 = blockIdx.x * VECS;  // the block's first column group; N % 8 == 0 (ops/moe.py checks)
     const int vecs = min(VECS, N / 8 - c0);
