@@ -15,6 +15,8 @@
 //   moe_combine_*      out[t] = bf16(sum_j w[t, j] * y[t * k + j]) in slot order (stored, or added to the fp32
 //                      residual stream). A fixed order, so results never depend on timing: the routing's atomics
 //                      only choose which row of a tile an entry takes, and rows of a tile are independent.
+//   moe_gemm_down_one_* one token: the down GEMM with the combine folded in (the CTA that stores a row block's last
+//                      expert rows combines that block; docs/kernels/moe.md v4), bit-identical to down + combine.
 //
 // The grouped GEMMs (mma.sync m16n8k16, cp.async ring, ldmatrix; every arch from sm_80) put the weights on the mma's
 // M side and the tokens on its N side (8 per n-tile): a decode step with a handful of tokens per expert still
@@ -233,10 +235,27 @@ struct OneToken {
     int E, renormalize;
 };
 
-template <int WARPS_M, int WARPS_N, int WARPS_K, int TILE, int STAGES, int BK, bool GATE_UP, bool ROUTE_ONE = false>
+// The one-token down GEMM's combine (COMBINE): the routing weights, the combine's output (bf16 [1, H] stored, or the
+// fp32 residual [1, H] added to), a counter per row block (int32 [H / ROWS], zero between launches), and whether
+// the kernel lets its dependent launch begin right after its wait (1) or only when the grid ends (0).
+struct Combine {
+    const float* weights;
+    void* out;
+    int* counters;
+    int early_trigger;
+};
+enum { kNoCombine = 0, kCombineStore = 1, kCombineAdd = 2 };
+
+template <bool ADD, int ROWS>
+__device__ __forceinline__ void finish_row_block(const bf16* y, const Combine& comb, int tiles, int K, int N,
+                                                 float* scratch);
+
+template <int WARPS_M, int WARPS_N, int WARPS_K, int TILE, int STAGES, int BK, bool GATE_UP, bool ROUTE_ONE = false,
+          int COMBINE = kNoCombine>
 __device__ __forceinline__ void moe_gemm(const bf16* __restrict__ x, const bf16* __restrict__ w,
                                          const int* __restrict__ sorted, const int* __restrict__ tile_expert,
-                                         bf16* __restrict__ out, int top_k, int K, int N, OneToken one = {}) {
+                                         bf16* __restrict__ out, int top_k, int K, int N, OneToken one = {},
+                                         Combine comb = {}) {
     constexpr int ROWS = 32 * WARPS_M;  // a warp: 32 weight rows (two m-tiles; gate/up: one gate, one up)
     constexpr int THREADS = 32 * WARPS_M * WARPS_N * WARPS_K;
     constexpr int NT = TILE / 8 / WARPS_N;  // n-tiles (8 tokens each) per warp
@@ -244,11 +263,17 @@ __device__ __forceinline__ void moe_gemm(const bf16* __restrict__ x, const bf16*
     constexpr int KSTEPS = BK / 16 / WARPS_K;  // k16 steps per chunk per warp
     constexpr int CHUNKS = BK / 8;  // 16-byte pieces of a tile row
     static_assert(TILE % (8 * WARPS_N) == 0 && (BK / 16) % WARPS_K == 0 && BK % 64 == 0, "tile shape");
+    static_assert(COMBINE == kNoCombine || (!GATE_UP && !ROUTE_ONE), "the combine follows the down GEMM");
     extern __shared__ __align__(128) bf16 gemm_smem[];
     __shared__ int entry_of[TILE];
     __shared__ int xrow_of[TILE];  // the x row a tile row reads (gate/up: the entry's token; down: the sorted row)
 
-    pdl_start();
+    if constexpr (COMBINE == kNoCombine) {
+        pdl_start();
+    } else {  // the trigger: docs/kernels/moe.md v4 (by default none: the next launch begins when this grid ends)
+        xserv::pdl_wait();
+        if (comb.early_trigger) xserv::pdl_launch_dependents();
+    }
     const int tile = blockIdx.y;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wm = warp % WARPS_M, wn = (warp / WARPS_M) % WARPS_N, wk = warp / (WARPS_M * WARPS_N);
@@ -376,17 +401,20 @@ __device__ __forceinline__ void moe_gemm(const bf16* __restrict__ x, const bf16*
             for (int i = 0; i < V; ++i) red[(warp * 32 + lane) * V + i] = flat[i];
         }
         __syncthreads();
-        if (wk > 0) return;
-        float* flat = &acc[0][0][0];
-        for (int q = 1; q < WARPS_K; ++q)
+        if (wk > 0) {
+            if constexpr (COMBINE == kNoCombine) return;  // the combine's barrier below needs every thread
+        } else {
+            float* flat = &acc[0][0][0];
+            for (int q = 1; q < WARPS_K; ++q)
 #pragma unroll
-            for (int i = 0; i < V; ++i) flat[i] += red[((q * WARPS_M * WARPS_N + warp) * 32 + lane) * V + i];
+                for (int i = 0; i < V; ++i) flat[i] += red[((q * WARPS_M * WARPS_N + warp) * 32 + lane) * V + i];
+        }
     }
 
     // C fragment: acc[mt][nt][i] is weight row (g + 8 (i >> 1)) of m-tile mt and token column nt * 8 + cq + (i & 1).
     const int g = lane >> 2, cq = 2 * (lane & 3);
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
+    for (int nt = 0; nt < NT && (COMBINE == kNoCombine || wk == 0); ++nt)  // (fused: the K-split warps store none)
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const int n = (wn * NT + nt) * 8 + cq + (i & 1), e = entry_of[n];
@@ -405,6 +433,11 @@ __device__ __forceinline__ void moe_gemm(const bf16* __restrict__ x, const bf16*
                 }
             }
         }
+    if constexpr (COMBINE != kNoCombine) {  // the ring's shared memory holds the combine's products (<= 32 slots)
+        static_assert(STAGES * STAGE * sizeof(bf16) >= 32 * ROWS * sizeof(float), "combine scratch");
+        finish_row_block<COMBINE == kCombineAdd, ROWS>(out, comb, tile_expert[0], top_k, N,
+                                                       reinterpret_cast<float*>(gemm_smem));
+    }
 }
 
 // ops/moe.py's _GEMM table mirrors these shapes (rows = 32 * WARPS_M, threads, the ring's shared memory).
@@ -433,8 +466,43 @@ XSERV_MOE_GEMM(moe_gemm_gate_up_large, 4, 2, 1, 128, 3, 64, true)
 XSERV_MOE_GEMM(moe_gemm_down_large, 4, 2, 1, 128, 3, 64, false)
 
 // ---- combine --------------------------------------------------------------------------------------------------------
-// A thread per (token, 8 columns): acc = sum_j w[t, j] * y[t * k + j] in slot order, each product rounded before
-// the add (no fused multiply-add), as the NumPy reference computes.
+// out[t] = bf16(sum_j w[t, j] * y[t * k + j]): the sum in slot order, each product rounded before the add (no fused
+// multiply-add), as the NumPy reference computes. Two helpers hold the arithmetic both forms share: the product and
+// add of one slot, and the end (stored as bf16, or rounded to bf16 and added to the fp32 residual).
+__device__ __forceinline__ void add_product8(float (&acc)[8], float wj, const float (&v)[8]) {
+#pragma unroll
+    for (int q = 0; q < 8; ++q) acc[q] = __fadd_rn(acc[q], __fmul_rn(wj, v[q]));
+}
+
+template <bool ADD>
+__device__ __forceinline__ void finish8(const float (&acc)[8], void* __restrict__ out, long long o, float (&cur)[8]) {
+    if (ADD) {  // cur: the residual's 8 values, loaded by the caller
+        float* r = static_cast<float*>(out) + o;
+#pragma unroll
+        for (int q = 0; q < 8; ++q) cur[q] += round_bf16(acc[q]);
+        xserv::store8(r, cur);
+    } else {
+        xserv::store8(static_cast<bf16*>(out) + o, acc);
+    }
+}
+
+// Token t's 8 columns from column 8 c, its k slots one after another (a thread per (token, 8 columns)).
+template <bool ADD>
+__device__ __forceinline__ void combine_vec(const bf16* __restrict__ y, const float* __restrict__ weights,
+                                            void* __restrict__ out, int t, int c, int K, int H) {
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int j = 0; j < K; ++j) {
+        const float wj = weights[t * K + j];
+        float v[8];
+        xserv::load8(y + ((long long)t * K + j) * H + c * 8, v);
+        add_product8(acc, wj, v);
+    }
+    const long long o = (long long)t * H + c * 8;
+    float cur[8];
+    if (ADD) xserv::load8(static_cast<float*>(out) + o, cur);
+    finish8<ADD>(acc, out, o, cur);
+}
+
 template <bool ADD, bool LATE = false>
 __device__ __forceinline__ void moe_combine(const bf16* __restrict__ y, const float* __restrict__ weights,
                                             void* __restrict__ out, int T, int K, int H) {
@@ -443,26 +511,53 @@ __device__ __forceinline__ void moe_combine(const bf16* __restrict__ y, const fl
     const int vecs = H / 8;
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)T * vecs) return;
-    const int t = (int)(i / vecs), c = (int)(i % vecs);
-    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    for (int j = 0; j < K; ++j) {
-        const float wj = weights[t * K + j];
-        float v[8];
-        xserv::load8(y + ((long long)t * K + j) * H + c * 8, v);
+    combine_vec<ADD>(y, weights, out, (int)(i / vecs), (int)(i % vecs), K, H);
+}
+
+// The fused combine at one token: every down CTA of row block blockIdx.x (ROWS hidden rows, VECS = ROWS / 8 column
+// groups) has stored its expert's rows of y; the one that arrives last of the `tiles` that hold an expert (CTAs past
+// the tile count returned before arriving) combines the block. last_to_arrive's barrier orders the CTA's y stores
+// before its thread 0's acq_rel atomic, which publishes them at GPU scope (release is cumulative) and, in the last
+// CTA, acquires the others'; the rows are read with ld.global.cg (L2: the SM's L1 is not coherent with the other
+// SMs' stores). This tail is on the layer's critical path, so its loads go out at once, a (slot, column group) per
+// thread (k * VECS <= 32 * 4 = the CTA's 128 threads), each thread's rounded products land in `scratch` (the ring's
+// shared memory, idle now), and a thread per column group adds them in slot order: the same arithmetic as
+// combine_vec. The residual's load is issued before the barrier, beside the rows'. The last CTA resets the counter:
+// CUDA graph replays reuse it, and the next launch on the stream (the next layer's down GEMM) starts counting only
+// after this grid has finished.
+template <bool ADD, int ROWS>
+__device__ __forceinline__ void finish_row_block(const bf16* y, const Combine& comb, int tiles, int K, int N,
+                                                 float* scratch) {
+    constexpr int VECS = ROWS / 8;
+    __shared__ int last;
+    // Each storing thread's own fence first (the threadfence-reduction order). Under the PTX memory model the
+    // barrier and the acq_rel atomic below already suffice (the split GEMV, argmax and decode attention rely on
+    // that alone); the fence makes the order hold without relying on the model's cumulativity, for the cost of
+    // waiting for the stores' acknowledgement (about one L2 round trip on the tail; moe.md v4 counts it).
+    __threadfence();
+    if (!xserv::last_to_arrive(comb.counters + blockIdx.x, tiles, last)) return;
+    const int c0 = blockIdx.x * VECS;  // the block's first column group; N % 8 == 0 (ops/moe.py checks)
+    const int vecs = min(VECS, N / 8 - c0);
+    const int tid = threadIdx.x;
+    float cur[8];
+    if (ADD && tid < vecs) xserv::load8(static_cast<float*>(comb.out) + (c0 + tid) * 8, cur);
+    for (int i = tid; i < K * vecs; i += blockDim.x) {
+        const int j = i / vecs, v = i % vecs;
+        float row[8], prod[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        xserv::bf16x8_to_float(__ldcg(reinterpret_cast<const uint4*>(y + (long long)j * N + (c0 + v) * 8)), row);
+        add_product8(prod, comb.weights[j], row);  // 0 + rounded product: the rounded product itself
 #pragma unroll
-        for (int q = 0; q < 8; ++q) acc[q] = __fadd_rn(acc[q], __fmul_rn(wj, v[q]));
+        for (int q = 0; q < 8; ++q) scratch[(j * VECS + v) * 8 + q] = prod[q];
     }
-    const long long o = (long long)t * H + c * 8;
-    if (ADD) {
-        float* r = static_cast<float*>(out) + o;
-        float cur[8];
-        xserv::load8(r, cur);
+    __syncthreads();  // every slot's products are in shared memory
+    if (tid < vecs) {
+        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        for (int j = 0; j < K; ++j)
 #pragma unroll
-        for (int q = 0; q < 8; ++q) cur[q] += round_bf16(acc[q]);
-        xserv::store8(r, cur);
-    } else {
-        xserv::store8(static_cast<bf16*>(out) + o, acc);
+            for (int q = 0; q < 8; ++q) acc[q] = __fadd_rn(acc[q], scratch[(j * VECS + tid) * 8 + q]);
+        finish8<ADD>(acc, comb.out, (long long)(c0 + tid) * 8, cur);
     }
+    if (tid == 0) comb.counters[blockIdx.x] = 0;
 }
 
 extern "C" __global__ void __launch_bounds__(256) moe_combine_store(const bf16* __restrict__ y,
@@ -479,3 +574,18 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine_add(const bf16* __
                                                                   float* __restrict__ out, int T, int K, int H) {
     moe_combine<true, true>(y, weights, out, T, K, H);
 }
+
+// The one-token down GEMM with the combine folded in (the small shape; a launch less than down + combine, the same
+// bits): grid (H / 32, max tiles) as moe_gemm_down_small. y [k, H] bf16 (the expert rows, still stored: the last
+// CTA of each row block reads them back from L2); weights fp32 [k]; out bf16 [1, H] (store) or fp32 [1, H] (the
+// residual, add); counters int32 [H / 32], zero between launches; early_trigger 0 / 1: see struct Combine.
+#define XSERV_MOE_DOWN_ONE(NAME, MODE, OUT)                                                                          \
+    extern "C" __global__ void __launch_bounds__(128) NAME(                                                          \
+        const bf16* __restrict__ act, const bf16* __restrict__ w, const int* __restrict__ sorted,                     \
+        const int* __restrict__ tile_expert, bf16* __restrict__ y, int top_k, int K, int N,                         \
+        const float* __restrict__ weights, OUT* out, int* counters, int early_trigger) {                             \
+        moe_gemm<1, 1, 4, 8, 4, 64, false, false, MODE>(act, w, sorted, tile_expert, y, top_k, K, N, OneToken{},    \
+                                                        Combine{weights, out, counters, early_trigger});             \
+    }
+XSERV_MOE_DOWN_ONE(moe_gemm_down_one_store, kCombineStore, bf16)
+XSERV_MOE_DOWN_ONE(moe_gemm_down_one_add, kCombineAdd, float)

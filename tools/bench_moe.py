@@ -2,6 +2,7 @@
 left by a first full call), at Qwen3-30B-A3B's shape by default:
 
     python -m tools.bench_moe [--tokens 1,8,64,2048] [--experts 128 --top-k 8 --hidden 2048 --inter 768]
+                              [--combine fused,early,unfused]   (one token: each form of its last launch, same run)
 
 Prints per stage microseconds and, for the GEMMs, the bytes of the experts the routing touched (counted from the
 routing itself) over the time against the copy bandwidth measured in the same run, and TFLOP/s against cuBLAS."""
@@ -16,6 +17,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+# The one-token step's last launch (xserv/ops/moe.py, docs/kernels/moe.md v4): the combine inside the down GEMM with
+# the late or the early trigger, or the two launches it replaced.
+COMBINE_FORMS = {"fused": {"fuse_combine": True, "down_trigger": "late"},
+                 "early": {"fuse_combine": True, "down_trigger": "early"},
+                 "unfused": {"fuse_combine": False}}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="1,8,64,256,2048,8192")
@@ -25,6 +33,9 @@ def main(argv=None) -> int:
     ap.add_argument("--inter", type=int, default=768)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--size", default=None, choices=["small", "mid", "large"], help="force the GEMM tile shape")
+    ap.add_argument("--combine", default=None,
+                    help="one token: the forms of the combine to time, of " + ", ".join(COMBINE_FORMS) + " (default: "
+                         "the environment's, XSERV_MOE_FUSE_COMBINE / XSERV_MOE_DOWN_TRIGGER)")
     args = ap.parse_args(argv)
 
     from tools._bench_util import copy_bandwidth_gbs, gemm_tflops
@@ -44,30 +55,36 @@ def main(argv=None) -> int:
     router = Tensor.from_numpy(random_array(rng, (e, h), bfloat16, mean=0.0, std=0.5 / np.sqrt(h)))
     gate_up = Tensor.from_numpy(random_array(rng, (e, 2 * inter, h), bfloat16, mean=0.0, std=0.05))
     down = Tensor.from_numpy(random_array(rng, (e, h, inter), bfloat16, mean=0.0, std=0.05))
+    forms = args.combine.split(",") if args.combine else [None]
+    for form in forms:
+        if form is not None and form not in COMBINE_FORMS:
+            ap.error(f"--combine: {form!r} is not one of {', '.join(COMBINE_FORMS)}")
     for t in (int(v) for v in args.tokens.split(",")):
         x = Tensor.from_numpy(random_array(rng, (t, h), bfloat16, mean=0.0))
-        out = Tensor.empty((t, h), bfloat16, "cuda")
-        ws = MoeWorkspace(shape, t, "cuda")
-        stages = moe_stages(x, router, gate_up, down, shape, True, out, ws, t, size=args.size)
-        for _, launch in stages:
-            launch()
-        synchronize()
-        touched = len(np.unique(ws.ids.numpy()[:t * k]))
-        expert_bytes = touched * 3 * h * inter * 2
-        flops = t * k * 3 * h * inter * 2
-        total = 0.0
-        line = []
-        for name, launch in stages:
-            us = benchmark_graph([launch], calls=20, iters=args.iters) * 1e3
-            total += us
-            extra = ""
-            if name.startswith(("gate_up", "down")):
-                part = expert_bytes * (2 / 3 if name.startswith("gate_up") else 1 / 3)
-                extra = f" ({part / us / 1e3 / bw:.0%} copy, {flops * (2 / 3 if name.startswith('gate_up') else 1 / 3) / us / 1e6 / peak:.0%} gemm)"
-            line.append(f"{name} {us:.1f}{extra}")
-        floor = max(expert_bytes / bw / 1e3, flops / peak / 1e6)
-        print(f"T={t:5d} touched {touched:3d}: " + ", ".join(line) + f" | sum {total:.1f} us, floor {floor:.1f} us "
-              f"({floor / total:.0%})")
+        for form in forms if t == 1 else [None]:  # the same token through each form
+            out = Tensor.empty((t, h), bfloat16, "cuda")
+            ws = MoeWorkspace(shape, t, "cuda")
+            stages = moe_stages(x, router, gate_up, down, shape, True, out, ws, t, size=args.size,
+                                **COMBINE_FORMS.get(form, {}))
+            for _, launch in stages:
+                launch()
+            synchronize()
+            touched = len(np.unique(ws.ids.numpy()[:t * k]))
+            expert_bytes = touched * 3 * h * inter * 2
+            flops = t * k * 3 * h * inter * 2
+            total = 0.0
+            line = []
+            for name, launch in stages:
+                us = benchmark_graph([launch], calls=20, iters=args.iters) * 1e3
+                total += us
+                extra = ""
+                if name.startswith(("gate_up", "down")):
+                    part = expert_bytes * (2 / 3 if name.startswith("gate_up") else 1 / 3)
+                    extra = f" ({part / us / 1e3 / bw:.0%} copy, {flops * (2 / 3 if name.startswith('gate_up') else 1 / 3) / us / 1e6 / peak:.0%} gemm)"
+                line.append(f"{name} {us:.1f}{extra}")
+            floor = max(expert_bytes / bw / 1e3, flops / peak / 1e6)
+            print(f"T={t:5d}{' ' + form if form else ''} touched {touched:3d}: " + ", ".join(line) + f" | sum {total:.1f} us, floor {floor:.1f} us "
+                  f"({floor / total:.0%})")
     return 0
 
 

@@ -122,6 +122,34 @@ def test_bad_arguments_name_the_problem(rng):
                                                             *weights(rng, 4, 12, 8))), 2, True)
 
 
+def test_one_token_combine_switches_read_from_the_environment():
+    from xserv.ops.moe import DOWN_TRIGGER_ENV, FUSE_COMBINE_ENV, down_trigger_from_env, fused_combine_from_env
+
+    assert fused_combine_from_env({}) is True
+    assert fused_combine_from_env({FUSE_COMBINE_ENV: "0"}) is False
+    assert down_trigger_from_env({}) == "late"
+    assert down_trigger_from_env({DOWN_TRIGGER_ENV: " Early "}) == "early"
+    with pytest.raises(ValueError, match=FUSE_COMBINE_ENV):
+        fused_combine_from_env({FUSE_COMBINE_ENV: "yes"})
+    with pytest.raises(ValueError, match=DOWN_TRIGGER_ENV):
+        down_trigger_from_env({DOWN_TRIGGER_ENV: "soon"})
+
+
+def combine_reference(y, w, out):
+    """moe_combine's arithmetic on the kernel's own expert rows y [k, H] (bf16 values) and weights w [k] (one token),
+    in float32 step by step (each product and each sum rounded, slot order): bf16 stored, or added to an fp32 out."""
+    acc = np.zeros(y.shape[1], np.float32)
+    for j in range(y.shape[0]):
+        acc = (acc + (np.float32(w[j]) * y[j].astype(np.float32)).astype(np.float32)).astype(np.float32)
+    if out.dtype == np.float32:
+        return (out[0] + _bf16_values(acc)).astype(np.float32)[None]
+    return acc.astype(bfloat16)[None]
+
+
+def _bf16_values(a):
+    return a.astype(bfloat16).astype(np.float32)
+
+
 # ---- CUDA ----------------------------------------------------------------------------------------------------------
 def run_cuda(x, router, gate_up, down, k, renormalize, out_dtype=bfloat16, residual=None, size=None):
     """size: force a GEMM tile shape (small / mid / large) through moe_stages, else moe_experts picks."""
@@ -265,3 +293,116 @@ def test_float32_out_is_the_residual_add_contract(rng):
     assert res.dtype == float32
     np.testing.assert_array_equal(res.array, moe_experts_reference(x, router, gate_up, down, 2, True)
                                   .astype(bfloat16).astype(np.float32))
+
+
+# ---- the one-token down GEMM with the combine folded in (moe_gemm_down_one_*; docs/kernels/moe.md v4) ----------------
+ONE_TOKEN_SHAPES = [  # experts, k, hidden, inter
+    (32, 8, 2048, 768),  # Qwen3-30B-A3B's width, top-8 and 64 row blocks (fewer experts: faster inputs)
+    (16, 4, 136, 200),  # a last row block of 8 columns (136 = 4 x 32 + 8); K tails
+    (64, 6, 264, 72),
+]
+
+
+def one_token_inputs(rng, e, k, h, inter):
+    x = random_array(rng, (1, h), bfloat16, mean=0.0)
+    return x, *weights(rng, e, h, inter)
+
+
+def one_token_stages(dev, shape, out, ws, fuse, trigger="late"):
+    from xserv.ops.moe import moe_stages
+
+    return moe_stages(*dev, shape, True, out, ws, 1, fuse_combine=fuse, down_trigger=trigger)
+
+
+def poisoned_workspace(shape):
+    """A one-token workspace whose expert rows, activations and routing outputs start as NaN / -1."""
+    ws = MoeWorkspace(shape, 1, "cuda")
+    for buf in (ws.y, ws.act, ws.weights, ws.logits, ws.ids):
+        buf.copy_(poisoned(buf.shape, buf.dtype).numpy())
+    return ws
+
+
+def run_one_token(dev, shape, out_init, fuse, trigger="late"):
+    """One token through moe_stages on a fresh poisoned workspace: (out, workspace, stage names)."""
+    ws = poisoned_workspace(shape)
+    out = Tensor.from_numpy(out_init)
+    stages = one_token_stages(dev, shape, out, ws, fuse, trigger)
+    for _, launch in stages:
+        launch()
+    return out.numpy(), ws, [name for name, _ in stages]
+
+
+def bits(a):
+    return a.view(np.uint32 if a.dtype == np.float32 else np.uint16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("trigger", ["late", "early"])
+@pytest.mark.parametrize("mode", ["add", "store"])
+@pytest.mark.parametrize("shape", ONE_TOKEN_SHAPES, ids=lambda s: "e{}_k{}_h{}_i{}".format(*s))
+def test_cuda_one_token_fused_combine_is_the_unfused_path_bit_for_bit(rng, shape, mode, trigger):
+    """The fused down GEMM (the last CTA of each row block combines it) against the two launches it replaces, on the
+    same fresh inputs: the same output bits, the same expert rows, and moe_combine's float32 arithmetic on those rows
+    exactly. The fused run's workspace starts poisoned (NaN rows): a CTA that combined before every expert's rows
+    were stored would read NaN. Its counters are all zero again afterwards (the next launch counts from zero)."""
+    e, k, h, inter = shape
+    x, router, gate_up, down = one_token_inputs(rng, e, k, h, inter)
+    dev = [Tensor.from_numpy(a) for a in (x, router, gate_up, down)]
+    mshape = MoeShape(e, k, h, inter)
+    if mode == "add":
+        init = random_array(rng, (1, h), np.float32, mean=0.5)  # the fp32 residual stream
+    else:
+        init = np.full((1, h), np.nan, bfloat16)
+    want, ws_a, names_a = run_one_token(dev, mshape, init, fuse=False)
+    got, ws_b, names_b = run_one_token(dev, mshape, init, fuse=True, trigger=trigger)
+    assert names_a[-2:] == ["down", "combine"] and names_b[-1] == "down+combine" and "combine" not in names_b
+    assert not np.isnan(got.astype(np.float32)).any()
+    np.testing.assert_array_equal(bits(got), bits(want))
+    y = ws_b.y.numpy()[:k]
+    np.testing.assert_array_equal(bits(y), bits(ws_a.y.numpy()[:k]))
+    w = ws_b.weights.numpy()[:k]
+    np.testing.assert_array_equal(bits(got), bits(combine_reference(y, w, init)))
+    assert not ws_b.counters.numpy().any()
+    ref = moe_experts_reference(x, router, gate_up, down, k, True, logits=ws_b.logits.numpy()[:1])
+    result = got - init if mode == "add" else got.astype(np.float32)
+    assert rel_error(result, ref.astype(bfloat16).astype(np.float32)) < 4e-3
+
+
+@pytest.mark.gpu
+def test_cuda_one_token_fused_combine_replays_in_a_graph_with_new_routings(rng):
+    """One capture of the fused one-token block, replayed with a new token (so new experts) each time: each replay
+    must equal the unfused launches run eagerly on the same input, bit for bit, and leave the counters at zero. A
+    counter left non-zero by a replay would make the next replay's last CTA of that row block never combine (or
+    combine too early), and its rows of the residual would differ."""
+    from xserv.runtime.graphs import CUDAGraph
+
+    e, k, h, inter = 64, 8, 2048, 768
+    x, router, gate_up, down = one_token_inputs(rng, e, k, h, inter)
+    mshape = MoeShape(e, k, h, inter)
+    dev = [Tensor.from_numpy(a) for a in (x, router, gate_up, down)]
+    residual = Tensor.from_numpy(random_array(rng, (1, h), np.float32, mean=0.5))
+    ws = poisoned_workspace(mshape)
+    stages = one_token_stages(dev, mshape, residual, ws, fuse=True)
+    for _, launch in stages:  # outside the capture first: kernels compiled, the router GEMV's workspace made
+        launch()
+    graph = CUDAGraph()
+    with graph.capture():
+        for _, launch in stages:
+            launch()
+    routings = set()
+    for replay in range(5):
+        x_new = random_array(rng, (1, h), bfloat16, mean=0.0)
+        start = random_array(rng, (1, h), np.float32, mean=0.5)
+        dev[0].copy_(x_new)
+        residual.copy_(start)
+        ws.y.copy_(poisoned(ws.y.shape, ws.y.dtype).numpy())
+        graph.replay()
+        got = residual.numpy()
+        want, ws_ref, _ = run_one_token([Tensor.from_numpy(x_new), *dev[1:]], mshape, start, fuse=False)
+        np.testing.assert_array_equal(bits(got), bits(want), err_msg=f"replay {replay}")
+        ids = ws.ids.numpy()[:k]
+        np.testing.assert_array_equal(ids, ws_ref.ids.numpy()[:k])
+        routings.add(tuple(sorted(ids.tolist())))
+        assert not ws.counters.numpy().any(), f"replay {replay} left a counter set"
+    graph.close()
+    assert len(routings) > 1  # the replays did route differently

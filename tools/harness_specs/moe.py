@@ -52,7 +52,8 @@ SPECS = [
     OpSpec(
         name="moe_experts", family="moe",
         kernels=("moe_route_p4", "moe_topk_p4", "moe_sort", "moe_gemm_gate_up_small", "moe_gemm_down_small", "moe_gemm_gate_up_large",
-                 "moe_gemm_down_large", "moe_gemm_gate_up_mid", "moe_gemm_down_mid", "moe_combine_store"),
+                 "moe_gemm_down_large", "moe_gemm_gate_up_mid", "moe_gemm_down_mid", "moe_combine_store",
+                 "moe_gemm_gate_up_one", "moe_gemm_down_one_store"),
         make_inputs=_inputs, run=_run, reference=_ref, tolerance=1e-2,
         check_shapes=[(1, 128, 8, 2048, 768), (5, 16, 4, 256, 128), (300, 32, 8, 512, 256), (3, 8, 2, 136, 200)],
         bench_shapes=[(1, 128, 8, 2048, 768), (8, 128, 8, 2048, 768), (64, 128, 8, 2048, 768),

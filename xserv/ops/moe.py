@@ -17,11 +17,13 @@ cuBLASLt above); the routing kernels take the top-k, counts the entries per expe
 entry list padded to whole token tiles, all on the GPU (one CTA for decode-sized steps; a top-k grid then
 one sorting CTA for prefill); `moe_gemm_gate_up` and `moe_gemm_down` are grouped GEMMs
 over that list (mma.sync m16n8k16, the weights as the M operand so a tile of 8..64 tokens streams an expert's
-weights once); `moe_combine` sums each token's k expert outputs in order. Nothing comes back to the host, so a
+weights once); `moe_combine` sums each token's k expert outputs in order (at one token inside the down GEMM: the
+last CTA of each row block to finish does it, `moe_gemm_down_one_*`). Nothing comes back to the host, so a
 decode step's forward is graph-captured with the expert ids on the device.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -143,6 +145,9 @@ class MoeWorkspace:
         self.tile_expert = Tensor.empty((_max_tiles(entries, e, min(_TILES.values())) + 1,), int32, "cuda")
         self.act = Tensor.empty((max(rows, 1), shape.inter), bfloat16, "cuda")
         self.y = Tensor.empty((entries, shape.hidden), bfloat16, "cuda")  # expert outputs in entry order
+        # the one-token down GEMM's fused combine: a counter per row block, zero between launches (the last CTA of
+        # a block resets it, so graph replays and every layer sharing this workspace find it zero)
+        self.counters = Tensor.zeros((cdiv(shape.hidden, _GEMM["small"].rows),), int32, "cuda")
 
     def fits(self, num_tokens: int) -> bool:
         return num_tokens <= self.max_tokens
@@ -199,6 +204,31 @@ def _tile_for(entries: int, num_experts: int = 128) -> str:
 _ONE_CTA_ROUTE_MAX_TOKENS = 16
 
 
+# The one-token step's combine runs inside its down GEMM (moe_gemm_down_one_*: the last CTA of each row block
+# combines it; docs/kernels/moe.md v4). For measurement, read when the launches are made (a graph keeps them):
+#   XSERV_MOE_FUSE_COMBINE=0      the down GEMM and moe_combine_* as two launches (before v4); 1 (default) fused
+#   XSERV_MOE_DOWN_TRIGGER=early  the fused kernel lets the next launch begin right after its wait; late (default)
+#                                 only when it ends, as moe_combine_add did
+FUSE_COMBINE_ENV = "XSERV_MOE_FUSE_COMBINE"
+DOWN_TRIGGER_ENV = "XSERV_MOE_DOWN_TRIGGER"
+DOWN_TRIGGERS = ("late", "early")
+
+
+def _env_choice(name: str, default: str, choices: tuple[str, ...], environ=None) -> str:
+    value = (os.environ if environ is None else environ).get(name, default).strip().lower() or default
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}: expected one of {', '.join(choices)} (default {default})")
+    return value
+
+
+def fused_combine_from_env(environ=None) -> bool:
+    return _env_choice(FUSE_COMBINE_ENV, "1", ("1", "0"), environ) == "1"
+
+
+def down_trigger_from_env(environ=None) -> str:
+    return _env_choice(DOWN_TRIGGER_ENV, "late", DOWN_TRIGGERS, environ)
+
+
 def _max_tiles(entries: int, num_experts: int, tile: int) -> int:
     """Tiles the padded expert-sorted list can need: sum over experts of ceil(n_e / tile) <= entries / tile +
     (experts with any entry)."""
@@ -211,9 +241,11 @@ def _moe_cuda(x, router, gate_up, down, shape: MoeShape, renormalize: bool, out,
 
 
 def moe_stages(x, router, gate_up, down, shape: MoeShape, renormalize: bool, out, ws: MoeWorkspace, t: int,
-               size: str | None = None) -> list[tuple[str, object]]:
+               size: str | None = None, fuse_combine: bool | None = None,
+               down_trigger: str | None = None) -> list[tuple[str, object]]:
     """The launches of one moe_experts call in order, as (name, no-argument callable): what _moe_cuda runs, and
-    what tools/bench_moe.py times one by one. `size` forces the GEMM tile shape ("small" / "mid" / "large")."""
+    what tools/bench_moe.py times one by one. `size` forces the GEMM tile shape ("small" / "mid" / "large");
+    `fuse_combine` and `down_trigger` choose the one-token step's last launch (None: from the environment, above)."""
     from ..runtime import kernel
     from ..runtime.compiler import piece
     from .gemv import linear_gemv, prefer_gemv
@@ -227,8 +259,16 @@ def moe_stages(x, router, gate_up, down, shape: MoeShape, renormalize: bool, out
     max_tiles = _max_tiles(entries, e, tile)
     family = piece("moe", moe=1)
     cfg = _GEMM[size]
-    combine = "moe_combine_add" if out.dtype == float32 else "moe_combine_store"
+    mode = "add" if out.dtype == float32 else "store"  # into the fp32 residual, or a bf16 output
     one_token = t == 1 and size == "small" and e <= 128
+    if one_token and fuse_combine is None:
+        fuse_combine = fused_combine_from_env()
+    fused = one_token and fuse_combine
+    if fused:
+        trigger = down_trigger or down_trigger_from_env()
+        if trigger not in DOWN_TRIGGERS:
+            raise ValueError(f"down_trigger={trigger!r}: expected one of {', '.join(DOWN_TRIGGERS)}")
+        early = trigger == "early"
     gemv = prefer_gemv(t, e, h)  # (checks gemv_supported itself)
     per_lane = 4 if e <= 128 else 16  # the router row in registers: experts per lane
     flag = np.int32(1 if renormalize else 0)
@@ -251,11 +291,17 @@ def moe_stages(x, router, gate_up, down, shape: MoeShape, renormalize: bool, out
             pdl=True))] if one_token else [*route, ("gate_up", lambda: kernel(family, f"moe_gemm_gate_up_{size}")(
                 (cdiv(inter, cfg.rows // 2), max_tiles), cfg.threads, x, gate_up, ws.sorted, ws.tile_expert, ws.act,
                 np.int32(k), np.int32(h), np.int32(inter), smem=cfg.smem, pdl=True))]),
-        ("down", lambda: kernel(family, f"moe_gemm_down_{size}")(
+        # one token: the combine inside the down GEMM (the last CTA of each row block; same grid, same bits)
+        *([("down+combine", lambda: kernel(family, f"moe_gemm_down_one_{mode}")(
             (cdiv(h, cfg.rows), max_tiles), cfg.threads, ws.act, down, ws.sorted, ws.tile_expert, ws.y,
-            np.int32(k), np.int32(inter), np.int32(h), smem=cfg.smem, pdl=True)),
-        ("combine", lambda: kernel(family, combine)(
-            cdiv(t * (h // 8), 256), 256, ws.y, ws.weights, out, np.int32(t), np.int32(k), np.int32(h), pdl=True)),
+            np.int32(k), np.int32(inter), np.int32(h), ws.weights, out, ws.counters, np.int32(early), smem=cfg.smem,
+            pdl=True))] if fused else [
+            ("down", lambda: kernel(family, f"moe_gemm_down_{size}")(
+                (cdiv(h, cfg.rows), max_tiles), cfg.threads, ws.act, down, ws.sorted, ws.tile_expert, ws.y,
+                np.int32(k), np.int32(inter), np.int32(h), smem=cfg.smem, pdl=True)),
+            ("combine", lambda: kernel(family, f"moe_combine_{mode}")(
+                cdiv(t * (h // 8), 256), 256, ws.y, ws.weights, out, np.int32(t), np.int32(k), np.int32(h),
+                pdl=True))]),
     ]
 
 
