@@ -245,7 +245,7 @@ struct KvChunksE4m3 {
     template <int G>
     static constexpr int kUnrollV2 = G <= 4 ? 8 : 4;  // above 4, registers: q and acc alone are 16 G
     template <int G>
-    static constexpr int kUnrollV4 = G <= 2 ? 8 : 4;  // above 2, registers (ptxas: spills; attention.md)
+    static constexpr int kUnrollV4 = G <= 4 ? 8 : 4;  // ptxas: <= 128 registers, no spills (attention.md)
     const float* __restrict__ k_scale;  // [num_kv_heads] float32, this layer's
     const float* __restrict__ v_scale;
     float ks = 1.f, vs = 1.f;
