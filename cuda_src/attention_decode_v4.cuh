@@ -12,13 +12,15 @@
 // v4: v2's CUDA-core math, fed by a per-lane cp.async ring and a per-CTA page table in shared memory, with the
 // split combine folded into the kernel.
 //
-// attention_decode_v4_d{D}_g{G}_s{STAGES}[_w8[_r{R}]]: grid (num_splits, Hkv * R, num_seqs) (R: query-head
+// attention_decode_v4_d{D}_g{G}_s{STAGES}[_w8[_r{R}]] (e4m3 cache: attention_decode_fp8_v4_..., with k_scale, v_scale
+// after the arguments; the format's policy in attention_decode.cuh): grid (num_splits, Hkv * R, num_seqs) (R: query-head
 // subgroups, below), block 128 (4 warps; _w8: 256, for grids of at most 2 CTAs per SM), dynamic shared memory
 // STAGES * 16 KB per 4 warps (the ring) + kV4TabCap * 4 (page table) + 16 + kV4RowBytes (the fused rows). STAGES = 2
 // ships (measured best on an H200: docs/kernels/attention.md, "v4 decode"; and on an H100 for the few-sequence plans
 // of about 2 CTAs per SM, where a third stage was 1-3% slower: "few sequences"); 3 and 4 stages are in cuda_src/dev/.
-//   Key layout as v2: D/8 lanes share a key (one 16-byte chunk of its K and V row each), 32/(D/8) keys side by side,
-//   kV4Unroll such steps per stage, warps interleaved over the split's keys. Each lane cp.asyncs exactly the chunks
+//   Key layout as v2: D/8 lanes share a key (one chunk of 8 elements of its K and V row each: 16 bytes in bf16, 8 in
+//   e4m3), 32/(D/8) keys side by side, U such steps per stage (KV::kUnrollV4: kV4Unroll in bf16; e4m3 twice that
+//   where registers allow, the same ring bytes), warps interleaved over the split's keys. Each lane cp.asyncs exactly the chunks
 //   it later reads ([warp][stage][chunk][lane], conflict-free), so the STAGES-deep ring needs no barrier: while one
 //   stage is computed, STAGES - 1 are in flight, and the registers hold no loads.
 //   At CTA start the split's block-table entries (pre-multiplied by block_size) are copied into shared memory, so a
