@@ -16,6 +16,7 @@
 #pragma once
 
 #include "attention.cuh"
+#include "kv_format.cuh"
 
 // Shape pieces. attention_decode.cu and attention_decode_v2.cu declare `// xserv-shapes: head_dim=... group=...`:
 // compiled as they are (the harness, CI) they instantiate every kernel; the runtime compiles them per model shape,
@@ -169,15 +170,123 @@ __device__ __forceinline__ void sts128(unsigned addr, const uint4& v) {
                  : "memory");
 }
 
+// cp.async of an 8-byte chunk (an e4m3 chunk: 8 codes), as cp_async16_m otherwise (.ca: .cg takes 16 bytes only).
+__device__ __forceinline__ void cp_async8_m(unsigned smem_addr, const void* gptr, bool valid) {
+    const int src_size = valid ? 8 : 0;
+    unsigned long long policy;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    asm volatile("cp.async.ca.shared.global.L2::cache_hint [%0], [%1], 8, %2, %3;\n" ::"r"(smem_addr), "l"(gptr),
+                 "r"(src_size), "l"(policy)
+                 : "memory");
+}
+
+__device__ __forceinline__ uint2 lds64(unsigned addr) {
+    uint2 v;
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(addr) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void sts64(unsigned addr, const uint2& v) {
+    asm volatile("st.shared.v2.u32 [%0], {%1, %2};\n" ::"r"(addr), "r"(v.x), "r"(v.y) : "memory");
+}
+
+// bf16 -> fp32 is a shift or a mask (one instruction per value; the generic conversion takes 1.5).
+__device__ __forceinline__ void bf16x8_to_float_fast(const uint4& v, float (&f)[8]) {
+    const unsigned w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        f[2 * i] = __uint_as_float(w[i] << 16);
+        f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+}
+
+// ---- KV formats: the decode kernels' bodies (v4: attention_decode_v4.cuh, v2: attention_decode_v2.cuh) are
+// templated on one of these read policies; a lane holds a chunk of 8 elements of a key's K (or V) row.
+//   T, Chunk, kChunkBytes      the cache element; a chunk in registers (uint4 / uint2); its bytes
+//   kUnrollV2<G>, kUnrollV4<G> keys per lane and step (v2: loads in flight; v4: ring slots per stage). An e4m3 chunk
+//                              is half the bytes, so where registers allow it a lane takes twice the keys, keeping
+//                              the bf16 kernels' bytes in flight (v2: 128 bytes a lane; v4: the same ring bytes).
+//   load(kv_head)              reads the kv head's scales (v4: before pdl_wait; no kernel of a decode step writes them)
+//   q_scale(scale_log2)        the query's multiplier: score = q . (code * k_scale) = (q * k_scale) . code, so the K
+//                              scale is folded into the query once, with softmax's scale * log2 e
+//   out_v(acc)                 an accumulator as the cross-warp merge takes it: sum p (code * v_scale) = v_scale *
+//                              sum p code, so the V scale is applied once (the merge and the combine are linear)
+//   encode_k(bits), encode_v   the new token's chunk (bf16 bits) as the cache stores it (the fused entry):
+//                              e4m3::quantize_bf16x8 (kv_format.cuh), the quantizing writes' bits
+//   to_float / to_float_fast   a chunk -> 8 exact floats (v2 / v4; bf16: the generic widening / shifts and masks)
+//   copy(smem, g, valid)       cp.async of one chunk, evict-first in L2, zero-filled where !valid
+//   lds(addr), sts(addr, c)    a chunk from / to shared memory
+// KvChunksBf16's members are the bf16 kernels' own expressions (identities where bf16 has no scale), so their
+// machine code is what it was before the formats were split out (every .text section compared, sm_80 and sm_90a).
+struct KvChunksBf16 {
+    using T = __nv_bfloat16;
+    using Chunk = uint4;
+    static constexpr unsigned kChunkBytes = 16;
+    template <int G>
+    static constexpr int kUnrollV2 = 4;
+    template <int G>
+    static constexpr int kUnrollV4 = 4;
+    __device__ __forceinline__ void load(int) {}
+    __device__ __forceinline__ float q_scale(float scale_log2) const { return scale_log2; }
+    __device__ __forceinline__ float out_v(float acc) const { return acc; }
+    __device__ __forceinline__ Chunk encode_k(const uint4& bits) const { return bits; }
+    __device__ __forceinline__ Chunk encode_v(const uint4& bits) const { return bits; }
+    static __device__ __forceinline__ void to_float(const Chunk& v, float (&f)[8]) { bf16x8_to_float(v, f); }
+    static __device__ __forceinline__ void to_float_fast(const Chunk& v, float (&f)[8]) { bf16x8_to_float_fast(v, f); }
+    static __device__ __forceinline__ void copy(unsigned smem, const void* g, bool valid) { cp_async16_m(smem, g, valid); }
+    static __device__ __forceinline__ Chunk lds(unsigned addr) { return lds128(addr); }
+    static __device__ __forceinline__ void sts(unsigned addr, const Chunk& v) { sts128(addr, v); }
+};
+
+struct KvChunksE4m3 {
+    using T = unsigned char;
+    using Chunk = uint2;
+    static constexpr unsigned kChunkBytes = 8;
+    template <int G>
+    static constexpr int kUnrollV2 = G <= 4 ? 8 : 4;  // above 4, registers: q and acc alone are 16 G
+    template <int G>
+    static constexpr int kUnrollV4 = G <= 4 ? 8 : 4;  // ptxas: <= 128 registers, no spills (attention.md)
+    const float* __restrict__ k_scale;  // [num_kv_heads] float32, this layer's
+    const float* __restrict__ v_scale;
+    float ks = 1.f, vs = 1.f;
+    __device__ __forceinline__ void load(int kv_head) {
+        ks = k_scale[kv_head];
+        vs = v_scale[kv_head];
+    }
+    __device__ __forceinline__ float q_scale(float scale_log2) const { return scale_log2 * ks; }
+    __device__ __forceinline__ float out_v(float acc) const { return acc * vs; }
+    __device__ __forceinline__ Chunk encode_k(const uint4& bits) const { return e4m3::quantize_bf16x8(bits, ks); }
+    __device__ __forceinline__ Chunk encode_v(const uint4& bits) const { return e4m3::quantize_bf16x8(bits, vs); }
+    static __device__ __forceinline__ void to_float(const Chunk& v, float (&f)[8]) { e4m3::e4m3x8_to_float(v, f); }
+    static __device__ __forceinline__ void to_float_fast(const Chunk& v, float (&f)[8]) { e4m3::e4m3x8_to_float(v, f); }
+    static __device__ __forceinline__ void copy(unsigned smem, const void* g, bool valid) { cp_async8_m(smem, g, valid); }
+    static __device__ __forceinline__ Chunk lds(unsigned addr) { return lds64(addr); }
+    static __device__ __forceinline__ void sts(unsigned addr, const Chunk& v) { sts64(addr, v); }
+};
+
 }  // namespace decode
 }  // namespace xserv
 
-#define XSERV_DECODE_ARGS                                                                                        \
-    const __nv_bfloat16 *__restrict__ q, long long q_row_stride, const __nv_bfloat16 *__restrict__ k_cache,     \
-        const __nv_bfloat16 *__restrict__ v_cache, const int *__restrict__ kv_lens,                             \
-        const int *__restrict__ block_tables, int max_blocks_per_seq, int block_size, int num_q_heads,           \
-        int num_kv_heads, float scale_log2, int chunk_len, int num_splits, __nv_bfloat16 *__restrict__ out,      \
-        float *__restrict__ part_o, float *__restrict__ part_lse
+// T: the cache element (__nv_bfloat16; unsigned char for e4m3 codes, whose kernels take k_scale, v_scale after these).
+#define XSERV_DECODE_ARGS_OF(T)                                                                                  \
+    const __nv_bfloat16 *__restrict__ q, long long q_row_stride, const T *__restrict__ k_cache,                  \
+        const T *__restrict__ v_cache, const int *__restrict__ kv_lens, const int *__restrict__ block_tables,   \
+        int max_blocks_per_seq, int block_size, int num_q_heads, int num_kv_heads, float scale_log2,            \
+        int chunk_len, int num_splits, __nv_bfloat16 *__restrict__ out, float *__restrict__ part_o,             \
+        float *__restrict__ part_lse
+#define XSERV_DECODE_ARGS XSERV_DECODE_ARGS_OF(__nv_bfloat16)
 #define XSERV_DECODE_PASS                                                                                        \
     q, q_row_stride, k_cache, v_cache, kv_lens, block_tables, max_blocks_per_seq, block_size, num_q_heads,       \
         num_kv_heads, scale_log2, chunk_len, num_splits, out, part_o, part_lse
+// The KV formats' entry macros (the FMT argument of the v2 / v4 entry macros: BF16 or FP8): the cache element, the
+// entry names' prefix, the arguments after XSERV_DECODE_ARGS_OF / XSERV_DECODE_V4_ARGS_OF, the policy object.
+#define XSERV_PASTE_(a, b) a##b
+#define XSERV_PASTE(a, b) XSERV_PASTE_(a, b)
+#define XSERV_KV_T_BF16 __nv_bfloat16
+#define XSERV_KV_T_FP8 unsigned char
+#define XSERV_KV_PREFIX_BF16 attention_decode_
+#define XSERV_KV_PREFIX_FP8 attention_decode_fp8_
+#define XSERV_KV_SCALE_ARGS_BF16
+#define XSERV_KV_SCALE_ARGS_FP8 , const float *__restrict__ k_scale, const float *__restrict__ v_scale
+#define XSERV_KV_POLICY_BF16 xserv::decode::KvChunksBf16()
+#define XSERV_KV_POLICY_FP8 xserv::decode::KvChunksE4m3{k_scale, v_scale}

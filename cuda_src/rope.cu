@@ -18,7 +18,7 @@
 // One warp per head row (layout in norm.cuh), kRowsPerWarp rows per warp with all loads issued before any math.
 // The row index is warp-uniform, so bounds checks keep whole warps together (warp_sum needs all 32 lanes).
 #include "rope.cuh"
-#include "e4m3.cuh"
+#include "kv_format.cuh"
 
 namespace {
 
@@ -230,11 +230,7 @@ struct KvBf16 {
 struct KvE4m3 {
     using T = unsigned char;
     static __device__ __forceinline__ uint2 quantize(const uint4& bits, float scale) {
-        float f[8];
-        xserv::bf16x8_to_float(bits, f);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) f[e] = __fdiv_rn(f[e], scale);
-        return xserv::e4m3::float8_to_e4m3x8(f);
+        return xserv::e4m3::quantize_bf16x8(bits, scale);  // kv_format.cuh: the fused FP8 decode entry's too
     }
     const float* __restrict__ k_scale;  // [num_kv_heads] float32
     const float* __restrict__ v_scale;

@@ -66,10 +66,18 @@ def test_startup_compiles_the_models_pieces_only():
     assert not any(n.startswith("attention_decode") for n in startup_families("sm_90a", {"head_dim": 96, "group": 4}))
 
 
+def _source(family: str) -> str:
+    """A family's source with the decode headers that hold its entries inlined (attention_decode_v4.cuh / _v2.cuh:
+    the bodies and entry lists the bf16 files share with attention_decode_fp8.cu)."""
+    path = family_source(family)
+    return re.sub(r'^#include "(attention_decode_v\d\.cuh)"$', lambda m: (path.parent / m.group(1)).read_text(),
+                  path.read_text(), flags=re.M)
+
+
 def _blocks(family: str, guard: str, once: bool = True) -> dict[tuple[int, ...], str]:
     """`#if <guard>(a, b)` ... `#endif` blocks of a family's source: the guard's arguments -> the blocks' text
     (once: each key in one block)."""
-    src = family_source(family).read_text()
+    src = _source(family)
     found = {}
     for args, body in re.findall(rf"^#if {guard}\(([\d, ]+)\)\n(.*?)^#endif", src, re.M | re.S):
         key = tuple(int(a) for a in args.split(","))
@@ -79,51 +87,53 @@ def _blocks(family: str, guard: str, once: bool = True) -> dict[tuple[int, ...],
 
 
 def _instantiations(text: str) -> list[str]:
-    return re.findall(r"^(XSERV_(?:DECODE|GEMV)\w*\([^)]*\))(?:\s*//.*)?$", text, re.M)  # a comment may follow
+    return re.findall(r"^(XSERV_(?:DECODE|GEMV|V4|V2)\w*\([^)]*\))(?:\s*//.*)?$", text, re.M)  # a comment may follow
 
 
-@pytest.mark.parametrize("family", ["attention_decode", "attention_decode_v2"])
+@pytest.mark.parametrize("family", ["attention_decode", "attention_decode_v2", D.FP8_FAMILY])
 def test_every_instantiation_is_in_one_piece(family):
-    blocks = _blocks(family, "XSERV_PIECE")
+    blocks = _blocks(family, "XSERV_PIECE", once=family != D.FP8_FAMILY)  # FP8: a v4 and a v2 block a shape
     assert set(blocks) == {(d, g) for d in A.HEAD_DIMS for g in range(1, A.MAX_GQA_GROUP + 1)}
     inside = [line for body in blocks.values() for line in _instantiations(body)]
-    assert sorted(inside) == sorted(_instantiations(family_source(family).read_text())), "an unguarded instantiation"
+    assert sorted(inside) == sorted(_instantiations(_source(family))), "an unguarded instantiation"
 
 
 def _piece_names(family: str, key) -> set[str]:
     """The kernel names of a piece's block (the instantiation macros expanded as the source names them)."""
     names = set()
-    for line in _instantiations(_blocks(family, "XSERV_PIECE")[key]):
-        macro, args = re.match(r"XSERV_(\w+)\(([^)]*)\)", line).groups()
+    # the entries of the file's KV format (its `#define XSERV_KV_FMT`), named with that format's prefix
+    fmt = re.search(r"^#define XSERV_KV_FMT (\w+)$", family_source(family).read_text(), re.M).group(1)
+    prefix = re.search(rf"^#define XSERV_KV_PREFIX_{fmt} (\w+)$",
+                       (family_source(family).parent / "attention_decode.cuh").read_text(), re.M).group(1)
+    for line in _instantiations(_blocks(family, "XSERV_PIECE", once=family != D.FP8_FAMILY)[key]):
+        macro, args = re.match(r"XSERV_(\w+)\(XSERV_KV_FMT, ([^)]*)\)", line).groups()
         a = [int(x) for x in args.split(",")]
-        names.add({"DECODE_KERNEL": lambda: f"attention_decode_d{a[0]}_g{a[1]}",
-                   "DECODE_V4_KERNEL": lambda: f"attention_decode_v4_d{a[0]}_g{a[1]}_s{a[2]}",
-                   "DECODE_V4_WIDE_KERNEL": lambda: f"attention_decode_v4_d{a[0]}_g{a[1]}_s{a[2]}_w{a[3]}",
-                   "DECODE_V4_WIDE_SUBGROUPS_KERNEL":
-                       lambda: f"attention_decode_v4_d{a[0]}_g{a[1]}_s{a[2]}_w{a[3]}_r{a[4]}",
-                   "DECODE_V4_LEAN_KERNEL": lambda: f"attention_decode_v4_d{a[0]}_g{a[1]}_s2_w8_lean",
-                   "DECODE_V4_LEAN_SUBGROUPS_KERNEL":
-                       lambda: f"attention_decode_v4_d{a[0]}_g{a[1]}_s2_w8_r{a[2]}_lean"}[macro]())
+        names.add(prefix + {"V2_ENTRY": lambda: f"d{a[0]}_g{a[1]}",
+                            "V4_ENTRY": lambda: f"v4_d{a[0]}_g{a[1]}_s{a[2]}",
+                            "V4_WIDE_ENTRY": lambda: f"v4_d{a[0]}_g{a[1]}_s{a[2]}_w{a[3]}",
+                            "V4_WIDE_SUBGROUPS_ENTRY": lambda: f"v4_d{a[0]}_g{a[1]}_s{a[2]}_w{a[3]}_r{a[4]}",
+                            "V4_LEAN_ENTRY": lambda: f"v4_d{a[0]}_g{a[1]}_s2_w8_lean",
+                            "V4_LEAN_SUBGROUPS_ENTRY": lambda: f"v4_d{a[0]}_g{a[1]}_s2_w8_r{a[2]}_lean"}[macro]())
     return names
 
 
 def launched_decode_kernels(head_dim: int, group: int) -> dict[str, set[str]]:
-    """family -> every kernel the decode launchers can launch for a model of this shape (production variants)."""
+    """family -> every kernel the decode launchers can launch for a model of this shape (production variants), on a
+    bf16 cache (the kernels' families) and on an FP8 one (D.FP8_FAMILY: their e4m3 names)."""
     out = {}
     for variant in ("v4", "v4w4", "v4w8", "v2"):
         k = D.DECODE_KERNELS[variant]
-        names = out.setdefault(k.family, set())
+        kernels = []
         if k.shapes is None or (head_dim, group) in k.shapes:
-            names.add(k.name(head_dim, group))
-            if k.has_lean(head_dim, group):
-                names.add(k.name(head_dim, group) + "_lean")
+            kernels.append(k)
         if k.wide:
             wide = D.DECODE_KERNELS[k.wide]
-            for r in D._subgroup_counts(group, head_dim, wide)[:-1]:
-                sub = dataclasses.replace(wide, subgroups=r)
-                names.add(sub.name(head_dim, group))
-                if sub.has_lean(head_dim, group):
-                    names.add(sub.name(head_dim, group) + "_lean")
+            kernels += [dataclasses.replace(wide, subgroups=r) for r in D._subgroup_counts(group, head_dim, wide)[:-1]]
+        for fp8 in (False, True):
+            names = out.setdefault(D.FP8_FAMILY if fp8 else k.family, set())
+            for sub in kernels:
+                name = (sub.fp8_name if fp8 else sub.name)(head_dim, group)
+                names |= {name, name + "_lean"} if sub.has_lean(head_dim, group) else {name}
     return out
 
 
@@ -131,10 +141,10 @@ def test_each_piece_has_the_kernels_its_shape_launches():
     for d in A.HEAD_DIMS:
         for g in range(1, A.MAX_GQA_GROUP + 1):
             for family, names in launched_decode_kernels(d, g).items():
-                assert D._module(family, d, g) == f"{family}:d{d}_g{g}"
+                assert D._module(family, d, g) == f"{family}:d{d}_g{g}" + ("_k1" if family == D.FP8_FAMILY else "")
                 assert _piece_names(family, (d, g)) == names, (family, d, g)
     src = family_source("attention_decode_v2").read_text()
-    assert "attention_decode_combine" in src.split("#if XSERV_PIECE")[-1].split("#endif", 1)[1]  # in every piece
+    assert "#if" not in src and "attention_decode_combine" in src  # in every piece (both formats' split grids)
     assert D._module("dev/attention_decode_dev", 128, 4) == "dev/attention_decode_dev"
 
 

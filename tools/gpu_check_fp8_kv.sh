@@ -8,6 +8,8 @@
 # The tests include the quantizing rope kernel (qk_norm_rope_write_kv_fp8: bit-identical to the two ops it replaced) and
 # attention_decode_rope over an FP8 cache. At most 3 pytest processes at once (9 ran out of host memory).
 #   bash tools/gpu_check_fp8_kv.sh [STEP ...]     steps: tests make bench (default all)
+# FP8KV_TESTS, FP8KV_PATHS (default: native sm_80 sm_89), FP8KV_TEST_LIMIT (s, default 300) and FP8KV_DEADLINE (s) set
+# what it runs (tools/gpu_check_kvv4.sh: this script with the v4-on-FP8 tests on two paths).
 set -u
 source "$(dirname "$0")/gpu_env.sh"
 START=0
@@ -16,21 +18,22 @@ source "$(dirname "$0")/gpu_step.sh"
 STEPS=" ${*:-tests make bench} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 TESTS=${FP8KV_TESTS:-"tests/ops/test_attention_fp8_kv.py tests/test_fp8_kv_model.py"}
+PATHS=${FP8KV_PATHS:-"native sm_80 sm_89"}
 MODEL=/dev/shm/q-0.6b
 
 one_path() {
   local path=$1
   if [ $path = native ]; then unset XSERV_ARCH; else export XSERV_ARCH=$path; fi
   export XSERV_CACHE_DIR=/tmp/xserv-cache-$path
-  timeout 300 python3 -m pytest -m gpu -q -s -p no:cacheprovider $TESTS > $OUT/fp8kv-tests-$path.log 2>&1
+  timeout ${FP8KV_TEST_LIMIT:-300} python3 -m pytest -m gpu -q -s -p no:cacheprovider $TESTS > $OUT/fp8kv-tests-$path.log 2>&1
   echo "rc=$?" >> $OUT/fp8kv-tests-$path.log
 }
 if want tests; then
-  for path in native sm_80 sm_89; do one_path $path & done
+  for path in $PATHS; do one_path $path & done
   wait
   unset XSERV_ARCH
   export XSERV_CACHE_DIR=/tmp/xserv-cache
-  for path in native sm_80 sm_89; do
+  for path in $PATHS; do
     echo "=== FP8 KV tests, $path path"
     grep -E "^(FAILED|ERROR)|rel err" $OUT/fp8kv-tests-$path.log | head -40
     tail -2 $OUT/fp8kv-tests-$path.log

@@ -11,7 +11,7 @@ from xserv.ops import attention as A
 from xserv.ops.attention import decode as D
 from xserv.ops.attention import prefill as P
 from xserv.ops.rope import rope_cos_sin_table
-from xserv.runtime.compiler import kernel_source_dir
+from xserv.runtime.compiler import family_shapes, kernel_source_dir
 from xserv.tensor import Tensor, bfloat16
 from xserv.testing import paged_kv_from_dense, poisoned, random_array, rel_error
 
@@ -321,7 +321,17 @@ def test_fast_div():
 
 
 def _source(family: str) -> str:
-    return (kernel_source_dir() / f"{family}.cu").read_text()
+    """A family's source with the decode bodies it includes inlined (attention_decode_v4.cuh / _v2.cuh: the bodies,
+    constants and entries the bf16 files share with attention_decode_fp8.cu)."""
+    src = (kernel_source_dir() / f"{family}.cu").read_text()
+    return re.sub(r'^#include "(attention_decode_v\d\.cuh)"$', lambda m: (kernel_source_dir() / m.group(1)).read_text(),
+                  src, flags=re.M)
+
+
+# The decode entry macros of attention_decode_v4.cuh / _v2.cuh -> the name after the format's prefix
+_DECODE_ENTRIES = {"V4": "v4_d{0}_g{1}_s{2}", "V4_WIDE": "v4_d{0}_g{1}_s{2}_w{3}",
+                   "V4_WIDE_SUBGROUPS": "v4_d{0}_g{1}_s{2}_w{3}_r{4}", "V4_LEAN": "v4_d{0}_g{1}_s2_w8_lean",
+                   "V4_LEAN_SUBGROUPS": "v4_d{0}_g{1}_s2_w8_r{2}_lean", "V2": "d{0}_g{1}"}
 
 
 def _kernel_names(family: str) -> set[str]:
@@ -331,8 +341,14 @@ def _kernel_names(family: str) -> set[str]:
         src += _source(re.search(r'#include "\.\./(\w+)\.cu"', src).group(1))
     names = set(re.findall(r'extern "C" __global__ void (?:__launch_bounds__\([^)]*(?:\([^)]*\))?[^)]*\) )?(\w+)\(',
                            src))
-    for d, g in re.findall(r"^XSERV_DECODE_KERNEL\((\d+), (\d)\)", src, re.M):
-        names.add(f"attention_decode_d{d}_g{g}")
+    names = {n for n in names if not n.startswith(("XSERV_", "__"))}  # the entry macros' own bodies
+    fmt = re.search(r"^#define XSERV_KV_FMT (\w+)", src, re.M)
+    if fmt:  # the decode entries of the file's KV format (BF16, FP8), named with that format's prefix
+        prefix = re.search(rf"^#define XSERV_KV_PREFIX_{fmt.group(1)} (\w+)$",
+                           (kernel_source_dir() / "attention_decode.cuh").read_text(), re.M).group(1)
+        for kind, args in re.findall(rf"^XSERV_({'|'.join(_DECODE_ENTRIES)})_ENTRY\(XSERV_KV_FMT, ([\d, ]+)\)$", src,
+                                     re.M):
+            names.add(prefix + _DECODE_ENTRIES[kind].format(*args.split(", ")))
     for d, g, s in re.findall(r"^\s*XSERV_DECODE_V4_KERNEL\((\w+), (\w+), (\d)\)", src, re.M):
         names.add(f"attention_decode_v4_d{d}_g{g}_s{s}")
     for d, g in re.findall(r"^XSERV_DECODE_V4_EXPERIMENTS\((\d+), (\d)\)", src, re.M):
@@ -383,6 +399,31 @@ def test_launch_tables_name_instantiated_kernels():
                 name = dataclasses.replace(wide, subgroups=r).name(d, group)
                 assert name in _kernel_names(wide.family), name
     assert "attention_decode_combine" in _kernel_names(A.DECODE_KERNELS["v2"].family)
+
+
+def test_fp8_cache_instantiates_every_production_decode_kernel():
+    """attention_decode_fp8.cu (the FP8-cache piece, compiled only for a kvfp8=1 model) instantiates the e4m3 form of
+    every kernel the production variants' plans can launch on a bf16 cache: v4, v4w8 with its query-head subgroups
+    and _lean entries, and the v2 fallback; the dev variants have none (attention_decode raises for them)."""
+    fp8 = _kernel_names(D.FP8_FAMILY)
+    bf16 = _kernel_names("attention_decode") | _kernel_names("attention_decode_v2")
+    assert {n for n in fp8 if n.startswith("attention_decode_fp8_")} == fp8
+    assert {D.DecodeKernel("v4", 4, "attention_decode").fp8_name(128, 2)} == {"attention_decode_fp8_v4_d128_g2_s2"}
+    assert {"attention_decode_" + n[len("attention_decode_fp8_"):] for n in fp8} == bf16 - {"attention_decode_combine"}
+    for variant, k in A.DECODE_KERNELS.items():
+        assert k.has_fp8 == (variant in ("v4", "v4w4", "v4w8", "v2")), variant
+        if not k.has_fp8:
+            continue
+        for d, g in k.shapes or {(d, g) for d in A.HEAD_DIMS for g in range(1, A.MAX_GQA_GROUP + 1)}:
+            assert k.fp8_name(d, g) in fp8, (variant, d, g)
+        for d, g, r in k.lean:
+            assert dataclasses.replace(k, subgroups=r).fp8_name(d, g * r) + "_lean" in fp8, (variant, d, g, r)
+    wide = A.DECODE_KERNELS["v4w8"]
+    for d in A.HEAD_DIMS:  # the query-head subgroup kernels the plan can pick
+        for group in range(1, A.MAX_GQA_GROUP + 1):
+            for r in D._subgroup_counts(group, d, wide)[:-1]:
+                assert dataclasses.replace(wide, subgroups=r).fp8_name(d, group) in fp8, (d, group, r)
+    assert family_shapes(D.FP8_FAMILY) == {"head_dim": (64, 128), "group": tuple(range(1, 9)), "kvfp8": (1,)}
 
 
 def test_host_mirrors_match_device_constants():

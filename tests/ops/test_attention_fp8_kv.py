@@ -328,8 +328,9 @@ def test_qk_norm_rope_write_kv_fp8_cuda_equals_the_two_ops(t, hq, hkv, d, norm):
 @pytest.mark.gpu
 @pytest.mark.parametrize("hq, hkv, d", [(16, 8, 128), (32, 8, 128), (16, 8, 64)])
 def test_decode_rope_fp8_cuda_matches_numpy(hq, hkv, d):
-    """attention_decode_rope over an FP8 cache (the quantizing rope kernel, then attention_decode_fp8): the new K/V
-    codes equal the NumPy composition's for V, K close; the output close to the NumPy composition."""
+    """attention_decode_rope over an FP8 cache (the fused v4 entry: q/k norm, RoPE, the quantizing write and the
+    attention in one launch): the new K/V codes equal the NumPy composition's for V, K close; the output close to the
+    NumPy composition."""
     rng = np.random.default_rng(40 + hq + d)
     bs = 16
     c = fp8_case(rng, [1, 1, 1], [512, 77, 1], hq, hkv, d, bs, packed=True)
@@ -390,3 +391,157 @@ def test_decode_fp8_cuda_zero_length_rows_are_zero():
     c["kv_lens"][1] = 0
     out = run_decode(c, "cuda")
     assert np.all(out[1].astype(np.float32) == 0) and np.all(np.isfinite(out[0].astype(np.float32)))
+
+
+# ---- v4 on an FP8 cache (attention_decode_fp8.cu: the bf16 kernels' bodies on e4m3 chunks) ------------------------
+def _plan_of(c, variant):
+    from xserv.ops.attention import decode as D
+    from xserv.runtime import get_device
+
+    hq, (_, bs, hkv, d) = c["hq"], c["k_cache"].shape
+    return D.plan_decode(variant, len(c["kv_lens"]), hkv, int(c["kv_lens"].max()), bs, d, hq // hkv,
+                         get_device().multiprocessor_count)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["v4", "v4w4", "v2"])
+@pytest.mark.parametrize("batch", [1, 5])
+@pytest.mark.parametrize("context", [512, 8192])
+@pytest.mark.parametrize("hq, hkv, d", GPU_SHAPES)
+def test_decode_fp8_plans_cuda_match_numpy(variant, batch, context, hq, hkv, d):
+    """attention_decode over an FP8 cache with each production plan (v4: the 8-warp CTAs at these few sequences, the
+    query-head subgroups for G = 5 and 8; v4w4: 4-warp CTAs; v2: the fallback) at batch 1 (split grids: the folded
+    combine) and 5 (ragged lengths, one of 1 key), into a NaN-poisoned output: close to the float64 reference of the
+    dequantized cache, and a 2% error in v_scale fails the same check."""
+    from xserv.testing import poisoned
+
+    rng = np.random.default_rng(context + hq + d + batch)
+    lens = [context] if batch == 1 else [context, context // 2 + 3, 1, 77, context - 5]
+    c = fp8_case(rng, [1] * batch, lens, hq, hkv, d, 16)
+    kernel, splits, _ = _plan_of(c, variant)
+    assert kernel.variant == variant or (variant, kernel.variant) == ("v4", "v4w8")
+    if batch == 1:
+        assert splits > 1  # the split combine runs (v4: folded into the kernel; v2: attention_decode_combine)
+    ref = A.attention_decode_reference(c["q"], c["k_cache"], c["v_cache"], c["kv_lens"], c["tables"], c["scale"],
+                                       hq, np.float64, k_scale=c["k_scale"], v_scale=c["v_scale"])
+    t = tensors(c, "cuda")
+    out = poisoned((batch, hq, d), bfloat16)
+
+    def run(v_scale):
+        return A.attention_decode(t["q"], t["k_cache"], t["v_cache"], t["kv_lens"], t["tables"], c["scale"],
+                                  max(lens), out=out, num_q_heads=hq, variant=variant, k_scale=t["k_scale"],
+                                  v_scale=v_scale).numpy()
+
+    mx, mean = errors(run(t["v_scale"]), ref)
+    print(f"decode fp8 {variant} ({kernel.variant}, {splits} splits) b{batch} ctx {context} {hq}/{hkv} d{d}: "
+          f"max rel err {mx:.2e}, mean {mean:.2e}")
+    assert mx <= 1e-2
+    wrong = Tensor.from_numpy(c["v_scale"] * np.float32(1.02), "cuda")
+    assert errors(run(wrong), ref)[0] > 1e-2
+
+
+def _fp8_rope_case(rng, lens, hq, hkv, d, bs=16):
+    """An FP8 case with the packed qkv of each sequence's new token (positions kv_len - 1, slots where the block
+    table puts them), the RoPE table and head-norm weights."""
+    c = fp8_case(rng, [1] * len(lens), lens, hq, hkv, d, bs, packed=True)
+    c["positions"] = np.maximum(c["kv_lens"] - 1, 0).astype(np.int32)
+    c["slots"] = np.array([c["tables"][s, p // bs] * bs + p % bs for s, p in enumerate(c["positions"])], np.int32)
+    c["cos_sin"] = rope_cos_sin_table(d, max(lens) + 64, 1e6)
+    c["qw"], c["kw"] = (random_array(rng, (d,), bfloat16, mean=1.0, std=0.1) for _ in range(2))
+    return c
+
+
+def _decode_rope_fp8(c, fused, norm, variant=None, device="cuda"):
+    """(out, k_cache bytes, v_cache bytes, qkv after): the fused op (fused=True), or the quantizing rope kernel then
+    attention_decode (the two ops the fused entry must equal bit for bit)."""
+    from xserv.testing import poisoned
+
+    t = tensors(c, device)
+    to = lambda a: Tensor.from_numpy(a, device)  # noqa: E731
+    hq, d = c["hq"], c["q"].shape[2]
+    hkv = c["k_cache"].shape[2]
+    qw, kw = (to(c["qw"]), to(c["kw"])) if norm else (None, None)
+    out = poisoned((len(c["kv_lens"]), hq, d), bfloat16, device)
+    max_kv = max(int(c["kv_lens"].max()), 512)
+    if fused:
+        A.attention_decode_rope(t["q"], qw, kw, to(c["positions"]), to(c["cos_sin"]), hq, 1e-6, t["k_cache"],
+                                t["v_cache"], to(c["slots"]), t["kv_lens"], t["tables"], c["scale"], max_kv, out=out,
+                                variant=variant, k_scale=t["k_scale"], v_scale=t["v_scale"])
+    else:
+        qk_norm_rope_write_kv(t["q"], qw, kw, to(c["positions"]), to(c["cos_sin"]), hq, hkv, 1e-6, t["k_cache"],
+                              t["v_cache"], to(c["slots"]), k_scale=t["k_scale"], v_scale=t["v_scale"])
+        A.attention_decode(t["q"], t["k_cache"], t["v_cache"], t["kv_lens"], t["tables"], c["scale"], max_kv,
+                           out=out, num_q_heads=hq, variant=variant, k_scale=t["k_scale"], v_scale=t["v_scale"])
+    return (out.numpy(), t["k_cache"].numpy().view(np.uint8), t["v_cache"].numpy().view(np.uint8), t["q"].numpy())
+
+
+def test_decode_rope_fp8_paths_cpu_agree():
+    """The GPU comparison's two paths on the CPU backend (both NumPy compositions): the same bits, qkv kept by the
+    fused op."""
+    c = _fp8_rope_case(np.random.default_rng(3), [70, 1, 300], 16, 8, 64)
+    got, want = _decode_rope_fp8(c, True, True, device="cpu"), _decode_rope_fp8(c, False, True, device="cpu")
+    for g, w in zip(got[:3], want[:3]):
+        np.testing.assert_array_equal(g.view(np.uint8), w.view(np.uint8))
+    np.testing.assert_array_equal(got[3].view(np.uint16), c["q"].view(np.uint16))
+    assert np.all(np.isfinite(got[0].astype(np.float32)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("lens", [[512], [1], [8192], [65, 520, 1000, 1, 4097]])
+@pytest.mark.parametrize("hq, hkv, d", GPU_SHAPES + [(32, 4, 128)])
+def test_decode_rope_fp8_fused_equals_quantizing_write_then_decode(hq, hkv, d, lens, norm):
+    """The fused FP8 entry (one launch: the lean entry at short contexts, the full one at 8,192 keys, query-head
+    subgroups for G = 5 and 8) against the quantizing rope kernel (qk_norm_rope_write_kv's KvE4m3: write_kv_fp8's
+    bits) followed by attention_decode over the FP8 cache: both caches byte-identical (the new K/V codes, nothing
+    else written), the output bit-identical, qkv left as it was; and near the NumPy composition."""
+    rng = np.random.default_rng(sum(lens) + hq + d + norm)
+    c = _fp8_rope_case(rng, lens, hq, hkv, d)
+    got = _decode_rope_fp8(c, True, norm)
+    want = _decode_rope_fp8(c, False, norm)
+    np.testing.assert_array_equal(got[1], want[1])
+    np.testing.assert_array_equal(got[2], want[2])
+    np.testing.assert_array_equal(got[0].view(np.uint16), want[0].view(np.uint16))
+    np.testing.assert_array_equal(got[3].view(np.uint16), c["q"].view(np.uint16))  # fused: qkv read only
+    cpu = {k: Tensor.from_numpy(c[k].copy(), "cpu") for k in ("q", "positions", "cos_sin", "k_cache", "v_cache",
+                                                               "slots", "kv_lens", "tables", "k_scale", "v_scale")}
+    qw, kw = (Tensor.from_numpy(c["qw"], "cpu"), Tensor.from_numpy(c["kw"], "cpu")) if norm else (None, None)
+    ref = A.attention_decode_rope(cpu["q"], qw, kw, cpu["positions"], cpu["cos_sin"], hq, 1e-6, cpu["k_cache"],
+                                  cpu["v_cache"], cpu["slots"], cpu["kv_lens"], cpu["tables"], c["scale"], max(lens),
+                                  k_scale=cpu["k_scale"], v_scale=cpu["v_scale"]).numpy()
+    mx, mean = errors(got[0], ref.astype(np.float64))
+    print(f"decode_rope fp8 fused {hq}/{hkv} d{d} lens {lens}: max rel err {mx:.2e}, mean {mean:.2e}")
+    assert mx <= 2e-2
+
+
+@pytest.mark.gpu
+def test_decode_rope_fp8_v2_fallback_is_two_launches_with_the_same_result():
+    """variant v2 (the plan's fallback where a split's pages overflow v4's table): the quantizing rope kernel, then
+    the FP8 v2 kernel and the combine; equal to running those two ops by hand, near the NumPy composition."""
+    rng = np.random.default_rng(7)
+    c = _fp8_rope_case(rng, [3000, 5], 16, 8, 128)
+    got = _decode_rope_fp8(c, True, True, variant="v2")
+    want = _decode_rope_fp8(c, False, True, variant="v2")
+    for g, w in zip(got[:3], want[:3]):
+        np.testing.assert_array_equal(g.view(np.uint8), w.view(np.uint8))
+    assert np.all(np.isfinite(got[0].astype(np.float32)))
+
+
+def test_fp8_cache_takes_the_production_variants_only():
+    """Over an FP8 cache the production variants plan as on bf16 (their kernels have e4m3 forms); a dev variant, whose
+    kernels have none, is refused by both ops on every backend."""
+    c = _fp8_rope_case(np.random.default_rng(5), [40, 3], 16, 8, 64)
+    t = tensors(c, "cpu")
+    for variant in ("v4", "v4w4", "v2"):
+        out = A.attention_decode(t["q"], t["k_cache"], t["v_cache"], t["kv_lens"], t["tables"], c["scale"], 40,
+                                 num_q_heads=16, variant=variant, k_scale=t["k_scale"], v_scale=t["v_scale"])
+        assert np.all(np.isfinite(out.numpy().astype(np.float32)))
+    to = lambda a: Tensor.from_numpy(a, "cpu")  # noqa: E731
+    for variant in ("v3", "v4s3", "v4n"):
+        with pytest.raises(ValueError, match="no FP8-cache kernels"):
+            A.attention_decode(t["q"], t["k_cache"], t["v_cache"], t["kv_lens"], t["tables"], c["scale"], 40,
+                               num_q_heads=16, variant=variant, k_scale=t["k_scale"], v_scale=t["v_scale"])
+        with pytest.raises(ValueError, match="no FP8-cache kernels"):
+            A.attention_decode_rope(t["q"], None, None, to(c["positions"]), to(c["cos_sin"]), 16, 1e-6, t["k_cache"],
+                                    t["v_cache"], to(c["slots"]), t["kv_lens"], t["tables"], c["scale"], 40,
+                                    variant=variant, k_scale=t["k_scale"], v_scale=t["v_scale"])

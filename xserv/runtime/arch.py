@@ -194,8 +194,8 @@ KERNEL_PATHS: dict[str, dict[KernelPath, tuple[Route, ...]]] = {
     "write_kv": {p: (r,) for p, r in _both(Route("kv_cache", "write_kv_bf16; write_kv_fp8 and "
                                                  "dequantize_kv_blocks_fp8 for an FP8 KV cache")).items()},
     "attention_decode (FP8 KV cache)": {p: (r,) for p, r in _both(Route(
-        "attention_decode_fp8", "v2-style split-KV, e4m3 K/V dequantized in registers (cvt from sm_89, soft below); "
-        "compiled for an FP8 KV cache only")).items()},
+        "attention_decode_fp8", "the v4 / v4w8 / lean / subgroup entries and the v2 fallback on e4m3 chunks, "
+        "dequantized in registers (cvt from sm_89, soft below); compiled for an FP8 KV cache only")).items()},
     "gemv, linear (M <= 16)": {p: (r,) for p, r in _both(Route("gemv", "row kernels; mma.sync m8/m16; PDL on hopper"))
                                .items()},
     "silu_and_mul": {p: (r,) for p, r in _both(Route("activation", "PTX; griddepcontrol left out below sm_90")).items()},

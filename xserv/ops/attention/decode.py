@@ -10,6 +10,10 @@ most 4, or splits into subgroups of at most 4 query heads) v4 runs 8-warp CTAs (
 per SM. v3 (tensor cores) and the v4
 experiments are development kernels in cuda_src/dev/, run when a test, the harness or tools/bench_attention.py names
 them. Measurements: docs/kernels/attention.md.
+
+An FP8 (float8_e4m3fn) cache runs the same plan and grid with the same kernels' e4m3 instantiations
+(cuda_src/attention_decode_fp8.cu: attention_decode_fp8_v4_..., attention_decode_fp8_d{D}_g{G} for the v2
+fallback; DecodeKernel.fp8_name), which take the layer's k_scale / v_scale after the bf16 kernels' arguments.
 """
 from __future__ import annotations
 
@@ -27,7 +31,6 @@ from ...tensor import Tensor, bfloat16, float32, int32
 from .._checks import check_aligned, check_tensor, output, same_device
 from .._launch import check_alias, check_eps, pooled_buffer
 from ._args import check_cache, check_tables, is_fp8, query_heads
-from .fp8_kv import launch_decode_fp8
 from .reference import attention_decode_reference
 
 # Mirrors of device constants (tests/ops/test_attention.py reads them back from the sources):
@@ -106,6 +109,15 @@ class DecodeKernel:
         return (f"attention_decode_v{self.generation}_d{head_dim}_g{group // self.subgroups}_s{self.stages}"
                 f"{self.suffix}{sub}")
 
+    @property
+    def has_fp8(self) -> bool:
+        """Does attention_decode_fp8.cu instantiate this kernel for an e4m3 cache (the production v4 and v2 bodies)?"""
+        return self.family in _FP8_BODIES
+
+    def fp8_name(self, head_dim: int, group: int) -> str:
+        """The e4m3 cache's instantiation of name(head_dim, group) (attention_decode_fp8.cu)."""
+        return "attention_decode_fp8_" + self.name(head_dim, group)[len("attention_decode_"):]
+
     def has_lean(self, head_dim: int, group: int) -> bool:
         """Is name(head_dim, group) + "_lean" compiled (its query heads per CTA and subgroups in `lean`)?"""
         return group % self.subgroups == 0 and (head_dim, group // self.subgroups, self.subgroups) in self.lean
@@ -158,6 +170,10 @@ DECODE_KERNELS = {k.variant: k for k in (
     DecodeKernel("v4w16", 4, "dev/attention_decode_dev", suffix="_w16", shapes=_EXPERIMENT_SHAPES, warps=16),
 )}
 DEFAULT_DECODE = "v4"
+# The families whose bodies attention_decode_fp8.cu instantiates for an e4m3 cache (KvChunksE4m3), and that piece's
+# family: every production kernel (v4, v4w4, v4w8 and its subgroups and lean entries; v2), none of the dev ones.
+_FP8_BODIES = frozenset({"attention_decode", "attention_decode_v2"})
+FP8_FAMILY = "attention_decode_fp8"
 
 _workspaces: list[Tensor] = []  # kept for the life of the process: CUDA graphs may have captured their addresses
 _counters: list[Tensor] = []  # per-(sequence, kv head) split counters: zeroed once, reset by the kernels themselves
@@ -306,17 +322,16 @@ def attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_lens: Tenso
     qkv with num_q_heads), kv_lens int32 [B] (0 <= kv_len <= max_kv_len; 0 gives a zero row), block_tables int32
     [B, max_blocks] -> out bf16 [B, Hq, D]. max_kv_len is a host-side bound that sizes the split-KV grid (no device
     reads). variant: a DECODE_KERNELS name (default v4; the others are for tests and benchmarks). An FP8 cache
-    (float8_e4m3fn, with this layer's k_scale / v_scale float32 [Hkv]) runs attention_decode_fp8 (fp8_kv.py; K and V
-    dequantized in registers), whatever the variant."""
+    (float8_e4m3fn, with this layer's k_scale / v_scale float32 [Hkv]) runs the planned kernel's e4m3 instantiation
+    (attention_decode_fp8.cu; K and V dequantized in registers): the production variants only (DecodeKernel.has_fp8;
+    a dev variant raises ValueError)."""
     _, block_size, num_kv_heads, head_dim = check_cache(k_cache, v_cache, k_scale, v_scale)
     num_q_heads = query_heads(q, num_q_heads, num_kv_heads, head_dim)
     num_seqs = q.shape[0]
     check_tables(kv_lens, block_tables, num_seqs)
     device = same_device(q=q, k_cache=k_cache, v_cache=v_cache, kv_lens=kv_lens, block_tables=block_tables, out=out)
     out = output("out", out, (num_seqs, num_q_heads, head_dim), bfloat16, device)
-    variant = DEFAULT_DECODE if variant is None else variant
-    if variant not in DECODE_KERNELS:
-        raise ValueError(f"variant: unknown decode kernel {variant!r}; known: {', '.join(DECODE_KERNELS)}")
+    variant = _check_variant(variant, k_cache)
     if num_seqs == 0:
         return out
     if device == "cpu":
@@ -325,19 +340,25 @@ def attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_lens: Tenso
             k_scale=None if k_scale is None else k_scale.array,
             v_scale=None if v_scale is None else v_scale.array).astype(bfloat16)
         return out
-    if is_fp8(k_cache):
-        max_kv_len = int(max_kv_len)
-        if max_kv_len < 1:
-            raise ValueError(f"max_kv_len: {max_kv_len} < 1")
-        launch_decode_fp8(q, k_cache, v_cache, k_scale, v_scale, kv_lens, block_tables, scale, max_kv_len, out,
-                          num_q_heads)
-        return out
+    scales = (k_scale, v_scale) if is_fp8(k_cache) else None
     _launch(_plan(variant, num_seqs, num_kv_heads, max_kv_len, block_size, head_dim, num_q_heads // num_kv_heads),
-            q, k_cache, v_cache, kv_lens, block_tables, scale, out, num_q_heads, _PLAIN_V4)
+            q, k_cache, v_cache, kv_lens, block_tables, scale, out, num_q_heads, _PLAIN_V4, scales=scales)
     return out
 
 
 _PLAIN_V4 = (0, 0, 0, np.int32(0), 0, 0, np.float32(0))  # v4's fused-entry arguments of a plain call (nullptr: off)
+
+
+def _check_variant(variant: str | None, k_cache: Tensor) -> str:
+    """The variant name (None: DEFAULT_DECODE), checked: a DECODE_KERNELS name, and one with e4m3 kernels for an FP8
+    cache (DecodeKernel.has_fp8)."""
+    variant = DEFAULT_DECODE if variant is None else variant
+    if variant not in DECODE_KERNELS:
+        raise ValueError(f"variant: unknown decode kernel {variant!r}; known: {', '.join(DECODE_KERNELS)}")
+    if is_fp8(k_cache) and not DECODE_KERNELS[variant].has_fp8:
+        raise ValueError(f"variant: {variant} has no FP8-cache kernels (attention_decode_fp8.cu instantiates "
+                         f"{', '.join(v for v, k in DECODE_KERNELS.items() if k.has_fp8)})")
+    return variant
 
 
 def _plan(variant: str, num_seqs: int, num_kv_heads: int, max_kv_len: int, block_size: int, head_dim: int,
@@ -367,9 +388,10 @@ def spread_smem(smem: int, ctas: int, multiprocessor_count: int, cta_smem_max: i
 
 def _launch(plan: tuple[DecodeKernel, int, int], q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_lens: Tensor,
             block_tables: Tensor, scale: float, out: Tensor, num_q_heads: int, v4_extra: tuple,
-            fused: bool = False) -> None:
+            fused: bool = False, scales: tuple[Tensor, Tensor] | None = None) -> None:
     """Launch a planned decode kernel; v4 gets `v4_extra` (its fused-entry arguments: positions, slot_mapping,
-    cos_sin, max_pos, q_weight, k_weight, eps; _PLAIN_V4 for plain attention)."""
+    cos_sin, max_pos, q_weight, k_weight, eps; _PLAIN_V4 for plain attention). scales: an FP8 cache's (k_scale,
+    v_scale): the kernel's e4m3 instantiation (the FP8 piece), the scales after its other arguments."""
     k, splits, chunk = plan
     num_seqs, _, head_dim = out.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -391,17 +413,20 @@ def _launch(plan: tuple[DecodeKernel, int, int], q: Tensor, k_cache: Tensor, v_c
     v4_template = k.generation == 4 and k.fused_args  # v4 and its dev stage counts
     if v4_template:
         args += v4_extra
+    if scales is not None:
+        args += scales
     grid = (splits, heads, num_seqs)
     pdl = FUSED_PDL if fused else v4_template
     info = get_device().info  # the device's shared memory, not sm_90's: an sm_86/89 CTA gets 99 KB at most
     smem = launch_smem(plan, head_dim, num_kv_heads, num_seqs, fused, info.multiprocessor_count,
                        info.max_shared_memory_per_block_optin, info.max_shared_memory_per_multiprocessor)
-    name = k.name(head_dim, group) + ("_lean" if fused and lean_entry(k, head_dim, group, splits) else "")
-    family = _module(k.family, head_dim, group)
+    name = (k.name if scales is None else k.fp8_name)(head_dim, group)
+    name += "_lean" if fused and lean_entry(k, head_dim, group, splits) else ""
+    family = _module(k.family if scales is None else FP8_FAMILY, head_dim, group)
     # v4 waits for the previous kernel itself (pdl_wait): it may be launched with programmatic dependent launch
     kernel(family, name)(grid, (32 * k.warps, 1, 1), *args, smem=smem, pdl=pdl)
     if k.generation == 2 and splits > 1:
-        kernel(family, "attention_decode_combine")(
+        kernel(_module("attention_decode_v2", head_dim, group), "attention_decode_combine")(  # both formats
             (num_q_heads, num_seqs, 1), (head_dim, 1, 1), part_o, part_lse, kv_lens, np.int32(chunk),
             np.int32(splits), np.int32(head_dim), out)
 
@@ -423,8 +448,9 @@ def launch_smem(plan: tuple[DecodeKernel, int, int], head_dim: int, num_kv_heads
 def _module(family: str, head_dim: int, group: int) -> str:
     """What the kernels of `family` for this shape load from: attention_decode and attention_decode_v2 are compiled
     per (head dim, query heads per kv head) as the pieces "attention_decode:d128_g4" (runtime/compiler.py; a start-up
-    compiles the model's, another shape compiles on first use); the dev family whole."""
-    return piece(family, head_dim=head_dim, group=group)
+    compiles the model's, another shape compiles on first use), attention_decode_fp8 likewise (kvfp8=1: an FP8-cache
+    model's start-up compiles it); the dev family whole."""
+    return piece(family, head_dim=head_dim, group=group, kvfp8=1)
 
 
 def lean_entry(k: DecodeKernel, head_dim: int, group: int, splits: int) -> bool:
@@ -461,7 +487,9 @@ def attention_decode_rope(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor
     is the slot the block table gives position kv_len - 1 (any batch xserv builds), else as the cache holds it there,
     as attention_decode would. variant: as attention_decode; a plan that runs v2 (variant "v2", or block_size < 8
     with very long contexts) runs qk_norm_rope_write_kv and attention_decode, two launches. An FP8 cache (with
-    k_scale / v_scale) always takes two launches (qk_norm_rope_write_kv's quantizing kernel, then attention_decode_fp8).
+    k_scale / v_scale) runs the same kernels' e4m3 instantiations: the fused entry quantizes the new K/V as the
+    quantizing write does (the same bits), the v2 fallback's two launches are qk_norm_rope_write_kv's quantizing kernel
+    and the FP8 v2 kernel.
     """
     _, block_size, num_kv_heads, head_dim = check_cache(k_cache, v_cache, k_scale, v_scale)
     rope = _rope()
@@ -483,9 +511,7 @@ def attention_decode_rope(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor
                                        ("out", out, "qkv", qkv), ("v_cache", v_cache, "k_cache", k_cache),
                                        ("out", out, "k_cache", k_cache), ("out", out, "v_cache", v_cache)):
         check_alias(name, t, other_name, other, allow_identical=False)
-    variant = DEFAULT_DECODE if variant is None else variant
-    if variant not in DECODE_KERNELS:
-        raise ValueError(f"variant: unknown decode kernel {variant!r}; known: {', '.join(DECODE_KERNELS)}")
+    variant = _check_variant(variant, k_cache)
     if num_seqs == 0:
         return out
     if device == "cpu":  # the composition of the references (qkv itself is left as it is)
@@ -499,18 +525,15 @@ def attention_decode_rope(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor
                                                     **scales).astype(bfloat16)
         return out
     check_aligned("cos_sin", cos_sin)
-    if is_fp8(k_cache):  # two launches: no fused FP8 attention entry yet (docs/kernels/attention.md, "FP8 KV cache")
-        rope.qk_norm_rope_write_kv(qkv, q_weight, k_weight, positions, cos_sin, num_q_heads, num_kv_heads, eps32,
-                                   k_cache, v_cache, slot_mapping, pdl=True, k_scale=k_scale, v_scale=v_scale)
-        return attention_decode(qkv, k_cache, v_cache, kv_lens, block_tables, scale, max_kv_len, out=out,
-                                num_q_heads=num_q_heads, k_scale=k_scale, v_scale=v_scale)
+    scales = (k_scale, v_scale) if is_fp8(k_cache) else None
     plan = _plan(variant, num_seqs, num_kv_heads, max_kv_len, block_size, head_dim, num_q_heads // num_kv_heads)
     if plan[0].generation != 4 or not plan[0].fused_args:  # v2 (or a dev kernel without the entry): the two ops
         rope.qk_norm_rope_write_kv(qkv, q_weight, k_weight, positions, cos_sin, num_q_heads, num_kv_heads, eps32,
-                                   k_cache, v_cache, slot_mapping, pdl=True)
-        _launch(plan, qkv, k_cache, v_cache, kv_lens, block_tables, scale, out, num_q_heads, _PLAIN_V4)
+                                   k_cache, v_cache, slot_mapping, pdl=True, k_scale=k_scale, v_scale=v_scale)
+        _launch(plan, qkv, k_cache, v_cache, kv_lens, block_tables, scale, out, num_q_heads, _PLAIN_V4,
+                scales=scales)
         return out
     _launch(plan, qkv, k_cache, v_cache, kv_lens, block_tables, scale, out, num_q_heads,
             (positions, slot_mapping, cos_sin, np.int32(cos_sin.shape[0]), q_weight if norm else 0,
-             k_weight if norm else 0, eps32), fused=True)
+             k_weight if norm else 0, eps32), fused=True, scales=scales)
     return out

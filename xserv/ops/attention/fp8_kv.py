@@ -9,18 +9,17 @@ kernels and these references take any positive scale.
 
 Here: the NumPy references (the CPU backend runs them; the tests compare the CUDA kernels with them), the soft
 float -> e4m3 conversion of cuda_src/e4m3.cuh re-implemented word for word (tested against ml_dtypes), and the
-launchers of cuda_src/kv_cache.cu's write_kv_fp8 / dequantize_kv_blocks_fp8 and cuda_src/attention_decode_fp8.cu.
+launchers of cuda_src/kv_cache.cu's write_kv_fp8 / dequantize_kv_blocks_fp8 (decode attention over an FP8 cache:
+decode.py, which launches cuda_src/attention_decode_fp8.cu's e4m3 instantiations of the bf16 kernels).
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
 
-from ...runtime import get_device, kernel
-from ...runtime.compiler import piece
-from ...tensor import Tensor, bfloat16, float8_e4m3fn, float32
+from ...runtime import kernel
+from ...tensor import Tensor, bfloat16, float8_e4m3fn
 from .._launch import pooled_buffer
 
 E4M3_MAX = 448.0
@@ -126,49 +125,6 @@ def prefill_scratch(k_cache: Tensor, scratch: tuple[Tensor, Tensor] | None) -> t
     return buf[:count].view(*shape), buf[count:2 * count].view(*shape)
 
 
-def decode_fp8_plan(num_seqs: int, num_kv_heads: int, max_kv_len: int) -> tuple[int, int]:
-    """(num_splits, chunk_len) of the FP8 decode grid: v2's plan (about 4 CTAs per SM, splits of >= 256 keys)."""
-    from .decode import V2_CTAS_PER_SM, decode_plan
-
-    return decode_plan(num_seqs, num_kv_heads, max_kv_len, get_device().info.multiprocessor_count, V2_CTAS_PER_SM)
-
-
-@functools.lru_cache(maxsize=None)
-def _modules(head_dim: int, group: int) -> tuple[str, str]:
-    """The FP8 decode piece of this shape and the v2 piece whose attention_decode_combine finishes split grids."""
-    return (piece("attention_decode_fp8", head_dim=head_dim, group=group, kvfp8=1),
-            piece("attention_decode_v2", head_dim=head_dim, group=group))
-
-
-_workspaces: list[Tensor] = []  # split partials, kept for the life of the process (graph-captured addresses)
-
-
-def launch_decode_fp8(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_scale: Tensor, v_scale: Tensor,
-                      kv_lens: Tensor, block_tables: Tensor, scale: float, max_kv_len: int, out: Tensor,
-                      num_q_heads: int) -> None:
-    """attention_decode_fp8_d{D}_g{G} (+ the v2 combine where the plan splits the keys); arguments checked by
-    attention_decode."""
-    num_seqs, _, head_dim = out.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    group = num_q_heads // num_kv_heads
-    splits, chunk = decode_fp8_plan(num_seqs, num_kv_heads, max_kv_len)
-    part_o = part_lse = out  # unused by the kernel when splits == 1
-    if splits > 1:
-        rows = num_seqs * num_q_heads * splits
-        ws = pooled_buffer(_workspaces, rows * (head_dim + 1), float32, 1 << 18)
-        part_o, part_lse = ws.ptr, ws.ptr + rows * head_dim * 4
-    family, combine_family = _modules(head_dim, group)
-    kernel(family, f"attention_decode_fp8_d{head_dim}_g{group}")(
-        (splits, num_kv_heads, num_seqs), (128, 1, 1), q, np.int64(q.shape[1] * head_dim), k_cache, v_cache, kv_lens,
-        block_tables, np.int32(block_tables.shape[1]), np.int32(block_size), np.int32(num_q_heads),
-        np.int32(num_kv_heads), np.float32(scale * math.log2(math.e)), np.int32(chunk), np.int32(splits), out,
-        part_o, part_lse, k_scale, v_scale)
-    if splits > 1:
-        kernel(combine_family, "attention_decode_combine")(
-            (num_q_heads, num_seqs, 1), (head_dim, 1, 1), part_o, part_lse, kv_lens, np.int32(chunk),
-            np.int32(splits), np.int32(head_dim), out)
-
-
 __all__ = ["E4M3_MAX", "quantize_e4m3_reference", "float_to_e4m3_soft", "dequantize_kv_reference",
            "quantize_kv_reference", "write_kv_fp8_reference", "dequantize_kv_blocks", "prefill_scratch",
-           "decode_fp8_plan", "launch_decode_fp8", "launch_write_kv_fp8"]
+           "launch_write_kv_fp8"]
