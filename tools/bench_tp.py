@@ -1,4 +1,4 @@
-"""Tensor-parallel decode benchmarks (run by tools/gpu_bench_tp.sh and tools/gpu_check_tp_pdl.sh on the lent 2-GPU
+"""Tensor-parallel decode benchmarks (run by tools/gpu_bench_tp.sh and tools/gpu_check_tp_ahead.sh on the lent 2-GPU
 machine): the NCCL all-reduce of one decode row, 8B-shaped batch-1 decode at TP=1 and TP=2, 32B-shaped at TP=2, and
 (`variants`) TP=2 with and without decode steps launched ahead and with the IPC kernels' trigger placements
 (xserv/parallel/ipc.py ENV_TRIGGER), in one process.
@@ -69,11 +69,11 @@ def decode(model, tp, context=512, steps=128, warmup=16, **options):
             eng.step()
         synchronize()
         dt = (time.perf_counter() - t) / steps
-        decode.steps_ahead = eng.num_steps_ahead
         eng.abort(seq)
         m = llm.model  # rank 0's shard: per-GPU weights
         step_bytes = m.weight_bytes() + (context + warmup + steps // 2) * kv_bytes_per_token(m.config)
-        return dt, step_bytes, m.config.num_hidden_layers, m.config.hidden_size, bool(eng.runner.graphs)
+        return (dt, step_bytes, m.config.num_hidden_layers, m.config.hidden_size, bool(eng.runner.graphs),
+                eng.num_steps_ahead)
     finally:
         llm.close()
 
@@ -96,7 +96,7 @@ def main():
             time.sleep(2)
         r1 = decode("/dev/shm/model-8b", 1)
         r2 = decode("/dev/shm/model-8b", 2)
-        for tp, (dt, b, L, H, graphs) in ((1, r1), (2, r2)):
+        for tp, (dt, b, L, H, graphs, _) in ((1, r1), (2, r2)):
             print(f"8B-shaped batch-1 decode, context 512, TP={tp}: {dt * 1e3:.3f} ms/step, {1 / dt:.1f} tok/s; "
                   f"roofline {b / bw * 1e3:.3f} ms ({b / bw / dt:.0%} of it); decode graphs {'on' if graphs else 'OFF'}")
         print(f"8B TP=2 / TP=1 speed-up: {r1[0] / r2[0]:.2f}x (goal >= 1.5x); all-reduces per step {2 * r2[2] + 1} "
@@ -111,14 +111,17 @@ def main():
                                      ("no launch-ahead, trigger early", "early", {"overlap_steps": False}),
                                      ("no launch-ahead, no PDL on the IPC kernels", "off", {"overlap_steps": False})):
             os.environ[ENV_TRIGGER] = trig  # the spawned worker inherits it
-            dt = decode("/dev/shm/model-8b", 2, **options)[0]
+            dt, *_, ahead = decode("/dev/shm/model-8b", 2, **options)
             print(f"8B TP=2, {label}: {dt * 1e3:.3f} ms/step, {1 / dt:.1f} tok/s, {base / dt:.2f}x TP=1 "
-                  f"({1 / base:.1f} tok/s); steps launched ahead: {decode.steps_ahead}")
-        os.environ.pop(ENV_TRIGGER) if saved is None else os.environ.__setitem__(ENV_TRIGGER, saved)
+                  f"({1 / base:.1f} tok/s); steps launched ahead: {ahead}")
+        if saved is None:
+            del os.environ[ENV_TRIGGER]
+        else:
+            os.environ[ENV_TRIGGER] = saved
     if "32b" in stages:
         while not Path("/dev/shm/model-32b/config.json").exists():
             time.sleep(2)
-        dt, b, L, H, graphs = decode("/dev/shm/model-32b", 2)
+        dt, b, L, H, graphs, _ = decode("/dev/shm/model-32b", 2)
         per = (2 * L + 1) * ar[5120][1] / 1e3
         print(f"32B-shaped batch-1 decode, context 512, TP=2: {dt * 1e3:.3f} ms/step, {1 / dt:.1f} tok/s; TP=2 "
               f"roofline (per-GPU weights + KV at copy bandwidth) {b / bw * 1e3:.3f} ms: {b / bw / dt:.0%} of it "
