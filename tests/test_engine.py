@@ -160,6 +160,10 @@ def test_decode_graphs_are_bucketed_by_context_length(perturbed_model_dir):  # n
     from xserv.engine.model_runner import kv_len_buckets
 
     assert kv_len_buckets(40960) == [2048, 8192, 32768, 40960] and kv_len_buckets(256) == [256]
+    # few sequences: also the short contexts' buckets (below the first coarse one)
+    assert kv_len_buckets(40960, 1) == [512, 1024, 2048, 8192, 32768, 40960] == kv_len_buckets(40960, 16)
+    assert kv_len_buckets(40960, 17) == [2048, 8192, 32768, 40960]
+    assert kv_len_buckets(700, 1) == [512, 700] and kv_len_buckets(512, 1) == [512]
     prompt = list(range(100, 2100))  # 2000 tokens: decode crosses from the 2048 bucket into the next
     params = SamplingParams(max_tokens=60, ignore_eos=True, **GREEDY)
     plain = LLM(str(perturbed_model_dir), device="cpu", max_model_len=4096, max_num_seqs=2, progress=False)
@@ -172,9 +176,13 @@ def test_decode_graphs_are_bucketed_by_context_length(perturbed_model_dir):  # n
         return SimpleNamespace(replay=lambda: (used.append(key), step()))
 
     graphed.runner.capture_decode_graphs(graph_factory=fake_graph)
-    assert sorted(graphed.runner.graphs) == [(1, 2048), (1, 4096), (2, 2048), (2, 4096)]
+    assert sorted(graphed.runner.graphs) == [(bs, L) for bs in (1, 2) for L in (512, 1024, 2048, 4096)]
     assert graphed.generate([prompt], params)[0].token_ids == want
     assert used[0] == 2048 and used[-1] == 4096 and used.count(2048) == 2048 - 2000
+    short = list(range(7, 507))  # 500 tokens: decode crosses from the 512 bucket into the 1024 one
+    used.clear()
+    assert graphed.generate([short], params)[0].token_ids == plain.generate([short], params)[0].token_ids
+    assert used[0] == 512 and used[-1] == 1024 and used.count(512) == 512 - 500
 
 
 # ---- prefix cache, mixed steps, n samples, block accounting ------------------------------------------------------

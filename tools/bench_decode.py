@@ -151,12 +151,14 @@ def main(argv=None) -> int:
     return 0
 
 
-def _forced_plan(shipped, splits, variant, num_seqs, num_kv_heads, max_kv_len, block_size, head_dim, group, sms):
+def _forced_plan(shipped, splits, variant, num_seqs, num_kv_heads, max_kv_len, block_size, head_dim, group, sms,
+                 *device_smem):
     """The shipped plan_decode, with `splits` forced on a v4-generation plan (chunk a multiple of 64 keys, as
-    v4_plan makes them) where its pages fit the kernel's shared page table; None: the shipped plan."""
+    v4_plan makes them) where its pages fit the kernel's shared page table; None: the shipped plan. device_smem:
+    plan_decode's shared-memory arguments, passed through."""
     from xserv.ops.attention import decode
 
-    k, n, chunk = shipped(variant, num_seqs, num_kv_heads, max_kv_len, block_size, head_dim, group, sms)
+    k, n, chunk = shipped(variant, num_seqs, num_kv_heads, max_kv_len, block_size, head_dim, group, sms, *device_smem)
     if splits is None or k.generation != 4:
         return k, n, chunk
     forced_chunk = -(-(-(-max_kv_len // splits)) // 64) * 64

@@ -19,6 +19,15 @@ GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256
 # max_kv_len, so a graph captured for max_model_len (40,960 for Qwen3) runs ~160 mostly idle splits per kv head
 # and a combine over all of them on every step of a short chat.
 GRAPH_KV_BUCKET_START, GRAPH_KV_BUCKET_GROWTH = 2048, 4
+# Graphs of up to FINE_KV_MAX_BATCH sequences are also captured for contexts of FINE_KV_BUCKETS keys (those below
+# the first bucket above). At those batch sizes the plan splits each sequence's keys several ways, and a grid sized
+# for 2,048 keys is the wrong one for a short chat: at batch 1 it launches 32 splits of 64 keys per kv head where a
+# 512-key context fills 8, and the 24 empty CTAs per kv head hold their SM slots until the qkv GEMV ends (the o
+# projection's CTAs cannot start and prefetch beside the attention). Profiled on an H100 at batch 1, context 512:
+# ~3 us a layer of the 8B-FP8 step, ~2 us of the 30B-A3B's (docs/engine.md, "Context buckets"). Larger batches
+# split each sequence once or twice and gain nothing from these graphs.
+FINE_KV_BUCKETS = (512, 1024)
+FINE_KV_MAX_BATCH = 16
 # A decode graph's metadata lives in one int32 device buffer per context bucket, uploaded with one copy per step
 # (five small copies and their gaps took ~10 us of GPU time per step): these rows of max_bs entries, then the block
 # table [max_bs, bucket width]. token_index: where a step launched ahead takes each row's input token from in
@@ -46,12 +55,18 @@ def prefill_token_buckets(max_tokens: int) -> list[int]:
     return buckets + [max_tokens]
 
 
-def kv_len_buckets(max_model_len: int) -> list[int]:
+def kv_len_buckets(max_model_len: int, batch_size: int | None = None) -> list[int]:
+    """The context lengths decode graphs are captured for: GRAPH_KV_BUCKET_START growing by
+    GRAPH_KV_BUCKET_GROWTH up to max_model_len, and for a batch_size of at most FINE_KV_MAX_BATCH the
+    FINE_KV_BUCKETS below the first of those."""
     buckets, length = [], GRAPH_KV_BUCKET_START
     while length < max_model_len:
         buckets.append(length)
         length *= GRAPH_KV_BUCKET_GROWTH
-    return buckets + [max_model_len]
+    buckets.append(max_model_len)
+    if batch_size is not None and batch_size <= FINE_KV_MAX_BATCH:
+        buckets = [b for b in FINE_KV_BUCKETS if b < buckets[0]] + buckets
+    return buckets
 
 
 class ModelRunner:
@@ -192,7 +207,9 @@ class ModelRunner:
         broadcast = comm if self.feed_src is not None and comm is not None else None
         max_bs = min(max_batch_size or self.max_num_seqs, self.max_num_seqs)
         sizes = [b for b in GRAPH_BATCH_SIZES if b < max_bs] + [max_bs]
-        self._kv_buckets = kv_len_buckets(self.max_model_len)
+        # each batch-size bucket's context buckets, and all of them (one metadata buffer each)
+        self._bs_kv_buckets = {bs: kv_len_buckets(self.max_model_len, bs) for bs in sizes}
+        self._kv_buckets = sorted({b for buckets in self._bs_kv_buckets.values() for b in buckets})
         self._graphs_feed = self.feed_src is not None
         d = self.device
         self._meta_rows = max_bs
@@ -206,7 +223,7 @@ class ModelRunner:
             self._meta_host[L] = np.zeros(size, np.int32)
         # Largest first, so that buffers sized by the first capture (the attention workspace) fit every later one.
         for bs in sorted(sizes, reverse=True):
-            for max_kv_len in reversed(self._kv_buckets):
+            for max_kv_len in reversed(self._bs_kv_buckets[bs]):
                 g = self._meta_fields(self._meta[max_kv_len], max_kv_len)
                 batch = Batch(
                     input_ids=g["input_ids"][:bs], positions=g["positions"][:bs], cu_seqlens_q=cu_seqlens[:bs + 1],
@@ -277,7 +294,7 @@ class ModelRunner:
         bs = int(self._bucket_of[n])
         slots = self._sync_tables(seqs)
         positions = np.fromiter((len(s.token_ids) for s in seqs), np.int64, n) + (ahead - 1)
-        max_kv_len = next(b for b in self._kv_buckets if b >= int(positions.max()) + 1)
+        max_kv_len = next(b for b in self._bs_kv_buckets[bs] if b >= int(positions.max()) + 1)
         st = self._meta_fields(self._meta_host[max_kv_len], max_kv_len)
         if token_index is None:
             st["input_ids"][:n] = np.fromiter((s.token_ids[-1] for s in seqs), np.int64, n)
