@@ -309,3 +309,25 @@ def test_latency_roofline_is_cuda_only_and_load_times_are_in_the_json(bench, tmp
     assert "CUDA only" in stdout
     res = json.loads(out.read_text())
     assert res["load_s"]["weights_s"] > 0 and "roofline" not in res
+
+
+def test_with_setting_sets_a_module_attribute_then_runs_the_module(monkeypatch, capsys):
+    """tools/with_setting.py: the A/B switch is set (converted to the attribute's type) before the module runs, and
+    a missing attribute or a malformed setting is an error that names it."""
+    import runpy
+
+    from tools import with_setting
+    from xserv.engine import model_runner
+
+    seen = {}
+    monkeypatch.setattr(model_runner, "FINE_KV_MAX_BATCH", model_runner.FINE_KV_MAX_BATCH)
+    monkeypatch.setattr(runpy, "run_module", lambda name, **kw: seen.update(
+        name=name, value=model_runner.FINE_KV_MAX_BATCH, argv=list(__import__("sys").argv)))
+    with_setting.main(["xserv.engine.model_runner.FINE_KV_MAX_BATCH=0", "--", "xserv", "bench", "latency"])
+    assert seen == {"name": "xserv", "value": 0, "argv": ["xserv", "bench", "latency"]}
+    assert isinstance(model_runner.FINE_KV_MAX_BATCH, int)
+    for bad, message in (("xserv.engine.model_runner.NO_SUCH=1", "no attribute 'NO_SUCH'"),
+                         ("xserv.engine.model_runner.FINE_KV_MAX_BATCH", "MODULE.ATTRIBUTE=VALUE"),
+                         ("xserv.engine.model_runner.FINE_KV_MAX_BATCH=many", "does not convert to int")):
+        with pytest.raises(SystemExit, match=message):
+            with_setting.main([bad, "--", "xserv"])

@@ -22,12 +22,8 @@ wait
 bench() {
   local name=$1 fine=$2
   shift 2
-  step "$name" 100 1 python3 -c "
-import sys
-import xserv.engine.model_runner as mr
-mr.FINE_KV_MAX_BATCH = $fine
-from xserv.cli import main
-sys.exit(main(['bench', 'latency', '--gpu-memory-fraction', '0.5', '--json', '$OUT/$name.json'] + sys.argv[1:]))" "$@"
+  step "$name" 100 1 python3 -m tools.with_setting xserv.engine.model_runner.FINE_KV_MAX_BATCH=$fine -- xserv bench \
+    latency --gpu-memory-fraction 0.5 --json "$OUT/$name.json" "$@"
 }
 for round in 1 2; do
   for m in $MODELS; do

@@ -3,7 +3,7 @@ torch's profiler (CUPTI: every kernel of the process, graph replays included) re
 Prints the kernels by total time, their sum against the recorded GPU span (the rest is gaps between kernels),
 and the device name. GPU machine only (needs torch).
 
-    python -m tools.profile_engine --model DIR [--warm 300 --steps 50 --temperature 0]
+    python -m tools.profile_engine --model DIR [--warm 300 --steps 50 --temperature 0 --kv-cache-dtype fp8_e4m3]
     python -m tools.profile_engine --model DIR --single-context 512 --warm 32 --steps 20 --timeline 16
                                    [--decode-kernel v4s4]
 
@@ -34,6 +34,8 @@ def main(argv=None) -> int:
     ap.add_argument("--timeline", type=int, default=0, help="print this many consecutive kernels of one step")
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="profile rank 0 of a tensor-parallel engine (its kernels include the all-reduces' waits)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bfloat16", "fp8_e4m3"),
+                    help="the KV cache's element type (EngineConfig.kv_cache_dtype)")
     ap.add_argument("--decode-kernel", default="",
                     help="the decode-attention kernel the model runs (xserv.ops.attention.decode.DECODE_KERNELS)")
     args = ap.parse_args(argv)
@@ -47,7 +49,7 @@ def main(argv=None) -> int:
 
     max_len = max(2048, args.single_context + args.warm + args.steps + 8)
     llm = LLM(args.model, device="cuda", max_model_len=max_len, progress=False,
-              tensor_parallel_size=args.tensor_parallel_size)
+              tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype)
     if args.decode_kernel:  # the kernel is in the decode graphs: capture them again
         from xserv.ops.attention import decode
 
