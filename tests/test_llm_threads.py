@@ -7,6 +7,7 @@ tie, and they check that a closed LLM gives its device memory back.
 """
 import _thread
 import gc
+import signal
 import threading
 import time
 import weakref
@@ -132,9 +133,16 @@ def test_keyboard_interrupt_aborts_only_its_caller(llm):
             started.set()
             threading.Timer(0.05, _thread.interrupt_main).start()
 
-    with pytest.raises(KeyboardInterrupt):
-        llm.generate("Hello", long, on_step=on_step)
-        time.sleep(30)  # never reached when the interrupt lands in generate(); fails the test through the timeout
+    # interrupt_main raises KeyboardInterrupt only through Python's own SIGINT handler: make sure it is the one in
+    # place (a pytest-xdist worker may hold another after an earlier test file's event loop: this test once failed
+    # in CI with "DID NOT RAISE")
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate("Hello", long, on_step=on_step)
+            time.sleep(30)  # never reached when the interrupt lands in generate(); fails the test through the timeout
+    finally:
+        signal.signal(signal.SIGINT, previous)
     for t in threads:
         t.join(60)
     assert results == others
