@@ -146,6 +146,28 @@ def test_tp2_graph_replay_in_lockstep(pair):
     assert one == eager[2]
 
 
+def test_tp2_short_context_graph_buckets_replay_in_lockstep(perturbed_model_dir):  # noqa: F811
+    """With max_model_len above the short-context buckets (model_runner.FINE_KV_BUCKETS), a decode that crosses from
+    the 512-key graph into the 1,024-key one: rank 0 sends each step's bucket, the worker replays the graph it captured
+    for that bucket from the same metadata image, and the tokens are the eager run's."""
+    from xserv import LLM
+
+    prompt = [int(t) for t in np.random.default_rng(5).integers(3, 200, 500)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    with LLM(str(perturbed_model_dir), device="cpu", max_model_len=1536, progress=False,
+             tensor_parallel_size=2) as tp:
+        eager = tp.generate([prompt], params)[0].token_ids
+        used = []
+
+        def factory(step):
+            return SimpleNamespace(replay=lambda: (used.append(step.__defaults__[0].max_kv_len), step()))
+
+        assert tp.runner.capture_decode_graphs(max_batch_size=2, graph_factory=factory) == [1, 2]
+        assert sorted(tp.runner.graphs) == [(bs, L) for bs in (1, 2) for L in (512, 1024, 1536)]
+        assert tp.generate([prompt], params)[0].token_ids == eager
+    assert used and set(used) == {512, 1024} and used.count(512) == 512 - 500
+
+
 def test_tp2_moe_matches_tp1(moe_dir):
     from xserv import LLM
 
