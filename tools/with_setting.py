@@ -27,10 +27,13 @@ def apply(setting: str) -> None:
     current = getattr(module, attribute)
     kind = type(current)
     try:
-        converted = kind(float(value)) if kind in (int, float) else (value.lower() in ("1", "true")
-                                                                   if kind is bool else kind(value))
+        if kind is bool:
+            converted = value.lower() in ("1", "true")
+        else:
+            converted = kind(float(value)) if kind in (int, float) else kind(value)
     except ValueError:
-        raise SystemExit(f"with_setting: {value!r} does not convert to {kind.__name__} ({target} is {current!r})") from None
+        raise SystemExit(f"with_setting: {value!r} does not convert to {kind.__name__} "
+                         f"({target} is {current!r})") from None
     setattr(module, attribute, converted)
 
 
