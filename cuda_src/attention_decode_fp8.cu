@@ -22,3 +22,27 @@ using namespace xserv::decode;
 #define XSERV_KV_FMT FP8
 #include "attention_decode_v4.cuh"
 #include "attention_decode_v2.cuh"
+
+// The 4-warp v4 kernel with the scores and the values on tensor cores (decode_split_v4's MMA branch; decode.py's
+// FP8_DECODE_MMA): attention_decode_fp8_v4_d128_g{G}_s2_mma, head_dim 128 (one 16-key block a warp and stage), groups of
+// at most 4 (KvChunksE4m3's 8 keys a lane and stage). Unmeasured when written (docs/kernels/attention.md, "FP8 KV
+// cache on tensor cores").
+#define XSERV_V4_MMA_ENTRY(FMT, D, G) XSERV_V4_MMA_ENTRY_(FMT, D, G)
+#define XSERV_V4_MMA_ENTRY_(FMT, D, G)                                                                           \
+    extern "C" __global__ void __launch_bounds__(128, XSERV_V4_MINB(G))                                          \
+        XSERV_PASTE(XSERV_KV_PREFIX_##FMT, v4_d##D##_g##G##_s2_mma)(XSERV_V4_ENTRY_ARGS(FMT)) {                 \
+        decode_split_v4<D, G, 2, kV4Warps, 1, false, KvChunksE4m3, true>(XSERV_DECODE_V4_PASS,                  \
+                                                                        XSERV_KV_POLICY_##FMT);                 \
+    }
+#if XSERV_PIECE(128, 1)
+XSERV_V4_MMA_ENTRY(XSERV_KV_FMT, 128, 1)
+#endif
+#if XSERV_PIECE(128, 2)
+XSERV_V4_MMA_ENTRY(XSERV_KV_FMT, 128, 2)
+#endif
+#if XSERV_PIECE(128, 3)
+XSERV_V4_MMA_ENTRY(XSERV_KV_FMT, 128, 3)
+#endif
+#if XSERV_PIECE(128, 4)
+XSERV_V4_MMA_ENTRY(XSERV_KV_FMT, 128, 4)
+#endif

@@ -243,7 +243,8 @@ __device__ __forceinline__ void combine_splits_v4(int* counter, int active, long
 // _lean entries): the fused entry only (positions given) and at most kV4FastCombine splits (the launcher guarantees
 // both), so that the body holds little but the path a short context runs. KV: the cache's format (KvChunksBf16,
 // KvChunksE4m3: attention_decode.cuh), kv its scales.
-template <int D, int G, int STAGES, int W = kV4Warps, int R = 1, bool LEAN = false, class KV = KvChunksBf16>
+template <int D, int G, int STAGES, int W = kV4Warps, int R = 1, bool LEAN = false, class KV = KvChunksBf16,
+          bool MMA = false>
 __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS_OF(typename KV::T), KV kv = KV()) {
     using Chunk = typename KV::Chunk;
     constexpr int U = KV::template kUnrollV4<G>;  // keys per lane and stage
@@ -452,151 +453,298 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS_OF(typename KV::T), KV kv =
         for (int g = 0; g < G; ++g) q_raw[g] = lds128(sm_rows + (unsigned)(g * D + 8 * c) * 2u);
     }
     const float q_mul = kv.q_scale(scale_log2);  // e4m3: times k_scale (attention_decode.cuh)
-    float qf[G][8];
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-        bf16x8_to_float(q_raw[g], qf[g]);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) qf[g][e] *= q_mul;
-    }
-    float m[G], l[G], acc[G][8];
-    empty_states(m, l, acc);
-    int rd = 0, wr = STAGES - 1;
-    for (int it = 0; it < n_it; ++it) {
-        if (!all_ahead && it + STAGES - 1 < n_it) issue(it + STAGES - 1, wr);
-        cp_async_commit_m();
-        cp_async_wait_m<STAGES - 1>();  // this lane's copies of stage `rd` have landed (all_ahead: of every stage)
-        const unsigned st = ring + (unsigned)(rd * NCH * 32) * CB;
-        if (it == it_n && warp == warp_n && sub == sub_n) {  // the newest key: its rows from sm_new_k / sm_new_v
-            KV::sts(st + u_n * SLOT, KV::lds(sm_new_k + c * CB));
-            KV::sts(st + (U + u_n) * SLOT, KV::lds(sm_new_v + c * CB));
-        }
-        rd = rd + 1 == STAGES ? 0 : rd + 1;
-        wr = wr + 1 == STAGES ? 0 : wr + 1;
-        const int jb = first + it * CI + sub;
-        // scores: per-lane partial dot products, then the transpose-reduce (see the header)
-        float sc[U][G];
-        constexpr int GP = G <= 1 ? 1 : G <= 2 ? 2 : G <= 4 ? 4 : 8;  // G padded to a power of two
-        constexpr int NP = U * GP;
-        constexpr int NF = NP >= LPK ? NP / LPK : 1;  // full scores a lane holds after the reduce
-        constexpr int R = NP >= LPK ? 1 : LPK / NP;   // lanes holding the same score
-        float v[NP];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            float kf[8];
-            KV::to_float_fast(KV::lds(st + u * SLOT), kf);
-#pragma unroll
-            for (int g = 0; g < GP; ++g) {
-                float d = 0.f;
-                if (g < G) {
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) d = fmaf(qf[g][e], kf[e], d);
-                }
-                v[u * GP + g] = d;
-            }
-        }
-        // transpose-reduce over the key's lanes: at lane bit `bit`, the lane with the bit set keeps the upper
-        // half of its values and sends the lower half, its partner the reverse
-#pragma unroll
-        for (int bit = LPK / 2, n = NP; bit >= 1; bit >>= 1) {
-            if (n > 1) {
-                const bool hi = (c & bit) != 0;
-                const int half = n / 2;
-#pragma unroll
-                for (int i = 0; i < NP / 2; ++i) {
-                    if (i < half) {
-                        const float a = v[i], b = v[i + half];
-                        const float send = hi ? a : b, keep = hi ? b : a;
-                        v[i] = keep + __shfl_xor_sync(0xffffffffu, send, bit);
-                    }
-                }
-                n = half;
-            } else {
-                v[0] += __shfl_xor_sync(0xffffffffu, v[0], bit);
-            }
-        }
-        // lane c now holds the full scores ((c / R) * NF + k), k < NF; gather them all into every lane
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-#pragma unroll
-            for (int g = 0; g < G; ++g) {
-                const int i = u * GP + g;
-                sc[u][g] = __shfl_sync(0xffffffffu, v[i % NF], sub * LPK + (i / NF) * R);
-            }
-        }
-        if (first + it * CI + KPI > end) {  // the last stage of the warp: mask keys past the end
-#pragma unroll
-            for (int u = 0; u < U; ++u)
-#pragma unroll
-                for (int g = 0; g < G; ++g)
-                    if (jb + u * KPS >= end) sc[u][g] = neg_inf();
-        }
-        // online softmax with a lazily raised max (see the header)
-        float mx[G];
-        bool grow = false;
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-            mx[g] = sc[0][g];
-#pragma unroll
-            for (int u = 1; u < U; ++u) mx[g] = fmaxf(mx[g], sc[u][g]);
-            grow |= mx[g] > m[g] + kV4Thresh;  // m = -inf: any valid key raises it
-        }
-        if (__any_sync(0xffffffffu, grow)) {
-#pragma unroll
-            for (int g = 0; g < G; ++g) {
-                const float m_new = fmaxf(m[g], mx[g]);
-                const float alpha = exp2_approx(m[g] - (m_new == neg_inf() ? 0.f : m_new));  // m = -inf: 0
-                l[g] *= alpha;
-#pragma unroll
-                for (int e = 0; e < 8; ++e) acc[g][e] *= alpha;
-                m[g] = m_new;
-            }
-        }
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-            const float m_use = m[g] == neg_inf() ? 0.f : m[g];
-#pragma unroll
-            for (int u = 0; u < U; ++u) sc[u][g] = exp2_approx(sc[u][g] - m_use);  // now p (0 for masked keys)
-        }
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            float vf[8];
-            KV::to_float_fast(KV::lds(st + (U + u) * SLOT), vf);
-#pragma unroll
-            for (int g = 0; g < G; ++g) {
-                l[g] += sc[u][g];
-#pragma unroll
-                for (int e = 0; e < 8; ++e) acc[g][e] = fmaf(sc[u][g], vf[e], acc[g][e]);
-            }
-        }
-    }
-    cp_async_wait_m<0>();
-
-    // Merge the KPS key groups of this warp (lanes c, c + LPK, ... hold the same columns).
-#pragma unroll
-    for (int off = LPK; off < 32; off <<= 1) {
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-            float acc_o[8];
-#pragma unroll
-            for (int e = 0; e < 8; ++e) acc_o[e] = __shfl_xor_sync(0xffffffffu, acc[g][e], off);
-            const float m_o = __shfl_xor_sync(0xffffffffu, m[g], off);
-            const float l_o = __shfl_xor_sync(0xffffffffu, l[g], off);
-            merge_state(m[g], l[g], acc[g], m_o, l_o, acc_o);
-        }
-    }
-    __syncthreads();  // every warp is past its last ring read: the ring becomes the merge area
     float* sm_acc = reinterpret_cast<float*>(smem_raw);  // [W][G][D]
     float* sm_m = sm_acc + W * G * D;                    // [W][G]
     float* sm_l = sm_m + W * G;                          // [W][G]
-    if (sub == 0) {
+    if constexpr (MMA) {
+        // ---- The scores and the values on tensor cores (the FP8 cache's _mma entries; docs/kernels/attention.md,
+        // "FP8 KV cache on tensor cores"). A warp's stage is one block of 16 keys (KPS x U); mma.sync m16n8k16 with
+        // f16 inputs (e4m3 codes are exact in f16; q * q_mul rounded to f16) and fp32 accumulators, v3's layout:
+        //   S = Q K^T: M = the G query heads (rows >= G zero), N = 8 keys (two n-blocks), K = 16 head dims a k-step.
+        //     The head dims are permuted alike in Q and K: lane (gq, tq) = (lane / 4, lane % 4) takes chunks
+        //     tq, tq + 4, ... (8 dims each) of its q head gq and of key gq of each n-block; k-step kk reads half
+        //     kk % 2 of chunk tq + 4 (kk / 2), whose two f16x2 words are the B registers as they convert.
+        //   O = P V: M = the heads, N = 8 output dims, K = the 16 keys; the S accumulators are P's A registers as
+        //     they stand. Output column n of n-tile nt is dim 8 (n + 8 (nt / 8)) + nt % 8, so a lane reads chunks gq
+        //     and gq + 8 of keys 2tq, 2tq + 1, 2tq + 8, 2tq + 9 and pairs their bytes (byte_perm) into B words.
+        // The ring is read across lanes (a lane reads chunks other lanes copied): __syncwarp after each lane's
+        // wait, and before a stage is refilled. Per 16 keys a lane runs 16 LDS.64, 64 conversions, 32 mma and
+        // 16 byte_perm instead of ~100 instructions a key (the CUDA-core loop's).
+        static_assert(KPI == 16 && D % 32 == 0 && G <= 8 && W == kV4Warps, "one 16-key block a warp and stage");
+        constexpr int KS = D / 16, QC = D / 32, NT = D / 8;  // k-steps, q/K chunks a lane, output n-tiles
+        const int gq = lane >> 2, tq = lane & 3;
+        unsigned qa[KS][2];  // A registers a0, a2 of each k-step (a1 = a3 = 0: rows 8..15)
 #pragma unroll
+        for (int i = 0; i < QC; ++i) {
+            const int cc = tq + 4 * i;
+            uint4 bits = make_uint4(0u, 0u, 0u, 0u);
+            if (gq < G)
+                bits = fused ? lds128(sm_rows + (unsigned)(gq * D + 8 * cc) * 2u)
+                             : *reinterpret_cast<const uint4*>(q_seq + (long long)(h0 + gq) * D + cc * 8);
+            float f[8];
+            bf16x8_to_float(bits, f);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                qa[2 * i + h][0] = pack_half2(f[4 * h] * q_mul, f[4 * h + 1] * q_mul);
+                qa[2 * i + h][1] = pack_half2(f[4 * h + 2] * q_mul, f[4 * h + 3] * q_mul);
+            }
+        }
+        const unsigned ring0 = ring - (unsigned)lane * CB;  // this warp's ring, not this lane's slots
+        auto at = [&](unsigned stage_base, int slot, int key, int chunk) {  // a chunk of key `key` in the stage
+            return stage_base + (unsigned)slot * SLOT + (unsigned)((key % KPS) * LPK + chunk) * CB;
+        };
+        float m = neg_inf(), l = 0.f, acc[NT][2];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = 0.f;
+        int rd = 0, wr = STAGES - 1;
+        for (int it = 0; it < n_it; ++it) {
+            __syncwarp();  // every lane is past its reads of the stage refilled now
+            if (!all_ahead && it + STAGES - 1 < n_it) issue(it + STAGES - 1, wr);
+            cp_async_commit_m();
+            cp_async_wait_m<STAGES - 1>();
+            const unsigned stb = ring0 + (unsigned)(rd * NCH * 32) * CB;
+            if (it == it_n && warp == warp_n && sub == sub_n) {  // the newest key: its rows from sm_new_k / sm_new_v
+                KV::sts(ring + (unsigned)(rd * NCH * 32) * CB + u_n * SLOT, KV::lds(sm_new_k + c * CB));
+                KV::sts(ring + (unsigned)(rd * NCH * 32) * CB + (U + u_n) * SLOT, KV::lds(sm_new_v + c * CB));
+            }
+            __syncwarp();  // every lane's copies (and the newest key's rows) are visible to the warp
+            rd = rd + 1 == STAGES ? 0 : rd + 1;
+            wr = wr + 1 == STAGES ? 0 : wr + 1;
+            // S: two n-blocks of 8 keys (key 8 nb + gq is this lane's B column)
+            float sc[2][4];
+#pragma unroll
+            for (int nb = 0; nb < 2; ++nb) {
+                sc[nb][0] = sc[nb][1] = sc[nb][2] = sc[nb][3] = 0.f;
+                const int key = 8 * nb + gq;
+#pragma unroll
+                for (int i = 0; i < QC; ++i) {
+                    const uint2 kc = KV::lds(at(stb, key / KPS, key, tq + 4 * i));
+                    unsigned k01, k23, k45, k67;
+                    e4m3::e4m3x4_to_half2x2(kc.x, k01, k23);
+                    e4m3::e4m3x4_to_half2x2(kc.y, k45, k67);
+                    const unsigned a0[4] = {qa[2 * i][0], 0u, qa[2 * i][1], 0u};
+                    const unsigned a1[4] = {qa[2 * i + 1][0], 0u, qa[2 * i + 1][1], 0u};
+                    mma_f16_16816(sc[nb], a0, k01, k23);
+                    mma_f16_16816(sc[nb], a1, k45, k67);
+                }
+            }
+            // this lane's scores: head gq, keys 8 nb + 2 tq + e (sc[nb][e], e < 2); mask past the end
+            const int j0 = first + it * CI;
+            float p[2][2];
+#pragma unroll
+            for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) p[nb][e] = j0 + 8 * nb + 2 * tq + e < end ? sc[nb][e] : neg_inf();
+            float mx = fmaxf(fmaxf(p[0][0], p[0][1]), fmaxf(p[1][0], p[1][1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            if (__any_sync(0xffffffffu, mx > m + kV4Thresh)) {  // the lazily raised max (see the header)
+                const float m_new = fmaxf(m, mx);
+                const float alpha = exp2_approx(m - (m_new == neg_inf() ? 0.f : m_new));
+                l *= alpha;
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) acc[nt][0] *= alpha, acc[nt][1] *= alpha;
+                m = m_new;
+            }
+            const float m_use = m == neg_inf() ? 0.f : m;
+#pragma unroll
+            for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    p[nb][e] = exp2_approx(p[nb][e] - m_use);
+                    l += p[nb][e];
+                }
+            const unsigned pa[4] = {pack_half2(p[0][0], p[0][1]), 0u, pack_half2(p[1][0], p[1][1]), 0u};
+            // O += P V over n-tiles: B words pair keys (2tq, 2tq+1) and (2tq+8, 2tq+9) at one dim
+#pragma unroll
+            for (int half = 0; half < NT / 8; ++half) {
+                const int cv = gq + 8 * half;
+                uint2 v[4];
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    const int key = 2 * tq + (q & 1) + 8 * (q >> 1);
+                    v[q] = KV::lds(at(stb, U + key / KPS, key, cv));
+                }
+#pragma unroll
+                for (int w = 0; w < 2; ++w) {  // the chunk's bytes 0..3 (w = 0) and 4..7
+                    const unsigned lo0 = w ? v[0].y : v[0].x, lo1 = w ? v[1].y : v[1].x;
+                    const unsigned hi0 = w ? v[2].y : v[2].x, hi1 = w ? v[3].y : v[3].x;
+#pragma unroll
+                    for (int pr = 0; pr < 2; ++pr) {  // bytes (2 pr, 2 pr + 1) of the word: two n-tiles
+                        const unsigned sel = pr ? 0x7362u : 0x5140u;
+                        unsigned b0a, b0b, b1a, b1b;
+                        e4m3::e4m3x4_to_half2x2(__byte_perm(lo0, lo1, sel), b0a, b0b);
+                        e4m3::e4m3x4_to_half2x2(__byte_perm(hi0, hi1, sel), b1a, b1b);
+                        const int nt = 8 * half + 4 * w + 2 * pr;
+                        float d0[4] = {acc[nt][0], acc[nt][1], 0.f, 0.f};
+                        float d1[4] = {acc[nt + 1][0], acc[nt + 1][1], 0.f, 0.f};
+                        mma_f16_16816(d0, pa, b0a, b1a);
+                        mma_f16_16816(d1, pa, b0b, b1b);
+                        acc[nt][0] = d0[0], acc[nt][1] = d0[1];
+                        acc[nt + 1][0] = d1[0], acc[nt + 1][1] = d1[1];
+                    }
+                }
+            }
+        }
+        cp_async_wait_m<0>();
+        l += __shfl_xor_sync(0xffffffffu, l, 1);  // the head's sum over its four lanes' keys
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        __syncthreads();  // every warp is past its last ring read: the ring becomes the merge area
+        if (gq < G) {
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e)
+                    sm_acc[(warp * G + gq) * D + 8 * (2 * tq + e + 8 * (nt / 8)) + nt % 8] = kv.out_v(acc[nt][e]);
+            if (tq == 0) {
+                sm_m[warp * G + gq] = m;
+                sm_l[warp * G + gq] = l;
+            }
+        }
+    } else {
+        float qf[G][8];
+    #pragma unroll
         for (int g = 0; g < G; ++g) {
-#pragma unroll
-            for (int e = 0; e < 8; ++e) sm_acc[(warp * G + g) * D + c * 8 + e] = kv.out_v(acc[g][e]);
-            if (c == 0) {
-                sm_m[warp * G + g] = m[g];
-                sm_l[warp * G + g] = l[g];
+            bf16x8_to_float(q_raw[g], qf[g]);
+    #pragma unroll
+            for (int e = 0; e < 8; ++e) qf[g][e] *= q_mul;
+        }
+        float m[G], l[G], acc[G][8];
+        empty_states(m, l, acc);
+        int rd = 0, wr = STAGES - 1;
+        for (int it = 0; it < n_it; ++it) {
+            if (!all_ahead && it + STAGES - 1 < n_it) issue(it + STAGES - 1, wr);
+            cp_async_commit_m();
+            cp_async_wait_m<STAGES - 1>();  // this lane's copies of stage `rd` have landed (all_ahead: of every stage)
+            const unsigned st = ring + (unsigned)(rd * NCH * 32) * CB;
+            if (it == it_n && warp == warp_n && sub == sub_n) {  // the newest key: its rows from sm_new_k / sm_new_v
+                KV::sts(st + u_n * SLOT, KV::lds(sm_new_k + c * CB));
+                KV::sts(st + (U + u_n) * SLOT, KV::lds(sm_new_v + c * CB));
+            }
+            rd = rd + 1 == STAGES ? 0 : rd + 1;
+            wr = wr + 1 == STAGES ? 0 : wr + 1;
+            const int jb = first + it * CI + sub;
+            // scores: per-lane partial dot products, then the transpose-reduce (see the header)
+            float sc[U][G];
+            constexpr int GP = G <= 1 ? 1 : G <= 2 ? 2 : G <= 4 ? 4 : 8;  // G padded to a power of two
+            constexpr int NP = U * GP;
+            constexpr int NF = NP >= LPK ? NP / LPK : 1;  // full scores a lane holds after the reduce
+            constexpr int R = NP >= LPK ? 1 : LPK / NP;   // lanes holding the same score
+            float v[NP];
+    #pragma unroll
+            for (int u = 0; u < U; ++u) {
+                float kf[8];
+                KV::to_float_fast(KV::lds(st + u * SLOT), kf);
+    #pragma unroll
+                for (int g = 0; g < GP; ++g) {
+                    float d = 0.f;
+                    if (g < G) {
+    #pragma unroll
+                        for (int e = 0; e < 8; ++e) d = fmaf(qf[g][e], kf[e], d);
+                    }
+                    v[u * GP + g] = d;
+                }
+            }
+            // transpose-reduce over the key's lanes: at lane bit `bit`, the lane with the bit set keeps the upper
+            // half of its values and sends the lower half, its partner the reverse
+    #pragma unroll
+            for (int bit = LPK / 2, n = NP; bit >= 1; bit >>= 1) {
+                if (n > 1) {
+                    const bool hi = (c & bit) != 0;
+                    const int half = n / 2;
+    #pragma unroll
+                    for (int i = 0; i < NP / 2; ++i) {
+                        if (i < half) {
+                            const float a = v[i], b = v[i + half];
+                            const float send = hi ? a : b, keep = hi ? b : a;
+                            v[i] = keep + __shfl_xor_sync(0xffffffffu, send, bit);
+                        }
+                    }
+                    n = half;
+                } else {
+                    v[0] += __shfl_xor_sync(0xffffffffu, v[0], bit);
+                }
+            }
+            // lane c now holds the full scores ((c / R) * NF + k), k < NF; gather them all into every lane
+    #pragma unroll
+            for (int u = 0; u < U; ++u) {
+    #pragma unroll
+                for (int g = 0; g < G; ++g) {
+                    const int i = u * GP + g;
+                    sc[u][g] = __shfl_sync(0xffffffffu, v[i % NF], sub * LPK + (i / NF) * R);
+                }
+            }
+            if (first + it * CI + KPI > end) {  // the last stage of the warp: mask keys past the end
+    #pragma unroll
+                for (int u = 0; u < U; ++u)
+    #pragma unroll
+                    for (int g = 0; g < G; ++g)
+                        if (jb + u * KPS >= end) sc[u][g] = neg_inf();
+            }
+            // online softmax with a lazily raised max (see the header)
+            float mx[G];
+            bool grow = false;
+    #pragma unroll
+            for (int g = 0; g < G; ++g) {
+                mx[g] = sc[0][g];
+    #pragma unroll
+                for (int u = 1; u < U; ++u) mx[g] = fmaxf(mx[g], sc[u][g]);
+                grow |= mx[g] > m[g] + kV4Thresh;  // m = -inf: any valid key raises it
+            }
+            if (__any_sync(0xffffffffu, grow)) {
+    #pragma unroll
+                for (int g = 0; g < G; ++g) {
+                    const float m_new = fmaxf(m[g], mx[g]);
+                    const float alpha = exp2_approx(m[g] - (m_new == neg_inf() ? 0.f : m_new));  // m = -inf: 0
+                    l[g] *= alpha;
+    #pragma unroll
+                    for (int e = 0; e < 8; ++e) acc[g][e] *= alpha;
+                    m[g] = m_new;
+                }
+            }
+    #pragma unroll
+            for (int g = 0; g < G; ++g) {
+                const float m_use = m[g] == neg_inf() ? 0.f : m[g];
+    #pragma unroll
+                for (int u = 0; u < U; ++u) sc[u][g] = exp2_approx(sc[u][g] - m_use);  // now p (0 for masked keys)
+            }
+    #pragma unroll
+            for (int u = 0; u < U; ++u) {
+                float vf[8];
+                KV::to_float_fast(KV::lds(st + (U + u) * SLOT), vf);
+    #pragma unroll
+                for (int g = 0; g < G; ++g) {
+                    l[g] += sc[u][g];
+    #pragma unroll
+                    for (int e = 0; e < 8; ++e) acc[g][e] = fmaf(sc[u][g], vf[e], acc[g][e]);
+                }
+            }
+        }
+        cp_async_wait_m<0>();
+
+        // Merge the KPS key groups of this warp (lanes c, c + LPK, ... hold the same columns).
+    #pragma unroll
+        for (int off = LPK; off < 32; off <<= 1) {
+    #pragma unroll
+            for (int g = 0; g < G; ++g) {
+                float acc_o[8];
+    #pragma unroll
+                for (int e = 0; e < 8; ++e) acc_o[e] = __shfl_xor_sync(0xffffffffu, acc[g][e], off);
+                const float m_o = __shfl_xor_sync(0xffffffffu, m[g], off);
+                const float l_o = __shfl_xor_sync(0xffffffffu, l[g], off);
+                merge_state(m[g], l[g], acc[g], m_o, l_o, acc_o);
+            }
+        }
+        __syncthreads();  // every warp is past its last ring read: the ring becomes the merge area
+        if (sub == 0) {
+    #pragma unroll
+            for (int g = 0; g < G; ++g) {
+    #pragma unroll
+                for (int e = 0; e < 8; ++e) sm_acc[(warp * G + g) * D + c * 8 + e] = kv.out_v(acc[g][e]);
+                if (c == 0) {
+                    sm_m[warp * G + g] = m[g];
+                    sm_l[warp * G + g] = l[g];
+                }
             }
         }
     }

@@ -92,9 +92,9 @@ __device__ __forceinline__ float2 half2_bits_to_float2(unsigned h) {
 
 // Four codes -> four exact floats (code i -> f[i]): the hardware conversion on sm_89+ unless HW is false (the FP8
 // GEMV's _soft entries, which its GPU test compares with the hardware ones bit for bit), the soft one below sm_89.
+// Four codes -> two f16x2 words, exact (lo: codes 0, 1; hi: codes 2, 3; the lower code in the low half).
 template <bool HW = true>
-__device__ __forceinline__ void e4m3x4_to_float4(unsigned v, float* f) {
-    unsigned lo, hi;
+__device__ __forceinline__ void e4m3x4_to_half2x2(unsigned v, unsigned& lo, unsigned& hi) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
     if (HW) {
         // the low byte of each 16-bit source goes to the low half (cuda_fp8.hpp's __nv_cvt_fp8x2_to_halfraw2)
@@ -107,6 +107,12 @@ __device__ __forceinline__ void e4m3x4_to_float4(unsigned v, float* f) {
 #else
     e4m3x4_to_half2x2_soft(v, lo, hi);
 #endif
+}
+
+template <bool HW = true>
+__device__ __forceinline__ void e4m3x4_to_float4(unsigned v, float* f) {
+    unsigned lo, hi;
+    e4m3x4_to_half2x2<HW>(v, lo, hi);
     const float2 a = half2_bits_to_float2(lo), b = half2_bits_to_float2(hi);
     f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y;
 }

@@ -331,7 +331,8 @@ def _source(family: str) -> str:
 # The decode entry macros of attention_decode_v4.cuh / _v2.cuh -> the name after the format's prefix
 _DECODE_ENTRIES = {"V4": "v4_d{0}_g{1}_s{2}", "V4_WIDE": "v4_d{0}_g{1}_s{2}_w{3}",
                    "V4_WIDE_SUBGROUPS": "v4_d{0}_g{1}_s{2}_w{3}_r{4}", "V4_LEAN": "v4_d{0}_g{1}_s2_w8_lean",
-                   "V4_LEAN_SUBGROUPS": "v4_d{0}_g{1}_s2_w8_r{2}_lean", "V2": "d{0}_g{1}"}
+                   "V4_LEAN_SUBGROUPS": "v4_d{0}_g{1}_s2_w8_r{2}_lean", "V4_MMA": "v4_d{0}_g{1}_s2_mma",
+                   "V2": "d{0}_g{1}"}
 
 
 def _kernel_names(family: str) -> set[str]:
@@ -409,7 +410,10 @@ def test_fp8_cache_instantiates_every_production_decode_kernel():
     bf16 = _kernel_names("attention_decode") | _kernel_names("attention_decode_v2")
     assert {n for n in fp8 if n.startswith("attention_decode_fp8_")} == fp8
     assert {D.DecodeKernel("v4", 4, "attention_decode").fp8_name(128, 2)} == {"attention_decode_fp8_v4_d128_g2_s2"}
-    assert {"attention_decode_" + n[len("attention_decode_fp8_"):] for n in fp8} == bf16 - {"attention_decode_combine"}
+    mma = {D.DecodeKernel("v4", 4, "attention_decode", suffix="_mma").fp8_name(128, g) for g in (1, 2, 3, 4)}
+    assert mma <= fp8  # FP8_DECODE_MMA: the FP8 cache's own tensor-core form of the 4-warp kernel
+    assert ({"attention_decode_" + n[len("attention_decode_fp8_"):] for n in fp8 - mma}
+            == bf16 - {"attention_decode_combine"})
     for variant, k in A.DECODE_KERNELS.items():
         assert k.has_fp8 == (variant in ("v4", "v4w4", "v4w8", "v2")), variant
         if not k.has_fp8:

@@ -440,6 +440,63 @@ def test_decode_fp8_plans_cuda_match_numpy(variant, batch, context, hq, hkv, d):
     assert errors(run(wrong), ref)[0] > 1e-2
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant, lens", [("v4w4", [1000]), ("v4w4", [700, 1, 33, 1200, 15]),
+                                           ("v4", "ragged64")])
+@pytest.mark.parametrize("hq, hkv", [(32, 8), (24, 8), (16, 8), (8, 8)])  # groups 4, 3, 2, 1 at head_dim 128
+def test_decode_fp8_mma_cuda_matches_numpy(monkeypatch, variant, lens, hq, hkv):
+    """FP8_DECODE_MMA: the 4-warp kernel's tensor-core form (scores and values by mma.sync on f16, the e4m3 codes
+    exact, q rounded to f16) over a NaN-poisoned output: close to the float64 reference of the dequantized cache
+    (every key of ragged lengths, 1 and 15 keys included, a batch of 64 through the plain v4 plan), and a 2% error in
+    v_scale fails the same check. It agrees with the CUDA-core form to the same tolerance."""
+    from xserv.ops.attention import decode as D
+    from xserv.testing import poisoned
+
+    rng = np.random.default_rng(hq + len(str(lens)))
+    lens = list(rng.integers(1, 1500, 64)) if lens == "ragged64" else lens
+    c = fp8_case(rng, [1] * len(lens), lens, hq, hkv, 128, 16)
+    kernel, splits, _ = _plan_of(c, variant)
+    assert kernel.variant == variant and kernel.subgroups == 1
+    ref = A.attention_decode_reference(c["q"], c["k_cache"], c["v_cache"], c["kv_lens"], c["tables"], c["scale"],
+                                       hq, np.float64, k_scale=c["k_scale"], v_scale=c["v_scale"])
+    t = tensors(c, "cuda")
+
+    def run(v_scale, mma):
+        monkeypatch.setattr(D, "FP8_DECODE_MMA", mma)
+        out = poisoned((len(lens), hq, 128), bfloat16)
+        return A.attention_decode(t["q"], t["k_cache"], t["v_cache"], t["kv_lens"], t["tables"], c["scale"],
+                                  max(lens), out=out, num_q_heads=hq, variant=variant, k_scale=t["k_scale"],
+                                  v_scale=v_scale).numpy()
+
+    got = run(t["v_scale"], True)
+    assert not np.isnan(got.astype(np.float32)).any()
+    mx, mean = errors(got, ref)
+    print(f"decode fp8 mma {variant} ({splits} splits) b{len(lens)} {hq}/{hkv}: max rel err {mx:.2e}, mean {mean:.2e}")
+    assert mx <= 1e-2
+    assert errors(got, run(t["v_scale"], False))[0] <= 1e-2
+    wrong = Tensor.from_numpy(c["v_scale"] * np.float32(1.02), "cuda")
+    assert errors(run(wrong, True), ref)[0] > 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq, hkv", [(32, 8), (16, 8)])
+def test_decode_rope_fp8_mma_writes_the_same_cache(monkeypatch, hq, hkv):
+    """The fused entry's tensor-core form (attention_decode_rope through v4w4 at 5 sequences): the new K/V codes in
+    the cache are the CUDA-core form's bytes, qkv is not modified, and the outputs agree within 1e-2."""
+    from xserv.ops.attention import decode as D
+
+    rng = np.random.default_rng(hq)
+    c = _fp8_rope_case(rng, [700, 1, 33, 1200, 64], hq, hkv, 128)
+    results = {}
+    for mma in (False, True):
+        monkeypatch.setattr(D, "FP8_DECODE_MMA", mma)
+        results[mma] = _decode_rope_fp8(c, True, True, "v4w4")
+    for a, b in zip(results[True][1:], results[False][1:]):
+        np.testing.assert_array_equal(a, b)
+    assert not np.isnan(results[True][0].astype(np.float32)).any()
+    assert errors(results[True][0], results[False][0])[0] <= 1e-2
+
+
 def _fp8_rope_case(rng, lens, hq, hkv, d, bs=16):
     """An FP8 case with the packed qkv of each sequence's new token (positions kv_len - 1, slots where the block
     table puts them), the RoPE table and head-norm weights."""
