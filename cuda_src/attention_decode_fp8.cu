@@ -24,8 +24,8 @@ using namespace xserv::decode;
 #include "attention_decode_v2.cuh"
 
 // The 4-warp v4 kernel with the scores and the values on tensor cores (decode_split_v4's MMA branch; decode.py's
-// FP8_DECODE_MMA): attention_decode_fp8_v4_d128_g{G}_s2_mma, head_dim 128 (one 16-key block a warp and stage), groups of
-// at most 4 (KvChunksE4m3's 8 keys a lane and stage). Unmeasured when written (docs/kernels/attention.md, "FP8 KV
+// FP8_DECODE_MMA): attention_decode_fp8_v4_d128_g{G}_s2_mma, head_dim 128 (one 16-key block a warp and stage: 8 keys a
+// lane and stage at every group size, G <= 8). Unmeasured when written (docs/kernels/attention.md, "FP8 KV
 // cache on tensor cores").
 #define XSERV_V4_MMA_ENTRY(FMT, D, G) XSERV_V4_MMA_ENTRY_(FMT, D, G)
 #define XSERV_V4_MMA_ENTRY_(FMT, D, G)                                                                           \
@@ -45,4 +45,16 @@ XSERV_V4_MMA_ENTRY(XSERV_KV_FMT, 128, 3)
 #endif
 #if XSERV_PIECE(128, 4)
 XSERV_V4_MMA_ENTRY(XSERV_KV_FMT, 128, 4)
+#endif
+#if XSERV_PIECE(128, 5)
+XSERV_V4_MMA_ENTRY(XSERV_KV_FMT, 128, 5)
+#endif
+#if XSERV_PIECE(128, 6)
+XSERV_V4_MMA_ENTRY(XSERV_KV_FMT, 128, 6)
+#endif
+#if XSERV_PIECE(128, 7)
+XSERV_V4_MMA_ENTRY(XSERV_KV_FMT, 128, 7)
+#endif
+#if XSERV_PIECE(128, 8)
+XSERV_V4_MMA_ENTRY(XSERV_KV_FMT, 128, 8)
 #endif

@@ -247,7 +247,8 @@ template <int D, int G, int STAGES, int W = kV4Warps, int R = 1, bool LEAN = fal
           bool MMA = false>
 __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS_OF(typename KV::T), KV kv = KV()) {
     using Chunk = typename KV::Chunk;
-    constexpr int U = KV::template kUnrollV4<G>;  // keys per lane and stage
+    // keys per lane and stage (MMA: one 16-key block a warp, for every G: its registers do not grow with G)
+    constexpr int U = MMA ? 16 / (32 / (D / 8)) : KV::template kUnrollV4<G>;
     constexpr int LPK = D / 8;         // lanes per key
     constexpr int KPS = 32 / LPK;      // keys side by side in a warp
     constexpr int KPI = KPS * U;       // keys per warp and stage

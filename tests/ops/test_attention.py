@@ -410,7 +410,7 @@ def test_fp8_cache_instantiates_every_production_decode_kernel():
     bf16 = _kernel_names("attention_decode") | _kernel_names("attention_decode_v2")
     assert {n for n in fp8 if n.startswith("attention_decode_fp8_")} == fp8
     assert {D.DecodeKernel("v4", 4, "attention_decode").fp8_name(128, 2)} == {"attention_decode_fp8_v4_d128_g2_s2"}
-    mma = {D.DecodeKernel("v4", 4, "attention_decode", suffix="_mma").fp8_name(128, g) for g in (1, 2, 3, 4)}
+    mma = {D.DecodeKernel("v4", 4, "attention_decode", suffix="_mma").fp8_name(128, g) for g in range(1, 9)}
     assert mma <= fp8  # FP8_DECODE_MMA: the FP8 cache's own tensor-core form of the 4-warp kernel
     assert ({"attention_decode_" + n[len("attention_decode_fp8_"):] for n in fp8 - mma}
             == bf16 - {"attention_decode_combine"})

@@ -443,7 +443,7 @@ def test_decode_fp8_plans_cuda_match_numpy(variant, batch, context, hq, hkv, d):
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant, lens", [("v4w4", [1000]), ("v4w4", [700, 1, 33, 1200, 15]),
                                            ("v4", "ragged64")])
-@pytest.mark.parametrize("hq, hkv", [(32, 8), (24, 8), (16, 8), (8, 8)])  # groups 4, 3, 2, 1 at head_dim 128
+@pytest.mark.parametrize("hq, hkv", [(32, 8), (24, 8), (16, 8), (8, 8), (64, 8), (40, 8), (32, 4)])  # G 4 3 2 1 8 5 8
 def test_decode_fp8_mma_cuda_matches_numpy(monkeypatch, variant, lens, hq, hkv):
     """FP8_DECODE_MMA: the 4-warp kernel's tensor-core form (scores and values by mma.sync on f16, the e4m3 codes
     exact, q rounded to f16) over a NaN-poisoned output: close to the float64 reference of the dequantized cache

@@ -171,7 +171,7 @@ DECODE_KERNELS = {k.variant: k for k in (
 )}
 DEFAULT_DECODE = "v4"
 # On an FP8 (e4m3) cache, the 4-warp v4 kernel's scores and values on tensor cores (attention_decode_fp8.cu's _mma
-# entries: head_dim 128, groups of at most 4): where the CUDA-core loop read K/V at ~55% of copy bandwidth at large
+# entries: head_dim 128, groups of at most 8): where the CUDA-core loop read K/V at ~55% of copy bandwidth at large
 # batches (docs/kernels/attention.md, "FP8 KV cache on tensor cores"). Unmeasured when written: off by default; a
 # module attribute so that benchmarks and tests can compare them.
 FP8_DECODE_MMA = False
@@ -402,7 +402,7 @@ def _launch(plan: tuple[DecodeKernel, int, int], q: Tensor, k_cache: Tensor, v_c
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
     if (scales is not None and FP8_DECODE_MMA and k.variant in ("v4", "v4w4") and k.subgroups == 1
-            and head_dim == 128 and group <= 4):  # the FP8 cache's tensor-core form of the 4-warp kernel
+            and head_dim == 128 and group <= 8):  # the FP8 cache's tensor-core form of the 4-warp kernel
         k = replace(k, suffix="_mma")
         plan = (k, splits, chunk)
     heads = num_kv_heads * k.subgroups  # grid rows: one per query-head subgroup of each kv head
