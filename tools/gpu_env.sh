@@ -3,7 +3,7 @@
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-/tmp/xserv-out}; mkdir -p "$OUT"
 bash tools/gpu_session.sh env >/dev/null 2>&1
-export PYTHONUNBUFFERED=1 XSERV_CACHE_DIR=${XSERV_CACHE_DIR:-/tmp/xserv-cache}
+export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 XSERV_CACHE_DIR=${XSERV_CACHE_DIR:-/tmp/xserv-cache}
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$PWD || export PYTHONPATH=$PWD
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 # run_test_paths "TESTS" TIMEOUT PATH...: `pytest -m gpu` over TESTS on each kernel path side by side (native, or an
@@ -14,7 +14,7 @@ run_test_paths() {
   for path in "$@"; do (
     if [ $path = native ]; then unset XSERV_ARCH; else export XSERV_ARCH=$path; fi
     export XSERV_CACHE_DIR=/tmp/xserv-cache-$path
-    timeout $limit python3 -m pytest -m gpu -q -p no:cacheprovider $tests > $OUT/tests-$path.log 2>&1
+    timeout -s ABRT -k 10 $limit python3 -m pytest -m gpu -q -p no:cacheprovider $tests > $OUT/tests-$path.log 2>&1
     echo "rc=$?" >> $OUT/tests-$path.log ) &
   done
   wait

@@ -10,7 +10,8 @@ step() {
   ((limit > left)) && limit=$left
   echo "=== $name ($((SECONDS - START)) s in, limit $limit s)"
   t=$SECONDS
-  timeout -k 10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+  # SIGABRT at the limit: Python (PYTHONFAULTHANDLER, gpu_env.sh) prints every thread's stack into the log first
+  timeout -s ABRT -k 10 "$limit" "$@" >"$OUT/$name.log" 2>&1
   rc=$?
   grep -av 'it/s]\|tok/s]\|tensor/s]' "$OUT/$name.log" | tail -n "$tail_n"
   case $rc in
