@@ -579,13 +579,22 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine_add(const bf16* __
 // bits): grid (H / 32, max tiles) as moe_gemm_down_small. y [k, H] bf16 (the expert rows, still stored: the last
 // CTA of each row block reads them back from L2); weights fp32 [k]; out bf16 [1, H] (store) or fp32 [1, H] (the
 // residual, add); counters int32 [H / 32], zero between launches; early_trigger 0 / 1: see struct Combine.
-#define XSERV_MOE_DOWN_ONE(NAME, MODE, OUT)                                                                          \
+// STAGES, BK: the ring. At one token a CTA streams 32 rows x K = 768 of one expert, and with 64-wide chunks and 4
+// stages its loads go out in 4 dependent rounds: in the model (weights from DRAM) down ends ~14 us after gate/up
+// for ~8 us of bytes, the same with its weights already in L2 (docs/kernels/moe.md, "v5"). The _k128 (4 stages of
+// 128: 2 rounds, 41 KB, one wave of CTAs) and _k256 (3 stages of 256: the whole row at once, 61 KB, 3 CTAs per SM)
+// forms shorten that chain (ops/moe.py's DOWN_ONE_BK chooses; v6).
+#define XSERV_MOE_DOWN_ONE(NAME, MODE, OUT, STAGES, BK)                                                              \
     extern "C" __global__ void __launch_bounds__(128) NAME(                                                          \
         const bf16* __restrict__ act, const bf16* __restrict__ w, const int* __restrict__ sorted,                     \
         const int* __restrict__ tile_expert, bf16* __restrict__ y, int top_k, int K, int N,                         \
         const float* __restrict__ weights, OUT* out, int* counters, int early_trigger) {                             \
-        moe_gemm<1, 1, 4, 8, 4, 64, false, false, MODE>(act, w, sorted, tile_expert, y, top_k, K, N, OneToken{},    \
-                                                        Combine{weights, out, counters, early_trigger});             \
+        moe_gemm<1, 1, 4, 8, STAGES, BK, false, false, MODE>(act, w, sorted, tile_expert, y, top_k, K, N,            \
+                                                             OneToken{}, Combine{weights, out, counters, early_trigger});\
     }
-XSERV_MOE_DOWN_ONE(moe_gemm_down_one_store, kCombineStore, bf16)
-XSERV_MOE_DOWN_ONE(moe_gemm_down_one_add, kCombineAdd, float)
+XSERV_MOE_DOWN_ONE(moe_gemm_down_one_store, kCombineStore, bf16, 4, 64)
+XSERV_MOE_DOWN_ONE(moe_gemm_down_one_add, kCombineAdd, float, 4, 64)
+XSERV_MOE_DOWN_ONE(moe_gemm_down_one_store_k128, kCombineStore, bf16, 4, 128)
+XSERV_MOE_DOWN_ONE(moe_gemm_down_one_add_k128, kCombineAdd, float, 4, 128)
+XSERV_MOE_DOWN_ONE(moe_gemm_down_one_store_k256, kCombineStore, bf16, 3, 256)
+XSERV_MOE_DOWN_ONE(moe_gemm_down_one_add_k256, kCombineAdd, float, 3, 256)

@@ -369,6 +369,31 @@ def test_cuda_one_token_fused_combine_is_the_unfused_path_bit_for_bit(rng, shape
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("bk", [128, 256])
+@pytest.mark.parametrize("mode", ["add", "store"])
+@pytest.mark.parametrize("shape", ONE_TOKEN_SHAPES, ids=lambda s: "e{}_k{}_h{}_i{}".format(*s))
+def test_cuda_one_token_down_rings_match_the_reference(rng, monkeypatch, shape, mode, bk):
+    """DOWN_ONE_BK: the one-token down GEMM's wider rings (_k128, _k256) compute the shipped form's sums in another
+    order of K chunks: within the fused test's tolerance of the reference, and of the 64-wide form, into a
+    NaN-poisoned workspace; the counters are zero again afterwards."""
+    from xserv.ops import moe as M
+
+    e, k, h, inter = shape
+    x, router, gate_up, down = one_token_inputs(rng, e, k, h, inter)
+    dev = [Tensor.from_numpy(a) for a in (x, router, gate_up, down)]
+    init = random_array(rng, (1, h), np.float32, mean=0.5) if mode == "add" else np.full((1, h), np.nan, bfloat16)
+    base, _, _ = run_one_token(dev, MoeShape(e, k, h, inter), init, fuse=True)
+    monkeypatch.setattr(M, "DOWN_ONE_BK", bk)
+    got, ws, names = run_one_token(dev, MoeShape(e, k, h, inter), init, fuse=True)
+    assert names[-1] == "down+combine" and not np.isnan(got.astype(np.float32)).any()
+    assert not ws.counters.numpy().any()
+    ref = moe_experts_reference(x, router, gate_up, down, k, True, logits=ws.logits.numpy()[:1])
+    as_result = (lambda a: a - init) if mode == "add" else (lambda a: a.astype(np.float32))
+    assert rel_error(as_result(got), ref.astype(bfloat16).astype(np.float32)) < 4e-3
+    assert rel_error(as_result(got), as_result(base)) < 4e-3
+
+
+@pytest.mark.gpu
 def test_cuda_one_token_fused_combine_replays_in_a_graph_with_new_routings(rng):
     """One capture of the fused one-token block, replayed with a new token (so new experts) each time: each replay
     must equal the unfused launches run eagerly on the same input, bit for bit, and leave the counters at zero. A

@@ -209,6 +209,11 @@ _ONE_CTA_ROUTE_MAX_TOKENS = 16
 #   XSERV_MOE_FUSE_COMBINE=0      the down GEMM and moe_combine_* as two launches (before v4); 1 (default) fused
 #   XSERV_MOE_DOWN_TRIGGER=early  the fused kernel lets the next launch begin right after its wait; late (default)
 #                                 only when it ends, as moe_combine_add did
+# The one-token down GEMM's ring (moe.cu's moe_gemm_down_one_*): 64-wide chunks in 4 stages (the shipped form), 128 in
+# 4 (_k128) or 256 in 3 (_k256: a CTA's whole K = 768 in flight at once). A module attribute so that benchmarks can
+# compare them (tools/with_setting.py); read when the launches are made (docs/kernels/moe.md, "v6").
+DOWN_ONE_BK = 64
+_DOWN_ONE_RING = {64: (4, ""), 128: (4, "_k128"), 256: (3, "_k256")}  # BK -> (stages, entry suffix)
 FUSE_COMBINE_ENV = "XSERV_MOE_FUSE_COMBINE"
 DOWN_TRIGGER_ENV = "XSERV_MOE_DOWN_TRIGGER"
 DOWN_TRIGGERS = ("late", "early")
@@ -265,6 +270,9 @@ def moe_stages(x, router, gate_up, down, shape: MoeShape, renormalize: bool, out
         fuse_combine = fused_combine_from_env()
     fused = one_token and fuse_combine
     if fused:
+        if DOWN_ONE_BK not in _DOWN_ONE_RING:
+            raise ValueError(f"DOWN_ONE_BK={DOWN_ONE_BK}: expected one of {sorted(_DOWN_ONE_RING)}")
+        down_ring = _DOWN_ONE_RING[DOWN_ONE_BK]
         trigger = down_trigger or down_trigger_from_env()
         if trigger not in DOWN_TRIGGERS:
             raise ValueError(f"down_trigger={trigger!r}: expected one of {', '.join(DOWN_TRIGGERS)}")
@@ -292,10 +300,10 @@ def moe_stages(x, router, gate_up, down, shape: MoeShape, renormalize: bool, out
                 (cdiv(inter, cfg.rows // 2), max_tiles), cfg.threads, x, gate_up, ws.sorted, ws.tile_expert, ws.act,
                 np.int32(k), np.int32(h), np.int32(inter), smem=cfg.smem, pdl=True))]),
         # one token: the combine inside the down GEMM (the last CTA of each row block; same grid, same bits)
-        *([("down+combine", lambda: kernel(family, f"moe_gemm_down_one_{mode}")(
+        *([("down+combine", lambda: kernel(family, f"moe_gemm_down_one_{mode}{down_ring[1]}")(
             (cdiv(h, cfg.rows), max_tiles), cfg.threads, ws.act, down, ws.sorted, ws.tile_expert, ws.y,
-            np.int32(k), np.int32(inter), np.int32(h), ws.weights, out, ws.counters, np.int32(early), smem=cfg.smem,
-            pdl=True))] if fused else [
+            np.int32(k), np.int32(inter), np.int32(h), ws.weights, out, ws.counters, np.int32(early),
+            smem=_gemm_config(1, 1, 4, _TILES["small"], down_ring[0], DOWN_ONE_BK).smem, pdl=True))] if fused else [
             ("down", lambda: kernel(family, f"moe_gemm_down_{size}")(
                 (cdiv(h, cfg.rows), max_tiles), cfg.threads, ws.act, down, ws.sorted, ws.tile_expert, ws.y,
                 np.int32(k), np.int32(inter), np.int32(h), smem=cfg.smem, pdl=True)),
