@@ -340,11 +340,16 @@ def bits(a):
 @pytest.mark.parametrize("trigger", ["late", "early"])
 @pytest.mark.parametrize("mode", ["add", "store"])
 @pytest.mark.parametrize("shape", ONE_TOKEN_SHAPES, ids=lambda s: "e{}_k{}_h{}_i{}".format(*s))
-def test_cuda_one_token_fused_combine_is_the_unfused_path_bit_for_bit(rng, shape, mode, trigger):
+def test_cuda_one_token_fused_combine_is_the_unfused_path_bit_for_bit(rng, monkeypatch, shape, mode, trigger):
     """The fused down GEMM (the last CTA of each row block combines it) against the two launches it replaces, on the
     same fresh inputs: the same output bits, the same expert rows, and moe_combine's float32 arithmetic on those rows
     exactly. The fused run's workspace starts poisoned (NaN rows): a CTA that combined before every expert's rows
-    were stored would read NaN. Its counters are all zero again afterwards (the next launch counts from zero)."""
+    were stored would read NaN. Its counters are all zero again afterwards (the next launch counts from zero). The
+    fused kernel runs the unfused one's 64-wide ring (DOWN_ONE_BK 64): the same sums in the same order; the default
+    wider ring is checked against this form below."""
+    from xserv.ops import moe as M
+
+    monkeypatch.setattr(M, "DOWN_ONE_BK", 64)
     e, k, h, inter = shape
     x, router, gate_up, down = one_token_inputs(rng, e, k, h, inter)
     dev = [Tensor.from_numpy(a) for a in (x, router, gate_up, down)]
@@ -373,15 +378,16 @@ def test_cuda_one_token_fused_combine_is_the_unfused_path_bit_for_bit(rng, shape
 @pytest.mark.parametrize("mode", ["add", "store"])
 @pytest.mark.parametrize("shape", ONE_TOKEN_SHAPES, ids=lambda s: "e{}_k{}_h{}_i{}".format(*s))
 def test_cuda_one_token_down_rings_match_the_reference(rng, monkeypatch, shape, mode, bk):
-    """DOWN_ONE_BK: the one-token down GEMM's wider rings (_k128, _k256) compute the shipped form's sums in another
-    order of K chunks: within the fused test's tolerance of the reference, and of the 64-wide form, into a
-    NaN-poisoned workspace; the counters are zero again afterwards."""
+    """DOWN_ONE_BK: the one-token down GEMM's wider rings (_k128, the default, and _k256) compute the 64-wide form's
+    sums (the unfused path's bits, above) in another order of K chunks: within the fused test's tolerance of the
+    reference, and of the 64-wide form, into a NaN-poisoned workspace; the counters are zero again afterwards."""
     from xserv.ops import moe as M
 
     e, k, h, inter = shape
     x, router, gate_up, down = one_token_inputs(rng, e, k, h, inter)
     dev = [Tensor.from_numpy(a) for a in (x, router, gate_up, down)]
     init = random_array(rng, (1, h), np.float32, mean=0.5) if mode == "add" else np.full((1, h), np.nan, bfloat16)
+    monkeypatch.setattr(M, "DOWN_ONE_BK", 64)
     base, _, _ = run_one_token(dev, MoeShape(e, k, h, inter), init, fuse=True)
     monkeypatch.setattr(M, "DOWN_ONE_BK", bk)
     got, ws, names = run_one_token(dev, MoeShape(e, k, h, inter), init, fuse=True)
@@ -396,7 +402,8 @@ def test_cuda_one_token_down_rings_match_the_reference(rng, monkeypatch, shape, 
 @pytest.mark.gpu
 def test_cuda_one_token_fused_combine_replays_in_a_graph_with_new_routings(rng):
     """One capture of the fused one-token block, replayed with a new token (so new experts) each time: each replay
-    must equal the unfused launches run eagerly on the same input, bit for bit, and leave the counters at zero. A
+    must equal the same launches run eagerly on the same input with a fresh workspace, bit for bit, and leave the
+    counters at zero (the eager fused form is the unfused path's bits at the 64-wide ring, tested above). A
     counter left non-zero by a replay would make the next replay's last CTA of that row block never combine (or
     combine too early), and its rows of the residual would differ."""
     from xserv.runtime.graphs import CUDAGraph
@@ -423,7 +430,7 @@ def test_cuda_one_token_fused_combine_replays_in_a_graph_with_new_routings(rng):
         ws.y.copy_(poisoned(ws.y.shape, ws.y.dtype).numpy())
         graph.replay()
         got = residual.numpy()
-        want, ws_ref, _ = run_one_token([Tensor.from_numpy(x_new), *dev[1:]], mshape, start, fuse=False)
+        want, ws_ref, _ = run_one_token([Tensor.from_numpy(x_new), *dev[1:]], mshape, start, fuse=True)
         np.testing.assert_array_equal(bits(got), bits(want), err_msg=f"replay {replay}")
         ids = ws.ids.numpy()[:k]
         np.testing.assert_array_equal(ids, ws_ref.ids.numpy()[:k])

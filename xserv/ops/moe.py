@@ -209,10 +209,12 @@ _ONE_CTA_ROUTE_MAX_TOKENS = 16
 #   XSERV_MOE_FUSE_COMBINE=0      the down GEMM and moe_combine_* as two launches (before v4); 1 (default) fused
 #   XSERV_MOE_DOWN_TRIGGER=early  the fused kernel lets the next launch begin right after its wait; late (default)
 #                                 only when it ends, as moe_combine_add did
-# The one-token down GEMM's ring (moe.cu's moe_gemm_down_one_*): 64-wide chunks in 4 stages (the shipped form), 128 in
-# 4 (_k128) or 256 in 3 (_k256: a CTA's whole K = 768 in flight at once). A module attribute so that benchmarks can
-# compare them (tools/with_setting.py); read when the launches are made (docs/kernels/moe.md, "v6").
-DOWN_ONE_BK = 64
+# The one-token down GEMM's ring (moe.cu's moe_gemm_down_one_*): 64-wide chunks in 4 stages (the unfused down GEMM's
+# ring: the same sums bit for bit), 128 in 4 (_k128, the default: 2 dependent load rounds instead of 4; 30B-A3B batch 1
+# on an H100 314.8-315.0 -> 320.7-320.8 tok/s) or 256 in 3 (_k256: a CTA's whole K = 768 in flight at once, measured
+# slower: 301.3). A module attribute so that benchmarks can compare them (tools/with_setting.py); read when the
+# launches are made (docs/kernels/moe.md, "v6").
+DOWN_ONE_BK = 128
 _DOWN_ONE_RING = {64: (4, ""), 128: (4, "_k128"), 256: (3, "_k256")}  # BK -> (stages, entry suffix)
 FUSE_COMBINE_ENV = "XSERV_MOE_FUSE_COMBINE"
 DOWN_TRIGGER_ENV = "XSERV_MOE_DOWN_TRIGGER"
