@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The FP8 KV cache's decode on tensor cores (decode.py's FP8_DECODE_MMA, attention_decode_fp8.cu's _mma entries;
-# docs/kernels/attention.md "FP8 KV cache on tensor cores"), written without a GPU: the first run, one call (~8 min):
+# docs/kernels/attention.md "FP8 KV cache on tensor cores"; on by default), its A/B on the lent GPU, one call (~6 min):
 #   1. its GPU tests natively and with XSERV_ARCH=sm_80 side by side (against the float64 reference, against the
-#      CUDA-core form, the fused entry's cache bytes), then the whole FP8-cache suite with the form forced on;
+#      CUDA-core form, the fused entry's cache bytes);
 #   2. the standard offline workload with an FP8 KV cache, FP8_DECODE_MMA 0 and 1 (8B-shaped FP8 weights, then
 #      0.6B-shaped bf16), and a profile of the 8B step's kernels with it on.
 #   bash tools/gpu_check_fp8kv_mma.sh
@@ -17,7 +17,6 @@ declare -A MAKE=([q-0.6b]="--preset 0.6b" [q-8b-fp8]="--preset 8b --fp8")
 T=tests/ops/test_attention_fp8_kv.py
 MMA="python3 -m tools.with_setting xserv.ops.attention.decode.FP8_DECODE_MMA"  # $MMA=0|1 -- MODULE ARGS...
 run_test_paths "$T -k mma" 200 native sm_80
-step tests-forced 240 3 $MMA=1 -- pytest -q -m gpu $T tests/test_fp8_kv_model.py -x -p no:cacheprovider
 wait
 for m in q-8b-fp8 q-0.6b; do
   for on in 0 1; do

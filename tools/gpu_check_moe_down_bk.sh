@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The one-token MoE down GEMM's wider rings (ops/moe.py DOWN_ONE_BK 64 / 128 / 256; docs/kernels/moe.md "v6"), written
-# without a GPU: the first run, one call (~6 min): the MoE op GPU tests natively and with XSERV_ARCH=sm_80 side by
+# The one-token MoE down GEMM's rings (ops/moe.py DOWN_ONE_BK 64 / 128, the default, / 256; docs/kernels/moe.md "v6")
+# compared on the lent GPU, one call (~6 min): the MoE op GPU tests natively and with XSERV_ARCH=sm_80 side by
 # side; 30B-A3B-shaped batch-1 decode at context 512 (`xserv bench latency`, as issue 30 measures it) with each ring,
 # alternating, on 12 layers (two rounds) and on the whole 48-layer model; a profile of the 12-layer step at 256.
 #   bash tools/gpu_check_moe_down_bk.sh
