@@ -113,7 +113,8 @@ def _piece_names(family: str, key) -> set[str]:
                             "V4_WIDE_ENTRY": lambda: f"v4_d{a[0]}_g{a[1]}_s{a[2]}_w{a[3]}",
                             "V4_WIDE_SUBGROUPS_ENTRY": lambda: f"v4_d{a[0]}_g{a[1]}_s{a[2]}_w{a[3]}_r{a[4]}",
                             "V4_LEAN_ENTRY": lambda: f"v4_d{a[0]}_g{a[1]}_s2_w8_lean",
-                            "V4_LEAN_SUBGROUPS_ENTRY": lambda: f"v4_d{a[0]}_g{a[1]}_s2_w8_r{a[2]}_lean"}[macro]())
+                            "V4_LEAN_SUBGROUPS_ENTRY": lambda: f"v4_d{a[0]}_g{a[1]}_s2_w8_r{a[2]}_lean",
+                            "V4_MMA_ENTRY": lambda: f"v4_d{a[0]}_g{a[1]}_s2_mma"}[macro]())
     return names
 
 
@@ -134,6 +135,8 @@ def launched_decode_kernels(head_dim: int, group: int) -> dict[str, set[str]]:
             for sub in kernels:
                 name = (sub.fp8_name if fp8 else sub.name)(head_dim, group)
                 names |= {name, name + "_lean"} if sub.has_lean(head_dim, group) else {name}
+                if fp8 and D.has_fp8_mma(sub, head_dim, group):  # FP8_DECODE_MMA's tensor-core form
+                    names.add(dataclasses.replace(sub, suffix="_mma").fp8_name(head_dim, group))
     return out
 
 

@@ -402,8 +402,7 @@ def _launch(plan: tuple[DecodeKernel, int, int], q: Tensor, k_cache: Tensor, v_c
     num_seqs, _, head_dim = out.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
-    if (scales is not None and FP8_DECODE_MMA and k.variant in ("v4", "v4w4") and k.subgroups == 1
-            and head_dim == 128 and group <= 8):  # the FP8 cache's tensor-core form of the 4-warp kernel
+    if scales is not None and FP8_DECODE_MMA and has_fp8_mma(k, head_dim, group):
         k = replace(k, suffix="_mma")
         plan = (k, splits, chunk)
     heads = num_kv_heads * k.subgroups  # grid rows: one per query-head subgroup of each kv head
@@ -461,6 +460,12 @@ def _module(family: str, head_dim: int, group: int) -> str:
     compiles the model's, another shape compiles on first use), attention_decode_fp8 likewise (kvfp8=1: an FP8-cache
     model's start-up compiles it); the dev family whole."""
     return piece(family, head_dim=head_dim, group=group, kvfp8=1)
+
+
+def has_fp8_mma(k: DecodeKernel, head_dim: int, group: int) -> bool:
+    """Does k have an FP8-cache tensor-core form for this shape (attention_decode_fp8.cu's _mma entries, which an FP8
+    launch takes where FP8_DECODE_MMA is on): the 4-warp v4 kernel on whole groups of at most 8, head_dim 128."""
+    return k.variant in ("v4", "v4w4") and k.subgroups == 1 and head_dim == 128 and group <= 8
 
 
 def lean_entry(k: DecodeKernel, head_dim: int, group: int, splits: int) -> bool:
