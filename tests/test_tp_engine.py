@@ -220,6 +220,46 @@ def test_killed_worker_fails_rank0_within_30s(perturbed_model_dir):  # noqa: F81
     assert leaked(segments) == []
 
 
+def _sleep_until_a_message(channel_name: str, wake) -> None:
+    """A spawned stand-in for an idle worker: asleep in the worker's own wait for rank 0's next message."""
+    from multiprocessing import shared_memory
+
+    from xserv.parallel.group import StepChannel, _wait_message
+
+    _wait_message(StepChannel(shared_memory.SharedMemory(name=channel_name), 2), wake, 0, 0.0)
+
+
+def test_send_returns_after_a_worker_was_killed_asleep():
+    """Rank 0's next message after its worker was killed while it slept waiting for one: the send returns (the
+    watchdog then fails the group). With a multiprocessing Event as the wake-up, its set() waited for the dead
+    sleeper to wake, for good: the rank-0 hang that test_killed_worker_fails_rank0_within_30s once hit in CI."""
+    import multiprocessing as mp
+    from multiprocessing import shared_memory
+
+    from xserv.parallel.group import StepChannel, TPGroup, new_wakeup
+
+    shm = shared_memory.SharedMemory(create=True, size=StepChannel.segment_bytes(4096))
+    try:
+        shm.buf[:64] = bytes(64)
+        ctx = mp.get_context("spawn")
+        group = TPGroup()
+        group._channel, group._wakes = StepChannel(shm, 2), [new_wakeup(ctx)]
+        worker = ctx.Process(target=_sleep_until_a_message, args=(shm.name, group._wakes[0]), daemon=True)
+        worker.start()
+        time.sleep(2.0)  # started and asleep (its wait wakes every 0.5 s and sleeps again)
+        assert worker.is_alive()
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(10)
+        t = threading.Thread(target=group.send, args=("step", {}), daemon=True)
+        t.start()
+        t.join(10)
+        assert not t.is_alive(), "rank 0's send blocked on a dead worker's wake-up"
+        assert group._channel.seq == 1
+        group._channel.close()
+    finally:
+        shm.unlink()
+
+
 def test_bad_shard_is_one_clear_error(perturbed_model_dir, monkeypatch):  # noqa: F811
     from xserv import LLM
     from xserv.parallel.group import WorkerFailed

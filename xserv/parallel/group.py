@@ -7,8 +7,10 @@ Messaging. Rank 0 -> workers: one shared-memory segment (`StepChannel`) holds th
 header (the command, its integer arguments, each array's dtype / shape / offset) and the arrays' raw bytes (token
 ids, positions, slot mapping, block tables, a decode graph's metadata image): NumPy arrays copied in, never pickled
 tensors. Rank 0 writes a message once every worker has taken the previous one (their ack counters), bumps the
-sequence number and sets each worker's Event; a worker spins on the sequence number for a while after each message
-(CUDA; a decode step's next message comes within milliseconds) and otherwise sleeps on its Event. Workers -> rank 0:
+sequence number and posts each worker's wake-up semaphore; a worker spins on the sequence number for a while after
+each message (CUDA; a decode step's next message comes within milliseconds) and otherwise sleeps on its semaphore. (A
+semaphore, not a multiprocessing Event: an Event's set() waits for its sleepers to wake, so a worker killed while it
+slept in wait() made rank 0's next set() block for good, before any failure check.) Workers -> rank 0:
 one Pipe each, for replies ("ok" with a value) and a failure ("error" with the phase and the exception); read only
 by rank 0's watchdog thread, which routes replies to `call()`.
 
@@ -162,7 +164,7 @@ class TPGroup:
         self.comm = None
         self._channel = None
         self._shms: list = []
-        self._events: list = []
+        self._wakes: list = []  # each worker's wake-up semaphore (new_wakeup)
         self._conns: list = []
         self._replies: list[queue.Queue] = []
         self._errors: dict[int, str] = {}
@@ -212,14 +214,14 @@ class TPGroup:
                     "spin_s": _WORKER_SPIN_S[device], "parent_pid": os.getpid()}
             for rank in range(1, tp_size):
                 parent_conn, child_conn = ctx.Pipe(duplex=False)
-                event = ctx.Event()
-                proc = ctx.Process(target=worker_main, args=(rank, spec, child_conn, event),
+                wake = new_wakeup(ctx)
+                proc = ctx.Process(target=worker_main, args=(rank, spec, child_conn, wake),
                                    name=f"xserv-tp-rank{rank}", daemon=True)
                 proc.start()
                 child_conn.close()
                 group.workers.append(proc)
                 group._conns.append(parent_conn)
-                group._events.append(event)
+                group._wakes.append(wake)
                 group._replies.append(queue.Queue())
             _OPEN_GROUPS.add(group)
             group._start_watchdog()
@@ -264,8 +266,8 @@ class TPGroup:
         if extra:
             args = {**args, **extra}
         self._channel.write(command, args, arrays or {}, self._wait_acks)
-        for event in self._events:
-            event.set()
+        for wake in self._wakes:
+            wake.release()
 
     def call(self, command: str, **args) -> list:
         """A message every worker answers (setup steps); their replies, rank 1 first."""
@@ -366,8 +368,8 @@ class TPGroup:
         if self._channel is not None and self.error is None and any(p.is_alive() for p in self.workers):
             try:
                 self._channel.write("exit", {}, {}, lambda seq: self._acks_or_timeout(seq, 2.0))
-                for event in self._events:
-                    event.set()
+                for wake in self._wakes:
+                    wake.release()
             except Exception:
                 pass
         elif self._channel is not None:
@@ -389,8 +391,8 @@ class TPGroup:
                 c.close()
         for c in self._conns:
             c.close()
-        # the Events' named semaphores (sem.mp-* in /dev/shm, spawn context) are unlinked when they are collected
-        self._events.clear()
+        # the named semaphores (sem.mp-* in /dev/shm, spawn context) are unlinked when they are collected
+        self._wakes.clear()
         self._conns.clear()
         if self.comm is not None:
             if self.error is not None:
@@ -435,7 +437,7 @@ def _worker_watchdog(channel: StepChannel, parent_pid: int) -> None:
             os._exit(3)
 
 
-def worker_main(rank: int, spec: dict, conn, event) -> None:
+def worker_main(rank: int, spec: dict, conn, wake) -> None:
     """Rank `rank` (>= 1): bind the GPU, join the communicator, load the shard, then follow rank 0's messages."""
     from multiprocessing import shared_memory
 
@@ -472,7 +474,7 @@ def worker_main(rank: int, spec: dict, conn, event) -> None:
         seen = 0  # the channel's first message is number 1 (it may already be there: rank 0 does not wait for us)
         spin_s = spec["spin_s"]
         while True:
-            seen = _wait_message(channel, event, seen, spin_s)
+            seen = _wait_message(channel, wake, seen, spin_s)
             command, args, arrays = channel.read(rank)
             if command == "exit":
                 break
@@ -498,7 +500,14 @@ def worker_main(rank: int, spec: dict, conn, event) -> None:
     os._exit(0)
 
 
-def _wait_message(channel: StepChannel, event, seen: int, spin_s: float) -> int:
+def new_wakeup(ctx):
+    """A worker's wake-up semaphore: rank 0 posts it after each message (release: sem_post, which never waits, even
+    when the worker died inside acquire); the worker sleeps on it between messages (_wait_message)."""
+    return ctx.Semaphore(0)
+
+
+def _wait_message(channel: StepChannel, wake, seen: int, spin_s: float) -> int:
+    """A worker: the number of the next message after `seen` (spinning for spin_s, then sleeping on `wake`)."""
     end = time.monotonic() + spin_s
     while True:
         seq = channel.seq
@@ -506,8 +515,9 @@ def _wait_message(channel: StepChannel, event, seen: int, spin_s: float) -> int:
             return seq
         if time.monotonic() < end:
             continue
-        event.wait(0.5)
-        event.clear()
+        if wake.acquire(timeout=0.5):
+            while wake.acquire(False):  # every post so far was made after its message's number was written
+                pass
 
 
 def _handle(state: dict, command: str, args: dict, arrays: dict):
