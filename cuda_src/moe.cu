@@ -30,9 +30,29 @@
 // Requirements (ops/moe.py checks): H and I multiples of 8 (16-byte rows), E <= 512, k <= 32, 16-byte aligned
 // tensors. K tails (K % 64) and N tails are predicated (zero-filled loads, skipped stores).
 //
-// xserv-shapes: moe=1 (compiled as the piece moe:e1 at the start of a MoE model only; a dense model never loads it)
+// FP8 experts (the *_fp8 entries; a -FP8 checkpoint's experts, kept e4m3 in GPU memory): the weights are e4m3 with a
+// float32 scale per 128 x 128 block (scale [E, rows / 128, K / 128]; H and I multiples of 128). The ring streams the
+// e4m3 bytes (half the bf16 bytes); after a chunk lands, the CTA converts it into one bf16 buffer in the bf16 ring's
+// layout, each weight bf16(float(e4m3) * scale) (models/fp8.py's dequantize_blockwise rounding), and the unchanged
+// mma loop reads that buffer. So the FP8 entries give the bits the bf16 ones give on the dequantized weights.
+//
+// xserv-shapes: moe=1 fp8=0,1 (pieces moe:e1_f0, the bf16 experts' GEMMs, and moe:e1_f1, the FP8 experts'; both hold
+// the routing and the combine. A MoE model's start-up compiles one; a dense model never loads either)
+#include "e4m3.cuh"
 #include "mma.cuh"
 #include "norm.cuh"
+
+// The GEMM entries of the piece being compiled (the family compiled whole: both; XSERV_FP8 from the piece's name).
+#if !defined(XSERV_FP8) || XSERV_FP8 == 0
+#define XSERV_MOE_BF16_ENTRY(...) __VA_ARGS__
+#else
+#define XSERV_MOE_BF16_ENTRY(...)
+#endif
+#if !defined(XSERV_FP8) || XSERV_FP8 == 1
+#define XSERV_MOE_FP8_ENTRY(...) __VA_ARGS__
+#else
+#define XSERV_MOE_FP8_ENTRY(...)
+#endif
 
 namespace {
 
@@ -250,18 +270,22 @@ template <bool ADD, int ROWS>
 __device__ __forceinline__ void finish_row_block(const bf16* y, const Combine& comb, int tiles, int K, int N,
                                                  float* scratch);
 
+// FP8: w holds e4m3 codes (one byte a weight; passed as bf16* to keep the bf16 forms' code) and `wscale` their
+// block scales (see the file's head); else bf16 weights and no scales.
 template <int WARPS_M, int WARPS_N, int WARPS_K, int TILE, int STAGES, int BK, bool GATE_UP, bool ROUTE_ONE = false,
-          int COMBINE = kNoCombine>
+          int COMBINE = kNoCombine, bool FP8 = false>
 __device__ __forceinline__ void moe_gemm(const bf16* __restrict__ x, const bf16* __restrict__ w,
                                          const int* __restrict__ sorted, const int* __restrict__ tile_expert,
                                          bf16* __restrict__ out, int top_k, int K, int N, OneToken one = {},
-                                         Combine comb = {}) {
+                                         Combine comb = {}, const float* __restrict__ wscale = nullptr) {
     constexpr int ROWS = 32 * WARPS_M;  // a warp: 32 weight rows (two m-tiles; gate/up: one gate, one up)
     constexpr int THREADS = 32 * WARPS_M * WARPS_N * WARPS_K;
     constexpr int NT = TILE / 8 / WARPS_N;  // n-tiles (8 tokens each) per warp
-    constexpr int STAGE = (ROWS + TILE) * BK;  // bf16 elements per stage
+    // bf16 elements per stage: the weight rows then the token rows (FP8: the weight rows' e4m3 bytes take half)
+    constexpr int STAGE = (FP8 ? ROWS / 2 + TILE : ROWS + TILE) * BK;
     constexpr int KSTEPS = BK / 16 / WARPS_K;  // k16 steps per chunk per warp
-    constexpr int CHUNKS = BK / 8;  // 16-byte pieces of a tile row
+    constexpr int CHUNKS = BK / 8;  // 16-byte pieces of a tile row (bf16)
+    constexpr int CHUNKS8 = BK / 16;  // 16-byte pieces of an e4m3 weight row
     static_assert(TILE % (8 * WARPS_N) == 0 && (BK / 16) % WARPS_K == 0 && BK % 64 == 0, "tile shape");
     static_assert(COMBINE == kNoCombine || (!GATE_UP && !ROUTE_ONE), "the combine follows the down GEMM");
     extern __shared__ __align__(128) bf16 gemm_smem[];
@@ -310,20 +334,44 @@ __device__ __forceinline__ void moe_gemm(const bf16* __restrict__ x, const bf16*
         __syncthreads();
     }
 
-    const bf16* wexp = w + (long long)expert * (GATE_UP ? 2 : 1) * N * K;
+    const long long wexp_offset = (long long)expert * (GATE_UP ? 2 : 1) * N * K;  // the expert's first weight
+    const bf16* wexp = w + wexp_offset;  // (bf16 weights)
     const int row0 = blockIdx.x * (GATE_UP ? ROWS / 2 : ROWS);
+    // The checkpoint row of the CTA's weight row r, and whether it exists: gate/up's rows [0, ROWS/2) are gate rows
+    // row0.., [ROWS/2, ROWS) the same up rows.
+    auto weight_row = [&](int r, bool& valid) {
+        if (GATE_UP) {
+            const int j = row0 + r % (ROWS / 2);
+            valid = j < N;
+            return r < ROWS / 2 ? j : N + j;
+        }
+        valid = row0 + r < N;
+        return row0 + r;
+    };
 
     auto load = [&](int chunk, int stage) {
         bf16* sw = gemm_smem + stage * STAGE;
-        bf16* sx = sw + ROWS * BK;
+        bf16* sx = sw + (FP8 ? ROWS / 2 : ROWS) * BK;
         const int k0 = chunk * BK;
+        if constexpr (FP8) {  // the weight rows' e4m3 bytes, unswizzled (the conversion reads each piece once)
+            const unsigned char* wexp8 = reinterpret_cast<const unsigned char*>(w) + wexp_offset;
+            unsigned char* sw8 = reinterpret_cast<unsigned char*>(sw);
 #pragma unroll
-        for (int i = tid; i < (ROWS + TILE) * CHUNKS; i += THREADS) {
+            for (int i = tid; i < ROWS * CHUNKS8; i += THREADS) {
+                const int r = i / CHUNKS8, c = i % CHUNKS8, k = k0 + c * 16;
+                bool valid;
+                const int wrow = weight_row(r, valid);
+                valid = valid && k < K;
+                cp_async16(smem_u32(sw8 + r * BK + c * 16), valid ? wexp8 + (long long)wrow * K + k : wexp8, valid);
+            }
+        }
+#pragma unroll
+        for (int i = FP8 ? ROWS * CHUNKS + tid : tid; i < (ROWS + TILE) * CHUNKS; i += THREADS) {
             const int r = i / CHUNKS, c = i % CHUNKS, k = k0 + c * 8;
             const bf16* src;
             bf16* dst;
             bool valid;
-            if (r < ROWS) {
+            if (!FP8 && r < ROWS) {
                 int wrow;
                 if (GATE_UP) {  // rows [0, ROWS/2): gate rows row0.., [ROWS/2, ROWS): the same up rows
                     const int j = row0 + r % (ROWS / 2);
@@ -343,6 +391,39 @@ __device__ __forceinline__ void moe_gemm(const bf16* __restrict__ x, const bf16*
                 dst = sx + q * BK + swizzled_chunk(q, c) * 8;
             }
             cp_async16(smem_u32(dst), src, valid);
+        }
+    };
+    // FP8: chunk `chunk` of the weight rows (in `stage`) -> the bf16 buffer after the ring, in the bf16 ring's
+    // swizzled layout: each 16-byte piece of 16 codes -> 16 bf16(float(code) * its block's scale). Rows past N read
+    // zeros (the ring's zero-fill) and get scale 0.
+    bf16* const converted = gemm_smem + STAGES * STAGE;
+    auto convert = [&](int chunk, int stage) {
+        const unsigned char* sw8 = reinterpret_cast<const unsigned char*>(gemm_smem + stage * STAGE);
+        const int k0 = chunk * BK, scale_rows = (GATE_UP ? 2 * N : N) / 128, scale_cols = K / 128;
+        const float* escale = wscale + (long long)expert * scale_rows * scale_cols;
+#pragma unroll
+        for (int i = tid; i < ROWS * CHUNKS8; i += THREADS) {
+            const int r = i / CHUNKS8, c = i % CHUNKS8, k = k0 + c * 16;
+            bool valid;
+            const int wrow = weight_row(r, valid);
+            const float scale = valid && k < K ? __ldg(escale + (wrow >> 7) * scale_cols + (k >> 7)) : 0.f;
+            const uint4 codes = *reinterpret_cast<const uint4*>(sw8 + r * BK + c * 16);
+            const unsigned words[4] = {codes.x, codes.y, codes.z, codes.w};
+            unsigned packed[8];
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                float f[4];
+                xserv::e4m3::e4m3x4_to_float4(words[q], f);
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    const __nv_bfloat162 pair = __floats2bfloat162_rn(f[2 * j] * scale, f[2 * j + 1] * scale);
+                    packed[2 * q + j] = *reinterpret_cast<const unsigned*>(&pair);
+                }
+            }
+            *reinterpret_cast<uint4*>(converted + r * BK + swizzled_chunk(r, 2 * c) * 8) =
+                make_uint4(packed[0], packed[1], packed[2], packed[3]);
+            *reinterpret_cast<uint4*>(converted + r * BK + swizzled_chunk(r, 2 * c + 1) * 8) =
+                make_uint4(packed[4], packed[5], packed[6], packed[7]);
         }
     };
 
@@ -369,7 +450,12 @@ __device__ __forceinline__ void moe_gemm(const bf16* __restrict__ x, const bf16*
         if (c + STAGES - 1 < chunks) load(c + STAGES - 1, (c + STAGES - 1) % STAGES);
         cp_async_commit();
         const bf16* sw = gemm_smem + (c % STAGES) * STAGE;
-        const bf16* sx = sw + ROWS * BK;
+        const bf16* sx = sw + (FP8 ? ROWS / 2 : ROWS) * BK;
+        if constexpr (FP8) {  // (every warp is past chunk c - 1's mma: the barrier above)
+            convert(c, c % STAGES);
+            __syncthreads();
+            sw = converted;
+        }
 #pragma unroll
         for (int s = 0; s < KSTEPS; ++s) {
             const int ks = wk * KSTEPS + s;
@@ -440,26 +526,49 @@ __device__ __forceinline__ void moe_gemm(const bf16* __restrict__ x, const bf16*
     }
 }
 
-// ops/moe.py's _GEMM table mirrors these shapes (rows = 32 * WARPS_M, threads, the ring's shared memory).
+// ops/moe.py's _GEMM table mirrors these shapes (rows = 32 * WARPS_M, threads, the ring's shared memory). Each
+// shape has an FP8 twin NAME_fp8 (e4m3 weights and their block scales `wscale`; see the file's head).
 #define XSERV_MOE_GEMM(NAME, WARPS_M, WARPS_N, WARPS_K, TILE, STAGES, BK, GATE_UP)                                  \
+    XSERV_MOE_BF16_ENTRY(                                                                                            \
     extern "C" __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N * WARPS_K)                                   \
         NAME(const bf16* __restrict__ x, const bf16* __restrict__ w, const int* __restrict__ sorted,                 \
              const int* __restrict__ tile_expert, bf16* __restrict__ out, int top_k, int K, int N) {                  \
         moe_gemm<WARPS_M, WARPS_N, WARPS_K, TILE, STAGES, BK, GATE_UP>(x, w, sorted, tile_expert, out, top_k, K, N);\
-    }
+    })                                                                                                               \
+    XSERV_MOE_FP8_ENTRY(                                                                                             \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N * WARPS_K)                                   \
+        NAME##_fp8(const bf16* __restrict__ x, const unsigned char* __restrict__ w, const float* __restrict__ wscale, \
+                   const int* __restrict__ sorted, const int* __restrict__ tile_expert, bf16* __restrict__ out,      \
+                   int top_k, int K, int N) {                                                                        \
+        moe_gemm<WARPS_M, WARPS_N, WARPS_K, TILE, STAGES, BK, GATE_UP, false, kNoCombine, true>(                     \
+            x, reinterpret_cast<const bf16*>(w), sorted, tile_expert, out, top_k, K, N, OneToken{}, Combine{},       \
+            wscale);                                                                                                 \
+    })
 // BK: 64 everywhere; 256-wide chunks for the decode shape (3 stages, 512 contiguous bytes per weight row and stage)
 // measured the same for gate/up and 15% slower for down at one token (H100), so the template keeps BK but no entry
 // uses another width.
 XSERV_MOE_GEMM(moe_gemm_gate_up_small, 1, 1, 4, 8, 4, 64, true)
 XSERV_MOE_GEMM(moe_gemm_down_small, 1, 1, 4, 8, 4, 64, false)
 
-// The one-token gate/up (ROUTE_ONE; the small shape, up to 128 experts): grid (I / 16, k).
+// The one-token gate/up (ROUTE_ONE; the small shape, up to 128 experts): grid (I / 16, k). _fp8: e4m3 experts.
+#if !defined(XSERV_FP8) || XSERV_FP8 == 0
 extern "C" __global__ void __launch_bounds__(128) moe_gemm_gate_up_one(
     const bf16* __restrict__ x, const bf16* __restrict__ w, const float* __restrict__ logits, int* ids, float* weights,
     int* sorted, int* tile_expert, bf16* __restrict__ out, int top_k, int K, int N, int E, int renormalize) {
     moe_gemm<1, 1, 4, 8, 4, 64, true, true>(x, w, sorted, tile_expert, out, top_k, K, N,
                                         OneToken{logits, ids, weights, sorted, tile_expert, E, renormalize});
 }
+#endif
+#if !defined(XSERV_FP8) || XSERV_FP8 == 1
+extern "C" __global__ void __launch_bounds__(128) moe_gemm_gate_up_one_fp8(
+    const bf16* __restrict__ x, const unsigned char* __restrict__ w, const float* __restrict__ wscale,
+    const float* __restrict__ logits, int* ids, float* weights, int* sorted, int* tile_expert, bf16* __restrict__ out,
+    int top_k, int K, int N, int E, int renormalize) {
+    moe_gemm<1, 1, 4, 8, 4, 64, true, true, kNoCombine, true>(
+        x, reinterpret_cast<const bf16*>(w), sorted, tile_expert, out, top_k, K, N,
+        OneToken{logits, ids, weights, sorted, tile_expert, E, renormalize}, Combine{}, wscale);
+}
+#endif
 XSERV_MOE_GEMM(moe_gemm_gate_up_mid, 4, 1, 1, 64, 3, 64, true)
 XSERV_MOE_GEMM(moe_gemm_down_mid, 4, 1, 1, 64, 3, 64, false)
 XSERV_MOE_GEMM(moe_gemm_gate_up_large, 4, 2, 1, 128, 3, 64, true)
@@ -583,15 +692,25 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine_add(const bf16* __
 // stages its loads go out in 4 dependent rounds: in the model (weights from DRAM) down ends ~14 us after gate/up
 // for ~8 us of bytes, the same with its weights already in L2 (docs/kernels/moe.md, "v5"). The _k128 (4 stages of
 // 128: 2 rounds, 41 KB, one wave of CTAs) and _k256 (3 stages of 256: the whole row at once, 61 KB, 3 CTAs per SM)
-// forms shorten that chain (ops/moe.py's DOWN_ONE_BK chooses; v6).
+// forms shorten that chain (ops/moe.py's DOWN_ONE_BK chooses; v6). NAME_fp8: e4m3 experts and their block scales.
 #define XSERV_MOE_DOWN_ONE(NAME, MODE, OUT, STAGES, BK)                                                              \
+    XSERV_MOE_BF16_ENTRY(                                                                                            \
     extern "C" __global__ void __launch_bounds__(128) NAME(                                                          \
         const bf16* __restrict__ act, const bf16* __restrict__ w, const int* __restrict__ sorted,                     \
         const int* __restrict__ tile_expert, bf16* __restrict__ y, int top_k, int K, int N,                         \
         const float* __restrict__ weights, OUT* out, int* counters, int early_trigger) {                             \
         moe_gemm<1, 1, 4, 8, STAGES, BK, false, false, MODE>(act, w, sorted, tile_expert, y, top_k, K, N,            \
                                                              OneToken{}, Combine{weights, out, counters, early_trigger});\
-    }
+    })                                                                                                               \
+    XSERV_MOE_FP8_ENTRY(                                                                                             \
+    extern "C" __global__ void __launch_bounds__(128) NAME##_fp8(                                                    \
+        const bf16* __restrict__ act, const unsigned char* __restrict__ w, const float* __restrict__ wscale,          \
+        const int* __restrict__ sorted, const int* __restrict__ tile_expert, bf16* __restrict__ y, int top_k, int K,  \
+        int N, const float* __restrict__ weights, OUT* out, int* counters, int early_trigger) {                      \
+        moe_gemm<1, 1, 4, 8, STAGES, BK, false, false, MODE, true>(                                                  \
+            act, reinterpret_cast<const bf16*>(w), sorted, tile_expert, y, top_k, K, N, OneToken{},                  \
+            Combine{weights, out, counters, early_trigger}, wscale);                                                 \
+    })
 XSERV_MOE_DOWN_ONE(moe_gemm_down_one_store, kCombineStore, bf16, 4, 64)
 XSERV_MOE_DOWN_ONE(moe_gemm_down_one_add, kCombineAdd, float, 4, 64)
 XSERV_MOE_DOWN_ONE(moe_gemm_down_one_store_k128, kCombineStore, bf16, 4, 128)

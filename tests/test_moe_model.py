@@ -186,7 +186,9 @@ def test_loads_stacked_experts(moe_mixed_dir):
         return np.asarray(reader.get(name), np.float32)
 
     for i in c.sparse_layers:
-        layer, (gate_up3, down3) = model.layers[i], model.experts[i]
+        layer, views = model.layers[i], model.experts[i]
+        gate_up3, down3 = views["gate_up"], views["down"]
+        assert views["gate_up_scale"] is None and views["down_scale"] is None  # bf16 experts
         assert layer.gate_up is None and layer.down is None
         assert layer.experts_gate_up.shape == (e * 2 * inter, h) and layer.experts_down.shape == (e * h, inter)
         assert gate_up3.shape == (e, 2 * inter, h) and down3.shape == (e, h, inter)

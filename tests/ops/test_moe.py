@@ -438,3 +438,89 @@ def test_cuda_one_token_fused_combine_replays_in_a_graph_with_new_routings(rng):
         assert not ws.counters.numpy().any(), f"replay {replay} left a counter set"
     graph.close()
     assert len(routings) > 1  # the replays did route differently
+
+
+# ---- FP8 experts (a -FP8 checkpoint's: e4m3 with 128 x 128 block scales) -------------------------------------------
+def fp8_experts(rng, gate_up, down):
+    """Blockwise-quantized twins of bf16 experts: (e4m3 gate_up, its scales, e4m3 down, its scales), each expert as
+    models/fp8.py's quantize_blockwise writes a checkpoint tensor."""
+    from xserv.models.fp8 import quantize_blockwise
+
+    out = []
+    for w in (gate_up, down):
+        pairs = [quantize_blockwise(w[e].astype(np.float32)) for e in range(w.shape[0])]
+        out += [np.stack([q for q, _ in pairs]), np.stack([s for _, s in pairs]).astype(np.float32)]
+    return out
+
+
+def test_fp8_experts_are_checked_by_name(rng):
+    from xserv.ops.moe import dequantize_experts
+
+    def cpu(a):
+        return Tensor.from_numpy(a, "cpu")
+
+    e, k, h, inter = 4, 2, 128, 128
+    x = random_array(rng, (3, h), bfloat16, mean=0.0)
+    router, gate_up, down = weights(rng, e, h, inter)
+    gu8, gus, dn8, dns = (cpu(a) for a in fp8_experts(rng, gate_up, down))
+    xt, rt = cpu(x), cpu(router)
+    with pytest.raises(ValueError, match="gate_up_scale: FP8"):
+        moe_experts(xt, rt, gu8, dn8, k, True)
+    with pytest.raises(ValueError, match="down_scale"):
+        moe_experts(xt, rt, gu8, dn8, k, True, gate_up_scale=gus, down_scale=cpu(dns.numpy()[:2]))
+    with pytest.raises(ValueError, match="given for bfloat16 experts"):
+        moe_experts(xt, rt, cpu(gate_up), cpu(down), k, True, gate_up_scale=gus,
+                    down_scale=dns)
+    with pytest.raises(ValueError, match="down: dtype"):  # one FP8, one bf16
+        moe_experts(xt, rt, gu8, cpu(down), k, True, gate_up_scale=gus, down_scale=dns)
+    small = weights(rng, e, 64, 64)
+    q = fp8_experts(rng, small[1], small[2])
+    with pytest.raises(ValueError, match="multiples of the 128 x 128 scale block"):
+        moe_experts(cpu(x[:, :64]), cpu(small[0]), *(cpu(a) for a in q[::2]),
+                    k, True, gate_up_scale=cpu(q[1]), down_scale=cpu(q[3]))
+    # the CPU path: the dequantized experts' result, bit for bit
+    got = moe_experts(xt, rt, gu8, dn8, k, True, gate_up_scale=gus, down_scale=dns).numpy()
+    want = moe_experts(xt, rt, cpu(dequantize_experts(gu8.numpy(), gus.numpy())),
+                       cpu(dequantize_experts(dn8.numpy(), dns.numpy())), k, True).numpy()
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t, size, mode", [(1, None, "add"), (1, None, "store"), (5, "small", "store"),
+                                           (70, "mid", "store"), (200, "large", "add")])
+def test_cuda_fp8_experts_are_the_dequantized_experts_bit_for_bit(rng, t, size, mode):
+    """The _fp8 entries (e4m3 chunks converted to bf16 in shared memory) against the bf16 entries on the dequantized
+    experts (models/fp8.py's rounding), same launches, each into a NaN-poisoned workspace: the same output bits, for
+    the one-token fused path (gate/up with the routing, down with the combine, the default ring) and each prefill
+    tile size; and close to the float reference (a wrong scale block would be far)."""
+    from xserv.ops.moe import MoeWorkspace, dequantize_experts, moe_stages
+
+    e, k, h, inter = 32, 8, 2048, 768  # Qwen3-30B-A3B's widths
+    x = random_array(rng, (t, h), bfloat16, mean=0.0)
+    router, gate_up, down = weights(rng, e, h, inter)
+    q = fp8_experts(rng, gate_up, down)
+    deq = (dequantize_experts(q[0], q[1]), dequantize_experts(q[2], q[3]))
+    shape = MoeShape(e, k, h, inter)
+    init = (random_array(rng, (t, h), np.float32, mean=0.5) if mode == "add"
+            else np.full((t, h), np.nan, bfloat16))
+    results = {}
+    for fp8 in (False, True):
+        dev = [Tensor.from_numpy(a) for a in (x, router, *((q[0], q[2]) if fp8 else deq))]
+        scales = (Tensor.from_numpy(q[1]), Tensor.from_numpy(q[3])) if fp8 else None
+        ws = MoeWorkspace(shape, t, "cuda")
+        for buf in (ws.y, ws.act):
+            buf.copy_(poisoned(buf.shape, buf.dtype).numpy())
+        out = Tensor.from_numpy(init.copy())
+        stages = moe_stages(*dev, shape, True, out, ws, t, size=size, scales=scales)
+        assert all(name in ("router", "route", "topk", "sort", "gate_up+route", "gate_up", "down+combine", "down",
+                            "combine") for name, _ in stages)
+        for _, launch in stages:
+            launch()
+        results[fp8] = out.numpy()
+    got, want = results[True], results[False]
+    assert not np.isnan(got.astype(np.float32)).any()
+    bits = np.uint32 if got.dtype == np.float32 else np.uint16
+    np.testing.assert_array_equal(got.view(bits), want.view(bits))
+    ref = moe_experts_reference(x, router, *deq, k, True)
+    result = got - init if mode == "add" else got.astype(np.float32)
+    assert rel_error(result, ref.astype(bfloat16).astype(np.float32)) < 4e-3

@@ -7,7 +7,9 @@ layer's checkpoint holds the router `mlp.gate.weight` [E, H] and per expert e `m
 [I, H], `up_proj` [I, H], `down_proj` [H, I] (I = moe_intermediate_size). They are loaded, each straight from the
 memory-mapped file into its rows, into two stacked tensors per layer: `experts_gate_up` [E * 2I, H] (expert e's gate
 rows at e*2I, its up rows at e*2I + I: each expert in the dense MLP's fused layout) and `experts_down` [E * H, I]
-(expert e's rows at e*H), which the op reads as [E, 2I, H] and [E, H, I] views.
+(expert e's rows at e*H), which the op reads as [E, 2I, H] and [E, H, I] views. A -FP8 checkpoint's experts stay
+e4m3 with their 128 x 128 block scales (an Fp8Weight per stacked field; the op's FP8 GEMMs give the bits of the
+dequantized experts) where H and I are multiples of 128; otherwise they are dequantized at load.
 
 The forward is the dense one (xserv/models/dense.py) with its MLP hooks overridden: the unfused path stores the
 block's bf16 output where a dense MLP stores its down projection; the fused one-token path projects o, adds it and
@@ -26,7 +28,8 @@ from ..ops.moe import MAX_EXPERTS, MAX_TOP_K, expected_touched_experts, moe_expe
 from ..ops.rmsnorm import fused_add_rmsnorm
 from ..tensor import Tensor
 from .config import positive_int
-from .dense import DENSE_LAYER_WEIGHTS, QK_NORM_WEIGHTS, Workspace
+from .dense import DENSE_LAYER_WEIGHTS, QK_NORM_WEIGHTS, DenseModel, Workspace
+from .fp8 import DEFAULT_BLOCK, Fp8Weight
 from .qwen3 import Qwen3Config, Qwen3Model
 
 # transformers' Qwen3MoeConfig defaults, for the fields a config.json may leave out
@@ -149,8 +152,10 @@ class Qwen3MoeLayer:
     gate_up: Tensor | None = None  # dense layers: [2 * intermediate_size, H]
     down: Tensor | None = None  # dense layers: [H, intermediate_size]
     router: Tensor | None = None  # sparse layers: [E, H]
-    experts_gate_up: Tensor | None = None  # [E * 2I, H]: expert e's gate rows at e*2I, its up rows at e*2I + I
-    experts_down: Tensor | None = None  # [E * H, I]: expert e's rows at e*H
+    # [E * 2I, H]: expert e's gate rows at e*2I, its up rows at e*2I + I; [E * H, I]: expert e's rows at e*H (FP8:
+    # an Fp8Weight of those shapes)
+    experts_gate_up: Tensor | Fp8Weight | None = None
+    experts_down: Tensor | Fp8Weight | None = None
 
 
 _ATTENTION_WEIGHTS = tuple(w for w in DENSE_LAYER_WEIGHTS if w[1] not in ("gate_up", "down"))
@@ -194,22 +199,58 @@ class Qwen3MoeWorkspace(Workspace):
 
 
 # ---- the model ---------------------------------------------------------------------------------------------------
+_EXPERT_FIELDS = ("experts_gate_up", "experts_down")
+
+
+def _experts_view(field: Tensor | Fp8Weight, experts: int, rows: int, cols: int):
+    """The op's [E, rows, cols] view of a stacked experts field: (weight, None), or an FP8 field's (e4m3 weight, its
+    scales [E, rows / 128, cols / 128])."""
+    if isinstance(field, Fp8Weight):
+        bo, bi = DEFAULT_BLOCK
+        return field.weight.view(experts, rows, cols), field.scale_inv.view(experts, rows // bo, cols // bi)
+    return field.view(experts, rows, cols), None
+
+
 class Qwen3MoeModel(Qwen3Model):
     LAYER_CLASS = Qwen3MoeLayer
+    FP8_FIELDS = DenseModel.FP8_FIELDS + _EXPERT_FIELDS
 
     def __init__(self, config: Qwen3MoeConfig, device: str, embed: Tensor, layers: list[Qwen3MoeLayer],
                  final_norm: Tensor, lm_head: Tensor, max_positions: int | None = None):
         super().__init__(config, device, embed, layers, final_norm, lm_head, max_positions=max_positions)
         e, h, inter = config.num_experts, config.hidden_size, config.moe_intermediate_size
-        # per layer: the op's [E, 2I, H] and [E, H, I] views of the stacked experts (None: a dense layer)
-        self.experts: list[tuple[Tensor, Tensor] | None] = [
-            (layer.experts_gate_up.view(e, 2 * inter, h), layer.experts_down.view(e, h, inter))
-            if layer.router is not None else None for layer in layers]
+        # per layer: the op's [E, 2I, H] and [E, H, I] views of the stacked experts and their FP8 scales (None for
+        # bf16 experts), as moe_experts' keyword arguments (None: a dense layer)
+        self.experts: list[dict | None] = []
+        for layer in layers:
+            if layer.router is None:
+                self.experts.append(None)
+                continue
+            (gate_up, gate_up_scale), (down, down_scale) = (_experts_view(layer.experts_gate_up, e, 2 * inter, h),
+                                                            _experts_view(layer.experts_down, e, h, inter))
+            self.experts.append(dict(gate_up=gate_up, down=down, gate_up_scale=gate_up_scale, down_scale=down_scale))
 
     # ---- weights ------------------------------------------------------------------------------------------
     @classmethod
     def layer_weights(cls, config: Qwen3MoeConfig, layer: int) -> tuple[tuple[str, str, str | None], ...]:
         return _sparse_layer_weights(config.num_experts) if config.is_sparse_layer(layer) else cls.LAYER_WEIGHTS
+
+    @classmethod
+    def kept_fp8_fields(cls, table) -> set:
+        """The dense projections the base class keeps, and each sparse layer's two experts fields together where
+        every expert tensor of both is whole 128 x 128 blocks (H and I multiples of 128: the FP8 expert GEMMs'
+        requirement; the op takes both fields FP8 or neither)."""
+        kept = super().kept_fp8_fields(table)
+        whole = {}
+        for w in table:
+            if w.field in _EXPERT_FIELDS:
+                key = w.layer
+                whole[key] = whole.get(key, True) and all(n % b == 0 for n, b in zip(w.shape, DEFAULT_BLOCK))
+        for layer, ok in whole.items():
+            both = all((layer, f) in kept for f in _EXPERT_FIELDS)
+            if not (ok and both):
+                kept -= {(layer, f) for f in _EXPERT_FIELDS}
+        return kept
 
     @classmethod
     def field_shapes(cls, config: Qwen3MoeConfig) -> dict[str, tuple[int, ...]]:
@@ -223,9 +264,12 @@ class Qwen3MoeModel(Qwen3Model):
                 **_expert_rows(config.num_experts, config.moe_intermediate_size, config.hidden_size)}
 
     def expert_bytes(self) -> int:
-        """The bytes of one expert's gate, up and down projections."""
-        c = self.config
-        return 3 * c.moe_intermediate_size * c.hidden_size * np.dtype(self.dtype).itemsize
+        """The bytes of one expert's gate, up and down projections (FP8 experts: their e4m3 bytes and scales)."""
+        layer = next((layer for layer in self.layers if layer.router is not None), None)
+        if layer is None:
+            c = self.config
+            return 3 * c.moe_intermediate_size * c.hidden_size * np.dtype(self.dtype).itemsize
+        return (layer.experts_gate_up.nbytes + layer.experts_down.nbytes) // self.config.num_experts
 
     def step_weight_bytes(self, experts_per_layer: float) -> float:
         """The weight bytes a forward reads when `experts_per_layer` experts are touched in each sparse layer:
@@ -254,8 +298,8 @@ class Qwen3MoeModel(Qwen3Model):
         if experts is None:
             return super()._mlp(i, layer, ws, normed, out, gate_up, act)
         c = self.config
-        moe_experts(normed, layer.router, experts[0], experts[1], c.num_experts_per_tok, c.norm_topk_prob, out=out,
-                    workspace=ws.moe)
+        moe_experts(normed, layer.router, top_k=c.num_experts_per_tok, renormalize=c.norm_topk_prob, out=out,
+                    workspace=ws.moe, **experts)
 
     # a sparse layer's moe_experts adds into the fp32 residual: at tp > 1 a partial sum, so the unfused path there
     FUSED_TP = False
@@ -272,5 +316,5 @@ class Qwen3MoeModel(Qwen3Model):
         hidden, normed = ws.hidden[:t], ws.normed[:t]
         self._project(attn, layer.o_proj, hidden)
         fused_add_rmsnorm(hidden, residual, layer.post_norm, self.eps, out=normed)
-        moe_experts(normed, layer.router, experts[0], experts[1], c.num_experts_per_tok, c.norm_topk_prob,
-                    out=residual, workspace=ws.moe)
+        moe_experts(normed, layer.router, top_k=c.num_experts_per_tok, renormalize=c.norm_topk_prob, out=residual,
+                    workspace=ws.moe, **experts)

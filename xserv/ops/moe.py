@@ -10,7 +10,10 @@ expert's SwiGLU MLP on the tokens routed to it, and add the expert outputs weigh
 
 Weights are stacked per expert: gate_up bf16 [E, 2I, H] (each expert's gate rows, then its up rows, the dense MLP's
 fused layout), down bf16 [E, H, I]. The rounding points are a dense MLP's (silu_and_mul, linear's bf16 output), so
-one expert's MLP rounds exactly as xserv's dense MLP does.
+one expert's MLP rounds exactly as xserv's dense MLP does. FP8 experts (a -FP8 checkpoint's): gate_up and down in
+e4m3 with float32 scales per 128 x 128 block, gate_up_scale [E, 2I / 128, H / 128] and down_scale [E, H / 128,
+I / 128] (H and I multiples of 128); each weight counts as bf16(float32(e4m3) * scale), models/fp8.py's
+dequantize_blockwise, so the results are the bf16 path's on the dequantized weights, bit for bit.
 
 CUDA (cuda_src/moe.cu, docs/kernels/moe.md): the router logits are a linear (the GEMV kernel for one row,
 cuBLASLt above); the routing kernels take the top-k, counts the entries per expert and writes the expert-sorted
@@ -28,7 +31,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..tensor import Tensor, bfloat16, float32, int32
+from ..models.fp8 import DEFAULT_BLOCK, dequantize_blockwise
+from ..tensor import Tensor, bfloat16, float8_e4m3fn, float32, int32
 from ._checks import check_tensor, output, same_device
 from ._launch import cdiv
 
@@ -103,7 +107,8 @@ class MoeShape:
     inter: int  # an expert's intermediate size (moe_intermediate_size)
 
 
-def _check_shape(x: Tensor, router: Tensor, gate_up: Tensor, down: Tensor, top_k) -> MoeShape:
+def _check_shape(x: Tensor, router: Tensor, gate_up: Tensor, down: Tensor, top_k, gate_up_scale: Tensor | None = None,
+                 down_scale: Tensor | None = None) -> MoeShape:
     check_tensor("x", x, dtype=bfloat16, ndim=2)
     hidden = x.shape[1]
     check_tensor("router", router, dtype=bfloat16, ndim=2)
@@ -112,11 +117,25 @@ def _check_shape(x: Tensor, router: Tensor, gate_up: Tensor, down: Tensor, top_k
         raise ValueError(f"router: shape {list(router.shape)}, expected [num_experts, {hidden}] (x's hidden size)")
     if not 1 <= num_experts <= MAX_EXPERTS:
         raise ValueError(f"router: {num_experts} experts, expected 1..{MAX_EXPERTS}")
-    check_tensor("gate_up", gate_up, dtype=bfloat16, ndim=3)
+    fp8 = gate_up.dtype == float8_e4m3fn
+    weight_dtype = float8_e4m3fn if fp8 else bfloat16
+    check_tensor("gate_up", gate_up, dtype=weight_dtype, ndim=3)
     if gate_up.shape[0] != num_experts or gate_up.shape[2] != hidden or gate_up.shape[1] % 2:
         raise ValueError(f"gate_up: shape {list(gate_up.shape)}, expected [{num_experts}, 2 * intermediate, {hidden}]")
     inter = gate_up.shape[1] // 2
-    check_tensor("down", down, dtype=bfloat16, shape=(num_experts, hidden, inter))
+    check_tensor("down", down, dtype=weight_dtype, shape=(num_experts, hidden, inter))
+    if fp8:
+        bo, bi = DEFAULT_BLOCK
+        if hidden % bo or inter % bo:
+            raise ValueError(f"FP8 experts need hidden ({hidden}) and intermediate ({inter}) sizes that are multiples "
+                             f"of the {bo} x {bi} scale block")
+        for name, scale, rows, cols in (("gate_up_scale", gate_up_scale, 2 * inter, hidden),
+                                        ("down_scale", down_scale, hidden, inter)):
+            if scale is None:
+                raise ValueError(f"{name}: FP8 (float8_e4m3fn) experts need their block scales")
+            check_tensor(name, scale, dtype=float32, shape=(num_experts, rows // bo, cols // bi))
+    elif gate_up_scale is not None or down_scale is not None:
+        raise ValueError("gate_up_scale / down_scale: given for bfloat16 experts (scales go with float8_e4m3fn ones)")
     if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or not 1 <= top_k <= min(num_experts,
                                                                                                      MAX_TOP_K):
         raise ValueError(f"top_k must be an integer in 1..{min(num_experts, MAX_TOP_K)}, got {top_k!r}")
@@ -159,19 +178,25 @@ def moe_workspace(num_experts: int, top_k: int, hidden: int, inter: int, max_tok
 
 
 def moe_experts(x: Tensor, router: Tensor, gate_up: Tensor, down: Tensor, top_k: int, renormalize: bool,
-                out: Tensor | None = None, workspace: MoeWorkspace | None = None) -> Tensor:
+                out: Tensor | None = None, workspace: MoeWorkspace | None = None,
+                gate_up_scale: Tensor | None = None, down_scale: Tensor | None = None) -> Tensor:
     """x bf16 [T, H] (normalised hidden states) -> out [T, H]: bf16 (stored), or fp32 (the residual stream: the
-    bf16-rounded result is added to it). See the module docstring for the arithmetic."""
-    shape = _check_shape(x, router, gate_up, down, top_k)
+    bf16-rounded result is added to it). See the module docstring for the arithmetic; FP8 experts: gate_up and down
+    float8_e4m3fn with their block scales."""
+    shape = _check_shape(x, router, gate_up, down, top_k, gate_up_scale, down_scale)
+    scales = (gate_up_scale, down_scale) if gate_up.dtype == float8_e4m3fn else None
     t = x.shape[0]
-    device = same_device(x=x, router=router, gate_up=gate_up, down=down, out=out)
+    device = same_device(x=x, router=router, gate_up=gate_up, down=down, out=out,
+                         **({"gate_up_scale": scales[0], "down_scale": scales[1]} if scales else {}))
     out = output("out", out, (t, shape.hidden), out.dtype if out is not None else bfloat16, device)
     if out.dtype not in (bfloat16, float32):
         raise ValueError(f"out: dtype {out.dtype}, expected bfloat16 (store) or float32 (add to the residual)")
     if t == 0:
         return out
     if device == "cpu":
-        acc = moe_experts_reference(x.array, router.array, gate_up.array, down.array, shape.top_k, renormalize)
+        gu, dn = (gate_up.array, down.array) if scales is None else (
+            dequantize_experts(gate_up.array, scales[0].array), dequantize_experts(down.array, scales[1].array))
+        acc = moe_experts_reference(x.array, router.array, gu, dn, shape.top_k, renormalize)
         if out.dtype == float32:
             out.array[...] += _bf16(acc)
         else:
@@ -179,8 +204,14 @@ def moe_experts(x: Tensor, router: Tensor, gate_up: Tensor, down: Tensor, top_k:
         return out
     if workspace is None or not workspace.fits(t) or workspace.shape != shape:
         workspace = MoeWorkspace(shape, t, "cuda")
-    _moe_cuda(x, router, gate_up, down, shape, bool(renormalize), out, workspace, t)
+    _moe_cuda(x, router, gate_up, down, shape, bool(renormalize), out, workspace, t, scales)
     return out
+
+
+def dequantize_experts(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """Stacked FP8 experts q e4m3 [E, rows, cols] with scale [E, rows / 128, cols / 128] -> bf16 [E, rows, cols],
+    each expert as models/fp8.py's dequantize_blockwise rounds it (the CPU path; the GPU kernels' weights)."""
+    return np.stack([dequantize_blockwise(q[e], scale[e]) for e in range(q.shape[0])])
 
 
 # ---- CUDA -------------------------------------------------------------------------------------------------------
@@ -242,17 +273,20 @@ def _max_tiles(entries: int, num_experts: int, tile: int) -> int:
     return entries // tile + min(num_experts, entries)
 
 
-def _moe_cuda(x, router, gate_up, down, shape: MoeShape, renormalize: bool, out, ws: MoeWorkspace, t: int) -> None:
-    for _, launch in moe_stages(x, router, gate_up, down, shape, renormalize, out, ws, t):
+def _moe_cuda(x, router, gate_up, down, shape: MoeShape, renormalize: bool, out, ws: MoeWorkspace, t: int,
+              scales=None) -> None:
+    for _, launch in moe_stages(x, router, gate_up, down, shape, renormalize, out, ws, t, scales=scales):
         launch()
 
 
 def moe_stages(x, router, gate_up, down, shape: MoeShape, renormalize: bool, out, ws: MoeWorkspace, t: int,
                size: str | None = None, fuse_combine: bool | None = None,
-               down_trigger: str | None = None) -> list[tuple[str, object]]:
+               down_trigger: str | None = None, scales: tuple[Tensor, Tensor] | None = None) -> list[tuple[str, object]]:
     """The launches of one moe_experts call in order, as (name, no-argument callable): what _moe_cuda runs, and
     what tools/bench_moe.py times one by one. `size` forces the GEMM tile shape ("small" / "mid" / "large");
-    `fuse_combine` and `down_trigger` choose the one-token step's last launch (None: from the environment, above)."""
+    `fuse_combine` and `down_trigger` choose the one-token step's last launch (None: from the environment, above).
+    scales: FP8 experts' (gate_up_scale, down_scale): the GEMMs' _fp8 entries (the piece moe:e1_f1), the scales
+    after the weights."""
     from ..runtime import kernel
     from ..runtime.compiler import piece
     from .gemv import linear_gemv, prefer_gemv
@@ -264,8 +298,12 @@ def moe_stages(x, router, gate_up, down, shape: MoeShape, renormalize: bool, out
     size = size or _tile_for(entries, e)
     tile = _TILES[size]
     max_tiles = _max_tiles(entries, e, tile)
-    family = piece("moe", moe=1)
-    cfg = _GEMM[size]
+    fp8 = scales is not None
+    family = piece("moe", moe=1, fp8=int(fp8))
+    cfg = _gemm(size, fp8)
+    sfx = "_fp8" if fp8 else ""
+    gate_up_w = (gate_up, scales[0]) if fp8 else (gate_up,)  # the GEMM entries' weight arguments
+    down_w = (down, scales[1]) if fp8 else (down,)
     mode = "add" if out.dtype == float32 else "store"  # into the fp32 residual, or a bf16 output
     one_token = t == 1 and size == "small" and e <= 128
     if one_token and fuse_combine is None:
@@ -295,19 +333,20 @@ def moe_stages(x, router, gate_up, down, shape: MoeShape, renormalize: bool, out
     return [
         ("router", (lambda: linear_gemv(x, router, out=logits)) if gemv else (lambda: linear(x, router, out=logits))),
         # gate/up: a CTA's rows are `rows // 2` gate rows and the matching up rows (its epilogue pairs them)
-        *([("gate_up+route", lambda: kernel(family, "moe_gemm_gate_up_one")(
-            (cdiv(inter, cfg.rows // 2), k), cfg.threads, x, gate_up, logits, ws.ids, ws.weights, ws.sorted,
+        *([("gate_up+route", lambda: kernel(family, f"moe_gemm_gate_up_one{sfx}")(
+            (cdiv(inter, cfg.rows // 2), k), cfg.threads, x, *gate_up_w, logits, ws.ids, ws.weights, ws.sorted,
             ws.tile_expert, ws.act, np.int32(k), np.int32(h), np.int32(inter), np.int32(e), flag, smem=cfg.smem,
-            pdl=True))] if one_token else [*route, ("gate_up", lambda: kernel(family, f"moe_gemm_gate_up_{size}")(
-                (cdiv(inter, cfg.rows // 2), max_tiles), cfg.threads, x, gate_up, ws.sorted, ws.tile_expert, ws.act,
-                np.int32(k), np.int32(h), np.int32(inter), smem=cfg.smem, pdl=True))]),
+            pdl=True))] if one_token else [*route, ("gate_up", lambda: kernel(family, f"moe_gemm_gate_up_{size}{sfx}")(
+                (cdiv(inter, cfg.rows // 2), max_tiles), cfg.threads, x, *gate_up_w, ws.sorted, ws.tile_expert,
+                ws.act, np.int32(k), np.int32(h), np.int32(inter), smem=cfg.smem, pdl=True))]),
         # one token: the combine inside the down GEMM (the last CTA of each row block; same grid, same bits)
-        *([("down+combine", lambda: kernel(family, f"moe_gemm_down_one_{mode}{down_ring[1]}")(
-            (cdiv(h, cfg.rows), max_tiles), cfg.threads, ws.act, down, ws.sorted, ws.tile_expert, ws.y,
+        *([("down+combine", lambda: kernel(family, f"moe_gemm_down_one_{mode}{down_ring[1]}{sfx}")(
+            (cdiv(h, cfg.rows), max_tiles), cfg.threads, ws.act, *down_w, ws.sorted, ws.tile_expert, ws.y,
             np.int32(k), np.int32(inter), np.int32(h), ws.weights, out, ws.counters, np.int32(early),
-            smem=_gemm_config(1, 1, 4, _TILES["small"], down_ring[0], DOWN_ONE_BK).smem, pdl=True))] if fused else [
-            ("down", lambda: kernel(family, f"moe_gemm_down_{size}")(
-                (cdiv(h, cfg.rows), max_tiles), cfg.threads, ws.act, down, ws.sorted, ws.tile_expert, ws.y,
+            smem=_gemm_config(1, 1, 4, _TILES["small"], down_ring[0], DOWN_ONE_BK, fp8).smem, pdl=True))]
+          if fused else [
+            ("down", lambda: kernel(family, f"moe_gemm_down_{size}{sfx}")(
+                (cdiv(h, cfg.rows), max_tiles), cfg.threads, ws.act, *down_w, ws.sorted, ws.tile_expert, ws.y,
                 np.int32(k), np.int32(inter), np.int32(h), smem=cfg.smem, pdl=True)),
             ("combine", lambda: kernel(family, f"moe_combine_{mode}")(
                 cdiv(t * (h // 8), 256), 256, ws.y, ws.weights, out, np.int32(t), np.int32(k), np.int32(h),
@@ -323,12 +362,20 @@ class _GemmConfig:
 
 
 # Must match the instantiations in cuda_src/moe.cu (XSERV_MOE_GEMM): rows = 32 x warps_m, the ring stages x
-# (rows + tile) x bk bf16 of K.
-def _gemm_config(warps_m: int, warps_n: int, warps_k: int, tile: int, stages: int, bk: int) -> _GemmConfig:
+# (rows + tile) x bk bf16 of K; FP8 (the _fp8 entries): stages x (rows e4m3 + tile bf16) x bk, then the converted
+# chunk's rows x bk bf16.
+def _gemm_config(warps_m: int, warps_n: int, warps_k: int, tile: int, stages: int, bk: int,
+                 fp8: bool = False) -> _GemmConfig:
     rows = 32 * warps_m
-    return _GemmConfig(rows, 32 * warps_m * warps_n * warps_k, stages * (rows + tile) * bk * 2)
+    smem = stages * (rows + 2 * tile) * bk + rows * bk * 2 if fp8 else stages * (rows + tile) * bk * 2
+    return _GemmConfig(rows, 32 * warps_m * warps_n * warps_k, smem)
 
 
-_GEMM = {"small": _gemm_config(1, 1, 4, tile=8, stages=4, bk=64),
-         "mid": _gemm_config(4, 1, 1, tile=64, stages=3, bk=64),
-         "large": _gemm_config(4, 2, 1, tile=128, stages=3, bk=64)}
+_GEMM_SHAPES = {"small": dict(warps_m=1, warps_n=1, warps_k=4, tile=8, stages=4, bk=64),
+                "mid": dict(warps_m=4, warps_n=1, warps_k=1, tile=64, stages=3, bk=64),
+                "large": dict(warps_m=4, warps_n=2, warps_k=1, tile=128, stages=3, bk=64)}
+_GEMM = {size: _gemm_config(**shape) for size, shape in _GEMM_SHAPES.items()}
+
+
+def _gemm(size: str, fp8: bool) -> _GemmConfig:
+    return _gemm_config(**_GEMM_SHAPES[size], fp8=True) if fp8 else _GEMM[size]

@@ -141,8 +141,9 @@ SHAPE_KEYS = {"head_dim": ("d", "XSERV_HEAD_DIM"), "group": ("g", "XSERV_GROUP")
               "part": ("p", "XSERV_PART"), "vec": ("v", "XSERV_VEC"), "moe": ("e", "XSERV_MOE"),
               "fp8": ("f", "XSERV_FP8"),
               "kvfp8": ("k", "XSERV_KV_FP8")}
-# moe=1: a mixture-of-experts model (the moe family's one piece); fp8=1: an FP8-quantized model (the gemv_fp8 and
-# fp8 families' one piece each: the FP8 GEMV, the activation quantization and the weight dequantization); kvfp8=1:
+# moe=1: a mixture-of-experts model (the moe family's pieces); fp8=1: an FP8-quantized model (the gemv_fp8 and fp8
+# families' one piece each: the FP8 GEMV, the activation quantization and the weight dequantization; the moe
+# family's FP8-expert piece, fp8=0 its bf16 one, which a model without fp8=1 takes); kvfp8=1:
 # an engine with an FP8 KV cache (EngineConfig.kv_cache_dtype "fp8_e4m3": the attention_decode_fp8 piece of the shape)
 MODEL_KEYS = ("head_dim", "group", "moe", "fp8", "kvfp8")
 PIECE_SEP = ":"
@@ -501,7 +502,8 @@ def startup_families(target: str, shapes: dict[str, int] | None = None) -> list[
         if declared is None:
             names.append(f)
             continue
-        model = {k: (shapes or {}).get(k) for k in declared if k in MODEL_KEYS}
+        # a model key the shapes leave out is the model's 0 where the family has a 0 piece (moe's fp8=0: bf16 experts)
+        model = {k: (shapes or {}).get(k, 0 if 0 in declared[k] else None) for k in declared if k in MODEL_KEYS}
         if any(value not in declared[k] for k, value in model.items()):
             continue
         others = [k for k in declared if k not in MODEL_KEYS]
