@@ -36,19 +36,19 @@
 // layout, each weight bf16(float(e4m3) * scale) (models/fp8.py's dequantize_blockwise rounding), and the unchanged
 // mma loop reads that buffer. So the FP8 entries give the bits the bf16 ones give on the dequantized weights.
 //
-// xserv-shapes: moe=1 fp8=0,1 (pieces moe:e1_f0, the bf16 experts' GEMMs, and moe:e1_f1, the FP8 experts'; both hold
-// the routing and the combine. A MoE model's start-up compiles one; a dense model never loads either)
+// xserv-shapes: moe=1 moe_fp8=0,1 (pieces moe:e1_x0, the bf16 experts' GEMMs, and moe:e1_x1, the FP8 experts'; both
+// hold the routing and the combine. A MoE model's start-up compiles its experts' one; a dense model never loads either)
 #include "e4m3.cuh"
 #include "mma.cuh"
 #include "norm.cuh"
 
-// The GEMM entries of the piece being compiled (the family compiled whole: both; XSERV_FP8 from the piece's name).
-#if !defined(XSERV_FP8) || XSERV_FP8 == 0
+// The GEMM entries of the piece being compiled (the family compiled whole: both; XSERV_MOE_FP8 from the piece's name).
+#if !defined(XSERV_MOE_FP8) || XSERV_MOE_FP8 == 0
 #define XSERV_MOE_BF16_ENTRY(...) __VA_ARGS__
 #else
 #define XSERV_MOE_BF16_ENTRY(...)
 #endif
-#if !defined(XSERV_FP8) || XSERV_FP8 == 1
+#if !defined(XSERV_MOE_FP8) || XSERV_MOE_FP8 == 1
 #define XSERV_MOE_FP8_ENTRY(...) __VA_ARGS__
 #else
 #define XSERV_MOE_FP8_ENTRY(...)
@@ -551,7 +551,7 @@ XSERV_MOE_GEMM(moe_gemm_gate_up_small, 1, 1, 4, 8, 4, 64, true)
 XSERV_MOE_GEMM(moe_gemm_down_small, 1, 1, 4, 8, 4, 64, false)
 
 // The one-token gate/up (ROUTE_ONE; the small shape, up to 128 experts): grid (I / 16, k). _fp8: e4m3 experts.
-#if !defined(XSERV_FP8) || XSERV_FP8 == 0
+#if !defined(XSERV_MOE_FP8) || XSERV_MOE_FP8 == 0
 extern "C" __global__ void __launch_bounds__(128) moe_gemm_gate_up_one(
     const bf16* __restrict__ x, const bf16* __restrict__ w, const float* __restrict__ logits, int* ids, float* weights,
     int* sorted, int* tile_expert, bf16* __restrict__ out, int top_k, int K, int N, int E, int renormalize) {
@@ -559,7 +559,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_gemm_gate_up_one(
                                         OneToken{logits, ids, weights, sorted, tile_expert, E, renormalize});
 }
 #endif
-#if !defined(XSERV_FP8) || XSERV_FP8 == 1
+#if !defined(XSERV_MOE_FP8) || XSERV_MOE_FP8 == 1
 extern "C" __global__ void __launch_bounds__(128) moe_gemm_gate_up_one_fp8(
     const bf16* __restrict__ x, const unsigned char* __restrict__ w, const float* __restrict__ wscale,
     const float* __restrict__ logits, int* ids, float* weights, int* sorted, int* tile_expert, bf16* __restrict__ out,

@@ -255,6 +255,13 @@ VARIANTS = {
 }
 
 
+@pytest.fixture(autouse=True)
+def fp8_experts_kept(monkeypatch):
+    """Every load here keeps FP8 experts FP8 where their shapes allow (XSERV_FP8_EXPERTS=e4m3; the default dequantizes
+    them: test_fp8_experts_load_dequantized_by_default)."""
+    monkeypatch.setenv("XSERV_FP8_EXPERTS", "e4m3")
+
+
 @pytest.fixture(scope="module")
 def fp8_folders(tmp_path_factory):
     """name -> (FP8 checkpoint, its bf16 twin: the dequantized tensors and the config without quantization_config)."""
@@ -427,6 +434,41 @@ def test_fp8_experts_are_the_twins_experts_bit_for_bit(fp8_folders, device, rng)
     seqs = [rng.integers(0, fp8.config.vocab_size, n).tolist() for n in (11, 3)]
     for g, w in zip(forward_logits(fp8, seqs), forward_logits(bf16, seqs)):
         assert np.all(np.isfinite(g)) and np.array_equal(g, w)
+
+
+def test_fp8_experts_load_dequantized_by_default(fp8_folders, monkeypatch):
+    """Without XSERV_FP8_EXPERTS (or with bf16) the experts load as the twin's bf16 tensors and the load notice says
+    how to keep them FP8; an unknown value is a clear error naming the variable."""
+    folder, twin = fp8_folders["moe-128"]
+    c = config_from_pretrained(folder)
+    cls = model_class(c)
+    for value in (None, "bf16"):
+        if value is None:
+            monkeypatch.delenv("XSERV_FP8_EXPERTS")
+        else:
+            monkeypatch.setenv("XSERV_FP8_EXPERTS", value)
+        model = load_model(folder, "cpu", progress=False, max_positions=64)
+        bf16 = load_model(twin, "cpu", progress=False, max_positions=64)
+        kept = {f for f, t in vars(model.layers[0]).items() if isinstance(t, Fp8Weight)}
+        assert kept == {"qkv", "o_proj"}
+        for field in ("experts_gate_up", "experts_down"):
+            assert np.array_equal(getattr(model.layers[0], field).numpy().view(np.uint16),
+                                  getattr(bf16.layers[0], field).numpy().view(np.uint16))
+        assert "XSERV_FP8_EXPERTS=e4m3 keeps the MoE experts in FP8" in cls.fp8_load_notice(c)
+        assert not cls.loads_fp8_experts(c)
+    monkeypatch.setenv("XSERV_FP8_EXPERTS", "e4m3")
+    assert cls.loads_fp8_experts(c) and not cls.loads_fp8_experts(config_from_pretrained(fp8_folders["moe"][0]))
+    # the start-up compiles the moe piece of the experts' format (llm.py: moe_fp8 from loads_fp8_experts)
+    from xserv.runtime.compiler import startup_families
+
+    shapes = {"head_dim": 64, "group": 2, "moe": 1, "fp8": 1}
+    assert "moe:e1_x0" in startup_families("sm_90a", shapes)
+    assert "moe:e1_x1" in startup_families("sm_90a", {**shapes, "moe_fp8": 1})
+    notice = cls.fp8_load_notice(c)  # only the dense layer's gate/up (up starts inside a block) is dequantized
+    assert "2 of its 163 quantized weights" in notice and "experts" not in notice and "XSERV_FP8_EXPERTS" not in notice
+    monkeypatch.setenv("XSERV_FP8_EXPERTS", "fp4")
+    with pytest.raises(ValueError, match="XSERV_FP8_EXPERTS='fp4': expected one of bf16, e4m3"):
+        load_model(folder, "cpu", progress=False, max_positions=64)
 
 
 def test_fp8_is_the_quantized_bf16_checkpoint_of_the_same_seed(fp8_folders, tmp_path):

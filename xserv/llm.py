@@ -209,6 +209,8 @@ class LLM:
 
             start = time.perf_counter()
             shapes = kernel_shapes(rank_config)
+            if "moe" in shapes:  # the moe piece of the experts' format (FP8 only where they load FP8: tp 1)
+                shapes["moe_fp8"] = int(tp == 1 and model_class(config).loads_fp8_experts(config))
             if cfg.fp8_kv_cache:
                 shapes["kvfp8"] = 1  # the FP8 KV cache's decode piece (attention_decode_fp8)
             ensure_compiled(get_device().arch, progress=progress, shapes=shapes)

@@ -7,9 +7,11 @@ layer's checkpoint holds the router `mlp.gate.weight` [E, H] and per expert e `m
 [I, H], `up_proj` [I, H], `down_proj` [H, I] (I = moe_intermediate_size). They are loaded, each straight from the
 memory-mapped file into its rows, into two stacked tensors per layer: `experts_gate_up` [E * 2I, H] (expert e's gate
 rows at e*2I, its up rows at e*2I + I: each expert in the dense MLP's fused layout) and `experts_down` [E * H, I]
-(expert e's rows at e*H), which the op reads as [E, 2I, H] and [E, H, I] views. A -FP8 checkpoint's experts stay
-e4m3 with their 128 x 128 block scales (an Fp8Weight per stacked field; the op's FP8 GEMMs give the bits of the
-dequantized experts) where H and I are multiples of 128; otherwise they are dequantized at load.
+(expert e's rows at e*H), which the op reads as [E, 2I, H] and [E, H, I] views. A -FP8 checkpoint's experts are
+dequantized to bf16 at load by default (on an H100 the bf16 one-token expert GEMMs are faster: docs/kernels/moe.md,
+"FP8 experts"); with XSERV_FP8_EXPERTS=e4m3 they stay e4m3 with their 128 x 128 block scales (an Fp8Weight per
+stacked field, half the memory; the op's FP8 GEMMs give the dequantized experts' bits) where H and I are multiples of
+128.
 
 The forward is the dense one (xserv/models/dense.py) with its MLP hooks overridden: the unfused path stores the
 block's bf16 output where a dense MLP stores its down projection; the fused one-token path projects o, adds it and
@@ -19,6 +21,7 @@ output into the fp32 residual. Both round where a dense layer rounds.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -200,6 +203,18 @@ class Qwen3MoeWorkspace(Workspace):
 
 # ---- the model ---------------------------------------------------------------------------------------------------
 _EXPERT_FIELDS = ("experts_gate_up", "experts_down")
+FP8_EXPERTS_ENV = "XSERV_FP8_EXPERTS"
+_FP8_EXPERTS_CHOICES = ("bf16", "e4m3")
+
+
+def fp8_experts_kept(environ=None) -> bool:
+    """XSERV_FP8_EXPERTS: "bf16" (the default: a -FP8 checkpoint's experts dequantized at load) or "e4m3" (kept in
+    FP8 where their shapes allow: half the experts' memory)."""
+    value = (os.environ if environ is None else environ).get(FP8_EXPERTS_ENV, "bf16").strip().lower() or "bf16"
+    if value not in _FP8_EXPERTS_CHOICES:
+        raise ValueError(f"{FP8_EXPERTS_ENV}={value!r}: expected one of {', '.join(_FP8_EXPERTS_CHOICES)} "
+                         f"(default bf16)")
+    return value == "e4m3"
 
 
 def _experts_view(field: Tensor | Fp8Weight, experts: int, rows: int, cols: int):
@@ -237,10 +252,12 @@ class Qwen3MoeModel(Qwen3Model):
 
     @classmethod
     def kept_fp8_fields(cls, table) -> set:
-        """The dense projections the base class keeps, and each sparse layer's two experts fields together where
-        every expert tensor of both is whole 128 x 128 blocks (H and I multiples of 128: the FP8 expert GEMMs'
-        requirement; the op takes both fields FP8 or neither)."""
+        """The dense projections the base class keeps, and (XSERV_FP8_EXPERTS=e4m3) each sparse layer's two experts
+        fields together where every expert tensor of both is whole 128 x 128 blocks (H and I multiples of 128: the
+        FP8 expert GEMMs' requirement; the op takes both fields FP8 or neither)."""
         kept = super().kept_fp8_fields(table)
+        if not fp8_experts_kept():
+            return {key for key in kept if key[1] not in _EXPERT_FIELDS}
         whole = {}
         for w in table:
             if w.field in _EXPERT_FIELDS:
@@ -251,6 +268,27 @@ class Qwen3MoeModel(Qwen3Model):
             if not (ok and both):
                 kept -= {(layer, f) for f in _EXPERT_FIELDS}
         return kept
+
+    @classmethod
+    def loads_fp8_experts(cls, config) -> bool:
+        """Do this config's experts load as FP8 (a -FP8 checkpoint, XSERV_FP8_EXPERTS=e4m3, whole 128 x 128 blocks)
+        on one GPU? (Under tensor parallelism every FP8 weight is dequantized at load.)"""
+        if getattr(config, "quantization_config", None) is None:
+            return False
+        return any(field in _EXPERT_FIELDS for _, field in cls.kept_fp8_fields(cls.weight_table(config)))
+
+    @classmethod
+    def fp8_load_notice(cls, config) -> str | None:
+        """The base class's line, and where the experts load dequantized by default but could stay FP8, how."""
+        notice = super().fp8_load_notice(config)
+        if notice is None or fp8_experts_kept() or getattr(config, "quantization_config", None) is None:
+            return notice
+        bo, bi = DEFAULT_BLOCK
+        if (config.hidden_size % bo or config.moe_intermediate_size % bo
+                or tuple(config.quantization_config.weight_block_size) != DEFAULT_BLOCK):
+            return notice
+        return (f"{notice}; {FP8_EXPERTS_ENV}=e4m3 keeps the MoE experts in FP8 (half their memory; batch-1 decode "
+                f"measured ~9% slower on an H100)")
 
     @classmethod
     def field_shapes(cls, config: Qwen3MoeConfig) -> dict[str, tuple[int, ...]]:

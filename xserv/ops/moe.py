@@ -285,7 +285,7 @@ def moe_stages(x, router, gate_up, down, shape: MoeShape, renormalize: bool, out
     """The launches of one moe_experts call in order, as (name, no-argument callable): what _moe_cuda runs, and
     what tools/bench_moe.py times one by one. `size` forces the GEMM tile shape ("small" / "mid" / "large");
     `fuse_combine` and `down_trigger` choose the one-token step's last launch (None: from the environment, above).
-    scales: FP8 experts' (gate_up_scale, down_scale): the GEMMs' _fp8 entries (the piece moe:e1_f1), the scales
+    scales: FP8 experts' (gate_up_scale, down_scale): the GEMMs' _fp8 entries (the piece moe:e1_x1), the scales
     after the weights."""
     from ..runtime import kernel
     from ..runtime.compiler import piece
@@ -299,7 +299,7 @@ def moe_stages(x, router, gate_up, down, shape: MoeShape, renormalize: bool, out
     tile = _TILES[size]
     max_tiles = _max_tiles(entries, e, tile)
     fp8 = scales is not None
-    family = piece("moe", moe=1, fp8=int(fp8))
+    family = piece("moe", moe=1, moe_fp8=int(fp8))
     cfg = _gemm(size, fp8)
     sfx = "_fp8" if fp8 else ""
     gate_up_w = (gate_up, scales[0]) if fp8 else (gate_up,)  # the GEMM entries' weight arguments

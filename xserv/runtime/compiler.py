@@ -139,13 +139,13 @@ def family_source(family: str) -> Path:
 # dtype picks nothing (a float16/float32 checkpoint is cast to bf16 on load).
 SHAPE_KEYS = {"head_dim": ("d", "XSERV_HEAD_DIM"), "group": ("g", "XSERV_GROUP"), "rows": ("m", "XSERV_ROWS"),
               "part": ("p", "XSERV_PART"), "vec": ("v", "XSERV_VEC"), "moe": ("e", "XSERV_MOE"),
-              "fp8": ("f", "XSERV_FP8"),
+              "fp8": ("f", "XSERV_FP8"), "moe_fp8": ("x", "XSERV_MOE_FP8"),
               "kvfp8": ("k", "XSERV_KV_FP8")}
-# moe=1: a mixture-of-experts model (the moe family's pieces); fp8=1: an FP8-quantized model (the gemv_fp8 and fp8
-# families' one piece each: the FP8 GEMV, the activation quantization and the weight dequantization; the moe
-# family's FP8-expert piece, fp8=0 its bf16 one, which a model without fp8=1 takes); kvfp8=1:
+# moe=1: a mixture-of-experts model (the moe family's pieces: moe_fp8=1 the FP8 experts' GEMMs, moe_fp8=0 the bf16
+# ones, what a model without moe_fp8 takes); fp8=1: an FP8-quantized model (the gemv_fp8 and fp8 families' one piece
+# each: the FP8 GEMV, the activation quantization and the weight dequantization); kvfp8=1:
 # an engine with an FP8 KV cache (EngineConfig.kv_cache_dtype "fp8_e4m3": the attention_decode_fp8 piece of the shape)
-MODEL_KEYS = ("head_dim", "group", "moe", "fp8", "kvfp8")
+MODEL_KEYS = ("head_dim", "group", "moe", "fp8", "moe_fp8", "kvfp8")
 PIECE_SEP = ":"
 _SHAPES_LINE = re.compile(r"^//\s*xserv-shapes:((?:[ \t]+\w+=\S+)+)(.*)$", re.MULTILINE)  # then a why
 _STARTUP_LINE = re.compile(r"^//\s*xserv-startup:((?:[ \t]+[a-z]\d+(?:_[a-z]\d+)*)+)(.*)$", re.MULTILINE)  # a why
@@ -502,7 +502,7 @@ def startup_families(target: str, shapes: dict[str, int] | None = None) -> list[
         if declared is None:
             names.append(f)
             continue
-        # a model key the shapes leave out is the model's 0 where the family has a 0 piece (moe's fp8=0: bf16 experts)
+        # a model key the shapes leave out is the model's 0 where the family has a 0 piece (moe_fp8=0: bf16 experts)
         model = {k: (shapes or {}).get(k, 0 if 0 in declared[k] else None) for k in declared if k in MODEL_KEYS}
         if any(value not in declared[k] for k, value in model.items()):
             continue
