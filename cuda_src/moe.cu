@@ -372,15 +372,7 @@ __device__ __forceinline__ void moe_gemm(const bf16* __restrict__ x, const bf16*
             bf16* dst;
             bool valid;
             if (!FP8 && r < ROWS) {
-                int wrow;
-                if (GATE_UP) {  // rows [0, ROWS/2): gate rows row0.., [ROWS/2, ROWS): the same up rows
-                    const int j = row0 + r % (ROWS / 2);
-                    valid = j < N;
-                    wrow = r < ROWS / 2 ? j : N + j;
-                } else {
-                    wrow = row0 + r;
-                    valid = wrow < N;
-                }
+                const int wrow = weight_row(r, valid);
                 valid = valid && k < K;
                 src = valid ? wexp + (long long)wrow * K + k : w;
                 dst = sw + r * BK + swizzled_chunk(r, c) * 8;
