@@ -186,8 +186,8 @@ def moe_experts(x: Tensor, router: Tensor, gate_up: Tensor, down: Tensor, top_k:
     shape = _check_shape(x, router, gate_up, down, top_k, gate_up_scale, down_scale)
     scales = (gate_up_scale, down_scale) if gate_up.dtype == float8_e4m3fn else None
     t = x.shape[0]
-    device = same_device(x=x, router=router, gate_up=gate_up, down=down, out=out,
-                         **({"gate_up_scale": scales[0], "down_scale": scales[1]} if scales else {}))
+    device = same_device(x=x, router=router, gate_up=gate_up, down=down, out=out, gate_up_scale=gate_up_scale,
+                         down_scale=down_scale)
     out = output("out", out, (t, shape.hidden), out.dtype if out is not None else bfloat16, device)
     if out.dtype not in (bfloat16, float32):
         raise ValueError(f"out: dtype {out.dtype}, expected bfloat16 (store) or float32 (add to the residual)")
@@ -300,7 +300,7 @@ def moe_stages(x, router, gate_up, down, shape: MoeShape, renormalize: bool, out
     max_tiles = _max_tiles(entries, e, tile)
     fp8 = scales is not None
     family = piece("moe", moe=1, moe_fp8=int(fp8))
-    cfg = _gemm(size, fp8)
+    cfg = (_GEMM_FP8 if fp8 else _GEMM)[size]
     sfx = "_fp8" if fp8 else ""
     gate_up_w = (gate_up, scales[0]) if fp8 else (gate_up,)  # the GEMM entries' weight arguments
     down_w = (down, scales[1]) if fp8 else (down,)
@@ -375,7 +375,4 @@ _GEMM_SHAPES = {"small": dict(warps_m=1, warps_n=1, warps_k=4, tile=8, stages=4,
                 "mid": dict(warps_m=4, warps_n=1, warps_k=1, tile=64, stages=3, bk=64),
                 "large": dict(warps_m=4, warps_n=2, warps_k=1, tile=128, stages=3, bk=64)}
 _GEMM = {size: _gemm_config(**shape) for size, shape in _GEMM_SHAPES.items()}
-
-
-def _gemm(size: str, fp8: bool) -> _GemmConfig:
-    return _gemm_config(**_GEMM_SHAPES[size], fp8=True) if fp8 else _GEMM[size]
+_GEMM_FP8 = {size: _gemm_config(**shape, fp8=True) for size, shape in _GEMM_SHAPES.items()}

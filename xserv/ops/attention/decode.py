@@ -403,7 +403,7 @@ def _launch(plan: tuple[DecodeKernel, int, int], q: Tensor, k_cache: Tensor, v_c
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
     if scales is not None and FP8_DECODE_MMA and has_fp8_mma(k, head_dim, group):
-        k = replace(k, suffix="_mma")
+        k = _mma_form(k)
         plan = (k, splits, chunk)
     heads = num_kv_heads * k.subgroups  # grid rows: one per query-head subgroup of each kv head
     part_o = part_lse = out  # unused by the kernels when splits == 1
@@ -460,6 +460,12 @@ def _module(family: str, head_dim: int, group: int) -> str:
     compiles the model's, another shape compiles on first use), attention_decode_fp8 likewise (kvfp8=1: an FP8-cache
     model's start-up compiles it); the dev family whole."""
     return piece(family, head_dim=head_dim, group=group, kvfp8=1)
+
+
+@functools.lru_cache(maxsize=None)
+def _mma_form(k: DecodeKernel) -> DecodeKernel:
+    """k's FP8 tensor-core form (the _mma entries; made once per kernel, not per launch)."""
+    return replace(k, suffix="_mma")
 
 
 def has_fp8_mma(k: DecodeKernel, head_dim: int, group: int) -> bool:
