@@ -281,7 +281,7 @@ def fake_launches(monkeypatch):
     import xserv.runtime.kernels as K
 
     calls = []
-    state = {"sizes": None, "result": driver.CUresult.CUDA_SUCCESS}
+    state = {"sizes": None, "result": driver.CUresult.CUDA_SUCCESS, "static_smem": 0, "smem_optins": []}
 
     def launch(func, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
         calls.append(dict(ex=False, func=int(func), grid=(gx, gy, gz), block=(bx, by, bz), smem=smem,
@@ -298,6 +298,8 @@ def fake_launches(monkeypatch):
     monkeypatch.setattr(K, "_cuLaunchKernel", launch)
     monkeypatch.setattr(K, "_cuLaunchKernelEx", launch_ex)
     monkeypatch.setattr(K, "_param_sizes", lambda func: state["sizes"])
+    monkeypatch.setattr(K, "_static_smem", lambda func: state["static_smem"])
+    monkeypatch.setattr(K, "_allow_dynamic_smem", lambda handle, func, index, smem: state["smem_optins"].append(smem))
 
     def make(sizes, cc=(9, 0)):
         state["sizes"] = sizes
@@ -379,6 +381,27 @@ def test_launch_switches_between_signatures(fake_launches, rng):
     assert calls[-1]["params"] == [] and calls[-1]["grid"] == (3, 1, 1) and len(calls) == n + 4
     with pytest.raises(ValueError, match="1 arguments given, the kernel takes 0"):
         k0(3, 32, t)
+
+
+@pytest.mark.parametrize("static", [0, 1024, 8])
+def test_dynamic_smem_opt_in_counts_the_static_shared_memory(fake_launches, static):
+    """The driver refuses a launch whose static plus dynamic shared memory passes 48 KB unless the dynamic limit was
+    raised: 48 KB dynamic beside 1 KB of static arrays needs the opt-in (an FP8 MoE GEMM failed so on an H100)."""
+    make, calls, state = fake_launches
+    state["static_smem"] = static
+    k = make([])
+    k(1, 32, smem=48 * 1024 - static)  # exactly the default limit: no opt-in
+    assert state["smem_optins"] == []
+    k(1, 32, smem=48 * 1024 - static + 16)
+    assert state["smem_optins"] == [48 * 1024 - static + 16]
+    k(1, 32, smem=1024)  # below the raised limit: no second opt-in
+    k(1, 32, smem=100 * 1024)
+    assert state["smem_optins"] == [48 * 1024 - static + 16, 100 * 1024]
+    assert [c["smem"] for c in calls] == [48 * 1024 - static, 48 * 1024 - static + 16, 1024, 100 * 1024]
+    with pytest.raises(ValueError, match=rf"kern: {227 * 1024 - static + 1} bytes of dynamic shared memory asked "
+                                         rf"\(and {static} static\), the device allows {227 * 1024}"):
+        k(1, 32, smem=227 * 1024 - static + 1)
+    assert len(calls) == 4
 
 
 @pytest.mark.parametrize("grid,block,dims", [(5, 64, ((5, 1, 1), (64, 1, 1))), ((5,), (64,), ((5, 1, 1), (64, 1, 1))),

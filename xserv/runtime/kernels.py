@@ -21,7 +21,7 @@ from .arch import pdl_enabled
 from .compiler import compile_family, family_source
 from .errors import CudaError, check_driver
 
-_SMEM_DEFAULT_LIMIT = 48 * 1024
+_SMEM_DEFAULT_LIMIT = 48 * 1024  # static + dynamic shared memory a CTA may use without the opt-in attribute
 _SLOT = 8  # bytes per parameter slot: every parameter xserv passes is a pointer or a scalar of at most 8 bytes
 _SUCCESS = driver.CUresult.CUDA_SUCCESS
 _cuLaunchKernel = driver.cuLaunchKernel
@@ -133,7 +133,7 @@ class Kernel:
         else:
             self._func = handle
         self._hstream = driver.CUstream(device.stream_handle)
-        self._smem_limit = _SMEM_DEFAULT_LIMIT
+        self._smem_limit = 0  # dynamic bytes known to launch; the first larger launch reads the kernel's static size
         self._packers: dict[tuple, _Packer] = {}
         self._last: _Packer | _NoPacker = _NoPacker()  # the signature of the last plain launch
         self._param_sizes: list[int] | None | bool = False  # False: not read yet; None: the driver cannot say
@@ -155,7 +155,7 @@ class Kernel:
         else:
             bx, by, bz = _dims("block", block)
         if smem > self._smem_limit:
-            self._raise_smem_limit(smem)
+            self._fit_smem(smem)
         if cluster != 1:
             self._check_cluster(cluster, gx)
         if (pdl and self._pdl_supported) or cluster != 1:
@@ -279,15 +279,19 @@ class Kernel:
         if gx % cluster:
             raise ValueError(f"{self.name}: grid x {gx} is not a multiple of the cluster size {cluster}")
 
-    def _raise_smem_limit(self, smem: int) -> None:
+    def _fit_smem(self, smem: int) -> None:
+        """Make a launch with `smem` dynamic bytes valid. The driver counts the kernel's static __shared__ arrays
+        with the dynamic bytes: past 48 KB together (not the dynamic bytes alone) the opt-in attribute must be
+        raised, else the launch fails with CUDA_ERROR_INVALID_VALUE."""
+        static = _static_smem(self._func)
+        if static + smem <= _SMEM_DEFAULT_LIMIT:
+            self._smem_limit = _SMEM_DEFAULT_LIMIT - static
+            return
         limit = self._device.info.max_shared_memory_per_block_optin
-        if smem > limit:
-            raise ValueError(f"{self.name}: {smem} bytes of dynamic shared memory asked, the device allows {limit}")
-        attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        handle = self._kernel.handle
-        if isinstance(handle, driver.CUkernel):
-            check_driver(driver.cuKernelSetAttribute(attr, smem, handle, self._device.info.index), "cuKernelSetAttribute")
-        check_driver(driver.cuFuncSetAttribute(self._func, attr, smem), "cuFuncSetAttribute")
+        if static + smem > limit:
+            raise ValueError(f"{self.name}: {smem} bytes of dynamic shared memory asked (and {static} static), the "
+                             f"device allows {limit}")
+        _allow_dynamic_smem(self._kernel.handle, self._func, self._device.info.index, smem)
         self._smem_limit = smem
 
     @property
@@ -328,6 +332,20 @@ def _param_sizes(func) -> list[int] | None:
             # index means it cannot tell (an old driver)
             return sizes if err == driver.CUresult.CUDA_ERROR_INVALID_VALUE else None
         sizes.append(int(size))
+
+
+def _static_smem(func) -> int:
+    """Bytes of a kernel's static __shared__ arrays."""
+    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES
+    return int(check_driver(driver.cuFuncGetAttribute(attr, func), "cuFuncGetAttribute"))
+
+
+def _allow_dynamic_smem(handle, func, device_index: int, smem: int) -> None:
+    """Raise a kernel's dynamic shared memory limit to `smem` bytes (the opt-in past 48 KB)."""
+    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    if isinstance(handle, driver.CUkernel):
+        check_driver(driver.cuKernelSetAttribute(attr, smem, handle, device_index), "cuKernelSetAttribute")
+    check_driver(driver.cuFuncSetAttribute(func, attr, smem), "cuFuncSetAttribute")
 
 
 class KernelCache:
