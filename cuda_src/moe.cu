@@ -32,9 +32,11 @@
 //
 // FP8 experts (the *_fp8 entries; a -FP8 checkpoint's experts, kept e4m3 in GPU memory): the weights are e4m3 with a
 // float32 scale per 128 x 128 block (scale [E, rows / 128, K / 128]; H and I multiples of 128). The ring streams the
-// e4m3 bytes (half the bf16 bytes); after a chunk lands, the CTA converts it into one bf16 buffer in the bf16 ring's
-// layout, each weight bf16(float(e4m3) * scale) (models/fp8.py's dequantize_blockwise rounding), and the unchanged
-// mma loop reads that buffer. So the FP8 entries give the bits the bf16 ones give on the dequantized weights.
+// e4m3 bytes (half the bf16 bytes); each thread reads its A fragments' codes straight from the ring (16-byte pieces
+// swizzled per row so that a warp's reads are conflict-free) and converts them in registers, each weight
+// bf16(float(e4m3) * scale) (models/fp8.py's dequantize_blockwise rounding), into the fragments ldmatrix gives the
+// bf16 form; the mma loop is otherwise unchanged. So the FP8 entries give the bits the bf16 ones give on the
+// dequantized weights.
 //
 // xserv-shapes: moe=1 moe_fp8=0,1 (pieces moe:e1_x0, the bf16 experts' GEMMs, and moe:e1_x1, the FP8 experts'; both
 // hold the routing and the combine. A MoE model's start-up compiles its experts' one; a dense model never loads either)
@@ -286,6 +288,10 @@ __device__ __forceinline__ void moe_gemm(const bf16* __restrict__ x, const bf16*
     constexpr int KSTEPS = BK / 16 / WARPS_K;  // k16 steps per chunk per warp
     constexpr int CHUNKS = BK / 8;  // 16-byte pieces of a tile row (bf16)
     constexpr int CHUNKS8 = BK / 16;  // 16-byte pieces of an e4m3 weight row
+    // FP8: where piece p of ring row r lies (p ^ swizzle(r)): a k-step's fragment reads take one piece of 8 rows
+    // (rows g of a warp's m-tile), and rows BK bytes apart would share banks; the XOR spreads them over all 32 banks
+    // (BK 64: 4 pieces a row, rows of equal parity shifted by (r >> 1) & 3; BK >= 128: rows shifted by r & 7).
+    auto fp8_piece_swizzle = [](int r) { return CHUNKS8 >= 8 ? (r & 7) : ((r >> 1) & 3); };
     static_assert(TILE % (8 * WARPS_N) == 0 && (BK / 16) % WARPS_K == 0 && BK % 64 == 0, "tile shape");
     static_assert(COMBINE == kNoCombine || (!GATE_UP && !ROUTE_ONE), "the combine follows the down GEMM");
     extern __shared__ __align__(128) bf16 gemm_smem[];
@@ -362,7 +368,8 @@ __device__ __forceinline__ void moe_gemm(const bf16* __restrict__ x, const bf16*
                 bool valid;
                 const int wrow = weight_row(r, valid);
                 valid = valid && k < K;
-                cp_async16(smem_u32(sw8 + r * BK + c * 16), valid ? wexp8 + (long long)wrow * K + k : wexp8, valid);
+                cp_async16(smem_u32(sw8 + r * BK + (c ^ fp8_piece_swizzle(r)) * 16),
+                           valid ? wexp8 + (long long)wrow * K + k : wexp8, valid);
             }
         }
 #pragma unroll
@@ -385,38 +392,33 @@ __device__ __forceinline__ void moe_gemm(const bf16* __restrict__ x, const bf16*
             cp_async16(smem_u32(dst), src, valid);
         }
     };
-    // FP8: chunk `chunk` of the weight rows (in `stage`) -> the bf16 buffer after the ring, in the bf16 ring's
-    // swizzled layout: each 16-byte piece of 16 codes -> 16 bf16(float(code) * its block's scale). Rows past N read
-    // zeros (the ring's zero-fill) and get scale 0.
-    bf16* const converted = gemm_smem + STAGES * STAGE;
-    auto convert = [&](int chunk, int stage) {
-        const unsigned char* sw8 = reinterpret_cast<const unsigned char*>(gemm_smem + stage * STAGE);
-        const int k0 = chunk * BK, scale_rows = (GATE_UP ? 2 * N : N) / 128, scale_cols = K / 128;
-        const float* escale = wscale + (long long)expert * scale_rows * scale_cols;
+    // FP8: the A fragments of the m-tile whose first row is `mrow` (rows mrow + g and mrow + g + 8, columns 2t, 2t + 1
+    // and 2t + 8, 2t + 9 of k-step ks: what ldmatrix_x4 gives the bf16 form) from the e4m3 codes in `sw8`, each
+    // bf16(float(code) * scale); `scale`: the m-tile's block scale for this k-step (16 rows lie in one 128-row block).
+    auto fp8_fragment = [&](unsigned (&frag)[4], const unsigned char* sw8, int mrow, int ks, float scale) {
+        const int g = lane >> 2, t = lane & 3;
 #pragma unroll
-        for (int i = tid; i < ROWS * CHUNKS8; i += THREADS) {
-            const int r = i / CHUNKS8, c = i % CHUNKS8, k = k0 + c * 16;
-            bool valid;
-            const int wrow = weight_row(r, valid);
-            const float scale = valid && k < K ? __ldg(escale + (wrow >> 7) * scale_cols + (k >> 7)) : 0.f;
-            const uint4 codes = *reinterpret_cast<const uint4*>(sw8 + r * BK + c * 16);
-            const unsigned words[4] = {codes.x, codes.y, codes.z, codes.w};
-            unsigned packed[8];
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                float f[4];
-                xserv::e4m3::e4m3x4_to_float4(words[q], f);
-#pragma unroll
-                for (int j = 0; j < 2; ++j) {
-                    const __nv_bfloat162 pair = __floats2bfloat162_rn(f[2 * j] * scale, f[2 * j + 1] * scale);
-                    packed[2 * q + j] = *reinterpret_cast<const unsigned*>(&pair);
-                }
-            }
-            *reinterpret_cast<uint4*>(converted + r * BK + swizzled_chunk(r, 2 * c) * 8) =
-                make_uint4(packed[0], packed[1], packed[2], packed[3]);
-            *reinterpret_cast<uint4*>(converted + r * BK + swizzled_chunk(r, 2 * c + 1) * 8) =
-                make_uint4(packed[4], packed[5], packed[6], packed[7]);
+        for (int h = 0; h < 2; ++h) {  // h = 0: row g (frag 0, 2); 1: row g + 8 (frag 1, 3)
+            const int r = mrow + g + 8 * h;
+            const unsigned char* piece = sw8 + r * BK + (ks ^ fp8_piece_swizzle(r)) * 16 + 2 * t;
+            const unsigned codes = *reinterpret_cast<const unsigned short*>(piece) |
+                                   (unsigned)*reinterpret_cast<const unsigned short*>(piece + 8) << 16;
+            float f[4];
+            xserv::e4m3::e4m3x4_to_float4(codes, f);
+            const __nv_bfloat162 lo = __floats2bfloat162_rn(f[0] * scale, f[1] * scale);
+            const __nv_bfloat162 hi = __floats2bfloat162_rn(f[2] * scale, f[3] * scale);
+            frag[h] = *reinterpret_cast<const unsigned*>(&lo);
+            frag[2 + h] = *reinterpret_cast<const unsigned*>(&hi);
         }
+    };
+    // FP8: the block scale of the m-tile starting at `mrow` for columns from k (0 where its rows are past N or k
+    // past K: those codes are the ring's zero-fill)
+    auto fp8_scale = [&](int mrow, int k) {
+        const int scale_rows = (GATE_UP ? 2 * N : N) / 128, scale_cols = K / 128;
+        bool valid;
+        const int wrow = weight_row(mrow, valid);
+        return valid && k < K ? __ldg(wscale + ((long long)expert * scale_rows + (wrow >> 7)) * scale_cols + (k >> 7))
+                              : 0.f;
     };
 
     const int chunks = cdiv(K, BK);
@@ -443,16 +445,16 @@ __device__ __forceinline__ void moe_gemm(const bf16* __restrict__ x, const bf16*
         cp_async_commit();
         const bf16* sw = gemm_smem + (c % STAGES) * STAGE;
         const bf16* sx = sw + (FP8 ? ROWS / 2 : ROWS) * BK;
-        if constexpr (FP8) {  // (every warp is past chunk c - 1's mma: the barrier above)
-            convert(c, c % STAGES);
-            __syncthreads();
-            sw = converted;
-        }
 #pragma unroll
         for (int s = 0; s < KSTEPS; ++s) {
             const int ks = wk * KSTEPS + s;
             unsigned a[2][4];
-            {
+            if constexpr (FP8) {
+                const unsigned char* sw8 = reinterpret_cast<const unsigned char*>(sw);
+                const int k = c * BK + 16 * ks;
+                fp8_fragment(a[0], sw8, mrow0, ks, fp8_scale(mrow0, k));
+                fp8_fragment(a[1], sw8, mrow1, ks, fp8_scale(mrow1, k));
+            } else {
                 const int r0 = mrow0 + (lane & 15), r1 = mrow1 + (lane & 15), ch = 2 * ks + (lane >> 4);
                 ldmatrix_x4(a[0], smem_u32(sw + r0 * BK + swizzled_chunk(r0, ch) * 8));
                 ldmatrix_x4(a[1], smem_u32(sw + r1 * BK + swizzled_chunk(r1, ch) * 8));

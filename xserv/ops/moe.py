@@ -362,12 +362,11 @@ class _GemmConfig:
 
 
 # Must match the instantiations in cuda_src/moe.cu (XSERV_MOE_GEMM): rows = 32 x warps_m, the ring stages x
-# (rows + tile) x bk bf16 of K; FP8 (the _fp8 entries): stages x (rows e4m3 + tile bf16) x bk, then the converted
-# chunk's rows x bk bf16.
+# (rows + tile) x bk bf16 of K; FP8 (the _fp8 entries): stages x (rows e4m3 + tile bf16) x bk.
 def _gemm_config(warps_m: int, warps_n: int, warps_k: int, tile: int, stages: int, bk: int,
                  fp8: bool = False) -> _GemmConfig:
     rows = 32 * warps_m
-    smem = stages * (rows + 2 * tile) * bk + rows * bk * 2 if fp8 else stages * (rows + tile) * bk * 2
+    smem = stages * (rows + 2 * tile) * bk if fp8 else stages * (rows + tile) * bk * 2
     return _GemmConfig(rows, 32 * warps_m * warps_n * warps_k, smem)
 
 
