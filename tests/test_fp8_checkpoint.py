@@ -326,8 +326,9 @@ def test_loads_fp8_projections_as_stored_and_the_rest_dequantized(fp8_folders, n
     assert np.array_equal(model_rows(model32, w), want)
 
 
-def test_fp8_weights_count_their_bytes_and_parameters(fp8_folders):
-    folder, twin = fp8_folders["dense-128"]
+@pytest.mark.parametrize("name", ["dense-128", "moe-128"])  # moe-128: its experts FP8 too
+def test_fp8_weights_count_their_bytes_and_parameters(fp8_folders, name):
+    folder, twin = fp8_folders[name]
     fp8 = load_model(folder, "cpu", progress=False, max_positions=64)
     bf16 = load_model(twin, "cpu", progress=False, max_positions=64)
     assert fp8.num_parameters() == bf16.num_parameters()

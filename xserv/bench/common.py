@@ -146,12 +146,15 @@ def active_weight_bytes(model, weight_bytes: int | None = None) -> int:
 
 def active_parameters(model, weight_bytes: int | None = None) -> int:
     """Parameters one token computes with: active_weight_bytes at 2 bytes a parameter (bf16), or for a model that
-    counts its parameters (num_parameters: FP8 weights take 1 byte, their scales none) that count less the skipped
-    experts' (bf16) parameters."""
+    counts its parameters (num_parameters: FP8 weights take 1 byte, their scales none) that count less the experts a
+    token skips (E - k per sparse layer, counted in parameters: FP8 experts' bytes are not 2 a parameter)."""
     if not callable(getattr(model, "num_parameters", None)):
         return active_weight_bytes(model, weight_bytes) // 2
-    all_bytes = all_weight_bytes(model) if weight_bytes is None else weight_bytes
-    return int(model.num_parameters()) - (all_bytes - active_weight_bytes(model, all_bytes)) // 2
+    moe = moe_experts(model)
+    if moe is None:
+        return int(model.num_parameters())
+    (num, k), c = moe, model.config
+    return int(model.num_parameters()) - (num - k) * len(c.sparse_layers) * 3 * c.moe_intermediate_size * c.hidden_size
 
 
 def kv_bytes_per_token(config, element_bytes: int = 2) -> int:
