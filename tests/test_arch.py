@@ -88,17 +88,18 @@ def test_target_from_env_reads_xserv_arch():
 # ---- families per path, and the per-op table ----------------------------------------------------------------------
 def test_hopper_only_families_are_declared_and_refused_elsewhere():
     restricted = {f: family_archs(f) for f in list_families() + list_dev_families() if family_archs(f) is not None}
-    assert restricted == {"attention_prefill_sm90": ("sm_90a",), "dev/attention_prefill_sm90_dev": ("sm_90a",)}
+    hopper = {"attention_prefill_sm90", "moe_sm90"}
+    assert restricted == {**{f: ("sm_90a",) for f in hopper}, "dev/attention_prefill_sm90_dev": ("sm_90a",)}
     assert families_for("sm_90a") == list_families()
     for target in ("sm_80", "sm_86", "sm_89", "sm_100a", "sm_120a", "sm_80@sm_90a", "sm_90@sm_100a"):
-        assert families_for(target) == [f for f in list_families() if f != "attention_prefill_sm90"], target
-        with pytest.raises(CompileError, match=r"'attention_prefill_sm90' is for sm_90a only \(wgmma.*"
-                                               rf"not compiled for {target}"):
-            compile_family("attention_prefill_sm90", target)
+        assert families_for(target) == [f for f in list_families() if f not in hopper], target
+        for family in hopper:
+            with pytest.raises(CompileError, match=rf"'{family}' is for sm_90a only \(wgmma.*not compiled for {target}"):
+                compile_family(family, target)
 
 
 # families compiled at start-up only for a model that needs them (moe=1, fp8=1) or an FP8 KV cache (kvfp8=1)
-MODEL_ONLY = {"moe", "gemv_fp8", "fp8", "attention_decode_fp8"}
+MODEL_ONLY = {"moe", "moe_sm90", "gemv_fp8", "fp8", "attention_decode_fp8"}
 
 
 def test_kernel_paths_name_what_the_runtime_compiles():
@@ -116,7 +117,7 @@ def test_kernel_paths_name_what_the_runtime_compiles():
         assert families_of(path) <= set(families_for(target)), path  # each compiles for its path
         # a dense bf16 model's start-up: no moe piece, no FP8 pieces (gemv_fp8, fp8: an FP8-quantized model's)
         assert startup(target) == families_of(path) - MODEL_ONLY
-        for key, families in (("moe", {"moe"}), ("fp8", {"gemv_fp8", "fp8"}), ("kvfp8", {"attention_decode_fp8"})):
+        for key, families in (("moe", {"moe", "moe_sm90"}), ("fp8", {"gemv_fp8", "fp8"}), ("kvfp8", {"attention_decode_fp8"})):
             with_key = {name.partition(":")[0] for name in startup_families(target, {**shapes, key: 1})}
             assert with_key == families_of(path) - (MODEL_ONLY - families), key
         both = {name.partition(":")[0] for name in startup_families(target, {**shapes, "moe": 1, "fp8": 1,
@@ -235,13 +236,14 @@ def test_ptx_targets_that_cannot_serve_an_arch_are_refused():
 def test_arch_guards_are_only_the_documented_ones():
     """`#if __CUDA_ARCH__...` that compiles a kernel body to nothing (or a trap) on other archs is not allowed: a
     kernel has real code for its target or is not compiled there. The exceptions: the PDL wrappers (exact no-ops
-    below sm_90, common.cuh says why), the sm_90a-only family's #error, and the e4m3 conversions in e4m3.cuh (the
+    below sm_90, common.cuh says why), the sm_90a-only families' #error, and the e4m3 conversions in e4m3.cuh (the
     FP8 GEMV's and the FP8 KV cache's: the hardware cvt from sm_89, the bit-identical soft forms below; the FP8
     GEMV's GPU test compares its _soft entries with the hardware ones bit for bit, tests/ops/test_attention_fp8_kv.py
     checks the soft encoding against ml_dtypes, and the GPU tests run with XSERV_ARCH=sm_80 beside the native
     ones)."""
     allowed = {("common.cuh", "#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900"),
                ("attention_prefill_sm90.cu", "#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)"),
+               ("moe_sm90.cu", "#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)"),
                ("e4m3.cuh", "#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890")}
     found = []
     for path in sorted(kernel_source_dir().rglob("*")):
@@ -250,8 +252,9 @@ def test_arch_guards_are_only_the_documented_ones():
                 if re.match(r"\s*#\s*(el)?if.*(__CUDA_ARCH|FEAT_SM)", line):
                     found.append((path.name, line.strip()))
     assert set(found) <= allowed and len([f for f in found if f[0] == "common.cuh"]) == 2, found
-    sm90 = family_source("attention_prefill_sm90").read_text()
-    assert "__trap();  // wgmma" not in sm90 and "#error" in sm90
+    for family in ("attention_prefill_sm90", "moe_sm90"):
+        sm90 = family_source(family).read_text()
+        assert "__trap();  // wgmma" not in sm90 and "#error" in sm90
 
 
 def test_forced_arch_plans_within_that_archs_shared_memory():

@@ -218,11 +218,14 @@ def test_cuda_matches_reference(rng, shape, renormalize):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("wgmma", [True, False], ids=["wgmma", "mma"])  # the hopper path's mid / large tiles
 @pytest.mark.parametrize("size", ["small", "mid", "large"])
 @pytest.mark.parametrize("shape", [(300, 32, 8, 512, 256), (37, 8, 3, 200, 136)], ids=["t300", "tails"])
-def test_cuda_every_tile_shape(rng, size, shape):
+def test_cuda_every_tile_shape(rng, monkeypatch, size, shape, wgmma):
+    from xserv.ops import moe as M
     from xserv.ops.moe import _TILES
 
+    monkeypatch.setattr(M, "MOE_WGMMA", wgmma)
     t, e, k, h, inter = shape
     x = random_array(rng, (t, h), bfloat16, mean=0.0)
     router, gate_up, down = weights(rng, e, h, inter)
@@ -230,6 +233,28 @@ def test_cuda_every_tile_shape(rng, size, shape):
     check_sorted_list(ws, t, k, _TILES[size])
     ref = moe_experts_reference(x, router, gate_up, down, k, True, logits=ws.logits.numpy()[:t])
     assert rel_error(got, ref.astype(bfloat16)) < 4e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("size", ["mid", "large"])
+def test_cuda_wgmma_tiles_match_the_mma_tiles(rng, monkeypatch, size):
+    """moe_sm90.cu's wgmma GEMMs (the hopper path's mid and large tiles) against moe.cu's mma.sync ones on the same
+    inputs at Qwen3-30B-A3B's widths: within rounding of each other (the sums' order inside a k16 step is the
+    hardware's) and of the reference; skipped where the path has no wgmma form."""
+    from xserv.ops import moe as M
+
+    monkeypatch.setattr(M, "MOE_WGMMA", True)
+    if not M.uses_wgmma():
+        pytest.skip("the portable path has no wgmma form")
+    t, e, k, h, inter = 520, 32, 8, 2048, 768
+    x = random_array(rng, (t, h), bfloat16, mean=0.0)
+    router, gate_up, down = weights(rng, e, h, inter)
+    wg, ws = run_cuda(x, router, gate_up, down, k, True, size=size)
+    monkeypatch.setattr(M, "MOE_WGMMA", False)
+    mma, _ = run_cuda(x, router, gate_up, down, k, True, size=size)
+    ref = moe_experts_reference(x, router, gate_up, down, k, True, logits=ws.logits.numpy()[:t])
+    assert rel_error(wg, ref.astype(bfloat16)) < 4e-3
+    assert rel_error(wg, mma) < 4e-3 and rel_error(wg, mma) <= 2 * max(rel_error(mma, ref.astype(bfloat16)), 1e-3)
 
 
 @pytest.mark.gpu

@@ -279,6 +279,21 @@ def _moe_cuda(x, router, gate_up, down, shape: MoeShape, renormalize: bool, out,
         launch()
 
 
+# The hopper path's mid and large GEMM tiles on wgmma (moe_sm90.cu); a module attribute for A/B runs
+# (tools/with_setting.py) and the tests that run both forms on one GPU.
+MOE_WGMMA = True
+
+
+def uses_wgmma() -> bool:
+    """Do the mid and large tiles of bf16 experts run moe_sm90.cu's wgmma entries here (the hopper kernel path)?"""
+    if not MOE_WGMMA:
+        return False
+    from ..runtime import get_device
+    from ..runtime.arch import KernelPath, arch_path
+
+    return arch_path(get_device().arch) is KernelPath.HOPPER
+
+
 def moe_stages(x, router, gate_up, down, shape: MoeShape, renormalize: bool, out, ws: MoeWorkspace, t: int,
                size: str | None = None, fuse_combine: bool | None = None,
                down_trigger: str | None = None, scales: tuple[Tensor, Tensor] | None = None) -> list[tuple[str, object]]:
@@ -302,6 +317,11 @@ def moe_stages(x, router, gate_up, down, shape: MoeShape, renormalize: bool, out
     family = piece("moe", moe=1, moe_fp8=int(fp8))
     cfg = (_GEMM_FP8 if fp8 else _GEMM)[size]
     sfx = "_fp8" if fp8 else ""
+    # the mid and large tiles of bf16 experts on the hopper path: moe_sm90.cu's wgmma twins (same grid and threads;
+    # 1 KB more shared memory for the ring's 1024-byte alignment)
+    wgmma = size != "small" and not fp8 and uses_wgmma()
+    gemm_family, gemm_prefix, gemm_smem = ((piece("moe_sm90", moe=1), "moe_wg", cfg.smem + 1024) if wgmma
+                                           else (family, "moe_gemm", cfg.smem))
     gate_up_w = (gate_up, scales[0]) if fp8 else (gate_up,)  # the GEMM entries' weight arguments
     down_w = (down, scales[1]) if fp8 else (down,)
     mode = "add" if out.dtype == float32 else "store"  # into the fp32 residual, or a bf16 output
@@ -336,18 +356,18 @@ def moe_stages(x, router, gate_up, down, shape: MoeShape, renormalize: bool, out
         *([("gate_up+route", lambda: kernel(family, f"moe_gemm_gate_up_one{sfx}")(
             (cdiv(inter, cfg.rows // 2), k), cfg.threads, x, *gate_up_w, logits, ws.ids, ws.weights, ws.sorted,
             ws.tile_expert, ws.act, np.int32(k), np.int32(h), np.int32(inter), np.int32(e), flag, smem=cfg.smem,
-            pdl=True))] if one_token else [*route, ("gate_up", lambda: kernel(family, f"moe_gemm_gate_up_{size}{sfx}")(
+            pdl=True))] if one_token else [*route, ("gate_up", lambda: kernel(gemm_family, f"{gemm_prefix}_gate_up_{size}{sfx}")(
                 (cdiv(inter, cfg.rows // 2), max_tiles), cfg.threads, x, *gate_up_w, ws.sorted, ws.tile_expert,
-                ws.act, np.int32(k), np.int32(h), np.int32(inter), smem=cfg.smem, pdl=True))]),
+                ws.act, np.int32(k), np.int32(h), np.int32(inter), smem=gemm_smem, pdl=True))]),
         # one token: the combine inside the down GEMM (the last CTA of each row block; same grid, same bits)
         *([("down+combine", lambda: kernel(family, f"moe_gemm_down_one_{mode}{down_ring[1]}{sfx}")(
             (cdiv(h, cfg.rows), max_tiles), cfg.threads, ws.act, *down_w, ws.sorted, ws.tile_expert, ws.y,
             np.int32(k), np.int32(inter), np.int32(h), ws.weights, out, ws.counters, np.int32(early),
             smem=_gemm_config(1, 1, 4, _TILES["small"], down_ring[0], DOWN_ONE_BK, fp8).smem, pdl=True))]
           if fused else [
-            ("down", lambda: kernel(family, f"moe_gemm_down_{size}{sfx}")(
+            ("down", lambda: kernel(gemm_family, f"{gemm_prefix}_down_{size}{sfx}")(
                 (cdiv(h, cfg.rows), max_tiles), cfg.threads, ws.act, *down_w, ws.sorted, ws.tile_expert, ws.y,
-                np.int32(k), np.int32(inter), np.int32(h), smem=cfg.smem, pdl=True)),
+                np.int32(k), np.int32(inter), np.int32(h), smem=gemm_smem, pdl=True)),
             ("combine", lambda: kernel(family, f"moe_combine_{mode}")(
                 cdiv(t * (h // 8), 256), 256, ws.y, ws.weights, out, np.int32(t), np.int32(k), np.int32(h),
                 pdl=True))]),

@@ -206,8 +206,13 @@ KERNEL_PATHS: dict[str, dict[KernelPath, tuple[Route, ...]]] = {
     "sample": {p: (r,) for p, r in _both(Route("sampling", "fused penalties + top-k/top-p + draw")).items()},
     "cast": {p: (r,) for p, r in _both(Route("cast", "bf16/fp16/fp32 conversions")).items()},
     "add": {p: (r,) for p, r in _both(Route("elementwise", "vector and scalar forms")).items()},
-    "moe_experts": {p: (r,) for p, r in _both(Route("moe", "route + sorted list (one CTA), grouped GEMMs (mma.sync "
-                                                   "m16n8k16, cp.async ring), combine; no wgmma form yet")).items()},
+    "moe_experts": {
+        PORTABLE: (Route("moe", "route + sorted list, grouped GEMMs (mma.sync m16n8k16, cp.async ring), combine"),),
+        HOPPER: (Route("moe", "route + sorted list, the decode-sized (small) GEMMs and FP8 experts' (mma.sync), "
+                       "combine"),
+                 Route("moe_sm90", "the mid and large grouped GEMMs of bf16 experts on wgmma (prefill, large "
+                       "batches)")),
+    },
     "linear_fp8 (FP8 block-quantized weights)": {
         PORTABLE: (Route("gemv_fp8", "M <= 8: e4m3 weights dequantized in registers (cvt from sm_89, soft below)"),
                    Route("fp8", "M > 8: fp8_dequantize_bf16 into a scratch, then the bf16 cuBLAS GEMM")),

@@ -1,0 +1,185 @@
+// The mixture-of-experts grouped GEMMs of prefill-sized steps on Hopper's warpgroup MMA (wgmma.mma_async), sm_90a
+// only: moe_wg_gate_up_{mid,large} and moe_wg_down_{mid,large}, drop-in twins of moe.cu's moe_gemm_*_{mid,large}
+// (same arguments, grid, token tiles and outputs; bf16 experts; docs/kernels/moe.md "wgmma").
+//
+// Why: moe.cu's mma.sync tiles ran the 2,048-token prefill's expert GEMMs at 17-26% of the cuBLAS bf16 rate on an
+// H100 (one 16x8x16 product per warp instruction, both operands through ldmatrix and registers). wgmma lets a
+// warpgroup issue a 64 x TILE x 16 product whose operands come straight from shared memory.
+//
+// Structure (one CTA = one token tile of one expert x ROWS weight rows; every thread also copies):
+//   the ring   STAGES stages of 64-wide K chunks, cp.async as in moe.cu: the CTA's ROWS weight rows then the tile's
+//              TILE token rows, 128 bytes a row with 16-byte piece c of row r at c ^ (r % 8): exactly the K-major
+//              128-byte-swizzle layout wgmma's matrix descriptors read (stride byte offset 1024 = one 8-row atom;
+//              a k16 step advances the start address 32 bytes). Stages start on 1024-byte boundaries (the swizzle
+//              is applied to address bits), so the dynamic shared memory is 1 KB more than the ring.
+//   the MMA    warpgroup wg owns MB blocks of 64 weight rows (A, from the ring) x all TILE tokens (B, from the ring):
+//              per chunk 4 k16 steps per block, then commit and wait; the barrier at the next chunk frees the stage.
+//   gate/up    the CTA's weight rows alternate in groups of 8: rows 16q..16q+7 are gate rows row0 + 8q.., rows
+//              16q+8..16q+15 the same up rows. A thread's accumulators hold D rows g and g + 8 of its warp's 16 (the
+//              mma C-fragment layout): a gate value and its up value, which the epilogue pairs as moe.cu does:
+//              act = bf16(bf16(silu(bf16(gate))) * bf16(up)), stored at the tile's sorted row.
+//   down       weight rows row0 + r; bf16(sum) stored at the entry's row of y [T * k, H] (the scatter), as moe.cu.
+// Sums run in fp32 over the same 64-wide chunks in K order, but wgmma's internal order within a k16 step is the
+// hardware's: results match moe.cu's within rounding, not bit for bit.
+//
+// xserv-arch: sm_90a (wgmma: the hopper path of the moe op's mid and large tiles; elsewhere moe.cu's mma.sync ones)
+// xserv-shapes: moe=1 (compiled at the start of a mixture-of-experts model only)
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#error "moe_sm90 needs sm_90a (wgmma); other archs run moe.cu's mma.sync GEMMs"
+#endif
+#include <cuda_bf16.h>
+
+#include "common.cuh"
+#include "mma.cuh"
+#include "norm.cuh"
+#include "wgmma.cuh"
+
+namespace {
+
+using bf16 = __nv_bfloat16;
+using xserv::cp_async16;
+using xserv::cp_async_commit;
+using xserv::cp_async_wait;
+using xserv::round_bf16;
+using xserv::smem_u32;
+
+constexpr int kBK = 64;  // K chunk: 64 bf16 = one 128-byte swizzled row
+
+template <int WG, int MB, int TILE, int STAGES, bool GATE_UP>
+__device__ __forceinline__ void moe_gemm_wg(const bf16* __restrict__ x, const bf16* __restrict__ w,
+                                            const int* __restrict__ sorted, const int* __restrict__ tile_expert,
+                                            bf16* __restrict__ out, int top_k, int K, int N) {
+    constexpr int ROWS = 64 * WG * MB;  // weight rows per CTA
+    constexpr int THREADS = 128 * WG;
+    constexpr int STAGE_BYTES = (ROWS + TILE) * kBK * 2;
+    static_assert(STAGE_BYTES % 1024 == 0 && (TILE == 64 || TILE == 128), "stage alignment, wgmma N");
+    extern __shared__ __align__(128) unsigned char wg_smem[];
+    __shared__ int entry_of[TILE];
+    __shared__ int xrow_of[TILE];  // the x row a tile row reads (gate/up: the entry's token; down: the sorted row)
+
+    xserv::pdl_wait();  // the sorted list and x (gate/up) or act (down) come from the launches before
+    xserv::pdl_launch_dependents();
+    const int tile = blockIdx.y;
+    if (tile >= tile_expert[0]) return;  // the grid covers the most tiles any routing can need
+    const int expert = tile_expert[1 + tile];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2, wq = warp & 3;
+    for (int i = tid; i < TILE; i += THREADS) {
+        const int e = sorted[tile * TILE + i];
+        entry_of[i] = e;
+        xrow_of[i] = e < 0 ? -1 : GATE_UP ? e / top_k : tile * TILE + i;
+    }
+    __syncthreads();
+
+    const unsigned ring = (smem_u32(wg_smem) + 1023u) & ~1023u;
+    const bf16* wexp = w + (long long)expert * (GATE_UP ? 2 : 1) * N * K;
+    const int row0 = blockIdx.x * (GATE_UP ? ROWS / 2 : ROWS);
+    // The checkpoint row of the CTA's weight row r, and whether it exists (gate/up: groups of 8 alternate, above).
+    auto weight_row = [&](int r, bool& valid) {
+        if (GATE_UP) {
+            const int j = row0 + (r >> 4) * 8 + (r & 7);
+            valid = j < N;
+            return (r & 8) ? N + j : j;
+        }
+        valid = row0 + r < N;
+        return row0 + r;
+    };
+    auto load = [&](int chunk, int stage) {
+        const unsigned dst0 = ring + stage * STAGE_BYTES;
+        const int k0 = chunk * kBK;
+#pragma unroll 4
+        for (int i = tid; i < (ROWS + TILE) * 8; i += THREADS) {
+            const int r = i >> 3, c = i & 7, k = k0 + c * 8;
+            const bf16* src;
+            bool valid;
+            if (r < ROWS) {
+                const int wrow = weight_row(r, valid);
+                valid = valid && k < K;
+                src = valid ? wexp + (long long)wrow * K + k : w;
+            } else {
+                const int xrow = xrow_of[r - ROWS];
+                valid = xrow >= 0 && k < K;
+                src = valid ? x + (long long)xrow * K + k : x;
+            }
+            cp_async16(dst0 + r * 128 + ((c ^ (r & 7)) << 4), src, valid);
+        }
+    };
+
+    const int chunks = (K + kBK - 1) / kBK;
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < chunks) load(s, s);
+        cp_async_commit();
+    }
+    float acc[MB][TILE / 2];
+#pragma unroll
+    for (int mb = 0; mb < MB; ++mb)
+#pragma unroll
+        for (int i = 0; i < TILE / 2; ++i) acc[mb][i] = 0.f;
+
+    for (int c = 0; c < chunks; ++c) {
+        cp_async_wait<STAGES - 2>();
+        xserv::fence_proxy_async();  // this thread's copies of chunk c, visible to wgmma's async proxy
+        __syncthreads();  // chunk c landed for every thread; every warpgroup is done with chunk c - 1's stage
+        if (c + STAGES - 1 < chunks) load(c + STAGES - 1, (c + STAGES - 1) % STAGES);
+        cp_async_commit();
+        const unsigned stage = ring + (c % STAGES) * STAGE_BYTES;
+        const unsigned long long b_desc = xserv::wgmma_desc_sw128(stage + ROWS * 128, 16, 1024);
+#pragma unroll
+        for (int mb = 0; mb < MB; ++mb) xserv::wgmma_fence_operands(acc[mb]);
+        xserv::wgmma_fence();
+#pragma unroll
+        for (int mb = 0; mb < MB; ++mb) {
+            const unsigned long long a_desc = xserv::wgmma_desc_sw128(stage + (wg * MB + mb) * 64 * 128, 16, 1024);
+#pragma unroll
+            for (int kk = 0; kk < kBK / 16; ++kk)  // +32 bytes a k16 step: +2 in the 16-byte start address field
+                xserv::wgmma_ss<TILE>(acc[mb], a_desc + 2 * kk, b_desc + 2 * kk, 1);
+        }
+        xserv::wgmma_commit();
+        xserv::wgmma_wait<0>();
+#pragma unroll
+        for (int mb = 0; mb < MB; ++mb) xserv::wgmma_fence_operands(acc[mb]);
+    }
+    cp_async_wait<0>();
+
+    // acc[mb][4 j + 2 r + e] = D[16 wq + g + 8 r][8 j + 2 t + e] of m-block (wg, mb): CTA weight row
+    // (wg * MB + mb) * 64 + 16 wq + g + 8 r, token column 8 j + 2 t + e.
+    const int g = lane >> 2, t2 = 2 * (lane & 3);
+#pragma unroll
+    for (int mb = 0; mb < MB; ++mb) {
+        const int block = wg * MB + mb;
+#pragma unroll
+        for (int j = 0; j < TILE / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int n = 8 * j + t2 + e, entry = entry_of[n];
+                if (entry < 0) continue;
+                if (GATE_UP) {  // D rows g (gate) and g + 8 (up) of output column row0 + block * 32 + 8 wq + g
+                    const int col = row0 + block * 32 + 8 * wq + g;
+                    if (col >= N) continue;
+                    const float gate = round_bf16(acc[mb][4 * j + e]), up = round_bf16(acc[mb][4 * j + 2 + e]);
+                    out[((long long)tile * TILE + n) * N + col] = __float2bfloat16_rn(round_bf16(xserv::silu(gate)) * up);
+                } else {
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) {
+                        const int h = row0 + block * 64 + 16 * wq + g + 8 * r;
+                        if (h < N) out[(long long)entry * N + h] = __float2bfloat16_rn(acc[mb][4 * j + 2 * r + e]);
+                    }
+                }
+            }
+    }
+}
+
+}  // namespace
+
+// ops/moe.py's _GEMM table gives the shapes' ring (mid: 128 weight rows x 64 tokens, 128 threads; large: 128 x 128,
+// 256 threads; 3 stages of 64-wide chunks) and the launches add 1 KB for the ring's 1024-byte alignment.
+#define XSERV_MOE_WG_GEMM(NAME, WG, MB, TILE, STAGES, GATE_UP)                                                      \
+    extern "C" __global__ void __launch_bounds__(128 * WG)                                                          \
+        NAME(const bf16* __restrict__ x, const bf16* __restrict__ w, const int* __restrict__ sorted,                 \
+             const int* __restrict__ tile_expert, bf16* __restrict__ out, int top_k, int K, int N) {                  \
+        moe_gemm_wg<WG, MB, TILE, STAGES, GATE_UP>(x, w, sorted, tile_expert, out, top_k, K, N);                     \
+    }
+XSERV_MOE_WG_GEMM(moe_wg_gate_up_mid, 1, 2, 64, 3, true)
+XSERV_MOE_WG_GEMM(moe_wg_down_mid, 1, 2, 64, 3, false)
+XSERV_MOE_WG_GEMM(moe_wg_gate_up_large, 2, 1, 128, 3, true)
+XSERV_MOE_WG_GEMM(moe_wg_down_large, 2, 1, 128, 3, false)
