@@ -13,7 +13,8 @@
 //              a k16 step advances the start address 32 bytes). Stages start on 1024-byte boundaries (the swizzle
 //              is applied to address bits), so the dynamic shared memory is 1 KB more than the ring.
 //   the MMA    warpgroup wg owns MB blocks of 64 weight rows (A, from the ring) x all TILE tokens (B, from the ring):
-//              per chunk 4 k16 steps per block, then commit and wait; the barrier at the next chunk frees the stage.
+//              per chunk 4 k16 steps per block, then commit and wait (the _pipe entries: wait for the chunk before
+//              only, one more stage); the barrier at a later chunk frees the stage.
 //   gate/up    the CTA's weight rows alternate in groups of 8: rows 16q..16q+7 are gate rows row0 + 8q.., rows
 //              16q+8..16q+15 the same up rows. A thread's accumulators hold D rows g and g + 8 of its warp's 16 (the
 //              mma C-fragment layout): a gate value and its up value, which the epilogue pairs as moe.cu does:
@@ -45,13 +46,15 @@ using xserv::smem_u32;
 
 constexpr int kBK = 64;  // K chunk: 64 bf16 = one 128-byte swizzled row
 
-template <int WG, int MB, int TILE, int STAGES, bool GATE_UP>
+template <int WG, int MB, int TILE, int STAGES, int PIPE, bool GATE_UP>
 __device__ __forceinline__ void moe_gemm_wg(const bf16* __restrict__ x, const bf16* __restrict__ w,
                                             const int* __restrict__ sorted, const int* __restrict__ tile_expert,
                                             bf16* __restrict__ out, int top_k, int K, int N) {
     constexpr int ROWS = 64 * WG * MB;  // weight rows per CTA
     constexpr int THREADS = 128 * WG;
     constexpr int STAGE_BYTES = (ROWS + TILE) * kBK * 2;
+    constexpr int AHEAD = STAGES - 1 - PIPE;  // chunks in flight ahead of the one multiplied (PIPE: wgmma groups)
+    static_assert(AHEAD >= 1 && (PIPE == 0 || PIPE == 1), "ring depth");
     static_assert(STAGE_BYTES % 1024 == 0 && (TILE == 64 || TILE == 128), "stage alignment, wgmma N");
     extern __shared__ __align__(128) unsigned char wg_smem[];
     __shared__ int entry_of[TILE];
@@ -106,7 +109,7 @@ __device__ __forceinline__ void moe_gemm_wg(const bf16* __restrict__ x, const bf
 
     const int chunks = (K + kBK - 1) / kBK;
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
+    for (int s = 0; s < AHEAD; ++s) {
         if (s < chunks) load(s, s);
         cp_async_commit();
     }
@@ -116,11 +119,13 @@ __device__ __forceinline__ void moe_gemm_wg(const bf16* __restrict__ x, const bf
 #pragma unroll
         for (int i = 0; i < TILE / 2; ++i) acc[mb][i] = 0.f;
 
+    // Chunk c + AHEAD refills the stage of chunk c - 1 - PIPE, whose wgmma every warpgroup has waited for before
+    // this barrier (wgmma_wait<PIPE> below: with PIPE 1 chunk c - 1's products may still run over the barrier).
     for (int c = 0; c < chunks; ++c) {
-        cp_async_wait<STAGES - 2>();
+        cp_async_wait<AHEAD - 1>();
         xserv::fence_proxy_async();  // this thread's copies of chunk c, visible to wgmma's async proxy
-        __syncthreads();  // chunk c landed for every thread; every warpgroup is done with chunk c - 1's stage
-        if (c + STAGES - 1 < chunks) load(c + STAGES - 1, (c + STAGES - 1) % STAGES);
+        __syncthreads();  // chunk c landed for every thread
+        if (c + AHEAD < chunks) load(c + AHEAD, (c + AHEAD) % STAGES);
         cp_async_commit();
         const unsigned stage = ring + (c % STAGES) * STAGE_BYTES;
         const unsigned long long b_desc = xserv::wgmma_desc_sw128(stage + ROWS * 128, 16, 1024);
@@ -135,10 +140,13 @@ __device__ __forceinline__ void moe_gemm_wg(const bf16* __restrict__ x, const bf
                 xserv::wgmma_ss<TILE>(acc[mb], a_desc + 2 * kk, b_desc + 2 * kk, 1);
         }
         xserv::wgmma_commit();
-        xserv::wgmma_wait<0>();
+        xserv::wgmma_wait<PIPE>();
 #pragma unroll
         for (int mb = 0; mb < MB; ++mb) xserv::wgmma_fence_operands(acc[mb]);
     }
+    xserv::wgmma_wait<0>();
+#pragma unroll
+    for (int mb = 0; mb < MB; ++mb) xserv::wgmma_fence_operands(acc[mb]);
     cp_async_wait<0>();
 
     // acc[mb][4 j + 2 r + e] = D[16 wq + g + 8 r][8 j + 2 t + e] of m-block (wg, mb): CTA weight row
@@ -171,15 +179,21 @@ __device__ __forceinline__ void moe_gemm_wg(const bf16* __restrict__ x, const bf
 
 }  // namespace
 
-// ops/moe.py's _GEMM table gives the shapes' ring (mid: 128 weight rows x 64 tokens, 128 threads; large: 128 x 128,
-// 256 threads; 3 stages of 64-wide chunks) and the launches add 1 KB for the ring's 1024-byte alignment.
-#define XSERV_MOE_WG_GEMM(NAME, WG, MB, TILE, STAGES, GATE_UP)                                                      \
+// ops/moe.py's _GEMM table gives the shapes (mid: 128 weight rows x 64 tokens, 128 threads; large: 128 x 128, 256
+// threads) and _wgmma_smem the ring (64-wide chunks, 1 KB more for its 1024-byte alignment). Plain: 3 stages, each
+// chunk's products waited for before the next barrier; _pipe: 4 stages, a chunk's products run on over the next
+// barrier and copy (two chunks in flight ahead instead of two, one more stage of shared memory).
+#define XSERV_MOE_WG_GEMM(NAME, WG, MB, TILE, STAGES, PIPE, GATE_UP)                                                \
     extern "C" __global__ void __launch_bounds__(128 * WG)                                                          \
         NAME(const bf16* __restrict__ x, const bf16* __restrict__ w, const int* __restrict__ sorted,                 \
              const int* __restrict__ tile_expert, bf16* __restrict__ out, int top_k, int K, int N) {                  \
-        moe_gemm_wg<WG, MB, TILE, STAGES, GATE_UP>(x, w, sorted, tile_expert, out, top_k, K, N);                     \
+        moe_gemm_wg<WG, MB, TILE, STAGES, PIPE, GATE_UP>(x, w, sorted, tile_expert, out, top_k, K, N);               \
     }
-XSERV_MOE_WG_GEMM(moe_wg_gate_up_mid, 1, 2, 64, 3, true)
-XSERV_MOE_WG_GEMM(moe_wg_down_mid, 1, 2, 64, 3, false)
-XSERV_MOE_WG_GEMM(moe_wg_gate_up_large, 2, 1, 128, 3, true)
-XSERV_MOE_WG_GEMM(moe_wg_down_large, 2, 1, 128, 3, false)
+XSERV_MOE_WG_GEMM(moe_wg_gate_up_mid, 1, 2, 64, 3, 0, true)
+XSERV_MOE_WG_GEMM(moe_wg_down_mid, 1, 2, 64, 3, 0, false)
+XSERV_MOE_WG_GEMM(moe_wg_gate_up_large, 2, 1, 128, 3, 0, true)
+XSERV_MOE_WG_GEMM(moe_wg_down_large, 2, 1, 128, 3, 0, false)
+XSERV_MOE_WG_GEMM(moe_wg_gate_up_mid_pipe, 1, 2, 64, 4, 1, true)
+XSERV_MOE_WG_GEMM(moe_wg_down_mid_pipe, 1, 2, 64, 4, 1, false)
+XSERV_MOE_WG_GEMM(moe_wg_gate_up_large_pipe, 2, 1, 128, 4, 1, true)
+XSERV_MOE_WG_GEMM(moe_wg_down_large_pipe, 2, 1, 128, 4, 1, false)

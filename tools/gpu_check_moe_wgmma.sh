@@ -14,11 +14,12 @@ source "$(dirname "$0")/gpu_step.sh"
 run_test_paths "tests/ops/test_moe.py tests/test_moe_model.py" 240 native sm_80
 wait
 WG="python3 -m tools.with_setting xserv.ops.moe.MOE_WGMMA"
-for tokens in 2048 8192; do for on in 1 0; do
-  step "ops-$tokens-wg$on" 60 9 $WG=$on -- tools.bench_moe --tokens $tokens
+# MOE_WGMMA: 1 the plain wgmma entries, 2 the pipelined ones, 0 moe.cu's mma.sync tiles
+for tokens in 2048 8192; do for on in 1 2 0; do
+  step "ops-$tokens-wg$on" 50 9 $WG=$on -- tools.bench_moe --tokens $tokens
 done; done
-for on in 1 0; do
-  step "ttft-wg$on" 60 1 $WG=$on -- xserv bench latency --model /dev/shm/moe30-l12 --input-len 2048 --output-len 2 \
+for on in 1 2 0; do
+  step "ttft-wg$on" 50 1 $WG=$on -- xserv bench latency --model /dev/shm/moe30-l12 --input-len 2048 --output-len 2 \
     --iters 10 --gpu-memory-fraction 0.5
 done
 for on in 1 0; do

@@ -218,7 +218,7 @@ def test_cuda_matches_reference(rng, shape, renormalize):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("wgmma", [True, False], ids=["wgmma", "mma"])  # the hopper path's mid / large tiles
+@pytest.mark.parametrize("wgmma", [1, 2, 0], ids=["wgmma", "wgmma_pipe", "mma"])  # the hopper path's mid / large
 @pytest.mark.parametrize("size", ["small", "mid", "large"])
 @pytest.mark.parametrize("shape", [(300, 32, 8, 512, 256), (37, 8, 3, 200, 136)], ids=["t300", "tails"])
 def test_cuda_every_tile_shape(rng, monkeypatch, size, shape, wgmma):
@@ -236,21 +236,22 @@ def test_cuda_every_tile_shape(rng, monkeypatch, size, shape, wgmma):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("form", [1, 2], ids=["plain", "pipe"])
 @pytest.mark.parametrize("size", ["mid", "large"])
-def test_cuda_wgmma_tiles_match_the_mma_tiles(rng, monkeypatch, size):
+def test_cuda_wgmma_tiles_match_the_mma_tiles(rng, monkeypatch, size, form):
     """moe_sm90.cu's wgmma GEMMs (the hopper path's mid and large tiles) against moe.cu's mma.sync ones on the same
     inputs at Qwen3-30B-A3B's widths: within rounding of each other (the sums' order inside a k16 step is the
     hardware's) and of the reference; skipped where the path has no wgmma form."""
     from xserv.ops import moe as M
 
-    monkeypatch.setattr(M, "MOE_WGMMA", True)
+    monkeypatch.setattr(M, "MOE_WGMMA", form)
     if not M.uses_wgmma():
         pytest.skip("the portable path has no wgmma form")
     t, e, k, h, inter = 520, 32, 8, 2048, 768
     x = random_array(rng, (t, h), bfloat16, mean=0.0)
     router, gate_up, down = weights(rng, e, h, inter)
     wg, ws = run_cuda(x, router, gate_up, down, k, True, size=size)
-    monkeypatch.setattr(M, "MOE_WGMMA", False)
+    monkeypatch.setattr(M, "MOE_WGMMA", 0)
     mma, _ = run_cuda(x, router, gate_up, down, k, True, size=size)
     ref = moe_experts_reference(x, router, gate_up, down, k, True, logits=ws.logits.numpy()[:t])
     assert rel_error(wg, ref.astype(bfloat16)) < 4e-3

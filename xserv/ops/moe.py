@@ -279,13 +279,16 @@ def _moe_cuda(x, router, gate_up, down, shape: MoeShape, renormalize: bool, out,
         launch()
 
 
-# The hopper path's mid and large GEMM tiles on wgmma (moe_sm90.cu); a module attribute for A/B runs
-# (tools/with_setting.py) and the tests that run both forms on one GPU.
-MOE_WGMMA = True
+# The hopper path's mid and large GEMM tiles on wgmma (moe_sm90.cu): 0 off (moe.cu's mma.sync tiles), 1 the plain
+# entries (3 stages, each chunk's products waited for), 2 the _pipe ones (4 stages, a chunk's products run over the
+# next barrier). A module attribute for A/B runs (tools/with_setting.py) and the tests that run every form on one GPU.
+MOE_WGMMA = 1
 
 
 def uses_wgmma() -> bool:
     """Do the mid and large tiles of bf16 experts run moe_sm90.cu's wgmma entries here (the hopper kernel path)?"""
+    if MOE_WGMMA not in (0, 1, 2):
+        raise ValueError(f"MOE_WGMMA={MOE_WGMMA!r}: expected 0 (off), 1 (plain) or 2 (pipelined)")
     if not MOE_WGMMA:
         return False
     from ..runtime import get_device
@@ -320,8 +323,9 @@ def moe_stages(x, router, gate_up, down, shape: MoeShape, renormalize: bool, out
     # the mid and large tiles of bf16 experts on the hopper path: moe_sm90.cu's wgmma twins (same grid and threads;
     # 1 KB more shared memory for the ring's 1024-byte alignment)
     wgmma = size != "small" and not fp8 and uses_wgmma()
-    gemm_family, gemm_prefix, gemm_smem = ((piece("moe_sm90", moe=1), "moe_wg", cfg.smem + 1024) if wgmma
-                                           else (family, "moe_gemm", cfg.smem))
+    gemm_family, gemm_prefix, gemm_smem = ((piece("moe_sm90", moe=1), "moe_wg", _wgmma_smem(size, MOE_WGMMA == 2))
+                                           if wgmma else (family, "moe_gemm", cfg.smem))
+    wg_sfx = "_pipe" if wgmma and MOE_WGMMA == 2 else ""
     gate_up_w = (gate_up, scales[0]) if fp8 else (gate_up,)  # the GEMM entries' weight arguments
     down_w = (down, scales[1]) if fp8 else (down,)
     mode = "add" if out.dtype == float32 else "store"  # into the fp32 residual, or a bf16 output
@@ -356,7 +360,7 @@ def moe_stages(x, router, gate_up, down, shape: MoeShape, renormalize: bool, out
         *([("gate_up+route", lambda: kernel(family, f"moe_gemm_gate_up_one{sfx}")(
             (cdiv(inter, cfg.rows // 2), k), cfg.threads, x, *gate_up_w, logits, ws.ids, ws.weights, ws.sorted,
             ws.tile_expert, ws.act, np.int32(k), np.int32(h), np.int32(inter), np.int32(e), flag, smem=cfg.smem,
-            pdl=True))] if one_token else [*route, ("gate_up", lambda: kernel(gemm_family, f"{gemm_prefix}_gate_up_{size}{sfx}")(
+            pdl=True))] if one_token else [*route, ("gate_up", lambda: kernel(gemm_family, f"{gemm_prefix}_gate_up_{size}{sfx}{wg_sfx}")(
                 (cdiv(inter, cfg.rows // 2), max_tiles), cfg.threads, x, *gate_up_w, ws.sorted, ws.tile_expert,
                 ws.act, np.int32(k), np.int32(h), np.int32(inter), smem=gemm_smem, pdl=True))]),
         # one token: the combine inside the down GEMM (the last CTA of each row block; same grid, same bits)
@@ -365,7 +369,7 @@ def moe_stages(x, router, gate_up, down, shape: MoeShape, renormalize: bool, out
             np.int32(k), np.int32(inter), np.int32(h), ws.weights, out, ws.counters, np.int32(early),
             smem=_gemm_config(1, 1, 4, _TILES["small"], down_ring[0], DOWN_ONE_BK, fp8).smem, pdl=True))]
           if fused else [
-            ("down", lambda: kernel(gemm_family, f"{gemm_prefix}_down_{size}{sfx}")(
+            ("down", lambda: kernel(gemm_family, f"{gemm_prefix}_down_{size}{sfx}{wg_sfx}")(
                 (cdiv(h, cfg.rows), max_tiles), cfg.threads, ws.act, *down_w, ws.sorted, ws.tile_expert, ws.y,
                 np.int32(k), np.int32(inter), np.int32(h), smem=gemm_smem, pdl=True)),
             ("combine", lambda: kernel(family, f"moe_combine_{mode}")(
@@ -394,4 +398,10 @@ _GEMM_SHAPES = {"small": dict(warps_m=1, warps_n=1, warps_k=4, tile=8, stages=4,
                 "mid": dict(warps_m=4, warps_n=1, warps_k=1, tile=64, stages=3, bk=64),
                 "large": dict(warps_m=4, warps_n=2, warps_k=1, tile=128, stages=3, bk=64)}
 _GEMM = {size: _gemm_config(**shape) for size, shape in _GEMM_SHAPES.items()}
+
+
+def _wgmma_smem(size: str, pipelined: bool) -> int:
+    """moe_sm90.cu's ring for a tile shape: 3 stages (4 pipelined) of (rows + tile) x 64 bf16, 1 KB for alignment."""
+    shape = _GEMM_SHAPES[size]
+    return (3 + pipelined) * (32 * shape["warps_m"] + shape["tile"]) * 64 * 2 + 1024
 _GEMM_FP8 = {size: _gemm_config(**shape, fp8=True) for size, shape in _GEMM_SHAPES.items()}
