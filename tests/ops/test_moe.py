@@ -150,6 +150,48 @@ def _bf16_values(a):
     return a.astype(bfloat16).astype(np.float32)
 
 
+# which GEMM entries serve which path (no GPU: a recorded launch per stage)
+WG_RING = {"mid": (128, 64), "large": (128, 128)}  # moe_sm90.cu's shapes: (weight rows, token tile)
+
+
+@pytest.mark.parametrize("arch, fp8, size, form, want", [
+    ("sm_90a", False, "mid", 1, "wgmma"), ("sm_90a", False, "large", 1, "wgmma"),
+    ("sm_90a", False, "mid", 2, "pipe"), ("sm_90a", False, "large", 2, "pipe"),
+    ("sm_90a", False, "large", 0, "mma"), ("sm_90a", False, "small", 1, "mma"), ("sm_90a", True, "large", 1, "mma"),
+    ("sm_80@sm_90a", False, "large", 1, "mma"), ("sm_89@sm_90a", False, "mid", 2, "mma")])
+def test_the_hopper_paths_mid_and_large_bf16_tiles_take_the_wgmma_entries(monkeypatch, arch, fp8, size, form, want):
+    from types import SimpleNamespace
+
+    import xserv.runtime as runtime
+    from xserv.ops import moe as M
+
+    launched = []
+    monkeypatch.setattr(runtime, "get_device", lambda: SimpleNamespace(arch=arch))
+    monkeypatch.setattr(runtime, "kernel", lambda family, name: (
+        lambda *args, smem=0, pdl=False: launched.append((family, name, smem))))
+    monkeypatch.setattr(M, "MOE_WGMMA", form)
+    t, shape = 300, MoeShape(32, 8, 512, 256)
+    ws = SimpleNamespace(logits=np.zeros((t, 32), np.float32), ids=0, weights=0, sorted=0, tile_expert=0, act=0, y=0,
+                         counters=0)
+    out = SimpleNamespace(dtype=bfloat16)
+    stages = dict(M.moe_stages(0, 0, 0, 0, shape, True, out, ws, t, size=size, scales=(0, 0) if fp8 else None))
+    stages["gate_up"](), stages["down"]()
+    sfx = "_fp8" if fp8 else ""
+    if want == "mma":
+        family = f"moe:e1_x{int(fp8)}"
+        assert launched == [(family, f"moe_gemm_gate_up_{size}{sfx}", M._gemm_config(**M._GEMM_SHAPES[size], fp8=fp8).smem),
+                            (family, f"moe_gemm_down_{size}{sfx}", M._gemm_config(**M._GEMM_SHAPES[size], fp8=fp8).smem)]
+    else:
+        rows, tile = WG_RING[size]
+        stages_n, pipe = (4, "_pipe") if want == "pipe" else (3, "")
+        smem = stages_n * (rows + tile) * 64 * 2 + 1024
+        assert launched == [("moe_sm90:e1", f"moe_wg_gate_up_{size}{pipe}", smem),
+                            ("moe_sm90:e1", f"moe_wg_down_{size}{pipe}", smem)]
+    monkeypatch.setattr(M, "MOE_WGMMA", 3)
+    with pytest.raises(ValueError, match="MOE_WGMMA=3: expected 0"):
+        M.uses_wgmma()
+
+
 # ---- CUDA ----------------------------------------------------------------------------------------------------------
 def run_cuda(x, router, gate_up, down, k, renormalize, out_dtype=bfloat16, residual=None, size=None):
     """size: force a GEMM tile shape (small / mid / large) through moe_stages, else moe_experts picks."""
