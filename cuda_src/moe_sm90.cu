@@ -165,7 +165,8 @@ __device__ __forceinline__ void moe_gemm_wg(const bf16* __restrict__ x, const bf
                     const int col = row0 + block * 32 + 8 * wq + g;
                     if (col >= N) continue;
                     const float gate = round_bf16(acc[mb][4 * j + e]), up = round_bf16(acc[mb][4 * j + 2 + e]);
-                    out[((long long)tile * TILE + n) * N + col] = __float2bfloat16_rn(round_bf16(xserv::silu(gate)) * up);
+                    out[((long long)tile * TILE + n) * N + col] =
+                        __float2bfloat16_rn(round_bf16(xserv::silu(gate)) * up);
                 } else {
 #pragma unroll
                     for (int r = 0; r < 2; ++r) {

@@ -326,6 +326,8 @@ def moe_stages(x, router, gate_up, down, shape: MoeShape, renormalize: bool, out
     gemm_family, gemm_prefix, gemm_smem = ((piece("moe_sm90", moe=1), "moe_wg", _wgmma_smem(size, MOE_WGMMA == 2))
                                            if wgmma else (family, "moe_gemm", cfg.smem))
     wg_sfx = "_pipe" if wgmma and MOE_WGMMA == 2 else ""
+    gate_up_gemm = (gemm_family, f"{gemm_prefix}_gate_up_{size}{sfx}{wg_sfx}")  # (family, entry) of the tile GEMMs
+    down_gemm = (gemm_family, f"{gemm_prefix}_down_{size}{sfx}{wg_sfx}")
     gate_up_w = (gate_up, scales[0]) if fp8 else (gate_up,)  # the GEMM entries' weight arguments
     down_w = (down, scales[1]) if fp8 else (down,)
     mode = "add" if out.dtype == float32 else "store"  # into the fp32 residual, or a bf16 output
@@ -360,7 +362,7 @@ def moe_stages(x, router, gate_up, down, shape: MoeShape, renormalize: bool, out
         *([("gate_up+route", lambda: kernel(family, f"moe_gemm_gate_up_one{sfx}")(
             (cdiv(inter, cfg.rows // 2), k), cfg.threads, x, *gate_up_w, logits, ws.ids, ws.weights, ws.sorted,
             ws.tile_expert, ws.act, np.int32(k), np.int32(h), np.int32(inter), np.int32(e), flag, smem=cfg.smem,
-            pdl=True))] if one_token else [*route, ("gate_up", lambda: kernel(gemm_family, f"{gemm_prefix}_gate_up_{size}{sfx}{wg_sfx}")(
+            pdl=True))] if one_token else [*route, ("gate_up", lambda: kernel(*gate_up_gemm)(
                 (cdiv(inter, cfg.rows // 2), max_tiles), cfg.threads, x, *gate_up_w, ws.sorted, ws.tile_expert,
                 ws.act, np.int32(k), np.int32(h), np.int32(inter), smem=gemm_smem, pdl=True))]),
         # one token: the combine inside the down GEMM (the last CTA of each row block; same grid, same bits)
@@ -369,7 +371,7 @@ def moe_stages(x, router, gate_up, down, shape: MoeShape, renormalize: bool, out
             np.int32(k), np.int32(inter), np.int32(h), ws.weights, out, ws.counters, np.int32(early),
             smem=_gemm_config(1, 1, 4, _TILES["small"], down_ring[0], DOWN_ONE_BK, fp8).smem, pdl=True))]
           if fused else [
-            ("down", lambda: kernel(gemm_family, f"{gemm_prefix}_down_{size}{sfx}{wg_sfx}")(
+            ("down", lambda: kernel(*down_gemm)(
                 (cdiv(h, cfg.rows), max_tiles), cfg.threads, ws.act, *down_w, ws.sorted, ws.tile_expert, ws.y,
                 np.int32(k), np.int32(inter), np.int32(h), smem=gemm_smem, pdl=True)),
             ("combine", lambda: kernel(family, f"moe_combine_{mode}")(
