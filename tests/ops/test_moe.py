@@ -179,7 +179,8 @@ def test_the_hopper_paths_mid_and_large_bf16_tiles_take_the_wgmma_entries(monkey
     sfx = "_fp8" if fp8 else ""
     if want == "mma":
         family, smem = f"moe:e1_x{int(fp8)}", M._gemm_config(**M._GEMM_SHAPES[size], fp8=fp8).smem
-        assert launched == [(family, f"moe_gemm_gate_up_{size}{sfx}", smem), (family, f"moe_gemm_down_{size}{sfx}", smem)]
+        assert launched == [(family, f"moe_gemm_gate_up_{size}{sfx}", smem),
+                            (family, f"moe_gemm_down_{size}{sfx}", smem)]
     else:
         rows, tile = WG_RING[size]
         stages_n, pipe = (4, "_pipe") if want == "pipe" else (3, "")
