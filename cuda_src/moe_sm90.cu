@@ -180,21 +180,23 @@ __device__ __forceinline__ void moe_gemm_wg(const bf16* __restrict__ x, const bf
 
 }  // namespace
 
-// ops/moe.py's _GEMM table gives the shapes (mid: 128 weight rows x 64 tokens, 128 threads; large: 128 x 128, 256
-// threads) and _wgmma_smem the ring (64-wide chunks, 1 KB more for its 1024-byte alignment). Plain: 3 stages, each
-// chunk's products waited for before the next barrier; _pipe: 4 stages, a chunk's products run on over the next
-// barrier and copy (two chunks in flight ahead instead of two, one more stage of shared memory).
+// ops/moe.py's _WGMMA_FORMS names each form's shapes (weight rows, threads, stages); the token tiles are moe.cu's
+// (mid 64, large 128) and so are the grids' token dimension. MOE_WGMMA 1: 128 weight rows a CTA (mid: one warpgroup
+// of two 64-row blocks, large: two warpgroups of one), 3 stages. 2 and 3: 256 weight rows a CTA (two warpgroups of two
+// 64-row blocks: each byte of a chunk feeds twice the products of a 128-row CTA's, so the L2 -> SM traffic per product
+// falls by a quarter to a third), 3 stages plain or 4 pipelined (a chunk's products run on over the next barrier).
 #define XSERV_MOE_WG_GEMM(NAME, WG, MB, TILE, STAGES, PIPE, GATE_UP)                                                \
     extern "C" __global__ void __launch_bounds__(128 * WG)                                                          \
         NAME(const bf16* __restrict__ x, const bf16* __restrict__ w, const int* __restrict__ sorted,                 \
              const int* __restrict__ tile_expert, bf16* __restrict__ out, int top_k, int K, int N) {                  \
         moe_gemm_wg<WG, MB, TILE, STAGES, PIPE, GATE_UP>(x, w, sorted, tile_expert, out, top_k, K, N);               \
     }
-XSERV_MOE_WG_GEMM(moe_wg_gate_up_mid, 1, 2, 64, 3, 0, true)
-XSERV_MOE_WG_GEMM(moe_wg_down_mid, 1, 2, 64, 3, 0, false)
-XSERV_MOE_WG_GEMM(moe_wg_gate_up_large, 2, 1, 128, 3, 0, true)
-XSERV_MOE_WG_GEMM(moe_wg_down_large, 2, 1, 128, 3, 0, false)
-XSERV_MOE_WG_GEMM(moe_wg_gate_up_mid_pipe, 1, 2, 64, 4, 1, true)
-XSERV_MOE_WG_GEMM(moe_wg_down_mid_pipe, 1, 2, 64, 4, 1, false)
-XSERV_MOE_WG_GEMM(moe_wg_gate_up_large_pipe, 2, 1, 128, 4, 1, true)
-XSERV_MOE_WG_GEMM(moe_wg_down_large_pipe, 2, 1, 128, 4, 1, false)
+#define XSERV_MOE_WG_PAIR(SFX, WG, MB, TILE, STAGES, PIPE)                                                          \
+    XSERV_MOE_WG_GEMM(moe_wg_gate_up##SFX, WG, MB, TILE, STAGES, PIPE, true)                                        \
+    XSERV_MOE_WG_GEMM(moe_wg_down##SFX, WG, MB, TILE, STAGES, PIPE, false)
+XSERV_MOE_WG_PAIR(_mid, 1, 2, 64, 3, 0)
+XSERV_MOE_WG_PAIR(_large, 2, 1, 128, 3, 0)
+XSERV_MOE_WG_PAIR(_mid_w256, 2, 2, 64, 3, 0)
+XSERV_MOE_WG_PAIR(_large_w256, 2, 2, 128, 3, 0)
+XSERV_MOE_WG_PAIR(_mid_w256_pipe, 2, 2, 64, 4, 1)
+XSERV_MOE_WG_PAIR(_large_w256_pipe, 2, 2, 128, 4, 1)

@@ -32,13 +32,18 @@ def main(argv=None) -> int:
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--inter", type=int, default=768)
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--size", default=None, choices=["small", "mid", "large"], help="force the GEMM tile shape")
+    ap.add_argument("--size", default=None,
+                    help="force the GEMM tile shape: small, mid or large, or several (comma-separated) one after another")
+    ap.add_argument("--wgmma", default=None,
+                    help="the hopper path's wgmma forms to time one after another (xserv.ops.moe.MOE_WGMMA: 0 off, "
+                         "else a form of _WGMMA_FORMS; comma-separated; default: the module's)")
     ap.add_argument("--combine", default=None,
                     help="one token: the forms of the combine to time, of " + ", ".join(COMBINE_FORMS) + " (default: "
                          "the environment's, XSERV_MOE_FUSE_COMBINE / XSERV_MOE_DOWN_TRIGGER)")
     args = ap.parse_args(argv)
 
     from tools._bench_util import copy_bandwidth_gbs, gemm_tflops
+    from xserv.ops import moe as moe_module
     from xserv.ops.moe import MoeShape, MoeWorkspace, moe_stages
     from xserv.runtime import get_runtime, synchronize
     from xserv.runtime.timing import benchmark_graph
@@ -59,32 +64,39 @@ def main(argv=None) -> int:
     for form in forms:
         if form is not None and form not in COMBINE_FORMS:
             ap.error(f"--combine: {form!r} is not one of {', '.join(COMBINE_FORMS)}")
-    for t in (int(v) for v in args.tokens.split(",")):
-        x = Tensor.from_numpy(random_array(rng, (t, h), bfloat16, mean=0.0))
-        for form in forms if t == 1 else [None]:  # the same token through each form
-            out = Tensor.empty((t, h), bfloat16, "cuda")
-            ws = MoeWorkspace(shape, t, "cuda")
-            stages = moe_stages(x, router, gate_up, down, shape, True, out, ws, t, size=args.size,
-                                **COMBINE_FORMS.get(form, {}))
-            for _, launch in stages:
-                launch()
-            synchronize()
-            touched = len(np.unique(ws.ids.numpy()[:t * k]))
-            expert_bytes = touched * 3 * h * inter * 2
-            flops = t * k * 3 * h * inter * 2
-            total = 0.0
-            line = []
-            for name, launch in stages:
-                us = benchmark_graph([launch], calls=20, iters=args.iters) * 1e3
-                total += us
-                extra = ""
-                if name.startswith(("gate_up", "down")):
-                    part = expert_bytes * (2 / 3 if name.startswith("gate_up") else 1 / 3)
-                    extra = f" ({part / us / 1e3 / bw:.0%} copy, {flops * (2 / 3 if name.startswith('gate_up') else 1 / 3) / us / 1e6 / peak:.0%} gemm)"
-                line.append(f"{name} {us:.1f}{extra}")
-            floor = max(expert_bytes / bw / 1e3, flops / peak / 1e6)
-            print(f"T={t:5d}{' ' + form if form else ''} touched {touched:3d}: " + ", ".join(line) + f" | sum {total:.1f} us, floor {floor:.1f} us "
-                  f"({floor / total:.0%})")
+    sizes = args.size.split(",") if args.size else [None]
+    if set(sizes) - {None, "small", "mid", "large"}:
+        ap.error(f"--size: expected small, mid or large, got {args.size!r}")
+    wgmma_forms = [int(v) for v in args.wgmma.split(",")] if args.wgmma else [moe_module.MOE_WGMMA]
+    for t, size, wgmma, form in ((int(v), size, wgmma, form) for v in args.tokens.split(",") for size in sizes
+                                 for wgmma in wgmma_forms for form in (forms if v == "1" else [None])):
+        moe_module.MOE_WGMMA = wgmma
+        x = Tensor.from_numpy(random_array(np.random.default_rng(t), (t, h), bfloat16, mean=0.0))
+        out = Tensor.empty((t, h), bfloat16, "cuda")
+        ws = MoeWorkspace(shape, t, "cuda")
+        stages = moe_stages(x, router, gate_up, down, shape, True, out, ws, t, size=size,
+                            **COMBINE_FORMS.get(form, {}))
+        for _, launch in stages:
+            launch()
+        synchronize()
+        touched = len(np.unique(ws.ids.numpy()[:t * k]))
+        expert_bytes = touched * 3 * h * inter * 2
+        flops = t * k * 3 * h * inter * 2
+        total = 0.0
+        line = []
+        for name, launch in stages:
+            us = benchmark_graph([launch], calls=20, iters=args.iters) * 1e3
+            total += us
+            extra = ""
+            if name.startswith(("gate_up", "down")):
+                part = expert_bytes * (2 / 3 if name.startswith("gate_up") else 1 / 3)
+                extra = f" ({part / us / 1e3 / bw:.0%} copy, {flops * (2 / 3 if name.startswith('gate_up') else 1 / 3) / us / 1e6 / peak:.0%} gemm)"
+            line.append(f"{name} {us:.1f}{extra}")
+        floor = max(expert_bytes / bw / 1e3, flops / peak / 1e6)
+        label = "".join([f" {form}" if form else "", f" {size}" if size else "",
+                         f" wgmma={wgmma}" if args.wgmma else ""])
+        print(f"T={t:5d}{label} touched {touched:3d}: " + ", ".join(line) + f" | sum {total:.1f} us, floor {floor:.1f} us "
+              f"({floor / total:.0%})")
     return 0
 
 

@@ -151,12 +151,9 @@ def _bf16_values(a):
 
 
 # which GEMM entries serve which path (no GPU: a recorded launch per stage)
-WG_RING = {"mid": (128, 64), "large": (128, 128)}  # moe_sm90.cu's shapes: (weight rows, token tile)
-
-
 @pytest.mark.parametrize("arch, fp8, size, form, want", [
     ("sm_90a", False, "mid", 1, "wgmma"), ("sm_90a", False, "large", 1, "wgmma"),
-    ("sm_90a", False, "mid", 2, "pipe"), ("sm_90a", False, "large", 2, "pipe"),
+    ("sm_90a", False, "mid", 2, "wgmma"), ("sm_90a", False, "large", 3, "wgmma"),
     ("sm_90a", False, "large", 0, "mma"), ("sm_90a", False, "small", 1, "mma"), ("sm_90a", True, "large", 1, "mma"),
     ("sm_80@sm_90a", False, "large", 1, "mma"), ("sm_89@sm_90a", False, "mid", 2, "mma")])
 def test_the_hopper_paths_mid_and_large_bf16_tiles_take_the_wgmma_entries(monkeypatch, arch, fp8, size, form, want):
@@ -168,7 +165,7 @@ def test_the_hopper_paths_mid_and_large_bf16_tiles_take_the_wgmma_entries(monkey
     launched = []
     monkeypatch.setattr(runtime, "get_device", lambda: SimpleNamespace(arch=arch))
     monkeypatch.setattr(runtime, "kernel", lambda family, name: (
-        lambda *args, smem=0, pdl=False: launched.append((family, name, smem))))
+        lambda grid, threads, *args, smem=0, pdl=False: launched.append((family, name, grid, threads, smem))))
     monkeypatch.setattr(M, "MOE_WGMMA", form)
     t, shape = 300, MoeShape(32, 8, 512, 256)
     ws = SimpleNamespace(logits=np.zeros((t, 32), np.float32), ids=0, weights=0, sorted=0, tile_expert=0, act=0, y=0,
@@ -176,19 +173,24 @@ def test_the_hopper_paths_mid_and_large_bf16_tiles_take_the_wgmma_entries(monkey
     out = SimpleNamespace(dtype=bfloat16)
     stages = dict(M.moe_stages(0, 0, 0, 0, shape, True, out, ws, t, size=size, scales=(0, 0) if fp8 else None))
     stages["gate_up"](), stages["down"]()
-    sfx = "_fp8" if fp8 else ""
+    tiles = M._max_tiles(t * 8, 32, M._TILES[size])
     if want == "mma":
-        family, smem = f"moe:e1_x{int(fp8)}", M._gemm_config(**M._GEMM_SHAPES[size], fp8=fp8).smem
-        assert launched == [(family, f"moe_gemm_gate_up_{size}{sfx}", smem),
-                            (family, f"moe_gemm_down_{size}{sfx}", smem)]
-    else:
-        rows, tile = WG_RING[size]
-        stages_n, pipe = (4, "_pipe") if want == "pipe" else (3, "")
-        smem = stages_n * (rows + tile) * 64 * 2 + 1024
-        assert launched == [("moe_sm90:e1", f"moe_wg_gate_up_{size}{pipe}", smem),
-                            ("moe_sm90:e1", f"moe_wg_down_{size}{pipe}", smem)]
-    monkeypatch.setattr(M, "MOE_WGMMA", 3)
-    with pytest.raises(ValueError, match="MOE_WGMMA=3: expected 0"):
+        sfx = "_fp8" if fp8 else ""
+        cfg = M._gemm_config(**M._GEMM_SHAPES[size], fp8=fp8)
+        assert launched == [
+            (f"moe:e1_x{int(fp8)}", f"moe_gemm_gate_up_{size}{sfx}", (256 // (cfg.rows // 2), tiles), cfg.threads,
+             cfg.smem),
+            (f"moe:e1_x{int(fp8)}", f"moe_gemm_down_{size}{sfx}", (512 // cfg.rows, tiles), cfg.threads, cfg.smem)]
+    else:  # moe_sm90.cu's shapes, written out: (entry suffix, weight rows, threads, ring stages)
+        sfx, rows, threads, stages_n = {(1, "mid"): ("", 128, 128, 3), (1, "large"): ("", 128, 256, 3),
+                                        (2, "mid"): ("_w256", 256, 256, 3),
+                                        (3, "large"): ("_w256_pipe", 256, 256, 4)}[form, size]
+        smem = stages_n * (rows + M._TILES[size]) * 64 * 2 + 1024
+        assert launched == [
+            ("moe_sm90:e1", f"moe_wg_gate_up_{size}{sfx}", (256 // (rows // 2), tiles), threads, smem),
+            ("moe_sm90:e1", f"moe_wg_down_{size}{sfx}", (512 // rows, tiles), threads, smem)]
+    monkeypatch.setattr(M, "MOE_WGMMA", 4)
+    with pytest.raises(ValueError, match="MOE_WGMMA=4: expected 0"):
         M.uses_wgmma()
 
 
@@ -260,7 +262,7 @@ def test_cuda_matches_reference(rng, shape, renormalize):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("wgmma", [1, 2, 0], ids=["wgmma", "wgmma_pipe", "mma"])  # the hopper path's mid / large
+@pytest.mark.parametrize("wgmma", [1, 2, 3, 0], ids=["wgmma", "wgmma_w256", "wgmma_w256_pipe", "mma"])  # the hopper path's mid / large
 @pytest.mark.parametrize("size", ["small", "mid", "large"])
 @pytest.mark.parametrize("shape", [(300, 32, 8, 512, 256), (37, 8, 3, 200, 136)], ids=["t300", "tails"])
 def test_cuda_every_tile_shape(rng, monkeypatch, size, shape, wgmma):
@@ -278,7 +280,7 @@ def test_cuda_every_tile_shape(rng, monkeypatch, size, shape, wgmma):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", [1, 2], ids=["plain", "pipe"])
+@pytest.mark.parametrize("form", [1, 2, 3], ids=["w128", "w256", "w256_pipe"])
 @pytest.mark.parametrize("size", ["mid", "large"])
 def test_cuda_wgmma_tiles_match_the_mma_tiles(rng, monkeypatch, size, form):
     """moe_sm90.cu's wgmma GEMMs (the hopper path's mid and large tiles) against moe.cu's mma.sync ones on the same

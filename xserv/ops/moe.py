@@ -279,16 +279,36 @@ def _moe_cuda(x, router, gate_up, down, shape: MoeShape, renormalize: bool, out,
         launch()
 
 
-# The hopper path's mid and large GEMM tiles on wgmma (moe_sm90.cu): 0 off (moe.cu's mma.sync tiles), 1 the plain
-# entries (3 stages, each chunk's products waited for), 2 the _pipe ones (4 stages, a chunk's products run over the
-# next barrier). A module attribute for A/B runs (tools/with_setting.py) and the tests that run every form on one GPU.
+# The hopper path's mid and large GEMM tiles on wgmma (moe_sm90.cu): 0 off (moe.cu's mma.sync tiles), else a form of
+# _WGMMA_FORMS. A module attribute for A/B runs (tools/with_setting.py) and the tests that run every form on one GPU.
 MOE_WGMMA = 1
+
+
+@dataclass(frozen=True)
+class _WgmmaTile:
+    suffix: str  # of the entry: moe_wg_{gate_up,down}_{size}{suffix}
+    rows: int  # weight rows per CTA
+    threads: int
+    stages: int  # of the ring, 64 bf16 of K a stage
+
+    def smem(self, tile: int) -> int:
+        """The ring: stages x (weight rows + token rows) x 128 bytes, and 1 KB for its 1024-byte alignment."""
+        return self.stages * (self.rows + tile) * 128 + 1024
+
+
+# Must match moe_sm90.cu's instantiations (XSERV_MOE_WG_PAIR). 1: 128 weight rows a CTA, 3 stages; 2: 256 rows, 3
+# stages; 3: 256 rows, 4 stages pipelined (a chunk's products run on over the next barrier).
+_WGMMA_FORMS = {
+    1: {"mid": _WgmmaTile("", 128, 128, 3), "large": _WgmmaTile("", 128, 256, 3)},
+    2: {size: _WgmmaTile("_w256", 256, 256, 3) for size in ("mid", "large")},
+    3: {size: _WgmmaTile("_w256_pipe", 256, 256, 4) for size in ("mid", "large")},
+}
 
 
 def uses_wgmma() -> bool:
     """Do the mid and large tiles of bf16 experts run moe_sm90.cu's wgmma entries here (the hopper kernel path)?"""
-    if MOE_WGMMA not in (0, 1, 2):
-        raise ValueError(f"MOE_WGMMA={MOE_WGMMA!r}: expected 0 (off), 1 (plain) or 2 (pipelined)")
+    if MOE_WGMMA != 0 and MOE_WGMMA not in _WGMMA_FORMS:
+        raise ValueError(f"MOE_WGMMA={MOE_WGMMA!r}: expected 0 (off) or a form of {sorted(_WGMMA_FORMS)}")
     if not MOE_WGMMA:
         return False
     from ..runtime import get_device
@@ -320,14 +340,17 @@ def moe_stages(x, router, gate_up, down, shape: MoeShape, renormalize: bool, out
     family = piece("moe", moe=1, moe_fp8=int(fp8))
     cfg = (_GEMM_FP8 if fp8 else _GEMM)[size]
     sfx = "_fp8" if fp8 else ""
-    # the mid and large tiles of bf16 experts on the hopper path: moe_sm90.cu's wgmma twins (same grid and threads;
-    # 1 KB more shared memory for the ring's 1024-byte alignment)
-    wgmma = size != "small" and not fp8 and uses_wgmma()
-    gemm_family, gemm_prefix, gemm_smem = ((piece("moe_sm90", moe=1), "moe_wg", _wgmma_smem(size, MOE_WGMMA == 2))
-                                           if wgmma else (family, "moe_gemm", cfg.smem))
-    wg_sfx = "_pipe" if wgmma and MOE_WGMMA == 2 else ""
-    gate_up_gemm = (gemm_family, f"{gemm_prefix}_gate_up_{size}{sfx}{wg_sfx}")  # (family, entry) of the tile GEMMs
-    down_gemm = (gemm_family, f"{gemm_prefix}_down_{size}{sfx}{wg_sfx}")
+    # the mid and large tiles of bf16 experts on the hopper path: moe_sm90.cu's wgmma twins (same token tiles, the
+    # form's weight rows a CTA)
+    if size != "small" and not fp8 and uses_wgmma():
+        wg = _WGMMA_FORMS[MOE_WGMMA][size]
+        gemm_family, gemm_entry, gemm_smem = piece("moe_sm90", moe=1), f"moe_wg_{{}}_{size}{wg.suffix}", wg.smem(tile)
+        gemm_rows, gemm_threads = wg.rows, wg.threads
+    else:
+        gemm_family, gemm_entry, gemm_smem = family, f"moe_gemm_{{}}_{size}{sfx}", cfg.smem
+        gemm_rows, gemm_threads = cfg.rows, cfg.threads
+    gate_up_gemm = (gemm_family, gemm_entry.format("gate_up"))  # (family, entry) of the tile GEMMs
+    down_gemm = (gemm_family, gemm_entry.format("down"))
     gate_up_w = (gate_up, scales[0]) if fp8 else (gate_up,)  # the GEMM entries' weight arguments
     down_w = (down, scales[1]) if fp8 else (down,)
     mode = "add" if out.dtype == float32 else "store"  # into the fp32 residual, or a bf16 output
@@ -363,7 +386,7 @@ def moe_stages(x, router, gate_up, down, shape: MoeShape, renormalize: bool, out
             (cdiv(inter, cfg.rows // 2), k), cfg.threads, x, *gate_up_w, logits, ws.ids, ws.weights, ws.sorted,
             ws.tile_expert, ws.act, np.int32(k), np.int32(h), np.int32(inter), np.int32(e), flag, smem=cfg.smem,
             pdl=True))] if one_token else [*route, ("gate_up", lambda: kernel(*gate_up_gemm)(
-                (cdiv(inter, cfg.rows // 2), max_tiles), cfg.threads, x, *gate_up_w, ws.sorted, ws.tile_expert,
+                (cdiv(inter, gemm_rows // 2), max_tiles), gemm_threads, x, *gate_up_w, ws.sorted, ws.tile_expert,
                 ws.act, np.int32(k), np.int32(h), np.int32(inter), smem=gemm_smem, pdl=True))]),
         # one token: the combine inside the down GEMM (the last CTA of each row block; same grid, same bits)
         *([("down+combine", lambda: kernel(family, f"moe_gemm_down_one_{mode}{down_ring[1]}{sfx}")(
@@ -372,7 +395,7 @@ def moe_stages(x, router, gate_up, down, shape: MoeShape, renormalize: bool, out
             smem=_gemm_config(1, 1, 4, _TILES["small"], down_ring[0], DOWN_ONE_BK, fp8).smem, pdl=True))]
           if fused else [
             ("down", lambda: kernel(*down_gemm)(
-                (cdiv(h, cfg.rows), max_tiles), cfg.threads, ws.act, *down_w, ws.sorted, ws.tile_expert, ws.y,
+                (cdiv(h, gemm_rows), max_tiles), gemm_threads, ws.act, *down_w, ws.sorted, ws.tile_expert, ws.y,
                 np.int32(k), np.int32(inter), np.int32(h), smem=gemm_smem, pdl=True)),
             ("combine", lambda: kernel(family, f"moe_combine_{mode}")(
                 cdiv(t * (h // 8), 256), 256, ws.y, ws.weights, out, np.int32(t), np.int32(k), np.int32(h),
@@ -402,8 +425,4 @@ _GEMM_SHAPES = {"small": dict(warps_m=1, warps_n=1, warps_k=4, tile=8, stages=4,
 _GEMM = {size: _gemm_config(**shape) for size, shape in _GEMM_SHAPES.items()}
 
 
-def _wgmma_smem(size: str, pipelined: bool) -> int:
-    """moe_sm90.cu's ring for a tile shape: 3 stages (4 pipelined) of (rows + tile) x 64 bf16, 1 KB for alignment."""
-    shape = _GEMM_SHAPES[size]
-    return (3 + pipelined) * (32 * shape["warps_m"] + shape["tile"]) * 64 * 2 + 1024
 _GEMM_FP8 = {size: _gemm_config(**shape, fp8=True) for size, shape in _GEMM_SHAPES.items()}
