@@ -13,8 +13,9 @@
 //              a k16 step advances the start address 32 bytes). Stages start on 1024-byte boundaries (the swizzle
 //              is applied to address bits), so the dynamic shared memory is 1 KB more than the ring.
 //   the MMA    warpgroup wg owns MB blocks of 64 weight rows (A, from the ring) x all TILE tokens (B, from the ring):
-//              per chunk 4 k16 steps per block, then commit and wait (the _pipe entries: wait for the chunk before
-//              only, one more stage); the barrier at a later chunk frees the stage.
+//              per chunk 4 k16 steps per block, then commit and wait; the barrier at the next chunk frees the
+//              stage. (Measured slower and dropped: 256 weight rows a CTA, and products running on over the next
+//              barrier with one more stage; docs/kernels/moe.md "wgmma".)
 //   gate/up    the CTA's weight rows alternate in groups of 8: rows 16q..16q+7 are gate rows row0 + 8q.., rows
 //              16q+8..16q+15 the same up rows. A thread's accumulators hold D rows g and g + 8 of its warp's 16 (the
 //              mma C-fragment layout): a gate value and its up value, which the epilogue pairs as moe.cu does:
@@ -46,15 +47,15 @@ using xserv::smem_u32;
 
 constexpr int kBK = 64;  // K chunk: 64 bf16 = one 128-byte swizzled row
 
-template <int WG, int MB, int TILE, int STAGES, int PIPE, bool GATE_UP>
+template <int WG, int MB, int TILE, int STAGES, bool GATE_UP>
 __device__ __forceinline__ void moe_gemm_wg(const bf16* __restrict__ x, const bf16* __restrict__ w,
                                             const int* __restrict__ sorted, const int* __restrict__ tile_expert,
                                             bf16* __restrict__ out, int top_k, int K, int N) {
     constexpr int ROWS = 64 * WG * MB;  // weight rows per CTA
     constexpr int THREADS = 128 * WG;
     constexpr int STAGE_BYTES = (ROWS + TILE) * kBK * 2;
-    constexpr int AHEAD = STAGES - 1 - PIPE;  // chunks in flight ahead of the one multiplied (PIPE: wgmma groups)
-    static_assert(AHEAD >= 1 && (PIPE == 0 || PIPE == 1), "ring depth");
+    constexpr int AHEAD = STAGES - 1;  // chunks in flight ahead of the one multiplied
+    static_assert(AHEAD >= 1, "ring depth");
     static_assert(STAGE_BYTES % 1024 == 0 && (TILE == 64 || TILE == 128), "stage alignment, wgmma N");
     extern __shared__ __align__(128) unsigned char wg_smem[];
     __shared__ int entry_of[TILE];
@@ -119,8 +120,8 @@ __device__ __forceinline__ void moe_gemm_wg(const bf16* __restrict__ x, const bf
 #pragma unroll
         for (int i = 0; i < TILE / 2; ++i) acc[mb][i] = 0.f;
 
-    // Chunk c + AHEAD refills the stage of chunk c - 1 - PIPE, whose wgmma every warpgroup has waited for before
-    // this barrier (wgmma_wait<PIPE> below: with PIPE 1 chunk c - 1's products may still run over the barrier).
+    // Chunk c + AHEAD refills the stage of chunk c - 1, whose wgmma every warpgroup has waited for before this
+    // barrier.
     for (int c = 0; c < chunks; ++c) {
         cp_async_wait<AHEAD - 1>();
         xserv::fence_proxy_async();  // this thread's copies of chunk c, visible to wgmma's async proxy
@@ -140,7 +141,7 @@ __device__ __forceinline__ void moe_gemm_wg(const bf16* __restrict__ x, const bf
                 xserv::wgmma_ss<TILE>(acc[mb], a_desc + 2 * kk, b_desc + 2 * kk, 1);
         }
         xserv::wgmma_commit();
-        xserv::wgmma_wait<PIPE>();
+        xserv::wgmma_wait<0>();
 #pragma unroll
         for (int mb = 0; mb < MB; ++mb) xserv::wgmma_fence_operands(acc[mb]);
     }
@@ -180,23 +181,16 @@ __device__ __forceinline__ void moe_gemm_wg(const bf16* __restrict__ x, const bf
 
 }  // namespace
 
-// ops/moe.py's _WGMMA_FORMS names each form's shapes (weight rows, threads, stages); the token tiles are moe.cu's
-// (mid 64, large 128) and so are the grids' token dimension. MOE_WGMMA 1: 128 weight rows a CTA (mid: one warpgroup
-// of two 64-row blocks, large: two warpgroups of one), 3 stages. 2 and 3: 256 weight rows a CTA (two warpgroups of two
-// 64-row blocks: each byte of a chunk feeds twice the products of a 128-row CTA's, so the L2 -> SM traffic per product
-// falls by a quarter to a third), 3 stages plain or 4 pipelined (a chunk's products run on over the next barrier).
-#define XSERV_MOE_WG_GEMM(NAME, WG, MB, TILE, STAGES, PIPE, GATE_UP)                                                \
+// ops/moe.py's _WGMMA_TILES gives the shapes (mid: one warpgroup of two 64-row blocks x 64 tokens, 128 threads;
+// large: two warpgroups of one 64-row block x 128 tokens, 256 threads; 128 weight rows a CTA, 3 stages) and the grids
+// (moe.cu's token tiles).
+#define XSERV_MOE_WG_GEMM(NAME, WG, MB, TILE, STAGES, GATE_UP)                                                      \
     extern "C" __global__ void __launch_bounds__(128 * WG)                                                          \
         NAME(const bf16* __restrict__ x, const bf16* __restrict__ w, const int* __restrict__ sorted,                 \
              const int* __restrict__ tile_expert, bf16* __restrict__ out, int top_k, int K, int N) {                  \
-        moe_gemm_wg<WG, MB, TILE, STAGES, PIPE, GATE_UP>(x, w, sorted, tile_expert, out, top_k, K, N);               \
+        moe_gemm_wg<WG, MB, TILE, STAGES, GATE_UP>(x, w, sorted, tile_expert, out, top_k, K, N);                     \
     }
-#define XSERV_MOE_WG_PAIR(SFX, WG, MB, TILE, STAGES, PIPE)                                                          \
-    XSERV_MOE_WG_GEMM(moe_wg_gate_up##SFX, WG, MB, TILE, STAGES, PIPE, true)                                        \
-    XSERV_MOE_WG_GEMM(moe_wg_down##SFX, WG, MB, TILE, STAGES, PIPE, false)
-XSERV_MOE_WG_PAIR(_mid, 1, 2, 64, 3, 0)
-XSERV_MOE_WG_PAIR(_large, 2, 1, 128, 3, 0)
-XSERV_MOE_WG_PAIR(_mid_w256, 2, 2, 64, 3, 0)
-XSERV_MOE_WG_PAIR(_large_w256, 2, 2, 128, 3, 0)
-XSERV_MOE_WG_PAIR(_mid_w256_pipe, 2, 2, 64, 4, 1)
-XSERV_MOE_WG_PAIR(_large_w256_pipe, 2, 2, 128, 4, 1)
+XSERV_MOE_WG_GEMM(moe_wg_gate_up_mid, 1, 2, 64, 3, true)
+XSERV_MOE_WG_GEMM(moe_wg_down_mid, 1, 2, 64, 3, false)
+XSERV_MOE_WG_GEMM(moe_wg_gate_up_large, 2, 1, 128, 3, true)
+XSERV_MOE_WG_GEMM(moe_wg_down_large, 2, 1, 128, 3, false)

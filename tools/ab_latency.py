@@ -2,7 +2,7 @@
 model loaded once and the values alternating round by round, so that drift (clocks, heat) falls on all alike and a
 48-layer model is read from disk once instead of once a value.
 
-    python -m tools.ab_latency --model DIR --setting xserv.ops.moe.MOE_WGMMA=0,1,2 \\
+    python -m tools.ab_latency --model DIR --setting xserv.ops.moe.MOE_WGMMA=1,0 \\
         [--input-len 2048] [--output-len 2] [--rounds 3] [--iters 3]
 
 A setting is MODULE.ATTRIBUTE=V1,V2,... (tools/with_setting.py's conversion). It must be one the step reads each

@@ -35,8 +35,8 @@ def main(argv=None) -> int:
     ap.add_argument("--size", default=None,
                     help="force the GEMM tile shape: small, mid or large, or several (comma-separated) one after another")
     ap.add_argument("--wgmma", default=None,
-                    help="the hopper path's wgmma forms to time one after another (xserv.ops.moe.MOE_WGMMA: 0 off, "
-                         "else a form of _WGMMA_FORMS; comma-separated; default: the module's)")
+                    help="the hopper path's mid and large tiles on wgmma (xserv.ops.moe.MOE_WGMMA: 1 on, 0 off), or both "
+                         "one after another (1,0); default: the module's")
     ap.add_argument("--combine", default=None,
                     help="one token: the forms of the combine to time, of " + ", ".join(COMBINE_FORMS) + " (default: "
                          "the environment's, XSERV_MOE_FUSE_COMBINE / XSERV_MOE_DOWN_TRIGGER)")

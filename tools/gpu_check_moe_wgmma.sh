@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The hopper path's MoE grouped GEMMs on wgmma (cuda_src/moe_sm90.cu), each form of xserv.ops.moe.MOE_WGMMA against
-# moe.cu's mma.sync tiles (0). One call, ~8 min: the moe op's GPU tests natively and with XSERV_ARCH=sm_80; every
-# form's launches at 2,048 and 8,192 tokens with the mid and the large token tile, one process (tools/bench_moe.py);
+# The hopper path's MoE grouped GEMMs on wgmma (cuda_src/moe_sm90.cu), on (xserv.ops.moe.MOE_WGMMA=1) and off
+# (0: moe.cu's mma.sync tiles). One call, ~8 min: the moe op's GPU tests natively and with XSERV_ARCH=sm_80; both
+# forms' launches at 2,048 and 8,192 tokens with the mid and the large token tile, one process (tools/bench_moe.py);
 # the 30B-A3B-shaped 48-layer model loaded once, each form's time to first token of 2,048-token prompts, alternating
 # (tools/ab_latency.py); the offline workload with the default form and with 0 if time is left.
 #   bash tools/gpu_check_moe_wgmma.sh
@@ -9,7 +9,7 @@ set -u
 source "$(dirname "$0")/gpu_env.sh"
 START=0
 DEADLINE=${WGMMA_DEADLINE:-575}
-FORMS=${WGMMA_FORMS:-0,1,2,3}
+FORMS=${WGMMA_FORMS:-1,0}
 source "$(dirname "$0")/gpu_step.sh"
 M=/dev/shm/moe30
 ([ -f $M/config.json ] || python3 -m xserv make-test-model --preset 30b-a3b --out $M --workers 12 --no-progress) \

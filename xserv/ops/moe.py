@@ -279,14 +279,13 @@ def _moe_cuda(x, router, gate_up, down, shape: MoeShape, renormalize: bool, out,
         launch()
 
 
-# The hopper path's mid and large GEMM tiles on wgmma (moe_sm90.cu): 0 off (moe.cu's mma.sync tiles), else a form of
-# _WGMMA_FORMS. A module attribute for A/B runs (tools/with_setting.py) and the tests that run every form on one GPU.
+# The hopper path's mid and large GEMM tiles on wgmma (moe_sm90.cu): 1 on, 0 off (moe.cu's mma.sync tiles). A module
+# attribute for A/B runs (tools/with_setting.py, tools/ab_latency.py) and the tests that run both on one GPU.
 MOE_WGMMA = 1
 
 
 @dataclass(frozen=True)
 class _WgmmaTile:
-    suffix: str  # of the entry: moe_wg_{gate_up,down}_{size}{suffix}
     rows: int  # weight rows per CTA
     threads: int
     stages: int  # of the ring, 64 bf16 of K a stage
@@ -296,19 +295,14 @@ class _WgmmaTile:
         return self.stages * (self.rows + tile) * 128 + 1024
 
 
-# Must match moe_sm90.cu's instantiations (XSERV_MOE_WG_PAIR). 1: 128 weight rows a CTA, 3 stages; 2: 256 rows, 3
-# stages; 3: 256 rows, 4 stages pipelined (a chunk's products run on over the next barrier).
-_WGMMA_FORMS = {
-    1: {"mid": _WgmmaTile("", 128, 128, 3), "large": _WgmmaTile("", 128, 256, 3)},
-    2: {size: _WgmmaTile("_w256", 256, 256, 3) for size in ("mid", "large")},
-    3: {size: _WgmmaTile("_w256_pipe", 256, 256, 4) for size in ("mid", "large")},
-}
+# Must match moe_sm90.cu's instantiations (XSERV_MOE_WG_GEMM); the token tiles are _TILES'.
+_WGMMA_TILES = {"mid": _WgmmaTile(128, 128, 3), "large": _WgmmaTile(128, 256, 3)}
 
 
 def uses_wgmma() -> bool:
     """Do the mid and large tiles of bf16 experts run moe_sm90.cu's wgmma entries here (the hopper kernel path)?"""
-    if MOE_WGMMA != 0 and MOE_WGMMA not in _WGMMA_FORMS:
-        raise ValueError(f"MOE_WGMMA={MOE_WGMMA!r}: expected 0 (off) or a form of {sorted(_WGMMA_FORMS)}")
+    if MOE_WGMMA not in (0, 1):
+        raise ValueError(f"MOE_WGMMA={MOE_WGMMA!r}: expected 1 (on) or 0 (off)")
     if not MOE_WGMMA:
         return False
     from ..runtime import get_device
@@ -340,11 +334,10 @@ def moe_stages(x, router, gate_up, down, shape: MoeShape, renormalize: bool, out
     family = piece("moe", moe=1, moe_fp8=int(fp8))
     cfg = (_GEMM_FP8 if fp8 else _GEMM)[size]
     sfx = "_fp8" if fp8 else ""
-    # the mid and large tiles of bf16 experts on the hopper path: moe_sm90.cu's wgmma twins (same token tiles, the
-    # form's weight rows a CTA)
+    # the mid and large tiles of bf16 experts on the hopper path: moe_sm90.cu's wgmma twins (same token tiles)
     if size != "small" and not fp8 and uses_wgmma():
-        wg = _WGMMA_FORMS[MOE_WGMMA][size]
-        gemm_family, gemm_entry, gemm_smem = piece("moe_sm90", moe=1), f"moe_wg_{{}}_{size}{wg.suffix}", wg.smem(tile)
+        wg = _WGMMA_TILES[size]
+        gemm_family, gemm_entry, gemm_smem = piece("moe_sm90", moe=1), f"moe_wg_{{}}_{size}", wg.smem(tile)
         gemm_rows, gemm_threads = wg.rows, wg.threads
     else:
         gemm_family, gemm_entry, gemm_smem = family, f"moe_gemm_{{}}_{size}{sfx}", cfg.smem
