@@ -438,8 +438,9 @@ def test_fp8_experts_are_the_twins_experts_bit_for_bit(fp8_folders, device, rng)
 
 
 def test_fp8_experts_load_dequantized_by_default(fp8_folders, monkeypatch):
-    """Without XSERV_FP8_EXPERTS (or with bf16) the experts load as the twin's bf16 tensors and the load notice says
-    how to keep them FP8; an unknown value is a clear error naming the variable."""
+    """Without XSERV_FP8_EXPERTS (or with bf16) a MoE FP8 checkpoint loads as its bf16 twin, every projection (the
+    attention's too), and the load notice says how to keep it FP8; an unknown value is a clear error naming the
+    variable."""
     folder, twin = fp8_folders["moe-128"]
     c = config_from_pretrained(folder)
     cls = model_class(c)
@@ -450,12 +451,14 @@ def test_fp8_experts_load_dequantized_by_default(fp8_folders, monkeypatch):
             monkeypatch.setenv("XSERV_FP8_EXPERTS", value)
         model = load_model(folder, "cpu", progress=False, max_positions=64)
         bf16 = load_model(twin, "cpu", progress=False, max_positions=64)
-        kept = {f for f, t in vars(model.layers[0]).items() if isinstance(t, Fp8Weight)}
-        assert kept == {"qkv", "o_proj"}
-        for field in ("experts_gate_up", "experts_down"):
-            assert np.array_equal(getattr(model.layers[0], field).numpy().view(np.uint16),
-                                  getattr(bf16.layers[0], field).numpy().view(np.uint16))
-        assert "XSERV_FP8_EXPERTS=e4m3 keeps the MoE experts in FP8" in cls.fp8_load_notice(c)
+        for layer, twin_layer in zip(model.layers, bf16.layers):
+            fields = {f: t for f, t in vars(layer).items() if isinstance(t, (Tensor, Fp8Weight))}
+            assert fields and not any(isinstance(t, Fp8Weight) for t in fields.values())
+            for field, t in fields.items():
+                assert np.array_equal(t.numpy().view(np.uint16), getattr(twin_layer, field).numpy().view(np.uint16))
+        notice = cls.fp8_load_notice(c)
+        assert "mixture-of-experts checkpoint: dequantized to bfloat16 at load" in notice
+        assert "XSERV_FP8_EXPERTS=e4m3 keeps it in FP8" in notice
         assert not cls.loads_fp8_experts(c)
     monkeypatch.setenv("XSERV_FP8_EXPERTS", "e4m3")
     assert cls.loads_fp8_experts(c) and not cls.loads_fp8_experts(config_from_pretrained(fp8_folders["moe"][0]))

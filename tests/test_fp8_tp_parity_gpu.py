@@ -6,8 +6,9 @@ peer, its error printed beside and part of the bound (PEER_FACTOR x the peer's, 
 MoE parity test's rule, tests/test_moe_parity_gpu.py, since routing near-ties make a few positions differ in any bf16
 run).
 
-FP8: random checkpoints in Qwen's -FP8 layout (a 0.6B-shaped dense one, 4 layers; a MoE one, whose attention
-projections stay FP8 and experts are dequantized at load). The reference runs the **dequantized** weights (weight *
+FP8: random checkpoints in Qwen's -FP8 layout (a 0.6B-shaped dense one, 4 layers; a MoE one, loaded with
+XSERV_FP8_EXPERTS=e4m3 since by default a MoE checkpoint loads dequantized: its attention projections and experts
+stay FP8, the experts' GEMMs weight-only, giving the dequantized experts' bits). The reference runs the **dequantized** weights (weight *
 weight_scale_inv blockwise, the exact float32 products: a float32 twin checkpoint); the peer is transformers bf16 of
 those weights. What xserv computes depends on the device's path (xserv/ops/fp8_linear.py): a 1,500-row prefill is
 weight-only below sm_90 (the weights dequantized to bf16; XSERV_ARCH=sm_80 / sm_89 on an H100), held to the issue's
@@ -75,7 +76,7 @@ def _check(what: str, ours, ref, peer, bar) -> None:
 
 def w8a8_inputs(model) -> None:
     """Round the input of every attention and dense-MLP projection (the ones xserv keeps in FP8 in these
-    checkpoints: 128-aligned; a MoE model's experts are dequantized at load and run bf16) to e4m3 per row and
+    checkpoints: 128-aligned; a MoE model's experts are weight-only: their GEMMs compute on the dequantized bits) to e4m3 per row and
     128-column group with scale amax / 448, as xserv's fp8_quantize_1x128 and Qwen's dynamic activation scheme."""
     import torch
 
@@ -101,7 +102,7 @@ def w8a8_inputs(model) -> None:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("variant", list(FP8_VARIANTS))
 def test_fp8_logits_against_transformers_float32_of_the_dequantized_weights(variant, transformers_version,
-                                                                           tmp_path):
+                                                                           tmp_path, monkeypatch):
     import torch
 
     from xserv.models.random_checkpoint import make_test_model
@@ -109,6 +110,7 @@ def test_fp8_logits_against_transformers_float32_of_the_dequantized_weights(vari
     from xserv.runtime import get_device
 
     preset, overrides = FP8_VARIANTS[variant]
+    monkeypatch.setenv("XSERV_FP8_EXPERTS", "e4m3")  # a MoE checkpoint stays FP8 (the default dequantizes it)
     folder = make_test_model(preset, tmp_path / variant, seed=31, overrides=overrides, fp8=True, progress=False)
     twin = write_dequantized_twin(folder, tmp_path / f"{variant}-f32", np.float32)
     prompt = _prompt()

@@ -7,11 +7,11 @@ layer's checkpoint holds the router `mlp.gate.weight` [E, H] and per expert e `m
 [I, H], `up_proj` [I, H], `down_proj` [H, I] (I = moe_intermediate_size). They are loaded, each straight from the
 memory-mapped file into its rows, into two stacked tensors per layer: `experts_gate_up` [E * 2I, H] (expert e's gate
 rows at e*2I, its up rows at e*2I + I: each expert in the dense MLP's fused layout) and `experts_down` [E * H, I]
-(expert e's rows at e*H), which the op reads as [E, 2I, H] and [E, H, I] views. A -FP8 checkpoint's experts are
-dequantized to bf16 at load by default (on an H100 the bf16 one-token expert GEMMs are faster: docs/kernels/moe.md,
-"FP8 experts"); with XSERV_FP8_EXPERTS=e4m3 they stay e4m3 with their 128 x 128 block scales (an Fp8Weight per
-stacked field, half the memory; the op's FP8 GEMMs give the dequantized experts' bits) where H and I are multiples of
-128.
+(expert e's rows at e*H), which the op reads as [E, 2I, H] and [E, H, I] views. A -FP8 checkpoint is dequantized
+to bf16 at load by default (on an H100 the bf16 one-token kernels are faster and offline as fast: docs/kernels/moe.md,
+"FP8 experts"); with XSERV_FP8_EXPERTS=e4m3 its projections stay e4m3 with their 128 x 128 block scales (an
+Fp8Weight per field, half the memory; the op's FP8 expert GEMMs give the dequantized experts' bits), the experts where
+H and I are multiples of 128.
 
 The forward is the dense one (xserv/models/dense.py) with its MLP hooks overridden: the unfused path stores the
 block's bf16 output where a dense MLP stores its down projection; the fused one-token path projects o, adds it and
@@ -264,11 +264,15 @@ class Qwen3MoeModel(Qwen3Model):
 
     @classmethod
     def kept_fp8_fields(cls, table) -> set:
-        """The dense projections the base class keeps, and with XSERV_FP8_EXPERTS=e4m3 the experts fields the FP8
-        expert GEMMs can take (_fp8_capable_experts)."""
+        """By default none: a mixture-of-experts -FP8 checkpoint loads dequantized to bf16 (its one-token steps are
+        latency chains, where the FP8 kernels measured slower and offline no faster: docs/kernels/moe.md, "FP8
+        experts"). With XSERV_FP8_EXPERTS=e4m3, the projections the base class keeps, the experts fields only where
+        the FP8 expert GEMMs can take them (_fp8_capable_experts)."""
+        if not fp8_experts_kept():
+            return set()
         kept = super().kept_fp8_fields(table)
         dense = {key for key in kept if key[1] not in _EXPERT_FIELDS}
-        return dense | cls._fp8_capable_experts(table, kept) if fp8_experts_kept() else dense
+        return dense | cls._fp8_capable_experts(table, kept)
 
     @classmethod
     def loads_fp8_experts(cls, config) -> bool:
@@ -280,15 +284,14 @@ class Qwen3MoeModel(Qwen3Model):
 
     @classmethod
     def fp8_load_notice(cls, config) -> str | None:
-        """The base class's line, and where the experts load dequantized by default but could stay FP8, how."""
-        notice = super().fp8_load_notice(config)
-        if notice is None or fp8_experts_kept():
-            return notice
-        table = cls.weight_table(config)
-        if not cls._fp8_capable_experts(table, super().kept_fp8_fields(table)):
-            return notice
-        return (f"{notice}; {FP8_EXPERTS_ENV}=e4m3 keeps the MoE experts in FP8 (half their memory; batch-1 decode "
-                f"measured 2% slower on an H100)")
+        """With XSERV_FP8_EXPERTS=e4m3 the base class's line (what still loads dequantized); by default, that the
+        checkpoint loads dequantized and how to keep it FP8."""
+        quant = getattr(config, "quantization_config", None)
+        if quant is None or fp8_experts_kept():
+            return super().fp8_load_notice(config)
+        return (f"{quant.describe()} mixture-of-experts checkpoint: dequantized to bfloat16 at load (on an H100 "
+                f"that decodes 2-4% faster at batch 1 and as fast offline as its FP8 weights); {FP8_EXPERTS_ENV}=e4m3 "
+                f"keeps it in FP8 (about half the memory; batch-1 decode measured ~6% slower)")
 
     @classmethod
     def field_shapes(cls, config: Qwen3MoeConfig) -> dict[str, tuple[int, ...]]:
