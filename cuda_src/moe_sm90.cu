@@ -34,6 +34,7 @@
 #include "common.cuh"
 #include "mma.cuh"
 #include "norm.cuh"
+#include "tma.cuh"
 #include "wgmma.cuh"
 
 namespace {
@@ -47,8 +48,8 @@ using xserv::smem_u32;
 
 constexpr int kBK = 64;  // K chunk: 64 bf16 = one 128-byte swizzled row
 
-template <int WG, int MB, int TILE, int STAGES, bool GATE_UP>
-__device__ __forceinline__ void moe_gemm_wg(const bf16* __restrict__ x, const bf16* __restrict__ w,
+template <int WG, int MB, int TILE, int STAGES, bool GATE_UP, bool TMA_W>
+__device__ __forceinline__ void moe_gemm_wg(const bf16* __restrict__ x, const bf16* __restrict__ w, const void* w_map,
                                             const int* __restrict__ sorted, const int* __restrict__ tile_expert,
                                             bf16* __restrict__ out, int top_k, int K, int N) {
     constexpr int ROWS = 64 * WG * MB;  // weight rows per CTA
@@ -60,6 +61,7 @@ __device__ __forceinline__ void moe_gemm_wg(const bf16* __restrict__ x, const bf
     extern __shared__ __align__(128) unsigned char wg_smem[];
     __shared__ int entry_of[TILE];
     __shared__ int xrow_of[TILE];  // the x row a tile row reads (gate/up: the entry's token; down: the sorted row)
+    __shared__ __align__(8) unsigned long long w_landed[STAGES];  // TMA_W: a stage's weight rows landed
 
     xserv::pdl_wait();  // the sorted list and x (gate/up) or act (down) come from the launches before
     xserv::pdl_launch_dependents();
@@ -71,6 +73,11 @@ __device__ __forceinline__ void moe_gemm_wg(const bf16* __restrict__ x, const bf
         const int e = sorted[tile * TILE + i];
         entry_of[i] = e;
         xrow_of[i] = e < 0 ? -1 : GATE_UP ? e / top_k : tile * TILE + i;
+    }
+    const unsigned bars = smem_u32(w_landed);
+    if (TMA_W && tid == 0) {
+        for (int s = 0; s < STAGES; ++s) xserv::mbarrier_init(bars + 8 * s, 1);
+        xserv::mbarrier_init_fence();
     }
     __syncthreads();
 
@@ -87,11 +94,29 @@ __device__ __forceinline__ void moe_gemm_wg(const bf16* __restrict__ x, const bf
         valid = row0 + r < N;
         return row0 + r;
     };
+    // TMA_W: the weight rows by TMA, boxes of 64 columns (w_map: the stacked weights as one [experts x rows, K]
+    // matrix, 128-byte swizzled like the cp.async pieces; rows past a CTA's N land and are discarded with their
+    // outputs, zeros past the matrix's end); thread 0 announces the stage's bytes and issues the boxes (gate/up: 8
+    // gate rows then the same 8 up rows, ROWS / 16 times; down: one box of ROWS rows). The token rows by cp.async.
     auto load = [&](int chunk, int stage) {
         const unsigned dst0 = ring + stage * STAGE_BYTES;
         const int k0 = chunk * kBK;
+        if (TMA_W && tid == 0) {
+            const unsigned bar = bars + 8 * stage;
+            xserv::mbarrier_arrive_expect_tx(bar, ROWS * 128);
+            if (GATE_UP) {
 #pragma unroll 4
-        for (int i = tid; i < (ROWS + TILE) * 8; i += THREADS) {
+                for (int q = 0; q < ROWS / 16; ++q) {
+                    const int j = expert * 2 * N + row0 + 8 * q;
+                    xserv::tma_load_2d(dst0 + q * 2048, w_map, bar, k0, j);
+                    xserv::tma_load_2d(dst0 + q * 2048 + 1024, w_map, bar, k0, j + N);
+                }
+            } else {
+                xserv::tma_load_2d(dst0, w_map, bar, k0, expert * N + row0);
+            }
+        }
+#pragma unroll 4
+        for (int i = TMA_W ? ROWS * 8 + tid : tid; i < (ROWS + TILE) * 8; i += THREADS) {
             const int r = i >> 3, c = i & 7, k = k0 + c * 8;
             const bf16* src;
             bool valid;
@@ -125,6 +150,7 @@ __device__ __forceinline__ void moe_gemm_wg(const bf16* __restrict__ x, const bf
     for (int c = 0; c < chunks; ++c) {
         cp_async_wait<AHEAD - 1>();
         xserv::fence_proxy_async();  // this thread's copies of chunk c, visible to wgmma's async proxy
+        if (TMA_W) xserv::mbarrier_wait(bars + 8 * (c % STAGES), (c / STAGES) & 1);  // its weight rows
         __syncthreads();  // chunk c landed for every thread
         if (c + AHEAD < chunks) load(c + AHEAD, (c + AHEAD) % STAGES);
         cp_async_commit();
@@ -183,12 +209,18 @@ __device__ __forceinline__ void moe_gemm_wg(const bf16* __restrict__ x, const bf
 
 // ops/moe.py's _WGMMA_TILES gives the shapes (mid: one warpgroup of two 64-row blocks x 64 tokens, 128 threads;
 // large: two warpgroups of one 64-row block x 128 tokens, 256 threads; 128 weight rows a CTA, 3 stages) and the grids
-// (moe.cu's token tiles).
+// (moe.cu's token tiles). The _tma entries take the weights' tensor map after the weights (ops.moe.MOE_WGMMA 2).
 #define XSERV_MOE_WG_GEMM(NAME, WG, MB, TILE, STAGES, GATE_UP)                                                      \
     extern "C" __global__ void __launch_bounds__(128 * WG)                                                          \
         NAME(const bf16* __restrict__ x, const bf16* __restrict__ w, const int* __restrict__ sorted,                 \
              const int* __restrict__ tile_expert, bf16* __restrict__ out, int top_k, int K, int N) {                  \
-        moe_gemm_wg<WG, MB, TILE, STAGES, GATE_UP>(x, w, sorted, tile_expert, out, top_k, K, N);                     \
+        moe_gemm_wg<WG, MB, TILE, STAGES, GATE_UP, false>(x, w, nullptr, sorted, tile_expert, out, top_k, K, N);     \
+    }                                                                                                                \
+    extern "C" __global__ void __launch_bounds__(128 * WG)                                                          \
+        NAME##_tma(const bf16* __restrict__ x, const bf16* __restrict__ w, const void* w_map,                        \
+                   const int* __restrict__ sorted, const int* __restrict__ tile_expert, bf16* __restrict__ out,      \
+                   int top_k, int K, int N) {                                                                        \
+        moe_gemm_wg<WG, MB, TILE, STAGES, GATE_UP, true>(x, w, w_map, sorted, tile_expert, out, top_k, K, N);        \
     }
 XSERV_MOE_WG_GEMM(moe_wg_gate_up_mid, 1, 2, 64, 3, true)
 XSERV_MOE_WG_GEMM(moe_wg_down_mid, 1, 2, 64, 3, false)

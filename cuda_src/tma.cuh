@@ -40,6 +40,14 @@ __device__ __forceinline__ void mbarrier_wait(unsigned bar, unsigned parity) {
         "r"(parity)
         : "memory");
 }
+// Copy the box at coordinates (c0, c1) (innermost first) of a 2-D tensor map to shared memory `dst`; its bytes complete
+// on mbarrier `bar` (the whole box's, the zeros filled in past the tensor's edge included).
+__device__ __forceinline__ void tma_load_2d(unsigned dst, const void* tensor_map, unsigned bar, int c0, int c1) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n"
+        ::"r"(dst), "l"(tensor_map), "r"(bar), "r"(c0), "r"(c1)
+        : "memory");
+}
 // Copy the box at coordinates (c0, c1, c2) (innermost first) of a 3-D tensor map to shared memory `dst`; its bytes
 // complete on mbarrier `bar`. `tensor_map` is the generic address of a CUtensorMap in global memory.
 __device__ __forceinline__ void tma_load_3d(unsigned dst, const void* tensor_map, unsigned bar, int c0, int c1, int c2) {

@@ -152,7 +152,8 @@ def _bf16_values(a):
 
 # which GEMM entries serve which path (no GPU: a recorded launch per stage)
 @pytest.mark.parametrize("arch, fp8, size, form, want", [
-    ("sm_90a", False, "mid", 1, "wgmma"), ("sm_90a", False, "large", 1, "wgmma"),
+    ("sm_90a", False, "mid", 1, "wgmma"), ("sm_90a", False, "large", 1, "wgmma"), ("sm_90a", False, "mid", 2, "tma"),
+    ("sm_90a", False, "large", 2, "tma"), ("sm_80@sm_90a", False, "mid", 2, "mma"),
     ("sm_90a", False, "large", 0, "mma"), ("sm_90a", False, "small", 1, "mma"), ("sm_90a", True, "large", 1, "mma"),
     ("sm_80@sm_90a", False, "large", 1, "mma"), ("sm_89@sm_90a", False, "mid", 1, "mma")])
 def test_the_hopper_paths_mid_and_large_bf16_tiles_take_the_wgmma_entries(monkeypatch, arch, fp8, size, form, want):
@@ -163,14 +164,22 @@ def test_the_hopper_paths_mid_and_large_bf16_tiles_take_the_wgmma_entries(monkey
 
     launched = []
     monkeypatch.setattr(runtime, "get_device", lambda: SimpleNamespace(arch=arch))
+    import xserv.runtime.tma as tma
+
     monkeypatch.setattr(runtime, "kernel", lambda family, name: (
-        lambda grid, threads, *args, smem=0, pdl=False: launched.append((family, name, grid, threads, smem))))
+        lambda grid, threads, x, w, *args, smem=0, pdl=False: launched.append(
+            (family, name, grid, threads, smem) + ((args[0],) if name.endswith("_tma") else ()))))
+    monkeypatch.setattr(runtime, "get_runtime", lambda: "rt")
+    monkeypatch.setattr(tma, "matrix_tensor_map", lambda rt, address, rows, cols, box_rows: (
+        "map", rt, address, rows, cols, box_rows))
     monkeypatch.setattr(M, "MOE_WGMMA", form)
     t, shape = 300, MoeShape(32, 8, 512, 256)
     ws = SimpleNamespace(logits=np.zeros((t, 32), np.float32), ids=0, weights=0, sorted=0, tile_expert=0, act=0, y=0,
                          counters=0)
     out = SimpleNamespace(dtype=bfloat16)
-    stages = dict(M.moe_stages(0, 0, 0, 0, shape, True, out, ws, t, size=size, scales=(0, 0) if fp8 else None))
+    gate_up, down = SimpleNamespace(ptr=1 << 20), SimpleNamespace(ptr=1 << 30)
+    stages = dict(M.moe_stages(0, 0, gate_up, down, shape, True, out, ws, t, size=size,
+                               scales=(0, 0) if fp8 else None))
     stages["gate_up"](), stages["down"]()
     tiles = M._max_tiles(t * 8, 32, M._TILES[size])
     if want == "mma":
@@ -183,10 +192,18 @@ def test_the_hopper_paths_mid_and_large_bf16_tiles_take_the_wgmma_entries(monkey
     else:  # moe_sm90.cu's shapes, written out: 128 weight rows a CTA, threads, a 3-stage ring 1024-byte aligned
         threads = {"mid": 128, "large": 256}[size]
         smem = 3 * (128 + M._TILES[size]) * 64 * 2 + 1024
-        assert launched == [("moe_sm90:e1", f"moe_wg_gate_up_{size}", (256 // 64, tiles), threads, smem),
-                            ("moe_sm90:e1", f"moe_wg_down_{size}", (512 // 128, tiles), threads, smem)]
-    monkeypatch.setattr(M, "MOE_WGMMA", 2)
-    with pytest.raises(ValueError, match="MOE_WGMMA=2: expected 1"):
+        if want == "wgmma":
+            assert launched == [("moe_sm90:e1", f"moe_wg_gate_up_{size}", (256 // 64, tiles), threads, smem),
+                                ("moe_sm90:e1", f"moe_wg_down_{size}", (512 // 128, tiles), threads, smem)]
+        else:  # the weights' tensor maps after the weights: [32 experts x 512 rows, 512] in boxes of 8 rows for
+            # gate/up, [32 x 512, 256] in boxes of a CTA's 128 rows for down
+            assert launched == [
+                ("moe_sm90:e1", f"moe_wg_gate_up_{size}_tma", (256 // 64, tiles), threads, smem,
+                 ("map", "rt", 1 << 20, 32 * 512, 512, 8)),
+                ("moe_sm90:e1", f"moe_wg_down_{size}_tma", (512 // 128, tiles), threads, smem,
+                 ("map", "rt", 1 << 30, 32 * 512, 256, 128))]
+    monkeypatch.setattr(M, "MOE_WGMMA", 3)
+    with pytest.raises(ValueError, match="MOE_WGMMA=3: expected 1"):
         M.uses_wgmma()
 
 
@@ -258,7 +275,7 @@ def test_cuda_matches_reference(rng, shape, renormalize):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("wgmma", [1, 0], ids=["wgmma", "mma"])  # the hopper path's mid / large
+@pytest.mark.parametrize("wgmma", [1, 2, 0], ids=["wgmma", "wgmma_tma", "mma"])  # the hopper path's mid / large
 @pytest.mark.parametrize("size", ["small", "mid", "large"])
 @pytest.mark.parametrize("shape", [(300, 32, 8, 512, 256), (37, 8, 3, 200, 136)], ids=["t300", "tails"])
 def test_cuda_every_tile_shape(rng, monkeypatch, size, shape, wgmma):
@@ -276,14 +293,15 @@ def test_cuda_every_tile_shape(rng, monkeypatch, size, shape, wgmma):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("form", [1, 2], ids=["cp_async", "tma"])
 @pytest.mark.parametrize("size", ["mid", "large"])
-def test_cuda_wgmma_tiles_match_the_mma_tiles(rng, monkeypatch, size):
+def test_cuda_wgmma_tiles_match_the_mma_tiles(rng, monkeypatch, size, form):
     """moe_sm90.cu's wgmma GEMMs (the hopper path's mid and large tiles) against moe.cu's mma.sync ones on the same
     inputs at Qwen3-30B-A3B's widths: within rounding of each other (the sums' order inside a k16 step is the
     hardware's) and of the reference; skipped where the path has no wgmma form."""
     from xserv.ops import moe as M
 
-    monkeypatch.setattr(M, "MOE_WGMMA", 1)
+    monkeypatch.setattr(M, "MOE_WGMMA", form)
     if not M.uses_wgmma():
         pytest.skip("the portable path has no wgmma form")
     t, e, k, h, inter = 520, 32, 8, 2048, 768
@@ -295,6 +313,29 @@ def test_cuda_wgmma_tiles_match_the_mma_tiles(rng, monkeypatch, size):
     ref = moe_experts_reference(x, router, gate_up, down, k, True, logits=ws.logits.numpy()[:t])
     assert rel_error(wg, ref.astype(bfloat16)) < 4e-3
     assert rel_error(wg, mma) < 4e-3 and rel_error(wg, mma) <= 2 * max(rel_error(mma, ref.astype(bfloat16)), 1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("size", ["mid", "large"])
+@pytest.mark.parametrize("shape", [(300, 32, 8, 512, 256), (37, 8, 3, 200, 136)], ids=["t300", "tails"])
+def test_cuda_wgmma_weights_by_tma_give_the_cp_async_bits(rng, monkeypatch, size, shape):
+    """The _tma entries put the same bytes in the same shared-memory places as the cp.async ring (the weight rows a
+    CTA keeps; rows past N and columns past K differ only in rows whose outputs are discarded, or are zeros in both),
+    and run the same wgmma sequence: the same bits, at widths with tails (K = 200: a partial last chunk, zeros from the
+    TMA past the matrix's columns)."""
+    from xserv.ops import moe as M
+
+    monkeypatch.setattr(M, "MOE_WGMMA", 2)
+    if not M.uses_wgmma():
+        pytest.skip("the portable path has no wgmma form")
+    t, e, k, h, inter = shape
+    x = random_array(rng, (t, h), bfloat16, mean=0.0)
+    router, gate_up, down = weights(rng, e, h, inter)
+    tma, _ = run_cuda(x, router, gate_up, down, k, True, size=size)
+    monkeypatch.setattr(M, "MOE_WGMMA", 1)
+    cp_async, _ = run_cuda(x, router, gate_up, down, k, True, size=size)
+    assert np.isfinite(tma.astype(np.float32)).all()
+    assert np.array_equal(tma.view(np.uint16), cp_async.view(np.uint16))
 
 
 @pytest.mark.gpu

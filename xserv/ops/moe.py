@@ -279,8 +279,9 @@ def _moe_cuda(x, router, gate_up, down, shape: MoeShape, renormalize: bool, out,
         launch()
 
 
-# The hopper path's mid and large GEMM tiles on wgmma (moe_sm90.cu): 1 on, 0 off (moe.cu's mma.sync tiles). A module
-# attribute for A/B runs (tools/with_setting.py, tools/ab_latency.py) and the tests that run both on one GPU.
+# The hopper path's mid and large GEMM tiles on wgmma (moe_sm90.cu): 1 on, with the weight rows by cp.async; 2 on,
+# with the weight rows by TMA (the _tma entries); 0 off (moe.cu's mma.sync tiles). A module attribute for A/B runs
+# (tools/with_setting.py, tools/ab_latency.py) and the tests that run each on one GPU.
 MOE_WGMMA = 1
 
 
@@ -301,8 +302,8 @@ _WGMMA_TILES = {"mid": _WgmmaTile(128, 128, 3), "large": _WgmmaTile(128, 256, 3)
 
 def uses_wgmma() -> bool:
     """Do the mid and large tiles of bf16 experts run moe_sm90.cu's wgmma entries here (the hopper kernel path)?"""
-    if MOE_WGMMA not in (0, 1):
-        raise ValueError(f"MOE_WGMMA={MOE_WGMMA!r}: expected 1 (on) or 0 (off)")
+    if MOE_WGMMA not in (0, 1, 2):
+        raise ValueError(f"MOE_WGMMA={MOE_WGMMA!r}: expected 1 (on), 2 (on, weights by TMA) or 0 (off)")
     if not MOE_WGMMA:
         return False
     from ..runtime import get_device
@@ -334,18 +335,26 @@ def moe_stages(x, router, gate_up, down, shape: MoeShape, renormalize: bool, out
     family = piece("moe", moe=1, moe_fp8=int(fp8))
     cfg = (_GEMM_FP8 if fp8 else _GEMM)[size]
     sfx = "_fp8" if fp8 else ""
+    gate_up_w = (gate_up, scales[0]) if fp8 else (gate_up,)  # the GEMM entries' weight arguments
+    down_w = (down, scales[1]) if fp8 else (down,)
     # the mid and large tiles of bf16 experts on the hopper path: moe_sm90.cu's wgmma twins (same token tiles)
     if size != "small" and not fp8 and uses_wgmma():
         wg = _WGMMA_TILES[size]
-        gemm_family, gemm_entry, gemm_smem = piece("moe_sm90", moe=1), f"moe_wg_{{}}_{size}", wg.smem(tile)
-        gemm_rows, gemm_threads = wg.rows, wg.threads
+        tma = MOE_WGMMA == 2
+        gemm_family, gemm_entry = piece("moe_sm90", moe=1), f"moe_wg_{{}}_{size}{'_tma' if tma else ''}"
+        gemm_rows, gemm_threads, gemm_smem = wg.rows, wg.threads, wg.smem(tile)
+        if tma:  # the weights' tensor maps after the weights (gate/up: boxes of 8 rows; down: of a CTA's rows)
+            from ..runtime import get_runtime
+            from ..runtime.tma import matrix_tensor_map
+
+            rt = get_runtime()
+            gate_up_w = (gate_up, matrix_tensor_map(rt, gate_up.ptr, e * 2 * inter, h, 8))
+            down_w = (down, matrix_tensor_map(rt, down.ptr, e * h, inter, wg.rows))
     else:
         gemm_family, gemm_entry, gemm_smem = family, f"moe_gemm_{{}}_{size}{sfx}", cfg.smem
         gemm_rows, gemm_threads = cfg.rows, cfg.threads
     gate_up_gemm = (gemm_family, gemm_entry.format("gate_up"))  # (family, entry) of the tile GEMMs
     down_gemm = (gemm_family, gemm_entry.format("down"))
-    gate_up_w = (gate_up, scales[0]) if fp8 else (gate_up,)  # the GEMM entries' weight arguments
-    down_w = (down, scales[1]) if fp8 else (down,)
     mode = "add" if out.dtype == float32 else "store"  # into the fp32 residual, or a bf16 output
     one_token = t == 1 and size == "small" and e <= 128
     if one_token and fuse_combine is None:

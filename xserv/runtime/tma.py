@@ -27,15 +27,30 @@ def kv_cache_tensor_map(runtime, address: int, shape: tuple[int, int, int, int],
     num_blocks, block_size, num_kv_heads, head_dim = shape
     if head_dim % _PANEL_COLUMNS or not 1 <= rows <= 256:
         raise ValueError(f"TMA box: head_dim {head_dim} must be a multiple of {_PANEL_COLUMNS}, rows {rows} in 1..256")
-    key = (address, tuple(shape), rows)
+    return _descriptor(runtime, address, [head_dim, num_kv_heads, num_blocks * block_size],
+                       [head_dim * 2, num_kv_heads * head_dim * 2], [_PANEL_COLUMNS, 1, rows])
+
+
+def matrix_tensor_map(runtime, address: int, rows: int, cols: int, box_rows: int) -> int:
+    """Device address of a TMA descriptor for a row-major bf16 matrix [rows, cols] at `address` (cols a multiple of
+    8: 16-byte row pitch) with boxes of 64 columns x `box_rows` rows, 128-byte swizzled: the cp.async rings' panel
+    layout (the MoE wgmma GEMMs' weight rows). Boxes past the last row or column are filled with zeros. Encoded once
+    per (address, shape, box), kept as kv_cache_tensor_map's."""
+    if cols % 8 or not 1 <= box_rows <= 256:
+        raise ValueError(f"TMA box: cols {cols} must be a multiple of 8, box rows {box_rows} in 1..256")
+    return _descriptor(runtime, address, [cols, rows], [cols * 2], [_PANEL_COLUMNS, box_rows])
+
+
+def _descriptor(runtime, address: int, dims: list[int], strides: list[int], box: list[int]) -> int:
+    """A bf16 tensor map with 128-byte swizzle (dims and box innermost first, byte strides of the outer dims),
+    encoded and copied to device memory once per (address, dims, box)."""
+    key = (address, tuple(dims), tuple(box))
     buf = _maps.get(key)
     if buf is None:
         u64, u32 = driver.cuuint64_t, driver.cuuint32_t
         err, tmap = driver.cuTensorMapEncodeTiled(
-            driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, address,
-            [u64(head_dim), u64(num_kv_heads), u64(num_blocks * block_size)],
-            [u64(head_dim * 2), u64(num_kv_heads * head_dim * 2)],  # byte strides of dims 1 and 2
-            [u32(_PANEL_COLUMNS), u32(1), u32(rows)], [u32(1), u32(1), u32(1)],
+            driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, len(dims), address,
+            [u64(d) for d in dims], [u64(s) for s in strides], [u32(b) for b in box], [u32(1)] * len(dims),
             driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
             driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
             driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
