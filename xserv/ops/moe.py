@@ -279,10 +279,11 @@ def _moe_cuda(x, router, gate_up, down, shape: MoeShape, renormalize: bool, out,
         launch()
 
 
-# The hopper path's mid and large GEMM tiles on wgmma (moe_sm90.cu): 1 on, with the weight rows by cp.async; 2 on,
-# with the weight rows by TMA (the _tma entries); 0 off (moe.cu's mma.sync tiles). A module attribute for A/B runs
-# (tools/with_setting.py, tools/ab_latency.py) and the tests that run each on one GPU.
-MOE_WGMMA = 1
+# The hopper path's mid and large GEMM tiles on wgmma (moe_sm90.cu): 2 on, with the weight rows by TMA (the _tma
+# entries; the default: on an H100 the 2,048-token TTFT of the 30B-A3B shape 44.1 against 45.2 ms, docs/kernels/moe.md
+# v8); 1 on, with the weight rows by cp.async (the TMA entries' bit-for-bit reference in the tests); 0 off (moe.cu's
+# mma.sync tiles). A module attribute for A/B runs (tools/with_setting.py, tools/ab_latency.py) and the tests.
+MOE_WGMMA = 2
 
 
 @dataclass(frozen=True)
