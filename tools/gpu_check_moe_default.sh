@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The MoE model tests (the op, the model against the NumPy backend, the transformers parity) natively with the
-# default wgmma form, and the 48-layer 30B-A3B-shaped TTFT against its FLOP limit. One call, ~4 min.
+# The MoE model's GPU tests (against the NumPy backend, and the transformers parity) natively with the default wgmma
+# form, and the 48-layer 30B-A3B-shaped TTFT against its FLOP limit. One call, ~2 min.
+#   bash tools/gpu_check_moe_default.sh
 set -u
 source tools/gpu_env.sh
 START=0; DEADLINE=300; source tools/gpu_step.sh
