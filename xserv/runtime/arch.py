@@ -210,8 +210,8 @@ KERNEL_PATHS: dict[str, dict[KernelPath, tuple[Route, ...]]] = {
         PORTABLE: (Route("moe", "route + sorted list, grouped GEMMs (mma.sync m16n8k16, cp.async ring), combine"),),
         HOPPER: (Route("moe", "route + sorted list, the decode-sized (small) GEMMs and FP8 experts' (mma.sync), "
                        "combine"),
-                 Route("moe_sm90", "the mid and large grouped GEMMs of bf16 experts on wgmma (prefill, large "
-                       "batches)")),
+                 Route("moe_sm90", "the mid and large grouped GEMMs of bf16 experts on wgmma, weights by TMA (prefill, "
+                       "large batches)")),
     },
     "linear_fp8 (FP8 block-quantized weights)": {
         PORTABLE: (Route("gemv_fp8", "M <= 8: e4m3 weights dequantized in registers (cvt from sm_89, soft below)"),
