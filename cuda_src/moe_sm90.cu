@@ -96,23 +96,20 @@ __device__ __forceinline__ void moe_gemm_wg(const bf16* __restrict__ x, const bf
         valid = row0 + r < N;
         return row0 + r;
     };
-    // TMA_W: the weight rows by TMA, boxes of 64 columns (w_map: the stacked weights as one [experts x rows, K]
-    // matrix, 128-byte swizzled like the cp.async pieces; rows past a CTA's N land and are discarded with their
-    // outputs, zeros past the matrix's end); thread 0 announces the stage's bytes and issues the boxes (gate/up: 8
-    // gate rows then the same 8 up rows, ROWS / 16 times; down: one box of ROWS rows). The token rows by cp.async.
+    // TMA_W: the weight rows by TMA, one box of 64 columns a stage, 128-byte swizzled like the cp.async pieces;
+    // thread 0 announces the stage's bytes and issues it. Down: w_map is the stacked weights as one [experts x N, K]
+    // matrix, the box ROWS rows (rows past the CTA's N land and are discarded with their outputs, zeros past the
+    // matrix's end). Gate/up: w_map sees the weights as (K, 8 rows, gate / up, N / 8 groups, experts), so that one box
+    // of (64, 8, 2, ROWS / 16, 1) lands as 8 gate rows, then the same 8 up rows, group after group: the CTA's
+    // alternating rows (groups past N are zeros). The token rows by cp.async.
     auto load = [&](int chunk, int stage) {
         const unsigned dst0 = ring + stage * STAGE_BYTES;
         const int k0 = chunk * kBK;
         if (TMA_W && tid == 0) {
             const unsigned bar = bars + 8 * stage;
             xserv::mbarrier_arrive_expect_tx(bar, ROWS * 128);
-            if (GATE_UP) {
-#pragma unroll 4
-                for (int q = 0; q < ROWS / 16; ++q) {
-                    const int j = expert * 2 * N + row0 + 8 * q;
-                    xserv::tma_load_2d(dst0 + q * 2048, w_map, bar, k0, j);
-                    xserv::tma_load_2d(dst0 + q * 2048 + 1024, w_map, bar, k0, j + N);
-                }
+            if (GATE_UP) {  // one box: (64 columns, 8 rows, gate / up, ROWS / 16 groups of 8, this expert)
+                xserv::tma_load_5d(dst0, w_map, bar, k0, 0, 0, row0 / 8, expert);
             } else {
                 xserv::tma_load_2d(dst0, w_map, bar, k0, expert * N + row0);
             }

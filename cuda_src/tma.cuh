@@ -48,6 +48,15 @@ __device__ __forceinline__ void tma_load_2d(unsigned dst, const void* tensor_map
         ::"r"(dst), "l"(tensor_map), "r"(bar), "r"(c0), "r"(c1)
         : "memory");
 }
+// The same for a 5-D tensor map (the MoE gate/up weights' interleaved groups: moe_sm90.cu).
+__device__ __forceinline__ void tma_load_5d(unsigned dst, const void* tensor_map, unsigned bar, int c0, int c1, int c2,
+                                            int c3, int c4) {
+    asm volatile(
+        "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6, "
+        "%7}], [%2];\n" ::"r"(dst),
+        "l"(tensor_map), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4)
+        : "memory");
+}
 // Copy the box at coordinates (c0, c1, c2) (innermost first) of a 3-D tensor map to shared memory `dst`; its bytes
 // complete on mbarrier `bar`. `tensor_map` is the generic address of a CUtensorMap in global memory.
 __device__ __forceinline__ void tma_load_3d(unsigned dst, const void* tensor_map, unsigned bar, int c0, int c1, int c2) {

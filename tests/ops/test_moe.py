@@ -172,6 +172,8 @@ def test_the_hopper_paths_mid_and_large_bf16_tiles_take_the_wgmma_entries(monkey
     monkeypatch.setattr(runtime, "get_runtime", lambda: "rt")
     monkeypatch.setattr(tma, "matrix_tensor_map", lambda rt, address, rows, cols, box_rows: (
         "map", rt, address, rows, cols, box_rows))
+    monkeypatch.setattr(tma, "gate_up_tensor_map", lambda rt, address, experts, inter, cols, groups: (
+        "gate_up_map", rt, address, experts, inter, cols, groups))
     monkeypatch.setattr(M, "MOE_WGMMA", form)
     t, shape = 300, MoeShape(32, 8, 512, 256)
     ws = SimpleNamespace(logits=np.zeros((t, 32), np.float32), ids=0, weights=0, sorted=0, tile_expert=0, act=0, y=0,
@@ -195,11 +197,11 @@ def test_the_hopper_paths_mid_and_large_bf16_tiles_take_the_wgmma_entries(monkey
         if want == "wgmma":
             assert launched == [("moe_sm90:e1", f"moe_wg_gate_up_{size}", (256 // 64, tiles), threads, smem),
                                 ("moe_sm90:e1", f"moe_wg_down_{size}", (512 // 128, tiles), threads, smem)]
-        else:  # the weights' tensor maps after the weights: [32 experts x 512 rows, 512] in boxes of 8 rows for
-            # gate/up, [32 x 512, 256] in boxes of a CTA's 128 rows for down
+        else:  # the weights' tensor maps after the weights: 32 experts' gate/up of width 256 over 512 columns in
+            # boxes of 8 groups of 8 gate and 8 up rows, down [32 x 512, 256] in boxes of a CTA's 128 rows
             assert launched == [
                 ("moe_sm90:e1", f"moe_wg_gate_up_{size}_tma", (256 // 64, tiles), threads, smem,
-                 ("map", "rt", 1 << 20, 32 * 512, 512, 8)),
+                 ("gate_up_map", "rt", 1 << 20, 32, 256, 512, 8)),
                 ("moe_sm90:e1", f"moe_wg_down_{size}_tma", (512 // 128, tiles), threads, smem,
                  ("map", "rt", 1 << 30, 32 * 512, 256, 128))]
     monkeypatch.setattr(M, "MOE_WGMMA", 3)

@@ -344,12 +344,12 @@ def moe_stages(x, router, gate_up, down, shape: MoeShape, renormalize: bool, out
         tma = MOE_WGMMA == 2
         gemm_family, gemm_entry = piece("moe_sm90", moe=1), f"moe_wg_{{}}_{size}{'_tma' if tma else ''}"
         gemm_rows, gemm_threads, gemm_smem = wg.rows, wg.threads, wg.smem(tile)
-        if tma:  # the weights' tensor maps after the weights (gate/up: boxes of 8 rows; down: of a CTA's rows)
+        if tma:  # the weights' tensor maps after the weights (one box a stage: a CTA's rows)
             from ..runtime import get_runtime
-            from ..runtime.tma import matrix_tensor_map
+            from ..runtime.tma import gate_up_tensor_map, matrix_tensor_map
 
             rt = get_runtime()
-            gate_up_w = (gate_up, matrix_tensor_map(rt, gate_up.ptr, e * 2 * inter, h, 8))
+            gate_up_w = (gate_up, gate_up_tensor_map(rt, gate_up.ptr, e, inter, h, wg.rows // 16))
             down_w = (down, matrix_tensor_map(rt, down.ptr, e * h, inter, wg.rows))
     else:
         gemm_family, gemm_entry, gemm_smem = family, f"moe_gemm_{{}}_{size}{sfx}", cfg.smem

@@ -41,6 +41,18 @@ def matrix_tensor_map(runtime, address: int, rows: int, cols: int, box_rows: int
     return _descriptor(runtime, address, [cols, rows], [cols * 2], [_PANEL_COLUMNS, box_rows])
 
 
+def gate_up_tensor_map(runtime, address: int, experts: int, inter: int, cols: int, groups: int) -> int:
+    """Device address of a TMA descriptor for stacked gate/up weights (bf16 [experts, 2 x inter, cols] at `address`:
+    each expert's `inter` gate rows, then its `inter` up rows) seen as the 5-D tensor (cols, 8 rows, gate / up, inter /
+    8 groups, experts), boxes of (64, 8, 2, `groups`, 1): 8 gate rows, then the same 8 up rows, `groups` times, the
+    rows of a MoE wgmma gate/up CTA (moe_sm90.cu). inter and cols multiples of 8."""
+    if cols % 8 or inter % 8 or not 1 <= groups <= 256:
+        raise ValueError(f"TMA box: cols {cols} and inter {inter} must be multiples of 8, groups {groups} in 1..256")
+    row = cols * 2
+    return _descriptor(runtime, address, [cols, 8, 2, inter // 8, experts],
+                       [row, inter * row, 8 * row, 2 * inter * row], [_PANEL_COLUMNS, 8, 2, groups, 1])
+
+
 def _descriptor(runtime, address: int, dims: list[int], strides: list[int], box: list[int]) -> int:
     """A bf16 tensor map with 128-byte swizzle (dims and box innermost first, byte strides of the outer dims),
     encoded and copied to device memory once per (address, dims, box)."""
