@@ -13,7 +13,8 @@
 //              a k16 step advances the start address 32 bytes). Stages start on 1024-byte boundaries (the swizzle
 //              is applied to address bits), so the dynamic shared memory is 1 KB more than the ring. The _tma
 //              entries (ops.moe.MOE_WGMMA 2, the default) put the weight rows there by TMA instead (the same
-//              swizzle, an mbarrier a stage; 13-18% faster down GEMMs, moe.md v8); the token rows stay cp.async.
+//              swizzle, one box and an mbarrier a stage; both GEMMs 13-18% faster, moe.md v8); the token rows stay
+//              cp.async.
 //   the MMA    warpgroup wg owns MB blocks of 64 weight rows (A, from the ring) x all TILE tokens (B, from the ring):
 //              per chunk 4 k16 steps per block, then commit and wait; the barrier at the next chunk frees the
 //              stage. (Measured slower and dropped: 256 weight rows a CTA, and products running on over the next

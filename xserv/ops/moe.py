@@ -280,7 +280,7 @@ def _moe_cuda(x, router, gate_up, down, shape: MoeShape, renormalize: bool, out,
 
 
 # The hopper path's mid and large GEMM tiles on wgmma (moe_sm90.cu): 2 on, with the weight rows by TMA (the _tma
-# entries; the default: on an H100 the 2,048-token TTFT of the 30B-A3B shape 44.1 against 45.2 ms, docs/kernels/moe.md
+# entries; the default: on an H100 the 2,048-token TTFT of the 30B-A3B shape 40.7 against 46.3 ms, docs/kernels/moe.md
 # v8); 1 on, with the weight rows by cp.async (the TMA entries' bit-for-bit reference in the tests); 0 off (moe.cu's
 # mma.sync tiles). A module attribute for A/B runs (tools/with_setting.py, tools/ab_latency.py) and the tests.
 MOE_WGMMA = 2
