@@ -426,6 +426,4 @@ _GEMM_SHAPES = {"small": dict(warps_m=1, warps_n=1, warps_k=4, tile=8, stages=4,
                 "mid": dict(warps_m=4, warps_n=1, warps_k=1, tile=64, stages=3, bk=64),
                 "large": dict(warps_m=4, warps_n=2, warps_k=1, tile=128, stages=3, bk=64)}
 _GEMM = {size: _gemm_config(**shape) for size, shape in _GEMM_SHAPES.items()}
-
-
 _GEMM_FP8 = {size: _gemm_config(**shape, fp8=True) for size, shape in _GEMM_SHAPES.items()}

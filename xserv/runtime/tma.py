@@ -55,8 +55,8 @@ def gate_up_tensor_map(runtime, address: int, experts: int, inter: int, cols: in
 
 def _descriptor(runtime, address: int, dims: list[int], strides: list[int], box: list[int]) -> int:
     """A bf16 tensor map with 128-byte swizzle (dims and box innermost first, byte strides of the outer dims),
-    encoded and copied to device memory once per (address, dims, box)."""
-    key = (address, tuple(dims), tuple(box))
+    encoded and copied to device memory once per (address, dims, strides, box)."""
+    key = (address, tuple(dims), tuple(strides), tuple(box))
     buf = _maps.get(key)
     if buf is None:
         u64, u32 = driver.cuuint64_t, driver.cuuint32_t
