@@ -35,8 +35,8 @@ def main(argv=None) -> int:
     ap.add_argument("--size", default=None,
                     help="force the GEMM tile shape: small, mid or large, or several (comma-separated) one after another")
     ap.add_argument("--wgmma", default=None,
-                    help="the hopper path's mid and large tiles on wgmma (xserv.ops.moe.MOE_WGMMA: 1 on, 0 off), or both "
-                         "one after another (1,0); default: the module's")
+                    help="the hopper path's mid and large tiles on wgmma (xserv.ops.moe.MOE_WGMMA: 2 weights by TMA, 1 by "
+                         "cp.async, 0 off), or several one after another (2,1,0); default: the module's")
     ap.add_argument("--combine", default=None,
                     help="one token: the forms of the combine to time, of " + ", ".join(COMBINE_FORMS) + " (default: "
                          "the environment's, XSERV_MOE_FUSE_COMBINE / XSERV_MOE_DOWN_TRIGGER)")
@@ -68,8 +68,9 @@ def main(argv=None) -> int:
     if set(sizes) - {None, "small", "mid", "large"}:
         ap.error(f"--size: expected small, mid or large, got {args.size!r}")
     wgmma_forms = [int(v) for v in args.wgmma.split(",")] if args.wgmma else [moe_module.MOE_WGMMA]
-    for t, size, wgmma, form in ((int(v), size, wgmma, form) for v in args.tokens.split(",") for size in sizes
-                                 for wgmma in wgmma_forms for form in (forms if v == "1" else [None])):
+    token_counts = [int(v) for v in args.tokens.split(",")]
+    for t, size, wgmma, form in ((t, size, wgmma, form) for t in token_counts for size in sizes
+                                 for wgmma in wgmma_forms for form in (forms if t == 1 else [None])):
         moe_module.MOE_WGMMA = wgmma
         x = Tensor.from_numpy(random_array(np.random.default_rng(t), (t, h), bfloat16, mean=0.0))
         out = Tensor.empty((t, h), bfloat16, "cuda")
