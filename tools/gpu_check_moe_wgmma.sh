@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The hopper path's MoE grouped GEMMs on wgmma (cuda_src/moe_sm90.cu), each form of xserv.ops.moe.MOE_WGMMA: 2 the
 # weights by TMA (the default), 1 by cp.async, 0 off (moe.cu's mma.sync tiles). One call, ~8 min: the moe op's GPU
-# tests natively and with XSERV_ARCH=sm_80; each form's launches at 2,048 and 8,192 tokens with the mid and the large token tile, one process (tools/bench_moe.py);
-# the 30B-A3B-shaped 48-layer model loaded once, each form's time to first token of 2,048-token prompts, alternating
-# (tools/ab_latency.py); the offline workload with the default form and with 0 if time is left.
+# tests natively and with XSERV_ARCH=sm_80; each form's launches at 2,048 and 8,192 tokens with the mid and the large
+# token tile, one process (tools/bench_moe.py); the 30B-A3B-shaped 48-layer model loaded once, each form's time to
+# first token of 2,048-token prompts, alternating (tools/ab_latency.py); the offline workload with the default form
+# and with 0 if time is left.
 #   bash tools/gpu_check_moe_wgmma.sh
 set -u
 source "$(dirname "$0")/gpu_env.sh"
