@@ -60,7 +60,10 @@ def cmd_list(args) -> int:
     return 0
 
 
-CI_ARCHES = ("sm_80", "sm_89", "sm_90a", "sm_100a", "sm_120a")  # what tests/test_compile_all.py compiles
+CI_ARCHES = ("sm_80", "sm_89", "sm_90a", "sm_100a", "sm_120a")  # what .ci/run compiles every family for
+# --fast: NVRTC's --Ofast-compile=max still instantiates every template and assembles every instruction for the arch
+# (what can fail there) at about a sixth of the CPU; the runtime never loads such cubins, so they are not cached.
+FAST_OPTIONS = ("--Ofast-compile=max",)
 
 
 def cmd_compile(args) -> int:
@@ -95,7 +98,8 @@ def cmd_compile(args) -> int:
         before = len(failures)
         for group in ([[f] for f in families] if args.serial else [families]):
             try:
-                compile_families(group, arch, use_cache=not args.no_cache, on_done=report)
+                compile_families(group, arch, use_cache=not (args.no_cache or args.fast), on_done=report,
+                                 extra_options=FAST_OPTIONS if args.fast else ())
             except Exception:  # reported above, family by family
                 pass
         print(f"{len(families) - (len(failures) - before)}/{len(families)} compiled for {arch} in "
@@ -286,6 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-cache", action="store_true", help="ignore and do not write the cubin cache")
     c.add_argument("--dev", action="store_true", help="also the development families in cuda_src/dev/")
     c.add_argument("--serial", action="store_true", help="one family at a time (per-family times without contention)")
+    c.add_argument("--fast", action="store_true", help="NVRTC --Ofast-compile=max, not cached: checks that every "
+                   "family compiles for the arch at a sixth of the CPU (what CI runs)")
     z = sub.add_parser("sizes", help="machine code per kernel entry (no GPU needed with --arch)")
     z.add_argument("families", nargs="*", help="kernel families (default: all production ones)")
     z.add_argument("--arch", help="target, e.g. sm_90a (default: the current device's)")

@@ -527,7 +527,7 @@ def missing_families(arch: str, extra_options: tuple[str, ...] = (), shapes: dic
 
 
 def compile_families(families: list[str], arch: str, use_cache: bool = True, workers: int | None = None,
-                     on_done=None) -> dict[str, float]:
+                     on_done=None, extra_options: tuple[str, ...] = ()) -> dict[str, float]:
     """Compile `families` on parallel threads (NVRTC and nvJitLink release the GIL: measured, two families on two
     cores take the time of the longer one) and return each family's compile seconds. By default one thread per
     core, the largest sources first (longest-first scheduling, with source size standing in for compile time): on
@@ -543,7 +543,7 @@ def compile_families(families: list[str], arch: str, use_cache: bool = True, wor
         t0 = time.perf_counter()
         error = None
         try:
-            compile_family(family, arch, use_cache=use_cache)
+            compile_family(family, arch, extra_options=extra_options, use_cache=use_cache)
         except Exception as exc:
             error = exc
         seconds = time.perf_counter() - t0
