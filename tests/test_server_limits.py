@@ -81,6 +81,18 @@ def test_oversized_headers_get_431(guarded):
     _error(http().post(guarded.url + "/v1/completions", headers=AUTH, json={"prompt": "x" * 10_000}), 413)
 
 
+def test_the_431_limit_counts_header_names_too(guarded):
+    """Red when the Guard sums only the header values: 70 headers with 1,000-byte names and one-byte values
+    (70,070 bytes of fields) would pass as 70 bytes."""
+    names = {f"x-{i:02d}-" + "n" * 995: "v" for i in range(70)}
+    assert all(len(name) == 1000 for name in names)
+    err = _error(http().get(guarded.url + "/v1/models", headers={**AUTH, **names}), 431)
+    assert err["code"] == "request_headers_too_large" and "65536" in err["message"], err
+    # the count is names + values: 65 such headers (65,065 bytes with the rest of the head) still pass
+    few = dict(list(names.items())[:65])
+    assert http().get(guarded.url + "/v1/models", headers={**AUTH, **few}).status_code == 200
+
+
 def test_overload_is_refused_at_once(guarded):
     # --max-num-seqs 2 --max-waiting 0: two long streams fill the server; a third request is refused at once
     opened, release = threading.Barrier(3), threading.Event()
