@@ -1,8 +1,8 @@
 """`xserv serve` at its edges, seen from both sides: a real server process (the tiny model on the CPU) whose engine
 writes down what it is given and what it runs (`RECORDING_ENGINE`), so that a test can check the engine itself,
 not only what the HTTP side says: a dropped stream stops the engine's work on it, a chat's system turn reaches
-the engine as the template renders it, streams carry no empty chunks; and a port in use fails before the model
-loads."""
+the engine as the template renders it, streams carry no empty chunks; and a second server on the port the
+first one holds fails before its model loads."""
 import json
 import socket
 import subprocess
@@ -163,13 +163,30 @@ def test_streams_carry_no_empty_chunks(server, route):
             assert sum(len(e["choices"]) for e in events) == n
 
 
-def test_a_port_in_use_fails_at_once_before_the_model_loads(tiny_model_dir):  # noqa: F811
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        r = subprocess.run([sys.executable, "-m", "xserv", "serve", "--model", str(tiny_model_dir), "--device", "cpu",
-                            "--port", str(port)], capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert r.returncode == 1
-    assert r.stderr.splitlines() == [f"xserv: error: port {port} is already in use on 127.0.0.1 (another server?); "
-                                     f"choose another with --port"]
+def test_a_port_that_a_running_xserv_holds_fails_at_once_before_the_model_loads(server, tmp_path):
+    """Red when xserv binds with SO_REUSEPORT: the running server (the module's, bound by the same code) would then
+    share its port with the second one, which would go on to the model (here a missing folder, so that the order
+    shows: the port error comes first, before the model is even looked at)."""
+    r = subprocess.run([sys.executable, "-m", "xserv", "serve", "--model", str(tmp_path / "no-such-model"),
+                        "--device", "cpu", "--port", str(server.port)], capture_output=True, text=True, timeout=60,
+                       cwd=ROOT)
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.splitlines() == [f"xserv: error: port {server.port} is already in use on 127.0.0.1 (another "
+                                     f"server?); choose another with --port"]
+    assert http().get(server.url + "/health").status_code == 200  # the running server kept its port
+
+
+def test_the_listening_socket_does_not_share_its_port():
+    """Red when xserv's listening socket sets SO_REUSEPORT (another process could then bind the same port and take
+    part of its connections); SO_REUSEADDR, which only lets a restart rebind past TIME_WAIT, stays."""
+    from xserv.server.uvicorn_server import listening_sockets
+
+    sockets = listening_sockets("127.0.0.1", 0)
+    try:
+        for sock in sockets:
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR)
+            if hasattr(socket, "SO_REUSEPORT"):
+                assert not sock.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT)
+    finally:
+        for sock in sockets:
+            sock.close()
