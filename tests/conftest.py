@@ -46,6 +46,28 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def _sum_in_another_order_for_some_row_counts():
+    """XSERV_TEST_OTHER_BLAS=1: the CPU backend's GEMMs sum in another order (float64 sums rounded to float32)
+    for about half of the row counts (a hash of the count picks which), as another BLAS, or another kernel of the same BLAS picked by the shape, may. Each
+    GEMM output then moves by up to one float32 ulp, and a bf16 activation rounded from it by up to one bf16 ulp.
+    A test that compares runs of different batch shapes must pass this way too: run the suite with it to find a
+    bound fitted to one BLAS (tests/README.md)."""
+    from xserv.ops import gemv, linear
+
+    plain = linear.linear_reference
+
+    def other_order(x, w):
+        if not (np.asarray(x).shape[0] * 0x9E3779B1 >> 11) & 1:
+            return plain(x, w)
+        return (np.asarray(x, np.float64) @ linear._as_f32(w).T.astype(np.float64)).astype(np.float32)
+
+    linear.linear_reference = gemv.linear_reference = other_order
+
+
+if os.environ.get("XSERV_TEST_OTHER_BLAS") == "1":
+    _sum_in_another_order_for_some_row_counts()
+
+
 @pytest.fixture
 def rng(request):
     """A fresh generator per test (seeded from the test name so a failure reproduces)."""
