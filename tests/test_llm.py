@@ -133,3 +133,73 @@ def test_two_streams_interleaved(llm):
     got_a += list(a)
     got_b += list(b)
     assert "".join(got_a) == a_ref and "".join(got_b) == b_ref
+
+
+def _broken_model_folders(tiny_model_dir, root):  # noqa: F811
+    """The tiny model's config and tokenizer beside a truncated, a garbage and no safetensors file, and its whole
+    checkpoint under a config with one layer more (a load that fails inside the model, once the LLM's finalizer
+    exists)."""
+    import json
+
+    weights = (tiny_model_dir / "model.safetensors").read_bytes()
+    folders = {}
+    for kind in ("truncated", "garbage", "missing", "mismatched"):
+        folder = root / kind
+        folder.mkdir()
+        for f in tiny_model_dir.glob("*.json"):
+            (folder / f.name).write_bytes(f.read_bytes())
+        if kind == "truncated":  # a valid header whose tensors run past the end of the file
+            (folder / "model.safetensors").write_bytes(weights[:100_000])
+        elif kind == "garbage":
+            (folder / "model.safetensors").write_bytes(np.random.default_rng(0).bytes(5000))
+        elif kind == "mismatched":
+            (folder / "model.safetensors").write_bytes(weights)
+            config = json.loads((folder / "config.json").read_text())
+            config["num_hidden_layers"] += 1
+            (folder / "config.json").write_text(json.dumps(config))
+        folders[kind] = folder
+    return folders
+
+
+def test_a_failed_load_leaves_no_finalizer_error(tiny_model_dir, tmp_path):  # noqa: F811
+    """A load that fails on its checkpoint (truncated, garbage, missing, not the config's) raises one error naming
+    the file (or folder), and the half-built LLM goes quietly, in the library (the caller catches the error) and
+    in the CLI. Red when the LLM's finalizer exists before the checkpoint is opened and assumes an engine thread:
+    Python prints "Exception ignored in: <finalize ...> AttributeError: 'NoneType' object has no attribute 'stop'"
+    at garbage collection, after the error."""
+    import os
+    import subprocess
+    import sys
+
+    folders = _broken_model_folders(tiny_model_dir, tmp_path)
+    script = """if True:
+        import gc, sys
+        from xserv import LLM
+        for folder in sys.argv[1:]:
+            try:
+                LLM(folder, device="cpu", progress=False)
+            except (ValueError, FileNotFoundError) as e:
+                print(f"{type(e).__name__}: {e}")
+            else:
+                print("loaded", folder)
+            gc.collect()
+    """
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    with subprocess.Popen([sys.executable, "-c", script, *map(str, folders.values())], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, env=env) as library, \
+         subprocess.Popen([sys.executable, "-m", "xserv", "generate", "--model", str(folders["truncated"]),
+                           "--device", "cpu", "-p", "hi"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, env=env) as cli:
+        lib_out, lib_err = library.communicate(timeout=120)
+        _, cli_err = cli.communicate(timeout=120)
+    assert library.returncode == 0, lib_err
+    assert "Exception ignored" not in lib_err and "Traceback" not in lib_err, lib_err
+    lines = [line for line in lib_out.splitlines() if line.startswith(("ValueError", "FileNotFoundError", "loaded"))]
+    assert len(lines) == len(folders), lib_out
+    for kind, line in zip(folders, lines):
+        file = folders[kind] / "model.safetensors" if kind in ("truncated", "garbage") else folders[kind]
+        assert not line.startswith("loaded") and str(file) in line, (kind, line)
+    assert cli.returncode != 0
+    assert "Exception ignored" not in cli_err and "Traceback" not in cli_err, cli_err
+    errors = [line for line in cli_err.splitlines() if "error" in line]
+    assert len(errors) == 1 and str(folders["truncated"] / "model.safetensors") in errors[0], cli_err

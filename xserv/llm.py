@@ -77,14 +77,15 @@ def _stop_and_drop(state: _DeviceState) -> bool:
     """Stop the engine thread (its last act closes the engine), or close the engine here when the thread never
     ran, and drop the state's references. A function of its own so that no local of the caller still holds the
     engine when the cached memory is given back. True when the thread has ended."""
-    thread, engine = state.thread, state.engine
-    stopped = thread.stop(timeout=60)
-    if thread._thread is None and engine is not None:
+    thread, engine = state.thread, state.engine  # thread None: LLM() failed before it made one
+    stopped = thread.stop(timeout=60) if thread is not None else True
+    if (thread is None or thread._thread is None) and engine is not None:
         _close_engine(engine, state.device)
     if state.group is not None:  # after the engine: its graphs are gone on rank 0; the workers close theirs
         state.group.close()
     state.model = state.engine = state.thread = state.group = None
-    thread.engine = None
+    if thread is not None:
+        thread.engine = None
     return stopped
 
 
@@ -201,6 +202,9 @@ class LLM:
 
             check_tp(config, tp, device_count() if self.device == "cuda" else tp, model_class(config))
             rank_config = tp_rank_config(config, tp, 0).config
+        # the checkpoint's headers, before the tokenizer and the kernels: a missing, truncated or garbage file is
+        # reported at once, and before anything that would need releasing exists
+        reader = CheckpointReader(self.folder)
         self.tokenizer = Tokenizer.from_folder(self.folder)
         thread_setup = None
         if self.device == "cuda":
@@ -223,7 +227,6 @@ class LLM:
         self._finalizer = weakref.finalize(self, _release, state)
         self._finalizer.atexit = False  # at exit the process's memory goes anyway; no engine thread to stop
         self._state = state
-        reader = CheckpointReader(self.folder)
         start = time.perf_counter()
         try:
             if tp > 1:  # ranks 1..tp-1 start and load their shards while this process loads rank 0's
@@ -242,7 +245,7 @@ class LLM:
             state.engine = LLMEngine.from_model(state.model, self.tokenizer, cfg, context_len=max_len,
                                                 eos_token_ids=eos, group=state.group)
         except BaseException:
-            state.thread = EngineThread(None)
+            reader = None  # its memory maps close now, not when the caller lets go of the traceback
             self._finalizer()
             raise
         self.timings["engine_s"] = time.perf_counter() - start
