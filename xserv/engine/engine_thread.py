@@ -92,7 +92,7 @@ class EngineThread:
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
         self._stopped = False
-        self._stats: dict = dict(engine.stats()) if engine is not None else {}  # None: a thread with no engine, never started
+        self._stats: dict = dict(engine.stats()) if engine is not None else {}  # None: never started
 
     # ---- life cycle ---------------------------------------------------------------------------------------
     def start(self) -> None:
