@@ -202,3 +202,75 @@ def test_bench_serve_with_a_json_schema(server, tmp_path, capsys):
     result = json.loads(out.read_text())
     assert result["completed"] == 4 and result["answers_parsed"] == 4 and result["answers_valid"] == 4
     assert "4 of 4 answers parsed as JSON, 4 valid" in capsys.readouterr().out
+
+
+def _strict_json(text: str):
+    """json.loads that refuses the non-standard constants (NaN, Infinity, -Infinity) Python writes and reads by
+    default: RFC 8259 has none of them, and JavaScript's JSON.parse, Go and Rust reject the whole document."""
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON (RFC 8259)")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def _strict_body(r) -> dict | list[dict]:
+    """The response body (or every SSE chunk of it) read with the strict parser."""
+    assert r.status_code == 200, r.text
+    if not r.headers["content-type"].startswith("text/event-stream"):
+        return _strict_json(r.text)
+    lines = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [_strict_json(line) for line in lines[:-1]]
+
+
+def test_constrained_logprobs_are_strict_json(server):
+    """Red when masked tokens' logprobs reach the body: the sampler gives them -inf, which Python's json writes as
+    the bare -Infinity. Two tokens are allowed ("A", "B") and 20 top logprobs asked for: the list holds only the
+    allowed ones (finite), in chat and completions, whole and streamed."""
+    choice = {"guided_choice": ["A", "B"]}
+    cases = [("/v1/chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": 20, **NO_THINK}),
+             ("/v1/completions", {"prompt": "ab", "logprobs": 20})]
+    for path, body in cases:
+        for stream in (False, True):
+            r = http().post(server.url + path, json={**body, **choice, "max_tokens": 5, "temperature": 1.0, "n": 3,
+                                                     "seed": 1, "stream": stream}, timeout=60)
+            bodies = _strict_body(r)
+            choices = [c for b in (bodies if stream else [bodies]) for c in b["choices"]]
+            entries = []
+            for c in choices:
+                lp = c["logprobs"]
+                if lp is None:
+                    continue
+                if "content" in lp:  # chat
+                    entries += [(e["token"], e["logprob"], {t["token"]: t["logprob"] for t in e["top_logprobs"]})
+                                for e in lp["content"]]
+                else:
+                    entries += list(zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]))
+            assert len(entries) == 3, (path, stream, bodies)  # one token per choice: the grammar is then complete
+            for token, logprob, top in entries:
+                assert token in ("A", "B") and set(top) <= {"A", "B"} and token in top, (path, stream, top)
+                assert -1e4 < logprob <= 0 and all(-1e4 < x <= 0 for x in top.values())
+
+
+def test_non_finite_logprobs_are_written_as_finite_numbers():
+    """Red when a non-finite logprob is written as it is (-Infinity, NaN: not JSON) or a masked top entry is
+    listed: the token's own logprob, were it ever -inf or NaN, is written -9999.0 (vLLM's value); top entries
+    at -inf (tokens the constraint or a ban masked) are left out."""
+    from xserv.server.openai_api import chat_logprobs, completion_logprobs
+
+    class Tok:
+        def decode(self, ids):
+            return "".join(f"<{i}>" for i in ids)
+
+    inf, nan = float("inf"), float("nan")
+    entries = [{"token_id": 1, "logprob": -inf, "top": [(2, -0.5), (1, -inf), (3, -inf)]},
+               {"token_id": 4, "logprob": nan, "top": [(4, nan), (5, -inf)]},
+               {"token_id": 6, "logprob": -0.25, "top": [(6, -0.25), (7, -1.5)]}]
+    chat = _strict_json(json.dumps(chat_logprobs(Tok(), entries, 3)))
+    assert [(e["token"], e["logprob"]) for e in chat["content"]] == [("<1>", -9999.0), ("<4>", -9999.0),
+                                                                     ("<6>", -0.25)]
+    assert [[(t["token"], t["logprob"]) for t in e["top_logprobs"]] for e in chat["content"]] == \
+        [[("<2>", -0.5)], [("<4>", -9999.0)], [("<6>", -0.25), ("<7>", -1.5)]]
+    comp = _strict_json(json.dumps(completion_logprobs(Tok(), entries, 3, 0)))
+    assert comp["token_logprobs"] == [-9999.0, -9999.0, -0.25]
+    assert comp["top_logprobs"] == [{"<2>": -0.5}, {"<4>": -9999.0}, {"<6>": -0.25, "<7>": -1.5}]
