@@ -296,6 +296,28 @@ def test_prefill_graph_tokens_option():
     assert EngineConfig.from_cli_args(p.parse_args(["--prefill-graph-tokens", "0"])).prefill_graph_tokens == 0
 
 
+SIZE_OPTIONS = ("kv_cache_tokens", "max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len")
+
+
+@pytest.mark.parametrize("value", [0, -1, -4096])
+@pytest.mark.parametrize("option", SIZE_OPTIONS)
+def test_a_size_of_zero_or_less_is_refused_by_name(option, value, tiny_model_dir):  # noqa: F811
+    """Every size option, zero or negative, is refused with a ValueError naming it, from EngineConfig and from LLM's
+    keyword arguments (before anything is loaded). Red when the check accepts 0 (`value < 0`), or lets a falsy
+    value through as "not set" (`if not value: continue`, the way None is let through): a zero KV cache, batch
+    or block size would otherwise fail later, far from the option, or divide by zero."""
+    from xserv import LLM
+    from xserv.engine.config import EngineConfig
+
+    message = rf"^{option} must be a positive integer, got {value}$"
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**{option: value})
+    with pytest.raises(ValueError, match=message):
+        EngineConfig().replace(**{option: value})
+    with pytest.raises(ValueError, match=message):
+        LLM(str(tiny_model_dir), device="cpu", progress=False, **{option: value})
+
+
 def _spy_steps(runner):
     """Wrap runner.run: record (tokens of the step, replayed a prefill graph, logits copy) per step."""
     steps = []
