@@ -150,6 +150,95 @@ def test_keyboard_interrupt_aborts_only_its_caller(llm):
     assert llm.engine.blocks.num_free == llm.kv_cache.num_blocks
 
 
+class _CtrlC:
+    """Ctrl-C while the main thread waits on the engine, at a known point of a request too long to finish meanwhile.
+
+    Every engine step takes STEP_S more (a slow model: the 400-token request below needs 400 x STEP_S = 40 s, far
+    past the 5 s the tests wait for the engine to go idle), and at the step that brings the request's output to
+    AT_TOKENS tokens SIGINT goes to the main thread, before the step's tokens are handed over: the caller is then
+    waiting (in a timed lock wait, which a real signal interrupts at once), not reading an update. The engine thread
+    then sleeps GRACE_S, time for the caller's abort to reach its queue before it would start another step."""
+    STEP_S, GRACE_S, AT_TOKENS = 0.1, 0.3, 3
+    PARAMS = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+
+    def __init__(self, llm):
+        if threading.current_thread() is not threading.main_thread():
+            pytest.skip("signals reach the main thread only, and the test does not run on it")
+        self.llm, self.engine = llm, llm.engine
+        self.seq = None
+        self.tokens_at_signal = None
+
+    def step(self):
+        results = self.real_step()
+        time.sleep(self.STEP_S)
+        if self.seq is None and results:
+            self.seq = results[0][0]
+        if self.tokens_at_signal is None and self.seq is not None and self.seq.num_output_tokens >= self.AT_TOKENS:
+            self.tokens_at_signal = self.seq.num_output_tokens
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            time.sleep(self.GRACE_S)
+        return results
+
+    def __enter__(self):
+        # KeyboardInterrupt comes from Python's own SIGINT handler: make sure it is the one in place (a
+        # pytest-xdist worker may hold another after an earlier test file's event loop)
+        self.previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        self.real_step = self.engine.step
+        self.engine.step = self.step  # the engine thread looks the method up at every step
+        return self
+
+    def __exit__(self, *exc):
+        del self.engine.step
+        signal.signal(signal.SIGINT, self.previous)
+        self.llm.engine_thread.abort_all()  # leave the module's LLM idle for the next test, pass or fail
+        _wait_idle(self.llm, timeout=60)
+
+    def check_aborted(self):
+        """Right after the interrupt: the engine idle (within 5 s, where the request would need 40 s more), the
+        request ended as aborted, every KV block free, and the output no longer than at the signal, give or take
+        the one step that may have begun before the abort reached the engine thread's queue (on a loaded machine
+        GRACE_S may not be enough): the step in flight when a caller is interrupted always completes, no later one
+        starts."""
+        _wait_idle(self.llm, timeout=5.0)
+        seq = self.seq
+        assert self.tokens_at_signal is not None and seq is not None
+        assert seq.is_finished and seq.output().finish_reason == "abort", seq.output().finish_reason
+        assert self.llm.engine.blocks.num_free == self.llm.kv_cache.num_blocks
+        tokens = seq.num_output_tokens
+        assert tokens <= self.tokens_at_signal + 1, (tokens, self.tokens_at_signal)
+        time.sleep(3 * self.STEP_S)
+        assert seq.num_output_tokens == tokens
+
+
+@pytest.mark.timeout(120)
+def test_keyboard_interrupt_in_generate_aborts_at_once(llm):
+    """Ctrl-C while generate() waits: its request is aborted right away (engine idle, KV blocks back, no token after
+    the interrupt but the step in flight). Red when generate() aborts its requests on `Exception` only (a
+    KeyboardInterrupt is a BaseException): the request then runs on to its 400 tokens behind the caller's back."""
+    with _CtrlC(llm) as ctrl_c:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate("Hello", ctrl_c.PARAMS)
+        ctrl_c.check_aborted()
+    assert llm.generate("Hello", SamplingParams(temperature=0.0, max_tokens=4))[0].token_ids  # still serves
+
+
+@pytest.mark.timeout(120)
+def test_keyboard_interrupt_while_reading_a_stream_aborts_at_once(llm):
+    """Ctrl-C while a caller waits for a TextStream's next delta: its request is aborted the same way. Red when
+    TextStream.__next__ aborts on `Exception` only: the stream object is still referenced (here by the test, in
+    an application by the frame the interrupt unwinds through), so nothing else ends its request."""
+    with _CtrlC(llm) as ctrl_c:
+        stream = llm.stream("Hello", ctrl_c.PARAMS)
+        deltas = []
+        with pytest.raises(KeyboardInterrupt):
+            for delta in stream:
+                deltas.append(delta)
+        ctrl_c.check_aborted()
+        rest = list(stream)  # what had come before the abort, then the end (no wait for more)
+        assert stream.output.finish_reason == "abort" and "".join(deltas + rest) == stream.output.text
+    assert "".join(llm.stream("Hello", SamplingParams(temperature=0.0, max_tokens=4)))
+
+
 @pytest.mark.timeout(60)
 def test_exception_in_on_step_ends_only_that_call(llm):
     want = llm.generate("The sky is", SamplingParams(temperature=0.0, max_tokens=20))[0].text
