@@ -127,6 +127,89 @@ def test_regex_and_lark(llm):
     assert re.fullmatch(REGEX, greedy.text)
 
 
+DATE = r"\d{4}-\d{2}-\d{2}"
+
+
+def test_regex_digits_are_ascii(llm):
+    """`\\d` in a regex constraint is [0-9], as in vLLM's and SGLang's regexes and xserv's own JSON-schema `pattern`:
+    red while a regex reaches llguidance with Rust's Unicode classes (a noise model then writes dates like
+    `߂４𑱗1-໒` from the thousands of Unicode digits in the vocabulary)."""
+    n = _answers(8)
+    params = [SamplingParams(temperature=1.0, seed=300 + i, max_tokens=40, structured=StructuredOutput.regex(DATE))
+              for i in range(n)]
+    outs = llm.generate([f"date {i}" for i in range(n)], params)
+    for o in outs:
+        assert o.finish_reason == "stop" and re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", o.text), o.text
+
+
+@pytest.fixture(scope="module")
+def accepts(llm):
+    """accepts(structured, text): the text's tokens fit the constraint and complete it."""
+    from xserv.structured import GrammarConstraint, grammar_tokenizer
+
+    llt = grammar_tokenizer(llm.tokenizer, llm.engine.eos_token_ids, llm.engine.vocab_size)
+
+    def check(structured, text):
+        c = GrammarConstraint(llt, structured)
+        return all(c.consume(t) for t in llm.tokenizer.encode(text)) and c.accepting
+    return check
+
+
+@pytest.mark.parametrize("pattern, good, bad", [
+    (r"\d", ["7"], ["٣", "４", "x"]),
+    (r"\\d", ["\\d"], ["7", "\\7"]),  # an escaped backslash, then a literal d
+    (r"\\\d", ["\\7"], ["\\d", "\\٣"]),  # an escaped backslash, then a digit
+    (r"[\d]", ["7"], ["٣"]),
+    (r"[^\d]", ["٣", "x"], ["7"]),
+    (r"\D", ["٣", "x"], ["7"]),
+    (r"[a\D]", ["a", "٣"], ["7"]),
+    (r"[\d.]+", ["1.5"], ["١.٥"]),
+    (r"\w+", ["ab_9"], ["é", "ab٣"]),
+    (r"\W", ["é", "-"], ["a", "_"]),
+    (r"a\sb", ["a b", "a\tb"], ["a\u00a0b", "a\u3000b"]),
+    (r"\S", ["\u00a0", "x"], [" "]),
+    (r"[\\d]", ["\\", "d"], ["7"]),  # a class of a backslash and d: no digit
+    (r"a/b\d", ["a/b1"], ["a/b٣"]),  # a slash survives the translation
+    (r"\p{Nd}", ["٣", "7"], ["x"]),  # a Unicode class asked for by name stays Unicode
+])
+def test_regex_classes_are_ascii(accepts, pattern, good, bad):
+    """\\d, \\w, \\s and their negations mean ASCII classes, inside and outside brackets, while escaped backslashes
+    and named Unicode classes keep their meaning: red while the regex reaches llguidance untranslated (Unicode
+    classes) or a translation that rewrites `\\\\d` or misses `[\\d]`, `[^\\d]`, `\\D`."""
+    s = StructuredOutput.regex(pattern)
+    for text in good:
+        assert accepts(s, text), (pattern, text)
+    for text in bad:
+        assert not accepts(s, text), (pattern, text)
+
+
+def test_every_end_of_sequence_token_ends_an_accepted_answer(llm):
+    """Each of the model's end-of-sequence ids is allowed exactly where the grammar accepts: red when only the one id
+    given to llguidance gets the bit (llguidance before 1.7 takes a single eos token)."""
+    from xserv.structured import GrammarConstraint, fill_masks, grammar_tokenizer, mask_words
+
+    eos = [151645, 151643]  # Qwen3's <|im_end|> and <|endoftext|>
+    llt = grammar_tokenizer(llm.tokenizer, eos, llm.engine.vocab_size)
+    words = mask_words(llm.engine.vocab_size)
+
+    def allowed(row):
+        bits = row.view(np.uint32)
+        return [bool((bits[t // 32] >> (t % 32)) & 1) for t in eos]
+
+    cs = [GrammarConstraint(llt, StructuredOutput.regex("ab?")) for _ in range(3)]
+    row = np.zeros(words, np.int32)
+    cs[0].fill(row)
+    assert allowed(row) == [False, False]
+    assert cs[1].consume(llm.tokenizer.encode("a")[0]) and cs[2].consume(llm.tokenizer.encode("a")[0])
+    assert cs[2].consume(llm.tokenizer.encode("b")[0]) and cs[2].done  # complete: nothing but eos follows
+    cs[1].fill(row)
+    assert allowed(row) == [True, True]
+    masks = np.zeros((4, words), np.int32)
+    fill_masks(cs, masks)
+    assert [allowed(r) for r in masks[:3]] == [[False, False], [True, True], [True, True]]
+    assert list(np.flatnonzero(np.unpackbits(masks[2].view(np.uint8), bitorder="little"))) == sorted(eos)
+
+
 def test_stream_and_logprobs_with_a_constraint(llm):
     p = SamplingParams(temperature=1.0, seed=7, max_tokens=40, logprobs=2, structured=StructuredOutput.regex(REGEX))
     out = llm.generate(["q"], p)[0]

@@ -7,6 +7,10 @@ step the engine asks it for the step's token mask (one bit per token, int32 word
 sampling kernel sets the logits of the tokens left out to -inf, and the sampled token advances the matcher when it
 is booked. Tokens past the tokenizer's vocabulary (the model's embedding has more rows) are always left out; the
 model's end-of-sequence tokens are allowed exactly when the grammar accepts the text so far.
+
+A regex's `\\d`, `\\w` and `\\s` (and `\\D`, `\\W`, `\\S`) are ASCII classes, as in vLLM's and SGLang's regexes and
+in a JSON schema's `pattern`: a user who asks for `\\d{4}` wants four of 0-9, not of Unicode's hundreds of decimal
+digits. Named Unicode classes (`\\p{Nd}`) keep their meaning.
 """
 from __future__ import annotations
 
@@ -32,8 +36,9 @@ def _llg():
 @dataclass(frozen=True)
 class StructuredOutput:
     """kind: "json_schema" (spec: the schema, a dict or its JSON text), "json_object" (spec None: any JSON object),
-    "regex" (spec: the pattern, Rust regex syntax, matched against the whole answer) or "grammar" (spec: a Lark
-    grammar in llguidance's dialect, rule `start`). Construct with the class methods or directly."""
+    "regex" (spec: the pattern, Rust regex syntax with ASCII \\d, \\w and \\s, matched against the whole answer) or
+    "grammar" (spec: a Lark grammar in llguidance's dialect, rule `start`). Construct with the class methods or
+    directly."""
     kind: str
     spec: str | None = None  # the schema as canonical JSON text, the pattern, or the grammar
 
@@ -95,8 +100,15 @@ class StructuredOutput:
             except ValueError as e:
                 raise ValueError(f"structured output ({self.kind}): {e}") from None
         if self.kind == "regex":
-            return M.grammar_from_regex(self.spec)
+            return M.grammar_from_lark(_regex_lark(self.spec))
         return M.grammar_from_lark(self.spec)
+
+
+def _regex_lark(pattern: str) -> str:
+    """A regex constraint as a one-rule Lark grammar. regex_to_lark rewrites \\d, \\w, \\s and their negations as
+    ASCII classes ("dws"; inside brackets too, escaped backslashes left alone) and escapes the pattern for /.../;
+    grammar_from_regex would keep them Unicode."""
+    return "start: /" + _llg().regex_to_lark(pattern, "dws") + "/"
 
 
 def _validate(grammar: str) -> str:
@@ -109,9 +121,20 @@ _TOKENIZERS: dict = {}
 _TOKENIZERS_LOCK = threading.Lock()
 
 
-def grammar_tokenizer(tokenizer, eos_token_ids, n_vocab: int):
-    """llguidance's LLTokenizer for an xserv Tokenizer (built from its tokenizer.json: ~2 s for Qwen3's, so cached
-    per tokenizer content, end-of-sequence ids and vocabulary size). Every id in `eos_token_ids` ends an accepted
+class GrammarTokenizer:
+    """llguidance's LLTokenizer (`llt`) and the model's end-of-sequence ids (`eos`, sorted). llguidance before 1.7
+    takes one end-of-sequence token (1.7 takes a list too; glibc 2.28 systems get 1.6 at most), so it is given the
+    first on every version and the masks give the others its bit: one code path for the whole range."""
+
+    def __init__(self, llt, eos):
+        self.llt = llt
+        self.eos = tuple(eos)
+        self.vocab_size = llt.vocab_size
+
+
+def grammar_tokenizer(tokenizer, eos_token_ids, n_vocab: int) -> GrammarTokenizer:
+    """llguidance's view of an xserv Tokenizer (built from its tokenizer.json: ~2 s for Qwen3's, so cached per
+    tokenizer content, end-of-sequence ids and vocabulary size). Every id in `eos_token_ids` ends an accepted
     answer. n_vocab: the model's vocabulary (its masks then have the model's row width; the ids past the
     tokenizer's own are never allowed)."""
     hf = getattr(tokenizer, "_tok", tokenizer)  # the `tokenizers` object
@@ -122,10 +145,22 @@ def grammar_tokenizer(tokenizer, eos_token_ids, n_vocab: int):
     eos = sorted({int(t) for t in eos_token_ids})
     key = (hashlib.sha1(text.encode()).hexdigest(), tuple(eos), n_vocab)
     with _TOKENIZERS_LOCK:
-        llt = _TOKENIZERS.get(key)
-        if llt is None:
-            llt = _TOKENIZERS[key] = _llg().LLTokenizer(text, n_vocab=n_vocab, eos_token=eos or None)
-    return llt
+        gt = _TOKENIZERS.get(key)
+        if gt is None:
+            llt = _llg().LLTokenizer(text, n_vocab=n_vocab, eos_token=eos[0] if eos else None)
+            gt = _TOKENIZERS[key] = GrammarTokenizer(llt, eos)
+    return gt
+
+
+def _share_eos_bit(rows: np.ndarray, eos: tuple) -> None:
+    """Every id of `eos` gets the bit of the first (the one llguidance knows) in each mask row of `rows`."""
+    if len(eos) < 2:
+        return
+    bits = rows.view(np.uint32)
+    first = eos[0]
+    allowed = (bits[..., first >> 5] >> np.uint32(first & 31)) & np.uint32(1)
+    for t in eos[1:]:
+        bits[..., t >> 5] |= allowed << np.uint32(t & 31)
 
 
 _EXECUTOR = None
@@ -149,6 +184,12 @@ def fill_masks(constraints, masks: np.ndarray) -> None:
         _EXECUTOR = _llg().LLExecutor()
     _EXECUTOR.unsafe_compute_mask_ptr([(c.matcher, j) for j, c in enumerate(constraints)], masks.ctypes.data,
                                       words * 4, masks.shape[0])
+    eos = constraints[0].eos
+    if all(c.eos == eos for c in constraints):  # one engine, one tokenizer: the usual case
+        _share_eos_bit(masks[:len(constraints)], eos)
+    else:
+        for j, c in enumerate(constraints):
+            _share_eos_bit(masks[j], c.eos)
 
 
 def mask_words(vocab: int) -> int:
@@ -158,22 +199,24 @@ def mask_words(vocab: int) -> int:
 
 class GrammarConstraint:
     """One sequence's matcher. `fill(row)` writes the next token's mask into an int32 row of
-    mask_words(llt.vocab_size) words (the model's vocabulary: see grammar_tokenizer); `consume(token)` advances it
-    by a sampled token."""
+    mask_words(tokenizer.vocab_size) words (the model's vocabulary: see grammar_tokenizer); `consume(token)` advances
+    it by a sampled token."""
 
-    def __init__(self, llt, structured: StructuredOutput):
+    def __init__(self, tokenizer: GrammarTokenizer, structured: StructuredOutput):
         llg = _llg()
         self.structured = structured
-        self.matcher = llg.LLMatcher(llt, structured.grammar(), log_level=0)
+        self.matcher = llg.LLMatcher(tokenizer.llt, structured.grammar(), log_level=0)
         if self.matcher.is_error():
             raise ValueError(f"structured output ({structured.kind}): {self.matcher.get_error()}")
-        self.words = mask_words(llt.vocab_size)
+        self.words = mask_words(tokenizer.vocab_size)
+        self.eos = tokenizer.eos
 
     def fill(self, row: np.ndarray) -> None:
         if row.dtype != np.int32 or not row.flags.c_contiguous or row.shape[-1] != self.words:
             raise ValueError("internal: a token mask row must be contiguous int32 of "
                              f"{self.words} words, got {row.dtype} {row.shape}")
         self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, self.words * 4)
+        _share_eos_bit(row, self.eos)
 
     def consume(self, token: int) -> bool:
         """False when the token does not fit the grammar (the matcher is then in its error state)."""
@@ -216,7 +259,7 @@ def _answer_rule(s: StructuredOutput) -> str:
         grammars = json.loads(s.grammar())["grammars"]
         return "answer: %json " + json.dumps(grammars[0]["json_schema"]) + "\n"
     if s.kind == "regex":
-        lark = json.loads(s.grammar())["grammars"][0]["lark_grammar"]
+        lark = _regex_lark(s.spec)
     else:
         lark = s.spec
     return "answer: %lark {\n" + lark + "\n}\n"
