@@ -440,3 +440,36 @@ def test_chat_ctrl_c_stops_the_answer_not_the_session(tiny_model_dir):  # noqa: 
             proc.kill()
     assert proc.returncode == 0, err
     assert err.count("interrupted") == 2 and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("port", ["99999", "65536", "0", "-1", "eighty"])
+def test_serve_port_out_of_range_is_a_usage_error(cli, monkeypatch, port):
+    """`xserv serve --port 99999` listened on 34463 (99999 modulo 65536) without a word, and port 0
+    means any free one: a port outside 1-65535 is argparse's usage error naming --port, before anything loads.
+    The server itself is stubbed out: with the fault, the stub runs and the command succeeds."""
+    import xserv.server.cli
+
+    monkeypatch.setattr(xserv.server.cli, "cmd_serve", lambda args: 0)
+    code, _, err = cli("serve", "--device", "cpu", "--port", port)
+    assert code == 2 and "argument --port:" in err and port in err, err
+    assert "loading" not in err and "Traceback" not in err, err
+
+
+def test_serve_port_range_ends_are_accepted():
+    parser = build_parser()
+    assert [parser.parse_args(["serve", "--port", p]).port for p in ("1", "65535")] == [1, 65535]
+    assert parser.parse_args(["serve"]).port == 8000
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:99999", "http://127.0.0.1:0", "http://127.0.0.1:port",
+                                 "127.0.0.1:8000", "ftp://127.0.0.1:8000", "http://"])
+def test_bench_serve_url_with_a_bad_port_is_a_usage_error(cli, monkeypatch, url):
+    """`xserv bench serve --url http://127.0.0.1:99999` got as far as the HTTP client's own error: a URL that is not
+    http(s)://HOST[:PORT] with a port in 1-65535 is argparse's usage error naming --url. The benchmark itself is
+    stubbed out: with the fault, the stub runs and the command succeeds."""
+    import xserv.bench.serve
+
+    monkeypatch.setattr(xserv.bench.serve, "run", lambda args: 0)
+    code, _, err = cli("bench", "serve", "--url", url, "--num-prompts", "1")
+    assert code == 2 and "argument --url:" in err, err
+    assert "Traceback" not in err, err

@@ -25,9 +25,27 @@ from .throughput import make_workload
 QWEN3_VOCAB = 151_936
 
 
+def server_url(text: str) -> str:
+    """An argparse type: http(s)://HOST[:PORT][/PATH] with a port in 1-65535, checked when the command line is
+    read (the HTTP client's own error for a bad one would come after the workload is built)."""
+    import argparse
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError(f"expected http://HOST[:PORT] or https://HOST[:PORT], got {text!r}")
+    try:
+        port = parts.port
+    except ValueError:  # not a number, or above 65535
+        port = -1
+    if port is not None and not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"the port of {text!r} is not a port number (1-65535)")
+    return text
+
+
 def add_arguments(p) -> None:
     g = p.add_argument_group("server")
-    g.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default http://127.0.0.1:8000)")
+    g.add_argument("--url", type=server_url, default="http://127.0.0.1:8000", help="the server (default http://127.0.0.1:8000)")
     g.add_argument("--model", default=None, help="the model name to send (default: the first of /v1/models)")
     g.add_argument("--api-key", default=os.environ.get("XSERV_API_KEY"), metavar="KEY",
                    help="sent as 'Authorization: Bearer KEY' (default: the XSERV_API_KEY environment variable)")

@@ -8,10 +8,22 @@ DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 DEFAULT_MAX_HEADER_BYTES = 64 << 10
 
 
+def port_number(text: str) -> int:
+    """An argparse type: a TCP port to listen on, 1-65535 (a larger one reached the socket modulo 65536, and 0 is
+    any free port: either way not the port the user named)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number (1-65535), got {text!r}") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 1-65535, got {port}")
+    return port
+
+
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    g.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    g.add_argument("--port", type=port_number, default=8000, help="port to listen on (default 8000)")
     g.add_argument("--api-key", default=os.environ.get("XSERV_API_KEY"), metavar="KEY",
                    help="require `Authorization: Bearer KEY` on every route but /health (default: the "
                         "XSERV_API_KEY environment variable, which keeps the key out of `ps`; none = open)")
