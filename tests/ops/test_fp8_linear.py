@@ -21,7 +21,6 @@ from xserv.runtime.errors import CublasError
 from xserv.tensor import Tensor, bfloat16, float8_e4m3fn, float32
 from xserv.testing import poisoned, random_array, rel_error
 
-CI_ARCHES = ("sm_80", "sm_89", "sm_90a", "sm_100a", "sm_120a")
 
 
 def cpu(a):
@@ -162,16 +161,12 @@ def test_fp8_models_compile_the_fp8_families_at_start():
         assert set(fp8) - set(plain) == {"gemv_fp8:f1", "fp8:f1"}
 
 
+@pytest.mark.slow  # the whole family compiled for sm_90a: tens of CPU-seconds
 def test_every_kernel_the_launchers_name_is_compiled():
     sizes = kernel_code_sizes(compile_family("fp8", "sm_90a"))
     for name in ("fp8_quantize_1x128", "fp8_dequantize_bf16", "fp8_pad_scales"):
         assert name in sizes
 
-
-@pytest.mark.parametrize("arch", CI_ARCHES)
-def test_family_compiles(arch):
-    cubin = compile_family(Q.FAMILY, arch, extra_options=("--Ofast-compile=max",), use_cache=False)
-    assert cubin[:4] == b"\x7fELF"
 
 
 def test_errors_name_the_problem(rng):

@@ -15,7 +15,6 @@ from xserv.runtime.compiler import compile_family, kernel_code_sizes
 from xserv.tensor import Tensor, bfloat16, float8_e4m3fn, float32
 from xserv.testing import poisoned, random_array, rel_error
 
-CI_ARCHES = ("sm_80", "sm_89", "sm_90a", "sm_100a", "sm_120a")  # tests/test_compile_all.py CI_ARCHES
 
 
 def fp8_weight(rng, n, k, std=0.05):
@@ -115,6 +114,7 @@ def test_the_family_is_an_fp8_models_piece():
     assert piece(F.FAMILY, fp8=1) == "gemv_fp8:f1"
 
 
+@pytest.mark.slow  # the whole family compiled for sm_90a: tens of CPU-seconds
 def test_every_entry_the_launcher_names_is_compiled():
     sizes = kernel_code_sizes(compile_family(F.FAMILY, "sm_90a"))
     for rows in F.ENTRY_ROWS:
@@ -148,11 +148,6 @@ def test_errors_name_the_problem(rng):
     with pytest.raises(ValueError, match="conversion"):
         linear_fp8_gemv(x, w, sc, conversion="fast")
 
-
-@pytest.mark.parametrize("arch", CI_ARCHES)
-def test_family_compiles(arch):
-    cubin = compile_family(F.FAMILY, arch, extra_options=("--Ofast-compile=max",), use_cache=False)
-    assert cubin[:4] == b"\x7fELF"
 
 
 # ---- GPU ---------------------------------------------------------------------------------------------------

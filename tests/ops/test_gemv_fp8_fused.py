@@ -170,6 +170,7 @@ def test_fp8_plan_takes_one_step_tiles_where_the_warps_allow():
         plan(2, 4096, 132, k=4096, fp8=True)
 
 
+@pytest.mark.slow  # the whole family compiled for sm_90a: tens of CPU-seconds
 def test_every_fp8_row_entry_the_launcher_names_is_compiled():
     sizes = kernel_code_sizes(compile_family("gemv_fp8", "sm_90a"))
     names = [name for name in G._PIECES if name.startswith("gemv_fp8_row_")]
