@@ -45,7 +45,8 @@ def server_url(text: str) -> str:
 
 def add_arguments(p) -> None:
     g = p.add_argument_group("server")
-    g.add_argument("--url", type=server_url, default="http://127.0.0.1:8000", help="the server (default http://127.0.0.1:8000)")
+    g.add_argument("--url", type=server_url, default="http://127.0.0.1:8000",
+                   help="the server (default http://127.0.0.1:8000)")
     g.add_argument("--model", default=None, help="the model name to send (default: the first of /v1/models)")
     g.add_argument("--api-key", default=os.environ.get("XSERV_API_KEY"), metavar="KEY",
                    help="sent as 'Authorization: Bearer KEY' (default: the XSERV_API_KEY environment variable)")
