@@ -350,3 +350,55 @@ def test_fp8_cli_says_so(tmp_path, capsys):
     cfg = json.loads((tmp_path / "t" / "config.json").read_text())
     assert cfg["quantization_config"] == {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                                           "weight_block_size": [128, 128]}
+
+
+def test_make_test_model_refuses_a_folder_it_did_not_write(tmp_path, capsys):
+    """`xserv make-test-model --out DIR` deleted an existing folder that was not a model (a user's keep.txt was gone):
+    a non-empty folder that is not one make-test-model wrote is refused, one line, nothing changed in it."""
+    from xserv.cli import main
+
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "keep.txt").write_text("precious\n")
+    code = main(["make-test-model", "--preset", "tiny", "--out", str(out), "--layers", "1", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and str(out) in err and "keep.txt" in err and "--force" in err and "Traceback" not in err, err
+    assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "precious\n"
+    assert not list(tmp_path.glob(".mine.tmp-*"))  # nothing left beside it either
+
+
+def test_make_test_model_replaces_only_its_own_folders(tmp_path, capsys):
+    """A folder make-test-model wrote is replaced whole (a sharded one's shards too); one it wrote and a user then
+    added to is refused unless --force: make-test-model replacing any existing folder deleted the user's notes.txt."""
+    from xserv.cli import main
+
+    out = tmp_path / "model"
+    base = ["make-test-model", "--preset", "tiny", "--out", str(out), "--layers", "1", "--no-progress"]
+    assert main([*base, "--seed", "1", "--shard-size", "1MB"]) == 0
+    assert len(list(out.glob("model-*-of-*.safetensors"))) > 1
+    assert main([*base, "--seed", "2"]) == 0  # its own folder: replaced
+    assert json.loads((out / "xserv_random.json").read_text())["seed"] == 2
+    assert sorted(p.name for p in out.glob("*.safetensors*")) == ["model.safetensors"]  # the old shards are gone
+    (out / "notes.txt").write_text("mine\n")
+    capsys.readouterr()
+    assert main([*base, "--seed", "3"]) == 2
+    assert "notes.txt" in capsys.readouterr().err
+    assert (out / "notes.txt").is_file() and json.loads((out / "xserv_random.json").read_text())["seed"] == 2
+    assert main([*base, "--seed", "3", "--force"]) == 0  # --force replaces any folder
+    assert not (out / "notes.txt").exists() and json.loads((out / "xserv_random.json").read_text())["seed"] == 3
+
+
+def test_make_test_model_force_replaces_any_folder(tmp_path):
+    """--force replaces a folder make-test-model did not write (the user asked for it); an empty folder needs no
+    --force."""
+    from xserv.cli import main
+
+    out = tmp_path / "mine"
+    (out / "sub").mkdir(parents=True)
+    (out / "keep.txt").write_text("x")
+    base = ["make-test-model", "--preset", "tiny", "--out", str(out), "--layers", "1", "--no-progress"]
+    assert main([*base, "--force"]) == 0
+    assert not (out / "keep.txt").exists() and (out / "xserv_random.json").is_file()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main([*base[:4], str(empty), *base[5:]]) == 0 and (empty / "model.safetensors").is_file()

@@ -33,7 +33,11 @@ examples:
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--preset", required=True, choices=PRESET_NAMES, help="the model's shapes")
-    ap.add_argument("--out", required=True, metavar="DIR", help="output folder (replaced if it exists)")
+    ap.add_argument("--out", required=True, metavar="DIR",
+                    help="output folder: a new or empty one, or one make-test-model wrote before (replaced); any "
+                         "other folder is refused unless --force")
+    ap.add_argument("--force", action="store_true",
+                    help="replace --out whatever it holds (everything in it is deleted)")
     ap.add_argument("--seed", type=int, default=0, help="weights seed (default 0; the same seed, the same weights)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                     help="weight dtype (default bfloat16)")
@@ -56,7 +60,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Write the folder the parsed options describe; print where to stdout. A bad value or a folder that cannot be
     written raises ValueError or OSError (the caller reports it)."""
-    from .random_checkpoint import DEFAULT_SHARD_SIZE, make_test_model, parse_size
+    from pathlib import Path
+
+    from .random_checkpoint import DEFAULT_SHARD_SIZE, check_replaceable, make_test_model, parse_size
 
     overrides = {}
     if args.untied:
@@ -67,11 +73,14 @@ def run(args: argparse.Namespace) -> int:
         overrides["num_hidden_layers"] = args.layers
     if args.workers is not None and args.workers < 1:
         raise ValueError(f"--workers must be >= 1, got {args.workers}")
+    # refused here in the command line's words (make_test_model checks again before it replaces anything)
+    check_replaceable(Path(args.out).expanduser().resolve(), force=args.force, force_name="--force")
     start = time.perf_counter()
     out = make_test_model(args.preset, args.out, seed=args.seed, dtype=args.dtype, workers=args.workers,
                           perturb_norms=not args.unit_norms,
                           shard_size=DEFAULT_SHARD_SIZE if args.shard_size is None else parse_size(args.shard_size),
-                          overrides=overrides, progress=False if args.no_progress else None, fp8=args.fp8)
+                          overrides=overrides, progress=False if args.no_progress else None, fp8=args.fp8,
+                          force=args.force)
     kind = f"FP8 e4m3 128x128 blocks, others {args.dtype}" if args.fp8 else args.dtype
     print(f"wrote {out} ({args.preset}, seed {args.seed}, {kind}) in {time.perf_counter() - start:.1f} s")
     return 0

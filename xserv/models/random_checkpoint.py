@@ -41,6 +41,10 @@ CHUNK_ELEMENTS = 1 << 24  # rows of at most this many elements are generated at 
 JOB_BYTES = 256 * 2**20  # a worker's unit: a run of consecutive tensors of one shard of about this size
 PARALLEL_FROM_BYTES = 2**30  # workers=None: one worker below this size, else one per core (at most one per job)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+MARKER_FILE = "xserv_random.json"  # what made the folder; its presence marks a folder make_test_model may replace
+_SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+_OWN_FILES = frozenset({"config.json", "generation_config.json", MARKER_FILE, SINGLE_FILE, INDEX_FILE,
+                        *TOKENIZER_FILES})
 _DTYPES = {"bfloat16", "float16", "float32"}
 
 
@@ -324,7 +328,7 @@ def free_bytes(folder) -> int:
 def make_test_model(preset: str | DenseConfig, out_dir, seed: int = 0, *, dtype: str = "bfloat16",
                     perturb_norms: bool = True, shard_size=DEFAULT_SHARD_SIZE, overrides: dict | None = None,
                     progress: bool | None = None, overwrite: bool = True, workers: int | None = None,
-                    fp8: bool = False) -> Path:
+                    fp8: bool = False, force: bool = False) -> Path:
     """Write a Hugging Face-format folder with random weights to out_dir and return its path.
 
     preset: a name from xserv.models.config.PRESET_NAMES ('tiny', '0.6b', ..., 'llama3-1b', ...) or a config
@@ -337,7 +341,11 @@ def make_test_model(preset: str | DenseConfig, out_dir, seed: int = 0, *, dtype:
     fp8: an FP8 checkpoint in the layout of Qwen's -FP8 ones (their quantization_config, e4m3 linear weights in
     128 x 128 blocks with float32 *.weight_scale_inv; embeddings, norms, lm_head and routers in `dtype`): the same
     draws as the float checkpoint of this seed, quantized (fp8.quantize_blockwise). Another block size: a
-    quantization_config in overrides."""
+    quantization_config in overrides.
+
+    An existing out_dir must be empty or a folder this function wrote (its marker file and nothing but the files it
+    writes: written_here); overwrite=True replaces such a folder, overwrite=False refuses any non-empty one.
+    force=True replaces whatever is at out_dir. A refusal raises FileExistsError before anything is written."""
     if isinstance(preset, DenseConfig):
         d = preset.to_dict()
     else:
@@ -354,8 +362,7 @@ def make_test_model(preset: str | DenseConfig, out_dir, seed: int = 0, *, dtype:
                                 or workers < 1):
         raise ValueError(f"workers must be a positive integer, got {workers!r}")
     out = Path(out_dir).expanduser().resolve()
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out} exists and is not empty")
+    check_replaceable(out, overwrite=overwrite, force=force)
     out.parent.mkdir(parents=True, exist_ok=True)
     entries = random_weight_entries(config, int(seed), dtype, perturb_norms)
     total = sum(e.nbytes for e in entries)
@@ -385,20 +392,61 @@ def make_test_model(preset: str | DenseConfig, out_dir, seed: int = 0, *, dtype:
         finally:
             if bar is not None:
                 bar.close()
-        (tmp / "xserv_random.json").write_text(json.dumps({
+        (tmp / MARKER_FILE).write_text(json.dumps({
             "preset": preset if isinstance(preset, str) else None, "seed": int(seed), "dtype": dtype,
             "perturb_norms": perturb_norms, "overrides": overrides or {}, "fp8": config.quantization_config is not None,
             "config_hash": _config_hash(config_json),
         }, indent=2) + "\n")
-        if out.exists() and any(out.iterdir()):
-            if not overwrite:
-                raise FileExistsError(f"{out} exists and is not empty")
-            shutil.rmtree(out)
+        # checked again: writing a large model takes minutes, and someone may have put a file there meanwhile
+        if check_replaceable(out, overwrite=overwrite, force=force):
+            if out.is_dir() and not out.is_symlink():
+                shutil.rmtree(out)
+            else:
+                out.unlink()
         os.replace(tmp, out)  # fails (OSError) if another process filled `out` meanwhile
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _own_file_name(name: str) -> bool:
+    return name in _OWN_FILES or bool(_SHARD_FILE.fullmatch(name))
+
+
+def written_here(folder: Path) -> bool:
+    """Whether `folder` holds make_test_model's marker file and nothing but files make_test_model writes: a folder it
+    wrote that no one added to, which it may replace without losing anything of anyone's."""
+    entries = list(folder.iterdir())
+    return (any(e.name == MARKER_FILE for e in entries)
+            and all(e.is_file() and not e.is_symlink() and _own_file_name(e.name) for e in entries))
+
+
+def check_replaceable(out: Path, *, overwrite: bool = True, force: bool = False,
+                      force_name: str = "force=True") -> bool:
+    """Whether something is at `out` that make_test_model would replace (False: nothing, or an empty folder).
+    Raises FileExistsError, naming what is in the way, for what it must not replace: a file, or a non-empty folder
+    that is not one it wrote (written_here), unless force; any non-empty folder when overwrite is False.
+    force_name: how the message names force to its reader (the command line's `--force`)."""
+    if not out.exists() and not out.is_symlink():
+        return False
+    if force:
+        return True
+    if not out.is_dir():
+        raise FileExistsError(f"{out} exists and is not a folder: nothing was changed (choose another folder, or "
+                              f"replace it with {force_name})")
+    entries = sorted(e.name for e in out.iterdir())
+    if not entries:
+        return False
+    if not overwrite:
+        raise FileExistsError(f"{out} exists and is not empty")
+    if not written_here(out):
+        foreign = [n for n in entries if not _own_file_name(n) or (out / n).is_dir()] or entries
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise FileExistsError(f"{out} is not empty and is not a model folder make-test-model wrote ({shown} in it): "
+                              f"nothing was changed (choose another folder, or replace it and all it holds with "
+                              f"{force_name})")
+    return True
 
 
 def _config_hash(d: dict) -> str:
@@ -414,7 +462,7 @@ def bundled_tiny_model() -> Path:
     ~/.cache/xserv), made on first use (and remade if the tiny preset or the way it is made changed since)."""
     path = cache_dir() / "models" / "tiny-random"
     want = config_from_dict(preset_dict("tiny")).to_dict()
-    marker = path / "xserv_random.json"
+    marker = path / MARKER_FILE
     try:
         info = json.loads(marker.read_text())
         ok = (info.get("config_hash") == _config_hash(want) and info.get("perturb_norms") is True
@@ -428,6 +476,6 @@ def bundled_tiny_model() -> Path:
             make_test_model("tiny", path, seed=0, progress=False, overwrite=False)
         except OSError:
             # another process made it at the same moment (its rename won): use theirs if it is whole
-            if not ((path / "xserv_random.json").is_file() and (path / SINGLE_FILE).is_file()):
+            if not ((path / MARKER_FILE).is_file() and (path / SINGLE_FILE).is_file()):
                 raise
     return path
