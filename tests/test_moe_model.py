@@ -238,9 +238,9 @@ def moe_reference_logits(folder, token_ids, config: dict | None = None, routing:
     routing: the expert sets a bf16 run picked (per sparse layer, [T, k]). A bf16 run's router logits are ~1e-2
     away from float64's, so where two experts' logits are closer than that it may route a token to the other one,
     which moves that token (and, through attention, the later ones) far more than rounding does. Given `routing`,
-    the reference follows the run's pick where it differs from its own, after checking that the pick is a near tie
-    (within NEAR_TIE of its own k-th best logit): any other difference is an error. Returns (logits, near ties
-    followed)."""
+    the reference follows the run's pick where it differs from its own, after checking that the pick is k distinct
+    experts and a near tie (within NEAR_TIE of its own k-th best logit): any other difference is an error. Returns
+    (logits, near ties followed)."""
     cfg = config or json.loads((folder / "config.json").read_text())
     reader = CheckpointReader(folder)
     eps, hq, hkv, d = cfg["rms_norm_eps"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
@@ -297,6 +297,9 @@ def moe_reference_logits(folder, token_ids, config: dict | None = None, routing:
             top = np.argsort(-prob, kind="stable")[:k]
             if routing is not None:
                 picked = np.asarray(routing[sparse_index][tok])
+                # a pick of other than k distinct experts is no near tie: it is a wrong count, never followed
+                assert len(set(picked.tolist())) == len(picked) == k, (
+                    f"layer {i} token {tok}: the run routed to experts {picked.tolist()}, not {k} distinct ones")
                 if set(picked.tolist()) != set(top.tolist()):
                     gap = logits[top].min() - logits[picked].min()
                     assert gap < NEAR_TIE, (f"layer {i} token {tok}: the run picked experts {sorted(picked)}, the "
@@ -357,6 +360,72 @@ def test_matches_float64_reference(moe_dir, moe_mixed_dir, variant, rng, routing
     steps = [model.forward(make_batch([SeqChunk(ids[j:j + 1], j, table, "last")], BLOCK, "cpu"), cache).numpy().copy()
              for j in range(len(ids) - 3, len(ids))]
     assert rel_err_rows(np.concatenate(steps), logits[-3:]).max() < 1e-2
+
+
+ROUTE_CLEAR_GAP = 1e-3  # router logits this far apart cannot swap places in an fp32 softmax (CPU or GPU)
+
+
+def check_routing(logits, ids, weights, k, renormalize):
+    """The routing of one moe_experts call, from its fp32 router logits [T, E]: ids [T, k] holds k distinct experts
+    a token, the k largest logits wherever the k-th and the (k+1)-th are clearly apart (closer, rounding may pick
+    either, and the run's pick is not judged), and weights [T, k] the softmax probabilities at those ids,
+    renormalised to sum 1 when asked. Returns the number of rows whose expert set was checked."""
+    t, e = logits.shape
+    assert ids.shape == (t, k) and weights.shape == (t, k), f"routed {ids.shape[1]} experts a token, not {k}"
+    assert ids.min() >= 0 and ids.max() < e
+    assert all(len(set(row)) == k for row in ids.tolist()), ids
+    l64 = logits.astype(np.float64)
+    order = np.argsort(-l64, axis=1)
+    ranked = np.take_along_axis(l64, order, 1)
+    clear = ranked[:, k - 1] - ranked[:, k] > ROUTE_CLEAR_GAP
+    for row in np.nonzero(clear)[0]:
+        assert set(ids[row].tolist()) == set(order[row, :k].tolist()), (row, ids[row], order[row, :k])
+    p = np.exp(l64 - l64.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    want = np.take_along_axis(p, ids.astype(np.int64), 1)
+    if renormalize:
+        want /= want.sum(axis=1, keepdims=True)
+    # fp32 softmax against float64: a few ulps; a weight of the wrong expert, or a sum over another count, is off
+    # by far more
+    np.testing.assert_allclose(weights, want, rtol=1e-5, atol=1e-7)
+    return int(clear.sum())
+
+
+def run_steps(model, device, ids, table):
+    """A prefill of all but the last 6 tokens, a 5-token chunk, then a one-token step: each routing path of the op
+    on CUDA (a top-k grid then a sorting CTA above 16 tokens, one routing CTA up to 16, the routing inside the
+    one-token gate/up GEMM)."""
+    cache = KVCache(KVCacheSpec(*model.kv_layout, BLOCK), 16, device, model.dtype)
+    for start, end in ((0, len(ids) - 6), (len(ids) - 6, len(ids) - 1), (len(ids) - 1, len(ids))):
+        model.forward(make_batch([SeqChunk(ids[start:end], start, table, "last")], BLOCK, device), cache)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_each_token_is_routed_to_exactly_k_experts(moe_dir, rng, monkeypatch, renormalize):
+    """The model's sparse layers route every token to exactly num_experts_per_tok distinct experts, the top ones by
+    router logit, with the softmax weights: the routing the CPU op computes is checked against NumPy on the very
+    logits it was given: the count pinned directly, not through logits. Red with k - 1 experts (the model passing
+    num_experts_per_tok - 1, moe_experts or moe_route_reference taking one fewer)."""
+    import xserv.ops.moe as moe_ops
+
+    cfg = json.loads((moe_dir / "config.json").read_text())
+    cfg["norm_topk_prob"] = renormalize
+    config = config_from_dict(cfg)
+    model = load(moe_dir, config)
+    calls = []
+    real = moe_ops.moe_route_reference
+
+    def spy(logits, top_k, renormalize):
+        ids, weights = real(logits, top_k, renormalize)
+        calls.append((logits.copy(), ids, weights))
+        return ids, weights
+
+    monkeypatch.setattr(moe_ops, "moe_route_reference", spy)
+    ids = rng.integers(0, config.vocab_size, 30).tolist()
+    run_steps(model, "cpu", ids, [5, 2, 9, 0, 7, 3, 11, 13])
+    assert len(calls) == 3 * len(config.sparse_layers)
+    checked = sum(check_routing(*call, config.num_experts_per_tok, renormalize) for call in calls)
+    assert checked >= 0.9 * 30 * len(config.sparse_layers)  # near ties are rare: the expert sets were checked
 
 
 def test_renormalisation_and_dense_layers_matter(moe_dir, rng):
@@ -424,6 +493,36 @@ def test_llm_reports_a_checkpoint_that_does_not_match(tiny_model_dir, tmp_path):
 
 
 # ---- CUDA -----------------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_cuda_routes_each_token_to_exactly_k_experts(moe_dir, rng, monkeypatch):
+    """On CUDA, through each routing kernel (prefill, a short chunk, the one-token step): the expert ids and weights
+    the op leaves in its workspace hold k distinct experts a token, the top ones of the router logits it computed.
+    Red with k - 1 experts, in the model or in the launcher's arguments to the routing kernels (the comparison
+    with the NumPy model would follow the same count, or call the difference a routing near tie)."""
+    import xserv.models.qwen3_moe as qwen3_moe
+
+    model = load_model(moe_dir, "cuda", progress=False, max_positions=256)
+    config = model.config
+    k = config.num_experts_per_tok
+    assert model.fused_forward_ok(1, 1)  # the one-token step takes the fused path (routing inside gate/up)
+    calls = []
+    real = qwen3_moe.moe_experts
+
+    def spy(x, router, gate_up, down, top_k, renormalize, workspace=None, **kwargs):
+        out = real(x, router, gate_up, down, top_k, renormalize, workspace=workspace, **kwargs)
+        t = x.shape[0]
+        calls.append((workspace.logits.numpy()[:t].copy(), workspace.ids.numpy()[:t * k].reshape(t, k),
+                      workspace.weights.numpy()[:t * k].reshape(t, k)))
+        return out
+
+    monkeypatch.setattr(qwen3_moe, "moe_experts", spy)
+    ids = rng.integers(0, config.vocab_size, 30).tolist()
+    run_steps(model, "cuda", ids, [5, 2, 9, 0, 7, 3, 11, 13])
+    assert len(calls) == 3 * len(config.sparse_layers)
+    checked = sum(check_routing(*call, k, config.norm_topk_prob) for call in calls)
+    assert checked >= 0.9 * 30 * len(config.sparse_layers)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["sparse", "dense layer"])
 def test_cuda_matches_numpy_fused_and_unfused(moe_dir, moe_mixed_dir, variant, rng):
