@@ -233,12 +233,15 @@ _HINT = ("pass a local Hugging Face model folder instead: one made by `xserv mak
          "or downloaded elsewhere (config.json, *.safetensors, tokenizer.json)")
 
 
-def resolve_model_source(name_or_path) -> Path:
+def resolve_model_source(name_or_path, revision: str | None = None) -> Path:
     """The local folder of a model: `name_or_path` itself when it is a folder (it must hold config.json), else a
-    Hugging Face hub id fetched with huggingface_hub (from its cache when offline)."""
+    Hugging Face hub id fetched with huggingface_hub (from its cache when offline). revision: the hub branch, tag or
+    commit to fetch (default: the main branch); a local folder takes none."""
     text = os.fspath(name_or_path)
     path = Path(text).expanduser()
     if path.is_dir():
+        if revision is not None:
+            raise ValueError(f"revision {revision!r} picks a version on the Hugging Face hub; {path} is a local folder")
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model folder")
         return path
@@ -246,10 +249,10 @@ def resolve_model_source(name_or_path) -> Path:
         raise ValueError(f"{path} is a file; a model is a folder holding config.json and *.safetensors")
     if text.startswith((".", "/", "~")) or not _HUB_ID.match(text):
         raise FileNotFoundError(f"model folder not found: {path}")
-    return _download(text)
+    return _download(text, revision)
 
 
-def _download(repo_id: str) -> Path:
+def _download(repo_id: str, revision: str | None = None) -> Path:
     try:
         import huggingface_hub
     except ImportError:
@@ -257,11 +260,13 @@ def _download(repo_id: str) -> Path:
                            f"from the hub; {_HINT}") from None
     patterns = ["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.model"]
     try:  # the local cache first: works offline and avoids a network round trip
-        return Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True))
+        return Path(huggingface_hub.snapshot_download(repo_id, revision=revision, allow_patterns=patterns,
+                                                      local_files_only=True))
     except Exception:
         pass
     try:
-        return Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=patterns))
+        return Path(huggingface_hub.snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
     except Exception as e:
-        raise RuntimeError(f"{repo_id!r} is not a local folder and could not be fetched from the Hugging Face hub ({type(e).__name__}: "
+        at = f" at revision {revision!r}" if revision is not None else ""
+        raise RuntimeError(f"{repo_id!r} is not a local folder and could not be fetched from the Hugging Face hub{at} ({type(e).__name__}: "
                            f"{str(e).splitlines()[0] if str(e) else ''}); {_HINT}") from None
