@@ -245,7 +245,7 @@ class LLM:
             state.engine = LLMEngine.from_model(state.model, self.tokenizer, cfg, context_len=max_len,
                                                 eos_token_ids=eos, group=state.group)
         except BaseException:
-            reader = None  # its memory maps close now, not when the caller lets go of the traceback
+            reader = None  # the traceback keeps this frame while the caller handles the error: not its file maps
             self._finalizer()
             raise
         self.timings["engine_s"] = time.perf_counter() - start
