@@ -35,15 +35,15 @@ def xserv(*args, stdin=None, timeout=120, env=None):
 # ---- subprocesses ------------------------------------------------------------------------------------------------
 # A chat session (--no-enable-thinking: plain replies are " no") and what each turn prints to stdout after ">>> ".
 CHAT_TURNS = [
-    ("hi", " flag flag flag"),  # --system Paris reached the model
+    ("hi", " flag flag flag\n"),  # --system Paris reached the model
     ("/system", "(system prompt cleared; conversation reset)\n"),
-    ("hi", " no"),
-    ("I like Paris", " flag flag flag"),
-    ("hi", " flag flag flag"),  # the conversation so far is part of the prompt
+    ("hi", " no\n"),
+    ("I like Paris", " flag flag flag\n"),
+    ("hi", " flag flag flag\n"),  # the conversation so far is part of the prompt
     ("/reset", "(conversation reset)\n"),
-    ("hi", " no"),
+    ("hi", " no\n"),
     ("/system Paris", "(system prompt set; conversation reset)\n"),
-    ("hi", " flag flag flag"),
+    ("hi", " flag flag flag\n"),
     ("/bogus", "unknown command /bogus; /help lists the commands\n"),
     ("/exit", ""),
 ]
@@ -109,9 +109,21 @@ def test_chat_session(runs):
     assert r.stdout.split(">>> ") == [""] + [want for _, want in CHAT_TURNS]
     assert r.stderr.count("tok/s") == sum(not turn.startswith("/") for turn, _ in CHAT_TURNS)
     # " flag flag flag" is cut by --max-tokens 3, " no" ends on its own
-    assert r.stderr.count("[stopped: --max-tokens 3 reached]") == sum(want == " flag flag flag" for _, want in
+    assert r.stderr.count("[stopped: --max-tokens 3 reached]") == sum(want == " flag flag flag\n" for _, want in
                                                                       CHAT_TURNS), r.stderr
     assert "context" not in r.stderr, r.stderr
+
+
+def test_piped_chat_ends_each_answer_with_a_newline(runs):
+    """Piped `xserv chat` (stdin and stdout not a terminal) wrote each answer to stdout without a newline (the one a
+    terminal shows went to stderr, before the token count): a reader of stdout got the next ">>> " prompt, or the
+    end, glued to the answer. Each answer ends with a newline before what follows."""
+    r = runs["chat"]
+    parts = r.stdout.split(">>> ")[1:]
+    answers = [part for (turn, _), part in zip(CHAT_TURNS, parts) if not turn.startswith("/")]
+    assert len(answers) == sum(not turn.startswith("/") for turn, _ in CHAT_TURNS), r.stdout
+    assert all(a.endswith("\n") and a.strip() for a in answers), r.stdout
+    assert all(a.count("\n") == 1 for a in answers), r.stdout  # one newline: no blank line after an answer
 
 
 # ---- in this process ---------------------------------------------------------------------------------------------

@@ -299,11 +299,14 @@ def cmd_chat(args) -> int:
             interrupted = True
             stream.close()
         elapsed = time.perf_counter() - start
+        # the answer's line ends on stdout, not on stderr: a reader of piped stdout gets one answer per line
+        sys.stdout.write("\n")
+        sys.stdout.flush()
         n = stream.num_tokens
         history.append({"role": "assistant", "content": "".join(answer)})
         note = "interrupted, " if interrupted else ""
         rate = n / elapsed if elapsed > 0 else 0.0
-        print(f"\n[{note}{n} tokens, {rate:.1f} tok/s]", file=sys.stderr, flush=True)
+        print(f"[{note}{n} tokens, {rate:.1f} tok/s]", file=sys.stderr, flush=True)
         stopped = None if interrupted else length_note(stream.output, params.max_tokens, llm.max_model_len)
         if stopped:
             hint = "; /reset starts over" if "context" in stopped else ""
