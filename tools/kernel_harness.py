@@ -323,6 +323,11 @@ def main(argv=None) -> int:
     except RuntimeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader went away (`... list | head`): stop quietly, as the xserv CLI does
+        from xserv.cli import EXIT_BROKEN_PIPE, _discard_stdout
+
+        _discard_stdout()
+        return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":
