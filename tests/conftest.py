@@ -17,12 +17,13 @@ from xserv.runtime import cuda_available  # noqa: E402
 
 HAS_GPU = cuda_available()
 
-# The heaviest files first (CPU seconds of each on a 2-core machine without a GPU: compile_all ~30, the rest 4-9).
+# The heaviest files first (their CPU seconds on a 2-core machine without a GPU: about 20-50 each, the rest a few).
 # Under README's test command (pytest-xdist: --dist loadfile --no-loadscope-reorder) each worker takes the next
 # whole file in this order, so that the long ones start early and the workers finish together; whole files keep a
 # module's fixtures (a server process, a loaded model) to one worker.
-HEAVY_FIRST = ("test_compile_all.py", "test_engine.py", "test_llm_threads.py", "test_server.py", "test_server_limits.py",
-               "test_server_edges.py", "test_server_structured.py", "test_structured.py", "test_cli.py",
+HEAVY_FIRST = ("test_llm_threads.py", "test_engine.py", "test_server_limits.py", "test_server.py", "test_server_edges.py",
+               "test_server_structured.py", "test_fp8_kv_model.py", "test_cli.py", "test_smem_limits.py",
+               "test_tp_engine.py", "test_structured.py", "test_server_tools.py", "test_moe_model.py",
                "test_sampling_op.py", "test_sampling.py")
 
 
