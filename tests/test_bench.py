@@ -48,6 +48,58 @@ def test_throughput_on_cpu_writes_json(bench, tmp_path):
     assert res["device"].startswith("cpu") and "output" in stdout and "tok/s" in stdout
 
 
+def test_throughput_prints_progress_lines_when_stderr_is_not_a_terminal(bench, monkeypatch):
+    """`xserv bench throughput` printed nothing while it ran when stderr was redirected (its tqdm bar is drawn only on
+    a terminal): a run in a log looked hung. Off a terminal it prints plain progress lines (count, rate, time left;
+    here one per step: the intervals are set to 0) and no carriage returns."""
+    import re
+
+    import xserv.bench.common
+
+    monkeypatch.setattr(xserv.bench.common, "PROGRESS_FIRST_S", 0.0, raising=False)
+    monkeypatch.setattr(xserv.bench.common, "PROGRESS_EVERY_S", 0.0, raising=False)
+    code, stdout, err = bench("throughput", "--num-seqs", "3", "--input-len", "5:9", "--output-len", "2:4")
+    assert code == 0, err
+    total = sum(make_workload(3, (5, 9), (2, 4), seed=0, vocab=151936)[1])
+    done = [int(m.group(1)) for m in re.finditer(rf"(\d+)/{total} output tokens .*tok/s", err)]
+    assert len(done) >= 2 and done == sorted(done) and done[-1] == total, err
+    assert "\r" not in err and "%|" not in err, err  # no tqdm bar off a terminal
+
+
+def test_throughput_default_workload_is_scaled_to_the_cpu(bench, monkeypatch, tmp_path):
+    """`xserv bench throughput` with the defaults ran the GPU's standard workload (256 requests of 100-1024 + 100-1024
+    tokens) on the CPU too: half an hour and more. On the CPU the defaults are a small workload, said up front with a
+    hint of the time it takes and of how to run the standard one; the GPU keeps the standard one. The workload is
+    recorded, then a two-request one runs in its place (the test measures the choice, not the CPU)."""
+    import xserv.bench.throughput as throughput
+
+    asked = []
+
+    def small_workload(num_seqs, input_len, output_len, seed, vocab):
+        asked.append((num_seqs, input_len, output_len))
+        return make_workload(2, (4, 4), (2, 2), seed, vocab)
+
+    monkeypatch.setattr(throughput, "make_workload", small_workload)
+    out = tmp_path / "tp.json"
+    code, stdout, err = bench("throughput", "--json", str(out))
+    assert code == 0, err
+    assert len(asked) == 1
+    num_seqs, input_len, output_len = asked[0]
+    assert num_seqs * output_len[1] <= 2048, asked  # seconds for the tiny model, not half an hour
+    assert asked[0] == throughput.CPU_WORKLOAD
+    res = json.loads(out.read_text())
+    assert (res["num_seqs"], tuple(res["input_len"]), tuple(res["output_len"])) == throughput.CPU_WORKLOAD
+    lines = err.splitlines()
+    said = next(i for i, line in enumerate(lines) if line.startswith("xserv bench throughput:"))
+    assert said < next(i for i, line in enumerate(lines) if line.startswith("generating:")), err  # said up front
+    assert f" {num_seqs} requests" in lines[said] and "expect" in lines[said] and "--num-seqs 256" in lines[said], err
+    # an option given is kept; the others still take the CPU's defaults
+    asked.clear()
+    assert bench("throughput", "--num-seqs", "5")[0] == 0
+    assert asked == [(5, input_len, output_len)]
+    assert throughput.default_workload("cuda") == (256, (100, 1024), (100, 1024))  # nano-vllm's recipe
+
+
 def test_latency_on_cpu(bench, tmp_path):
     out = tmp_path / "lat.json"
     code, stdout, err = bench("latency", "--input-len", "16", "--output-len", "4", "--iters", "2", "--json", str(out))

@@ -1,9 +1,11 @@
-"""What the benchmarks share: parsing MIN:MAX ranges, naming the device, writing the JSON result."""
+"""What the benchmarks share: parsing MIN:MAX ranges, naming the device, progress lines off a terminal, writing the
+JSON result."""
 from __future__ import annotations
 
 import json
 import platform
 import sys
+import time
 
 import numpy as np
 
@@ -24,18 +26,66 @@ def length_range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
-def add_workload_arguments(g) -> None:
+def add_workload_arguments(g, cpu_lengths: str | None = None) -> None:
     """The standard workload's options, shared by `bench throughput` and `bench serve` (the request count is
-    each benchmark's own)."""
-    g.add_argument("--input-len", type=length_range, default=(100, 1024), metavar="MIN:MAX",
-                   help="prompt length range, uniform (default 100:1024)")
-    g.add_argument("--output-len", type=length_range, default=(100, 1024), metavar="MIN:MAX",
-                   help="output length range, uniform; EOS is ignored (default 100:1024)")
+    each benchmark's own). cpu_lengths: the length ranges' default on the CPU, for a benchmark that scales its
+    workload to the device (the options then default to None, which it resolves once the device is known)."""
+    on_cpu = f" on a GPU, {cpu_lengths} on the CPU" if cpu_lengths else ""
+    default = None if cpu_lengths else (100, 1024)
+    g.add_argument("--input-len", type=length_range, default=default, metavar="MIN:MAX",
+                   help=f"prompt length range, uniform (default 100:1024{on_cpu})")
+    g.add_argument("--output-len", type=length_range, default=default, metavar="MIN:MAX",
+                   help=f"output length range, uniform; EOS is ignored (default 100:1024{on_cpu})")
     g.add_argument("--temperature", type=float, default=0.6, help="0 = greedy (default 0.6)")
     g.add_argument("--top-p", type=float, default=1.0, help="(default 1.0 = off)")
     g.add_argument("--top-k", type=int, default=0, help="(default 0 = off)")
     g.add_argument("--seed", type=int, default=0, help="seeds the workload and the sampling (default 0)")
     g.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
+
+
+PROGRESS_FIRST_S = 2.0  # the first line soon: its rate and time left are the run's expected length
+PROGRESS_EVERY_S = 10.0
+
+
+class ProgressLines:
+    """Progress where a tqdm bar would not do: on a stderr that is not a terminal (a log file, a pipe), whose
+    carriage returns would pile up as half lines. A whole line (count, rate, time left) PROGRESS_FIRST_S seconds
+    in, then every PROGRESS_EVERY_S seconds, and one at the end; update(n) and close() as a tqdm bar."""
+
+    def __init__(self, total: int, label: str, unit: str):
+        self.total, self.label, self.unit = total, label, unit
+        self.done = self.shown = 0
+        self.start = time.perf_counter()
+        self.next_line = self.start + PROGRESS_FIRST_S
+
+    def update(self, n: int) -> None:
+        self.done += n
+        now = time.perf_counter()
+        if now >= self.next_line:
+            self._line(now)
+            self.next_line = now + PROGRESS_EVERY_S
+
+    def close(self) -> None:
+        if self.done != self.shown:
+            self._line(time.perf_counter())
+
+    def _line(self, now: float) -> None:
+        elapsed = now - self.start
+        rate = self.done / elapsed if elapsed > 0 else 0.0
+        left = self.total - self.done
+        eta = f", about {_duration(left / rate)} left" if left > 0 and rate > 0 else ""
+        share = f" ({self.done / self.total:.0%})" if self.total else ""
+        print(f"{self.label}: {self.done}/{self.total} {self.unit}{share} in {_duration(elapsed)}, {rate:,.1f} "
+              f"tok/s{eta}", file=sys.stderr, flush=True)
+        self.shown = self.done
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 def device_name(device: str) -> str:

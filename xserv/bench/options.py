@@ -6,7 +6,8 @@ import importlib
 
 # (name, help, takes the model options)
 BENCHMARKS = (
-    ("throughput", "offline throughput on the standard workload (many requests at once)", True),
+    ("throughput", "offline throughput, many requests at once (the standard workload on a GPU, a small one on the "
+                   "CPU)", True),
     ("latency", "batch-1 decode tokens/s and time to first token", True),
     ("serve", "streaming HTTP clients against a running `xserv serve` (or any OpenAI-compatible server)", False),
 )

@@ -1,6 +1,10 @@
 """`xserv bench throughput`: the standard offline workload (nano-vllm's bench): `--num-seqs` requests of random
 token ids, prompt and output lengths uniform in the given ranges, `ignore_eos`, all submitted at once. Prints
-output and total tokens/s; `--json` writes them, `--plot` draws tokens/s and batch size per step."""
+output and total tokens/s; `--json` writes them, `--plot` draws tokens/s and batch size per step.
+
+On the CPU the defaults are a small workload (CPU_WORKLOAD): the standard one runs half an hour and more there even
+for the tiny model. The workload is said on stderr before it runs; progress follows, as a bar on a terminal and as
+lines with the time left elsewhere (a log)."""
 from __future__ import annotations
 
 import random
@@ -9,14 +13,23 @@ import time
 
 import numpy as np
 
-from .common import (add_workload_arguments, device_name, kv_element_bytes, measure_ceilings, moe_summary_line,
-                     workload_limit, write_json)
+from .common import (ProgressLines, add_workload_arguments, device_name, kv_element_bytes, measure_ceilings,
+                     moe_summary_line, workload_limit, write_json)
+
+# (requests, prompt lengths, output lengths)
+STANDARD_WORKLOAD = (256, (100, 1024), (100, 1024))  # nano-vllm's bench.py
+CPU_WORKLOAD = (16, (16, 64), (16, 64))  # ~600 output tokens: seconds for the tiny model on two busy cores
+
+
+def _range_text(r: tuple[int, int]) -> str:
+    return f"{r[0]}:{r[1]}" if r[0] != r[1] else str(r[0])
 
 
 def add_arguments(p) -> None:
     g = p.add_argument_group("workload")
-    g.add_argument("--num-seqs", type=int, default=256, metavar="N", help="requests (default 256)")
-    add_workload_arguments(g)
+    g.add_argument("--num-seqs", type=int, default=None, metavar="N",
+                   help=f"requests (default {STANDARD_WORKLOAD[0]} on a GPU, {CPU_WORKLOAD[0]} on the CPU)")
+    add_workload_arguments(g, cpu_lengths=_range_text(CPU_WORKLOAD[1]))
     g.add_argument("--profile", action="store_true",
                    help="time every step on the GPU (events): busy time by step kind and idle gaps")
     g.add_argument("--plot", default=None, metavar="PNG", help="plot tokens/s and batch size per step "
@@ -35,10 +48,34 @@ def make_workload(num_seqs: int, input_len: tuple[int, int], output_len: tuple[i
     return prompts, out_lens
 
 
+def default_workload(device: str) -> tuple[int, tuple[int, int], tuple[int, int]]:
+    return CPU_WORKLOAD if device == "cpu" else STANDARD_WORKLOAD
+
+
+def workload_line(args, device: str, in_tokens: int, out_tokens: int) -> str:
+    """What is about to run; on the CPU's default workload, a hint of how long it takes and of the standard one (the
+    progress lines then give the time left)."""
+    (lo_in, hi_in), (lo_out, hi_out) = args.input_len, args.output_len
+    line = (f"xserv bench throughput: {args.num_seqs} requests, prompts of {lo_in}-{hi_in} tokens, outputs of "
+            f"{lo_out}-{hi_out} ({in_tokens:,} prompt + {out_tokens:,} output tokens)")
+    if device != "cpu" or (args.num_seqs, args.input_len, args.output_len) != CPU_WORKLOAD:
+        return line
+    n, inp, out = STANDARD_WORKLOAD
+    return (f"{line}: the CPU's default workload; expect seconds with the bundled tiny model, minutes with a real "
+            f"one (the standard workload, --num-seqs {n} --input-len {_range_text(inp)} --output-len "
+            f"{_range_text(out)}, takes half an hour and more on a CPU)")
+
+
 def run(args) -> int:
     from ..cli import load_llm
+    from ..llm import pick_device
     from ..sampling import SamplingParams
 
+    device = pick_device(args.device, notice=False)
+    defaults = default_workload(device)
+    for name, value in zip(("num_seqs", "input_len", "output_len"), defaults):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     if args.num_seqs < 1:
         raise ValueError(f"--num-seqs must be >= 1, got {args.num_seqs}")
     if args.max_model_len is None:
@@ -51,16 +88,16 @@ def run(args) -> int:
                                       llm.config.vocab_size)
     base = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, ignore_eos=True)
     params = [SamplingParams(max_tokens=n, seed=args.seed + i, **base) for i, n in enumerate(out_lens)]
+    total_out = sum(out_lens)
+    print(workload_line(args, device, sum(len(p) for p in prompts), total_out), file=sys.stderr, flush=True)
     llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4, **base))  # warm-up: first-call costs
 
-    total_out = sum(out_lens)
     steps: list[tuple[float, int, int]] = []  # (time, running sequences, tokens booked)
     bar = _progress(total_out)
 
     def on_step(results):
         steps.append((time.perf_counter(), llm.engine.stats()["num_running"], len(results)))
-        if bar is not None:
-            bar.update(len(results))
+        bar.update(len(results))
 
     llm.engine.host_seconds.update(dict.fromkeys(llm.engine.host_seconds, 0.0))
     llm.engine.num_steps_ahead = 0
@@ -69,8 +106,7 @@ def run(args) -> int:
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, on_step=on_step)
     elapsed = time.perf_counter() - start
-    if bar is not None:
-        bar.close()
+    bar.close()
     out_tokens = sum(len(o.token_ids) for o in outputs)
     in_tokens = sum(len(p) for p in prompts)
     device = device_name(llm.device)
@@ -130,9 +166,11 @@ def _gpu_profile(records) -> dict:
 
 
 def _progress(total: int):
+    """A bar on a terminal, else whole lines (a log's reader sees the run go on and its time left)."""
     from ..progress import progress_bar
 
-    return progress_bar(total, "generating", unit="tok", smoothing=0.1)
+    bar = progress_bar(total, "generating", unit="tok", smoothing=0.1)
+    return bar if bar is not None else ProgressLines(total, "generating", "output tokens")
 
 
 def _plot_module():
