@@ -189,7 +189,7 @@ def test_bench_serve_json_schema_sends_the_field(tmp_path, capsys):
         serve.load_schema(str(tmp_path / "missing.json"))
 
 
-# ---- the limits of a mixture-of-experts model (CPU arithmetic; the GPU run: tools/gpu_bench_moe.sh) ----------------
+# ---- the limits of a mixture-of-experts model (CPU arithmetic; the GPU run: `bash tools/gpu.sh moe`) ----------
 def _fake_model(num_experts=0, top_k=0, *, layers=4, hidden=64, inter=96, moe_inter=32, vocab=1000, heads=4,
                 kv_heads=2, head_dim=16, tied=False, mlp_only=(), sparse_step=1):
     """A stand-in with what the benchmarks read: config sizes, weight_tensors() (only nbytes), and for a MoE config
@@ -364,11 +364,11 @@ def test_latency_roofline_is_cuda_only_and_load_times_are_in_the_json(bench, tmp
 
 
 def test_with_setting_sets_a_module_attribute_then_runs_the_module(monkeypatch, capsys):
-    """tools/with_setting.py: the A/B switch is set (converted to the attribute's type) before the module runs, and
+    """tools/dev/with_setting.py: the A/B switch is set (converted to the attribute's type) before the module runs, and
     a missing attribute or a malformed setting is an error that names it."""
     import runpy
 
-    from tools import with_setting
+    from tools.dev import with_setting
     from xserv.engine import model_runner
 
     seen = {}

@@ -1,6 +1,6 @@
 """The eager ops' fast paths (add, rmsnorm, fused_add_rmsnorm: the usual call checked in one expression) launch
 exactly what their fully checked paths launch, and every call the fast path does not take still raises the checked
-path's ValueError. CPU: the runtime runs over a fake driver (tools/host_runtime.py) that records each launch's
+path's ValueError. CPU: the runtime runs over a fake driver (tools/dev/host_runtime.py) that records each launch's
 kernel, grid, block and parameter bytes; the kernels' parameter sizes come from their CUDA sources, so a call
 passing the wrong width (a Python int for an `int`) fails here as it would on the device."""
 import re
@@ -8,7 +8,7 @@ import re
 import numpy as np
 import pytest
 
-from tools.host_runtime import install
+from tools.dev.host_runtime import install
 from xserv.ops import elementwise, rmsnorm as rms
 from xserv.runtime.allocator import size_class
 from xserv.runtime.compiler import family_source

@@ -667,10 +667,10 @@ def test_pdl_launch_in_a_captured_graph(rng):
 @pytest.mark.gpu
 @pytest.mark.parametrize("pdl,loads,padded", [(False, 0, False), (True, 0, False), (True, 16, True)])
 def test_sync_bench_chain_orders_the_data(pdl, loads, padded):
-    """tools/bench_sync's kernel chain (each step reads a neighbour's value from the step before) gives the values
+    """tools/dev/bench_sync's kernel chain (each step reads a neighbour's value from the step before) gives the values
     the chain implies, with and without programmatic dependent launch, pre-wait loads and shared-memory padding:
     the boundary it times is a real hand-off."""
-    from tools.bench_sync import _padding, chain
+    from tools.dev.bench_sync import _padding, chain
     from xserv.runtime import get_device
 
     dev = get_device()
@@ -683,10 +683,10 @@ def test_sync_bench_chain_orders_the_data(pdl, loads, padded):
 @pytest.mark.parametrize("form", [0, 1, 2, 3])
 @pytest.mark.parametrize("per_sm,loads", [(None, 0), (1, 0), (2, 0), (2, 16)])
 def test_sync_bench_barriers_order_the_data(form, per_sm, loads):
-    """Every grid-barrier form of tools/bench_sync orders the data: no CTA reads its neighbour's slot before the
+    """Every grid-barrier form of tools/dev/bench_sync orders the data: no CTA reads its neighbour's slot before the
     neighbour wrote it that round (37 CTAs: a partial group of the two-level form; with loads in flight across it,
     from all warps or all but the arriving one)."""
-    from tools.bench_sync import barrier
+    from tools.dev.bench_sync import barrier
     from xserv.runtime import get_device
 
     grid = 37 if per_sm is None else per_sm * get_device().multiprocessor_count

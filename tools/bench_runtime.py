@@ -179,7 +179,7 @@ def bench_launch(vs_torch: bool) -> None:
           "both allocating their output)")
 
 
-# ---- the Python side alone, over a fake driver (no GPU): tools/host_runtime.py -------------------------------
+# ---- the Python side alone, over a fake driver (no GPU): tools/dev/host_runtime.py ---------------------------
 def _host_ns(fn, calls: int, repeats: int) -> tuple[float, float]:
     """(median, min) over `repeats` batches of `calls` back-to-back calls, in ns per call."""
     for _ in range(calls):
@@ -194,9 +194,9 @@ def _host_ns(fn, calls: int, repeats: int) -> tuple[float, float]:
 
 
 def bench_host(calls: int = 2000, repeats: int = 31) -> dict[str, float]:
-    """The Python side of eager launches, timed over the fake driver (tools/host_runtime.py). Returns the medians
+    """The Python side of eager launches, timed over the fake driver (tools/dev/host_runtime.py). Returns the medians
     (ns per call) by name, and prints them with the minimum of the batches."""
-    from tools.host_runtime import install
+    from tools.dev.host_runtime import install
 
     install()
     from xserv.ops.elementwise import add
@@ -245,7 +245,7 @@ def compare_host(other: str, rounds: int, calls: int, repeats: int) -> None:
     here = str(Path(__file__).resolve().parents[1])
     # the other checkout's xserv, this checkout's benchmark and host runtime (the other may predate them)
     code = ("import importlib.util, json, runpy, sys; sys.path.insert(0, sys.argv[1]);"
-            "spec = importlib.util.spec_from_file_location('tools.host_runtime', sys.argv[5]);"
+            "spec = importlib.util.spec_from_file_location('tools.dev.host_runtime', sys.argv[5]);"
             "sys.modules[spec.name] = module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module);"
             "bench = runpy.run_path(sys.argv[2]);"
             "print(json.dumps(bench['bench_host'](int(sys.argv[3]), int(sys.argv[4]))))")
@@ -261,7 +261,7 @@ def compare_host(other: str, rounds: int, calls: int, repeats: int) -> None:
         for name in (("this", "other") if r % 2 == 0 else ("other", "this")):
             env = dict(os.environ, PYTHONPATH=trees[name])
             out = subprocess.run([sys.executable, "-c", code, trees[name], __file__, str(calls), str(repeats),
-                                  str(Path(__file__).with_name("host_runtime.py"))],
+                                  str(Path(__file__).parent / "dev" / "host_runtime.py")],
                                  capture_output=True, text=True, cwd=trees[name], env=env, check=True,
                                  preexec_fn=pin)
             results[name].append(json.loads(out.stdout.strip().splitlines()[-1]))

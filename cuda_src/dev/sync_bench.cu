@@ -4,7 +4,7 @@
 //   sync_chain_step     one kernel per step; the order comes from the stream (or, launched with programmatic
 //                       dependent launch, from pdl_wait)
 //   sync_grid_barrier   one persistent kernel, a software grid barrier between the steps; four barrier forms
-// tools/bench_sync.py times them; tests/test_runtime.py checks that every form orders the data. Not a production
+// tools/dev/bench_sync.py times them; tests/test_runtime.py checks that every form orders the data. Not a production
 // family (cuda_src/dev/: compiled on request).
 #include "common.cuh"
 

@@ -243,7 +243,7 @@ _ONE_CTA_ROUTE_MAX_TOKENS = 16
 # The one-token down GEMM's ring (moe.cu's moe_gemm_down_one_*): 64-wide chunks in 4 stages (the unfused down GEMM's
 # ring: the same sums bit for bit), 128 in 4 (_k128, the default: 2 dependent load rounds instead of 4; 30B-A3B batch 1
 # on an H100 314.8-315.0 -> 320.7-320.8 tok/s) or 256 in 3 (_k256: a CTA's whole K = 768 in flight at once, measured
-# slower: 301.3). A module attribute so that benchmarks can compare them (tools/with_setting.py); read when the
+# slower: 301.3). A module attribute so that benchmarks can compare them (tools/dev/with_setting.py); read when the
 # launches are made (docs/kernels/moe.md, "v6").
 DOWN_ONE_BK = 128
 _DOWN_ONE_RING = {64: (4, ""), 128: (4, "_k128"), 256: (3, "_k256")}  # BK -> (stages, entry suffix)
@@ -282,7 +282,7 @@ def _moe_cuda(x, router, gate_up, down, shape: MoeShape, renormalize: bool, out,
 # The hopper path's mid and large GEMM tiles on wgmma (moe_sm90.cu): 2 on, with the weight rows by TMA (the _tma
 # entries; the default: on an H100 the 2,048-token TTFT of the 30B-A3B shape 40.7 against 46.3 ms, docs/kernels/moe.md
 # v8); 1 on, with the weight rows by cp.async (the TMA entries' bit-for-bit reference in the tests); 0 off (moe.cu's
-# mma.sync tiles). A module attribute for A/B runs (tools/with_setting.py, tools/ab_latency.py) and the tests.
+# mma.sync tiles). A module attribute for A/B runs (tools/dev/with_setting.py, tools/dev/ab_latency.py) and the tests.
 MOE_WGMMA = 2
 
 
@@ -317,7 +317,7 @@ def moe_stages(x, router, gate_up, down, shape: MoeShape, renormalize: bool, out
                size: str | None = None, fuse_combine: bool | None = None,
                down_trigger: str | None = None, scales: tuple[Tensor, Tensor] | None = None) -> list[tuple[str, object]]:
     """The launches of one moe_experts call in order, as (name, no-argument callable): what _moe_cuda runs, and
-    what tools/bench_moe.py times one by one. `size` forces the GEMM tile shape ("small" / "mid" / "large");
+    what tools/dev/bench_moe.py times one by one. `size` forces the GEMM tile shape ("small" / "mid" / "large");
     `fuse_combine` and `down_trigger` choose the one-token step's last launch (None: from the environment, above).
     scales: FP8 experts' (gate_up_scale, down_scale): the GEMMs' _fp8 entries (the piece moe:e1_x1), the scales
     after the weights."""

@@ -30,7 +30,7 @@ ENV_MAX_BYTES = "XSERV_TP_IPC_MAX_BYTES"  # the largest message (bytes) the IPC 
 IPC_MAX_BYTES = 64 << 10  # [8, 4096] or [6, 5120] bf16: decode steps of up to 8 rows at the 8B / 32B widths
 # When the kernel releases the next kernel (programmatic dependent launch, sm_90 on): "early" (default) right after
 # its wait, so the next GEMV streams its weights during the NVLink round trip; "late" when it ends; "off": launched
-# without the attribute (as before 2026-11-26's last session). For measurement: tools/gpu_check_tp_ahead.sh.
+# without the attribute (as before 2026-11-26's last session). For measurement: `python -m tools.bench_tp variants`.
 ENV_TRIGGER = "XSERV_TP_IPC_TRIGGER"
 TRIGGERS = ("early", "late", "off")
 # cuda_src/allreduce.cu's constants (tests/test_ipc_allreduce.py reads them back from the source)

@@ -231,7 +231,7 @@ def v4_plan(num_seqs: int, num_kv_heads: int, max_kv_len: int, multiprocessor_co
     where any split count allows it. The cost of a plan is that of its busiest SM: ceil(CTAs / SMs) CTAs, each
     streaming chunk_len keys plus a fixed cost of V4_CTA_COST_KEYS, 25% more where they exceed the `resident` CTAs
     per SM (a second wave). Plans of more CTAs than SMs are preferred where there are any (one 4-warp CTA on an SM
-    keeps too few bytes in flight); the cheapest wins, ties to fewer splits. Measured on an H100 (tools/
+    keeps too few bytes in flight); the cheapest wins, ties to fewer splits. Measured on an H100 (tools/dev/
     sweep_decode_plan.py): for few sequences the best grid is about two CTAs per SM (1 x 32k: 32 splits of 1024,
     not 64 of 512), and short contexts gain from chunks down to 64 keys (1 x 512: 8 splits, 13.1 -> 7.7 us)."""
     length = max(int(max_kv_len), 1)

@@ -1,7 +1,7 @@
 """Which FP8 GEMM configurations this machine's cuBLASLt takes (runtime/cublas.py's block-scaled plan): the library
 version and file, then cuBLASLt's heuristic for tensor-wise FP8 (the control) and each pairing of the block-scale
 modes, in both operand orders, at one shape. Run with CUBLASLT_LOG_MASK=5 for cuBLASLt's own error messages.
-    python -m tools.probe_fp8_gemm [M N K]"""
+    python -m tools.dev.probe_fp8_gemm [M N K]"""
 import sys
 
 from xserv.runtime import get_device, get_runtime

@@ -3,7 +3,7 @@ shape, next to the plan `plan_decode` picks, to see which plan fills the GPU for
 nothing at batch 64). Also times qk_norm_rope_write_kv (its kernels of 1, 2 and 4 row groups per warp, where the
 source instantiates them) against qk_norm_rope + write_kv_packed (graph replays).
 
-    python -m tools.sweep_decode_plan [--only TEXT] [--sweep TEXT,TEXT] [--variants v4,v4s3,...] [--no-rope]
+    python -m tools.dev.sweep_decode_plan [--only TEXT] [--sweep TEXT,TEXT] [--variants v4,v4s3,...] [--no-rope]
                                       [--quick]
 
 Every config is timed at the plan plan_decode picks; those whose label contains one of the --sweep texts ("all":

@@ -2,7 +2,7 @@
 reads which ring chunk into which m16n8k16 register (PTX fragment layouts), and where each accumulator's output
 dim lands, for one warp and one 16-key stage, checked against the direct products S = q K^T and O = P V.
 
-    python tools/check_decode_mma_layout.py G        (G = query heads per kv head, 1..8)
+    python tools/dev/check_decode_mma_layout.py G        (G = query heads per kv head, 1..8)
 """
 import numpy as np
 rng = np.random.default_rng(0)

@@ -3,7 +3,7 @@ rows), wgmma's accumulator layout (d[4 j + 2 r + e] = D[16 w + lane / 4 + 8 r][8
 and the epilogue's output indices, checked against the direct products for every shape's entries: each output
 (gate/up column or down row, token) is produced once, by the thread holding its value (gate/up: with its up value).
 
-    python tools/check_moe_wgmma_layout.py
+    python tools/dev/check_moe_wgmma_layout.py
 """
 import numpy as np
 

@@ -1,7 +1,7 @@
 """Render a set of conversations with transformers' apply_chat_template and store the strings as a test fixture.
 
     pip install transformers   # a tool dependency only; no torch needed for templates
-    python -m tools.make_chat_fixtures [--tokenizer models/presets/tokenizer] [--out tests/fixtures/chat_template_cases.json]
+    python -m tools.dev.make_chat_fixtures [--tokenizer models/presets/tokenizer] [--out tests/fixtures/chat_template_cases.json]
 
 tests/test_tokenizer.py checks that xserv.tokenizer renders every case to exactly the stored string.
 """
@@ -11,7 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 WEATHER_TOOL = {
     "type": "function",
@@ -115,7 +115,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
-        "generator": "python -m tools.make_chat_fixtures",
+        "generator": "python -m tools.dev.make_chat_fixtures",
         "transformers_version": transformers.__version__,
         "tokenizer": "models/presets/tokenizer (Qwen3)",
         "cases": cases,

@@ -1,8 +1,8 @@
 """Run a Python module (as `python -m` would) with module attributes of xserv set first: the A/B switches that
 benchmarks compare (decode.FP8_V4_STAGES, gemv.FP8_EARLY_TRIGGER_BYTES, model_runner.FINE_KV_MAX_BATCH, ...).
 
-    python -m tools.with_setting xserv.ops.attention.decode.FP8_V4_STAGES=3 -- xserv bench throughput --model DIR
-    python -m tools.with_setting xserv.engine.model_runner.FINE_KV_MAX_BATCH=0 -- pytest -q tests/test_engine.py
+    python -m tools.dev.with_setting xserv.ops.attention.decode.FP8_V4_STAGES=3 -- xserv bench throughput --model DIR
+    python -m tools.dev.with_setting xserv.engine.model_runner.FINE_KV_MAX_BATCH=0 -- pytest -q tests/test_engine.py
 
 Each setting is MODULE.ATTRIBUTE=VALUE with an existing attribute; VALUE is converted to that attribute's type.
 """
@@ -13,7 +13,7 @@ import runpy
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def apply(setting: str) -> None:

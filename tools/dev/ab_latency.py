@@ -2,10 +2,10 @@
 model loaded once and the values alternating round by round, so that drift (clocks, heat) falls on all alike and a
 48-layer model is read from disk once instead of once a value.
 
-    python -m tools.ab_latency --model DIR --setting xserv.ops.moe.MOE_WGMMA=1,0 \\
+    python -m tools.dev.ab_latency --model DIR --setting xserv.ops.moe.MOE_WGMMA=1,0 \\
         [--input-len 2048] [--output-len 2] [--rounds 3] [--iters 3]
 
-A setting is MODULE.ATTRIBUTE=V1,V2,... (tools/with_setting.py's conversion). It must be one the step reads each
+A setting is MODULE.ATTRIBUTE=V1,V2,... (tools/dev/with_setting.py's conversion). It must be one the step reads each
 time it runs (prefill runs eagerly above the engine's prefill_graph_tokens; a value captured into a decode graph
 would not change by setting it later). Prints each value's median time to first token and decode rate over all its
 rounds, and the device's name."""
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def main(argv=None) -> int:
@@ -33,7 +33,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args(argv)
 
-    from tools.with_setting import apply
+    from tools.dev.with_setting import apply
     from xserv.bench.common import device_name
     from xserv.bench.latency import _one
     from xserv.engine.config import EngineConfig

@@ -1,7 +1,7 @@
 """Time each launch of moe_experts on its own (CUDA-graph replays of 20 launches; the inputs of a later stage are
 left by a first full call), at Qwen3-30B-A3B's shape by default:
 
-    python -m tools.bench_moe [--tokens 1,8,64,2048] [--experts 128 --top-k 8 --hidden 2048 --inter 768]
+    python -m tools.dev.bench_moe [--tokens 1,8,64,2048] [--experts 128 --top-k 8 --hidden 2048 --inter 768]
                               [--combine fused,early,unfused]   (one token: each form of its last launch, same run)
 
 Prints per stage microseconds and, for the GEMMs, the bytes of the experts the routing touched (counted from the
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 # The one-token step's last launch (xserv/ops/moe.py, docs/kernels/moe.md v4): the combine inside the down GEMM with

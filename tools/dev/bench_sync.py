@@ -4,7 +4,7 @@ The step is tiny (CTA b reads what CTA b + 1 wrote in the step before), so the f
 what a persistent batch-1 decode kernel would pay per dependent phase instead of a kernel boundary (issue 11;
 docs/kernels/gemv.md). Kernels: cuda_src/dev/sync_bench.cu. Prints the device name. GPU only.
 
-    python -m tools.bench_sync [--grids 132,264] [--rounds 2000] [--steps 64]
+    python -m tools.dev.bench_sync [--grids 132,264] [--rounds 2000] [--steps 64]
 
 Grids default to one and two CTAs per SM (the GEMVs run two); every CTA of a barrier launch must be resident.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 FAMILY = "dev/sync_bench"
 FORMS = {0: "atomic counter, polled", 1: "red.release counter, polled", 2: "last arriver releases a flag",
