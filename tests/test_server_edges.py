@@ -132,7 +132,8 @@ def _events(route: str, body: dict) -> list[dict]:
 @pytest.mark.parametrize("route", ["chat", "completions"])
 def test_streams_carry_no_empty_chunks(server, route):
     """A token whose text is held back (part of a stop string, or of a multi-byte character) sends nothing until
-    its text is decided; its logprobs go out with that text. Chat opens with one role chunk per choice."""
+    its text is decided; its logprobs go out with that text. Chat opens with one role chunk per choice (content null:
+    thinking is on, and an answer may end before its think block does)."""
     chat = route == "chat"
     url = server.url + ("/v1/chat/completions" if chat else "/v1/completions")
     n, tokens = 2, 8
@@ -147,7 +148,7 @@ def test_streams_carry_no_empty_chunks(server, route):
         events = _events(url, {**body, **extra})
         if chat:
             opening = [e["choices"] for e in events[:n]]
-            assert opening == [[{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            assert opening == [[{"index": i, "delta": {"role": "assistant", "content": None}, "logprobs": None,
                                  "finish_reason": None}] for i in range(n)]
             events = events[n:]
         texts, logprobs = [""] * n, [0] * n

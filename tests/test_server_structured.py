@@ -175,6 +175,80 @@ def test_reasoning_first_on_the_real_model(client):
         jsonschema.validate(json.loads(c.message.content), schema)
 
 
+# a noise model pushed to think forever: <think> first, </think> never of its own accord
+THINK_FOREVER = {str(THINK_START): 100, str(THINK_END): -100}
+
+
+def test_thinking_token_budget_on_the_real_model(client):
+    """thinking_token_budget N (sent as the OpenAI client sends extensions, extra_body) on a model that would think
+    forever: N reasoning tokens, then the grammar forces </think>, then the answer (a JSON schema's validates; with
+    no constraint it is free text that never reopens the block); 0 is no think block at all. Red while the budget is
+    ignored: the model thinks until max_tokens (finish_reason length, no answer)."""
+    schema = SCHEMAS[2]
+    rf = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    for budget in (1, 5):
+        r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=60, temperature=1.0, seed=budget,
+                                           n=2, logprobs=True, response_format=rf, logit_bias=THINK_FOREVER,
+                                           extra_body={"thinking_token_budget": budget})
+        for c in r.choices:
+            tokens = [e.token for e in c.logprobs.content]
+            assert tokens[0] == "<think>" and tokens[budget + 1] == "</think>", tokens[:budget + 2]
+            assert "</think>" not in tokens[1:budget + 1] and c.finish_reason == "stop", c
+            jsonschema.validate(json.loads(c.message.content), schema)
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=20, temperature=1.0, seed=9, n=2,
+                                       logprobs=True, logit_bias=THINK_FOREVER, extra_body={"thinking_token_budget": 4})
+    for c in r.choices:
+        tokens = [e.token for e in c.logprobs.content]
+        assert tokens[0] == "<think>" and tokens[5] == "</think>", tokens[:6]
+        assert "<think>" not in tokens[1:] and "</think>" not in tokens[6:] and c.message.content, c
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=60, temperature=1.0, seed=0, n=2,
+                                       logprobs=True, response_format=rf, logit_bias=THINK_FOREVER,
+                                       extra_body={"thinking_token_budget": 0})
+    for c in r.choices:
+        assert "<think>" not in [e.token for e in c.logprobs.content] and c.finish_reason == "stop"
+        assert getattr(c.message, "reasoning_content", None) is None
+        jsonschema.validate(json.loads(c.message.content), schema)
+
+
+def _stream_message(chunks) -> dict:
+    """The message a client builds from a stream's deltas, as OpenAI's SDK does: a field is its first value, later
+    strings joined to it; null until a delta gives a string."""
+    msg = {}
+    for chunk in chunks:
+        for ch in chunk["choices"]:
+            for key, value in ch["delta"].items():
+                if isinstance(value, str) and isinstance(msg.get(key), str):
+                    msg[key] += value
+                elif msg.get(key) is None:
+                    msg[key] = value
+    return msg
+
+
+def test_max_tokens_spent_while_thinking_on_the_real_model(server):
+    """max_tokens runs out inside the think block (the constraint, which binds the answer after </think>, never
+    starts): HTTP 200 in strict JSON, finish_reason "length", reasoning_content the thinking so far, content null
+    and no tool_calls, whole and streamed; with a JSON schema, tool_choice "required", or a budget larger than
+    max_tokens. Red while content is "" (a client that does not know about thinking reads an empty answer)."""
+    rf = {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMAS[2]}}
+    for extra in ({"response_format": rf}, {"tools": TOOLS, "tool_choice": "required"},
+                  {"response_format": rf, "thinking_token_budget": 50}):
+        for stream in (False, True):
+            body = {"messages": MESSAGES, "max_tokens": 8, "temperature": 1.0, "seed": 3, "n": 2, "logprobs": True,
+                    "top_logprobs": 5, "logit_bias": THINK_FOREVER, "stream": stream, **extra}
+            out = _strict_body(http().post(server.url + "/v1/chat/completions", json=body, timeout=120))
+            if stream:
+                finish = [ch["finish_reason"] for c in out for ch in c["choices"] if ch["finish_reason"]]
+                messages = [_stream_message([{"choices": [ch for ch in c["choices"] if ch["index"] == i]}
+                                             for c in out]) for i in range(2)]
+            else:
+                finish = [c["finish_reason"] for c in out["choices"]]
+                messages = [c["message"] for c in out["choices"]]
+                assert out["usage"]["completion_tokens"] == 16
+            assert finish == ["length", "length"], (extra, stream, out)
+            for m in messages:
+                assert m["content"] is None and m["reasoning_content"] and "tool_calls" not in m, (extra, stream, m)
+
+
 @pytest.mark.parametrize("body, param, needle", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
      "response_format", "nope"),

@@ -174,16 +174,47 @@ def test_reasoning_split_whole_and_streamed(app):
     for pieces in (1, 2, 3, 7):
         reasoning, content, _, _, _ = joined(chat(app, answer, stream=True, pieces=pieces))
         assert (reasoning, content) == ("\nThe user wants the weather.\n", "It is sunny.")
-    # cut off while thinking: all reasoning, no tag anywhere
-    msg = chat(app, "<think>\nHmm, let me", finish="length")["choices"][0]["message"]
-    assert msg["reasoning_content"] == "\nHmm, let me" and msg["content"] == ""
-    reasoning, content, _, _, _ = joined(chat(app, "<think>\nHmm, let me</thi", stream=True, pieces=1,
-                                              finish="length"))
-    assert (reasoning, content) == ("\nHmm, let me</thi", "")
     # thinking and a tool call in one answer
     reasoning, content, calls, finish, _ = joined(chat(app, THINK + CALL_1, stream=True, pieces=2, tools=[WEATHER]))
     assert reasoning == "\nThe user wants the weather.\n" and content == "" and finish == "tool_calls"
     assert [n for _, n, _ in calls.values()] == ["get_weather"]
+
+
+def stream_message(chunks) -> dict:
+    """The message a client builds from a stream as OpenAI's SDK does (ChatCompletionStreamState): each field is the
+    first delta's value, strings joined to it; a field stays null until a delta gives it a string."""
+    msg = {}
+    for c in chunks:
+        for ch in c["choices"]:
+            for key, value in ch["delta"].items():
+                if isinstance(value, str) and isinstance(msg.get(key), str):
+                    msg[key] += value
+                elif msg.get(key) is None:
+                    msg[key] = value
+    return msg
+
+
+@pytest.mark.parametrize("constraint", [{}, {"response_format": {"type": "json_object"}},
+                                        {"tools": [WEATHER], "tool_choice": "required"}])
+def test_max_tokens_spent_while_thinking_is_length_with_content_null(app, constraint):
+    """An answer cut off inside its think block (max_tokens spent before </think>; a constraint applies only after
+    it) is HTTP 200, finish_reason "length", reasoning_content the thinking so far and content null: red while it
+    reports content "" (an empty answer to a client that does not know about the think block), whole or streamed
+    (the stream's opening delta gave content "")."""
+    cut = "<think>\nHmm, let me</thi"  # a tag's start held back, then the end: it is reasoning
+    whole = chat(app, cut, finish="length", **constraint)["choices"][0]
+    assert whole["finish_reason"] == "length"
+    assert whole["message"] == {"role": "assistant", "content": None, "reasoning_content": "\nHmm, let me</thi"}
+    for pieces in (1, 4, 100):
+        chunks = chat(app, cut, stream=True, pieces=pieces, finish="length", **constraint)
+        assert stream_message(chunks) == {"role": "assistant", "content": None,
+                                          "reasoning_content": "\nHmm, let me</thi"}
+        assert [ch["finish_reason"] for c in chunks for ch in c["choices"]][-1] == "length"
+    # an answer after the block is content as before, streamed too (the opening null joins the content deltas)
+    for stream in (False, True):
+        out = chat(app, THINK + "{}", stream=stream, pieces=2, finish="length", **constraint)
+        msg = stream_message(out) if stream else out["choices"][0]["message"]
+        assert msg["content"] == "{}" and msg["reasoning_content"] == "\nThe user wants the weather.\n"
 
 
 def test_thinking_off_is_all_content(app):
@@ -409,3 +440,70 @@ def test_reasoning_first_opened_block_and_text_tags(matcher):
     c = GrammarConstraint(grammar_tokenizer(tok, [151645], 151936), text)
     ids = [27, 26865, 29] + tok.encode("\nhmm 7\n") + [522, 26865, 29] + tok.encode("\n\n42")  # <think> ... </think>
     assert all(c.consume(t) for t in ids) and c.accepting
+
+
+# ---- a thinking budget -----------------------------------------------------------------------------------------------
+def thought(n: int) -> str:
+    """A think block of exactly n reasoning tokens (" a" is one token of Qwen3's), then the answer's newlines."""
+    return "<think>" + " a" * n + "</think>\n\n"
+
+
+def test_thinking_token_budget_bounds_the_reasoning(app, matcher):
+    """thinking_token_budget N: at most N tokens between <think> and </think>, then the answer (its constraint, or
+    any text without a constraint, or the tool call of tool_choice "required"). Red while the budget is ignored (the
+    grammar lets the think block run past N, or a request without a constraint gets none)."""
+    rf = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}
+    msg = chat(app, thought(3) + '{"a":1}', response_format=rf, thinking_token_budget=3)["choices"][0]["message"]
+    assert msg == {"role": "assistant", "content": '{"a":1}', "reasoning_content": " a a a"}
+    s = last_constraint(app)
+    assert matcher(s, thought(3) + '{"a":1}') and matcher(s, thought(0) + '{"a":1}') and matcher(s, '{"a":1}')
+    assert not matcher(s, thought(4) + '{"a":1}') and not matcher(s, thought(2) + "It is sunny.")
+    # no constraint: the answer is free (tool tags included) but cannot open a second, unbounded block
+    chat(app, thought(3) + "Sunny.", thinking_token_budget=3)
+    s = last_constraint(app)
+    assert s is not None and matcher(s, thought(3) + "It is sunny. " + CALL_1) and matcher(s, "Sunny.")
+    assert not matcher(s, thought(4) + "Sunny.") and not matcher(s, thought(1) + "Sunny. " + thought(5))
+    # tool_choice "required"
+    chat(app, thought(2) + CALL_1, tools=[WEATHER], tool_choice="required", thinking_token_budget=2)
+    s = last_constraint(app)
+    assert matcher(s, thought(2) + CALL_1) and not matcher(s, thought(3) + CALL_1)
+    # thinking off: nothing to bound, the request's constraint alone
+    chat(app, "Sunny.", thinking_token_budget=3, chat_template_kwargs={"enable_thinking": False})
+    assert last_constraint(app) is None
+
+
+def test_thinking_token_budget_0_is_thinking_off(app):
+    """thinking_token_budget 0 renders the prompt as enable_thinking false does (the template's empty think block,
+    the model's own form for no thinking): red while 0 leaves thinking on."""
+    from xserv.structured import StructuredOutput
+
+    rf = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}
+    for body, constraint in (({"response_format": rf}, StructuredOutput.json_schema(SCHEMA)), ({}, None)):
+        out = chat(app, '{"a":1}', thinking_token_budget=0, **body)["choices"][0]
+        assert app.engine.prompts[-1].endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+        assert last_constraint(app) == constraint
+        assert out["message"] == {"role": "assistant", "content": '{"a":1}'}  # all content: no reasoning_content
+
+
+@pytest.mark.parametrize("value", [-1, 2.5, "3", True, [3]])
+def test_thinking_token_budget_must_be_a_non_negative_integer(app, value):
+    """Red while the field is unknown to the server (ignored: 200)."""
+    status, out = post(app, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                                     "thinking_token_budget": value}, "ok")
+    assert status == 400 and out["error"]["param"] == "thinking_token_budget", out
+    # completions have no think block to bound: named, not ignored
+    status, out = post(app, "/v1/completions", {"prompt": "x", "thinking_token_budget": 3}, "ok")
+    assert status == 400 and out["error"]["param"] == "thinking_token_budget" and "chat" in out["error"]["message"]
+
+
+def test_thinking_budget_grammar_opened_block_and_text_tags(matcher):
+    """The budget's grammar where the prompt already opened the block, and its one refusal: think tags that are
+    text (llguidance would end a lazy lexeme at its max_tokens without the closing tag)."""
+    from xserv.structured import StructuredOutput, reasoning_first
+
+    s = StructuredOutput.regex("[0-9]+")
+    opened = reasoning_first(s, opened=True, think_tokens=True, budget=3)  # "\nhmm" is 3 tokens
+    assert matcher(opened, "\nhmm</think>\n\n42") and not matcher(opened, "\nhmm ok</think>\n\n42")
+    assert not matcher(opened, "42")
+    with pytest.raises(ValueError, match="single tokens"):
+        reasoning_first(s, opened=False, think_tokens=False, budget=3)

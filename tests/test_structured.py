@@ -283,6 +283,32 @@ def test_json_object(llm):
     assert out.text.startswith("{")
 
 
+def test_chat_thinking_token_budget(llm):
+    """LLM.chat(thinking_token_budget=N) on a model pushed to think forever (<think> +100, </think> -100): N
+    reasoning tokens, then </think> (forced by the grammar), then the answer (a schema's validates; with no
+    constraint, free text that never reopens the block); 0 is thinking off. Red while chat ignores the budget (the
+    model thinks until max_tokens)."""
+    think, end = (llm.tokenizer.token_to_id(t) for t in ("<think>", "</think>"))
+    schema = _obj({"n": {"type": "integer", "minimum": 0, "maximum": 9}})
+    messages = [{"role": "user", "content": "A digit?"}]
+    forever = {think: 100.0, end: -100.0}
+    params = SamplingParams(temperature=1.0, max_tokens=40, seed=3, structured=StructuredOutput.json_schema(schema),
+                            logit_bias=forever)
+    out = llm.chat(messages, params, thinking_token_budget=3)[0]
+    ids = out.token_ids
+    assert ids[0] == think and ids[4] == end and end not in ids[1:4] and out.finish_reason == "stop", ids
+    jsonschema.validate(json.loads(llm.tokenizer.decode(ids[5:], skip_special_tokens=True)), schema)
+    free = llm.chat(messages, SamplingParams(temperature=1.0, max_tokens=12, seed=1, logit_bias=forever),
+                    thinking_token_budget=2)[0].token_ids
+    assert free[0] == think and free[3] == end and think not in free[1:] and end not in free[4:], free
+    off = llm.chat(messages, params, thinking_token_budget=0)[0]
+    assert think not in off.token_ids and off.finish_reason == "stop"
+    jsonschema.validate(json.loads(off.text), schema)
+    for bad in (-1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="thinking_token_budget"):
+            llm.chat(messages, params, thinking_token_budget=bad)
+
+
 @pytest.mark.gpu
 def test_structured_on_gpu(tiny_model_dir):  # noqa: F811
     """The issue's run on the GPU: 20 schemas x XSERV_STRUCTURED_ANSWERS (200) answers at temperature 1 and 0,

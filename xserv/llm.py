@@ -379,9 +379,15 @@ class LLM:
     def chat_prompt(self, messages, enable_thinking: bool = True) -> str:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=enable_thinking)
 
-    def chat(self, messages, params=None, enable_thinking: bool = True) -> list[RequestOutput]:
+    def chat(self, messages, params=None, enable_thinking: bool = True,
+             thinking_token_budget: int | None = None) -> list[RequestOutput]:
         """messages: one conversation (a list of {"role", "content"} dicts) or a list of conversations. With
-        thinking on, a `structured` constraint applies to the answer after the `<think>` block."""
+        thinking on, a `structured` constraint applies to the answer after the `<think>` block, and
+        thinking_token_budget N ends that block after at most N tokens (the model then answers); 0 is thinking off."""
+        from .structured import thinking_budget
+
+        budget = thinking_budget(thinking_token_budget)
+        enable_thinking = enable_thinking and budget != 0
         if messages and isinstance(messages[0], dict):
             conversations = [messages]
         else:
@@ -389,15 +395,16 @@ class LLM:
         prompts = [self.chat_prompt(c, enable_thinking) for c in conversations]
         params_list = self._params_list(params, len(prompts))
         if enable_thinking and "<think>" in (self.tokenizer.chat_template or ""):
-            params_list = [self._answer_after_reasoning(p, prompt) for p, prompt in zip(params_list, prompts)]
+            params_list = [self._answer_after_reasoning(p, prompt, budget) for p, prompt in zip(params_list, prompts)]
         return self.generate(prompts, params_list)
 
-    def _answer_after_reasoning(self, params, prompt: str):
-        if params.structured is None:
+    def _answer_after_reasoning(self, params, prompt: str, budget: int | None = None):
+        if params.structured is None and budget is None:
             return params
         from .structured import after_reasoning
 
-        return dataclasses.replace(params, structured=after_reasoning(params.structured, prompt, self.tokenizer))
+        return dataclasses.replace(params, structured=after_reasoning(params.structured, prompt, self.tokenizer,
+                                                                      budget))
 
     def stream(self, prompt, params=None) -> "TextStream":
         """Text deltas as tokens come (never past a stop string). Closing the iterator early (or an exception in

@@ -265,26 +265,56 @@ def _answer_rule(s: StructuredOutput) -> str:
     return "answer: %lark {\n" + lark + "\n}\n"
 
 
-def reasoning_first(s: StructuredOutput, *, opened: bool, think_tokens: bool) -> StructuredOutput:
+def reasoning_first(s: StructuredOutput, *, opened: bool, think_tokens: bool,
+                    budget: int | None = None) -> StructuredOutput:
     """`s` applied to the answer after an optional think block (see the module's docstring). opened: the prompt
     already opened the block (the answer starts inside it). think_tokens: <think> and </think> are single tokens of
-    the tokenizer (Qwen3's)."""
-    if think_tokens:
-        body, end = "/(.|\\n)*/ </think>", "<think> "
+    the tokenizer (Qwen3's). budget: at most this many tokens of reasoning (None: unbounded), then only </think>
+    fits."""
+    if budget is not None:
+        if not think_tokens:  # llguidance ends a lazy lexeme at its max_tokens without the tag it waits for
+            raise ValueError("thinking_token_budget needs <think> and </think> to be single tokens of the tokenizer "
+                             "(as in Qwen3's)")
+        # the reasoning is one lexeme with llguidance's max_tokens; an empty block has none (llguidance 1.6 lets
+        # max_tokens=0 through)
+        body = "think_body </think>" if budget else "</think>"
+        rules = f"think_body[max_tokens={budget}]: /(.|\\n)*/\n" if budget else ""
+    elif think_tokens:
+        body, rules = "/(.|\\n)*/ </think>", ""
     else:
-        body, end = "think_text", '"<think>" '
+        body, rules = "think_text", "think_text[lazy]: /(.|\\n)*<\\/think>/\n"
     if opened:
         start = f"start: {body} /\\n{{0,2}}/ answer\n"
     else:
-        start = f"start: think? answer\nthink: {end}{body} /\\n{{0,2}}/\n"
-    if not think_tokens:
-        start += "think_text[lazy]: /(.|\\n)*<\\/think>/\n"
-    return StructuredOutput.lark(start + _answer_rule(s))
+        tag = "<think> " if think_tokens else '"<think>" '
+        start = f"start: think? answer\nthink: {tag}{body} /\\n{{0,2}}/\n"
+    return StructuredOutput.lark(start + rules + _answer_rule(s))
 
 
-def after_reasoning(s: StructuredOutput, prompt: str, tokenizer) -> StructuredOutput:
+def free_answer(tokenizer) -> StructuredOutput:
+    """An answer without a constraint, as a grammar (a thinking budget needs one for the reasoning): any token of the
+    tokenizer but <think> and </think>, so that the answer cannot open a second block past the budget. Ids past the
+    tokenizer's vocabulary stay out, as in every constraint."""
+    tags = [tokenizer.token_to_id(t) for t in THINK_TOKENS] if has_tokens(tokenizer, THINK_TOKENS) else []
+    ranges, low = [], 0
+    for t in sorted(tags) + [tokenizer.vocab_size]:
+        if low < t:
+            ranges.append(f"{low}-{t - 1}")
+        low = t + 1
+    return StructuredOutput.lark("start: <[" + ",".join(ranges) + "]>*\n")
+
+
+def thinking_budget(value) -> int | None:
+    """A thinking_token_budget checked: None (no budget) or an integer >= 0 (0: no thinking)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0):
+        raise ValueError(f"thinking_token_budget must be an integer >= 0 (0: no thinking), got {value!r}")
+    return None if value is None else int(value)
+
+
+def after_reasoning(s: StructuredOutput | None, prompt: str, tokenizer, budget: int | None = None) -> StructuredOutput:
     """`s` for the answer of a chat prompt rendered with thinking on: it applies after the think block (which the
-    prompt may already have opened)."""
+    prompt may already have opened), of at most `budget` tokens. s None: the answer is free (free_answer)."""
     tail = prompt.rstrip()
     opened = tail.endswith(THINK_TOKENS[0]) and not tail.endswith(THINK_TOKENS[1])
-    return reasoning_first(s, opened=opened, think_tokens=has_tokens(tokenizer, THINK_TOKENS))
+    return reasoning_first(s if s is not None else free_answer(tokenizer), opened=opened,
+                           think_tokens=has_tokens(tokenizer, THINK_TOKENS), budget=budget)

@@ -18,6 +18,12 @@ treats as special: `<think>` in a rule names that token (a string literal "</thi
 reasoning's regex never matches a special token, so the reasoning ends exactly at the model's `</think>` token).
 A template whose prompt already opens the block (ends with `<think>`) gets `start: /(.|\\n)*/ </think> ... answer`.
 A tokenizer without those tokens gets the tags as text, the reasoning ending lazily at the first `</think>`.
+
+A thinking budget (the request's `thinking_token_budget`, N >= 1) makes the reasoning one lexeme of at most N tokens
+(`think_body[max_tokens=N]: /(.|\\n)*/`): after N tokens only `</think>` fits, and the answer follows. A budget
+without a constraint gets the answer `<[ids]>*`, any token but the think tags (xserv/structured.py's free_answer).
+A budget of 0 is thinking off (the template's `enable_thinking` false): no grammar at all. A budget needs the tags
+as tokens (llguidance ends a lazy text lexeme at its max_tokens without its tag): with text tags it is a 400.
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from typing import AsyncIterator
 
 from ..chat_output import THINK_END, THINK_START, ChatOutputParser, Part
 from ..sampling import SamplingParams
-from ..structured import StructuredOutput
+from ..structured import StructuredOutput, free_answer
 from .async_engine import AsyncEngine, EngineBroken, EngineStopped, Update
 from .metrics import ServerMetrics
 from .protocol import (MAX_STOP_STRINGS, UNSUPPORTED_CHAT, UNSUPPORTED_COMPLETION, APIError, ChatCompletionRequest,
@@ -75,10 +75,12 @@ def template_message(m) -> dict:
 
 
 def enable_thinking_of(req: ChatCompletionRequest) -> bool:
+    """Thinking as the template renders it: chat_template_kwargs.enable_thinking (default on), off for a
+    thinking_token_budget of 0 (the template's own empty block: the form the model knows for no thinking)."""
     value = (req.chat_template_kwargs or {}).get("enable_thinking", True)
     if not isinstance(value, bool):
         raise APIError(400, "chat_template_kwargs.enable_thinking must be a boolean", "chat_template_kwargs")
-    return value
+    return value and req.thinking_token_budget != 0
 
 
 def chat_prompt(ctx: ServerContext, req: ChatCompletionRequest) -> str:
@@ -395,7 +397,9 @@ class ChatEndpoint(Endpoint):
     """Chat answers are split by ChatOutputParser (xserv/chat_output.py): `<think>` text -> reasoning_content (when
     thinking is on and the template knows <think>), `<tool_call>` blocks -> tool_calls (when tools are given and
     tool_choice is not "none"), the rest -> content. Streams hold back text that may be the start of a tag; the
-    logprobs of held-back tokens go out with the next delta."""
+    logprobs of held-back tokens go out with the next delta. An answer that ends inside its think block (max_tokens
+    spent while thinking) has content null, not "": there is no answer, only reasoning_content; with thinking on,
+    a stream's opening delta has content null too, so that its deltas add up to the same message."""
     object_name, chunk_object, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl"
     prompt_param = "messages"
     unsupported = UNSUPPORTED_CHAT
@@ -435,14 +439,20 @@ class ChatEndpoint(Endpoint):
         return prompt_ids_of(self.ctx, ids, "messages"), text
 
     def final_constraint(self):
-        """With thinking on, the constraint applies to the answer after the think block (constraints.py)."""
-        if self.structured is None or not self.reasoning:
+        """With thinking on, the constraint applies to the answer after the think block, which a
+        thinking_token_budget bounds (constraints.py); a budget without a constraint gets a free answer."""
+        budget = self.req.thinking_token_budget
+        if not self.reasoning or (self.structured is None and budget is None):
             return self.structured
+        answer = self.structured if self.structured is not None else free_answer(self.ctx.tokenizer)
         try:
-            return reasoning_first(self.structured, opened=self.in_reasoning,
-                                   think_tokens=has_tokens(self.ctx.tokenizer, THINK_TOKENS))
-        except ValueError as e:  # pragma: no cover - the constraint alone compiled
-            raise APIError(400, f"{self.structured_param}: {e}", self.structured_param, "invalid_value") from None
+            return reasoning_first(answer, opened=self.in_reasoning,
+                                   think_tokens=has_tokens(self.ctx.tokenizer, THINK_TOKENS), budget=budget)
+        except ValueError as e:
+            if budget is None:  # pragma: no cover - the constraint alone compiled
+                raise APIError(400, f"{self.structured_param}: {e}", self.structured_param, "invalid_value") from None
+            # the one budget the grammar cannot bound: think tags that are text, not tokens
+            raise APIError(400, str(e), "thinking_token_budget", "invalid_value") from None
 
     def max_tokens(self):
         return self.req.max_completion_tokens if self.req.max_completion_tokens is not None else self.req.max_tokens
@@ -472,15 +482,18 @@ class ChatEndpoint(Endpoint):
         return "tool_calls" if reason == "stop" and self.num_calls.get(index) else reason
 
     def opening_chunks(self, n):
-        return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-                for i in range(n)]
+        content = None if self.reasoning else ""
+        return [{"index": i, "delta": {"role": "assistant", "content": content}, "logprobs": None,
+                 "finish_reason": None} for i in range(n)]
 
     def final_choice(self, index, c):
         parser = self._parser()
-        parts = parser.push("".join(c.text)) + parser.finish()
+        parts = parser.push("".join(c.text))
+        thinking = parser.mode == "reasoning"  # it ended inside the think block
+        parts += parser.finish()
         content = "".join(p.text for p in parts if p.kind == "content")
         calls = [call for call in (self._tool_call(index, p) for p in parts if p.kind == "tool_call") if call]
-        message = {"role": "assistant", "content": content if content or not calls else None}
+        message = {"role": "assistant", "content": content if content or not (calls or thinking) else None}
         if self.reasoning:
             message["reasoning_content"] = ("".join(p.text for p in parts if p.kind == "reasoning")
                                             if any(p.kind == "reasoning" for p in parts) else None)

@@ -137,6 +137,9 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # with thinking on: at most this many reasoning tokens, then </think> is forced and the answer follows (0: thinking
+    # off, as enable_thinking false); vLLM's name
+    thinking_token_budget: int | None = Field(None, ge=0)
 
 
 class CompletionRequest(_SamplingFields):
@@ -177,7 +180,8 @@ UNSUPPORTED_CHAT = UNSUPPORTED_COMMON | {
     "prediction": (_absent, "predicted outputs are not supported"),
     "web_search_options": (_absent, "web search is not supported"),
     "reasoning_effort": (_absent, "reasoning_effort is not supported: switch Qwen3's thinking with "
-                                  "chat_template_kwargs {\"enable_thinking\": false}"),
+                                  "chat_template_kwargs {\"enable_thinking\": false} or bound it with "
+                                  "thinking_token_budget"),
     "verbosity": (_absent, "verbosity is not supported"),
     "continue_final_message": (_off, "continue_final_message is not supported"),
     "add_generation_prompt": (lambda v: v is None or v is True, "add_generation_prompt false is not supported"),
@@ -186,6 +190,8 @@ UNSUPPORTED_CHAT = UNSUPPORTED_COMMON | {
 }
 UNSUPPORTED_COMPLETION = UNSUPPORTED_COMMON | {
     "suffix": (_empty, "suffix (insertion) is not supported"),
+    "thinking_token_budget": (_absent, "a thinking budget bounds a chat answer's think block: use "
+                                       "/v1/chat/completions"),
 }
 # accepted and ignored: they label the request for OpenAI's platform and change nothing in the answer
 IGNORED = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "request_id",
