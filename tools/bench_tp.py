@@ -1,9 +1,9 @@
-"""Tensor-parallel decode benchmarks (run by tools/gpu_bench_tp.sh and tools/gpu_check_tp_ahead.sh on the lent 2-GPU
-machine): the NCCL all-reduce of one decode row, 8B-shaped batch-1 decode at TP=1 and TP=2, 32B-shaped at TP=2, and
-(`variants`) TP=2 with and without decode steps launched ahead and with the IPC kernels' trigger placements
-(xserv/parallel/ipc.py ENV_TRIGGER), in one process.
+"""Tensor-parallel decode benchmarks on two GPUs (`bash tools/gpu.sh tp` runs them): the NCCL all-reduce of one
+decode row, 8B-shaped batch-1 decode at TP=1 and TP=2, 32B-shaped at TP=2, and (`variants`) TP=2 with and without
+decode steps launched ahead and with the IPC kernels' trigger placements (xserv/parallel/ipc.py ENV_TRIGGER), in one
+process. The checkpoints are DIR/8b and DIR/32b (`xserv make-test-model --preset 8b --out DIR/8b`).
 
-    python -m tools.bench_tp [8b] [32b] [variants]
+    python -m tools.bench_tp [--models DIR] [8b] [32b] [variants]      (DIR: /dev/shm/xserv-models)
 """
 import os, sys, time
 import numpy as np
@@ -82,7 +82,19 @@ def main():
     from pathlib import Path
     from xserv.bench.common import measure_ceilings
     from xserv.runtime import get_device
-    stages = sys.argv[1:]
+    args = sys.argv[1:]
+    models = Path("/dev/shm/xserv-models")
+    if "--models" in args:
+        i = args.index("--models")
+        models = Path(args[i + 1])
+        del args[i:i + 2]
+    stages = args
+    for preset in ("8b", "32b"):
+        wanted = preset in stages or (preset == "8b" and "variants" in stages)
+        if wanted and not (models / preset / "config.json").exists():
+            raise SystemExit(f"no checkpoint at {models / preset}: `xserv make-test-model --preset {preset} --out "
+                             f"{models / preset}` makes one")
+    m8, m32 = str(models / "8b"), str(models / "32b")
     print(f"device: {get_device().name} x2")
     ceil = measure_ceilings()
     bw = ceil["copy_bytes_per_s"]
@@ -92,10 +104,8 @@ def main():
         path = "NCCL" if os.environ.get("XSERV_TP_ALLREDUCE", "auto").lower() == "nccl" else "IPC one-shot (<= 64 KB)"
         print(f"{path} all-reduce [1, {h}] bf16, 2 ranks: {e:.1f} us eager, {g:.1f} us inside a CUDA graph")
     if "8b" in stages:
-        while not Path("/dev/shm/model-8b/config.json").exists():
-            time.sleep(2)
-        r1 = decode("/dev/shm/model-8b", 1)
-        r2 = decode("/dev/shm/model-8b", 2)
+        r1 = decode(m8, 1)
+        r2 = decode(m8, 2)
         for tp, (dt, b, L, H, graphs, _) in ((1, r1), (2, r2)):
             print(f"8B-shaped batch-1 decode, context 512, TP={tp}: {dt * 1e3:.3f} ms/step, {1 / dt:.1f} tok/s; "
                   f"roofline {b / bw * 1e3:.3f} ms ({b / bw / dt:.0%} of it); decode graphs {'on' if graphs else 'OFF'}")
@@ -103,15 +113,13 @@ def main():
               f"x {ar[4096][1]:.1f} us = {(2 * r2[2] + 1) * ar[4096][1] / 1e3:.3f} ms")
     if "variants" in stages:  # launch-ahead at tp > 1 and the IPC kernels' trigger placement, same process
         from xserv.parallel.ipc import ENV_TRIGGER
-        while not Path("/dev/shm/model-8b/config.json").exists():
-            time.sleep(2)
-        base = r1[0] if "8b" in stages else decode("/dev/shm/model-8b", 1)[0]
+        base = r1[0] if "8b" in stages else decode(m8, 1)[0]
         saved = os.environ.get(ENV_TRIGGER)
         for label, trig, options in (("launch-ahead, trigger early (default)", "early", {}),
                                      ("no launch-ahead, trigger early", "early", {"overlap_steps": False}),
                                      ("no launch-ahead, no PDL on the IPC kernels", "off", {"overlap_steps": False})):
             os.environ[ENV_TRIGGER] = trig  # the spawned worker inherits it
-            dt, *_, ahead = decode("/dev/shm/model-8b", 2, **options)
+            dt, *_, ahead = decode(m8, 2, **options)
             print(f"8B TP=2, {label}: {dt * 1e3:.3f} ms/step, {1 / dt:.1f} tok/s, {base / dt:.2f}x TP=1 "
                   f"({1 / base:.1f} tok/s); steps launched ahead: {ahead}")
         if saved is None:
@@ -119,9 +127,7 @@ def main():
         else:
             os.environ[ENV_TRIGGER] = saved
     if "32b" in stages:
-        while not Path("/dev/shm/model-32b/config.json").exists():
-            time.sleep(2)
-        dt, b, L, H, graphs, _ = decode("/dev/shm/model-32b", 2)
+        dt, b, L, H, graphs, _ = decode(m32, 2)
         per = (2 * L + 1) * ar[5120][1] / 1e3
         print(f"32B-shaped batch-1 decode, context 512, TP=2: {dt * 1e3:.3f} ms/step, {1 / dt:.1f} tok/s; TP=2 "
               f"roofline (per-GPU weights + KV at copy bandwidth) {b / bw * 1e3:.3f} ms: {b / bw / dt:.0%} of it "
