@@ -5,7 +5,7 @@ cubin for sm_80 and sm_90a (NVRTC, no cache), hashed, over several compiles.
     python -m tools.text_sections compare BEFORE.json AFTER.json
 
 Several compiles, because NVRTC 13 is not deterministic here: compiling the same moe.cu six times gave another
-section for one kernel in two of them (a different kernel each time; 2-core box, 2026-11-26). `dump` keeps each
+section for one kernel in two of them (a different kernel each time). `dump` keeps each
 section's most common hash and how many compiles agreed; `compare` prints each section as same / CHANGED / new /
 gone with those counts."""
 from __future__ import annotations

@@ -17,7 +17,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
-# The one-token step's last launch (xserv/ops/moe.py, docs/kernels/moe.md v4): the combine inside the down GEMM with
+# The one-token step's last launch (xserv/ops/moe.py): the combine inside the down GEMM with
 # the late or the early trigger, or the two launches it replaced.
 COMBINE_FORMS = {"fused": {"fuse_combine": True, "down_trigger": "late"},
                  "early": {"fuse_combine": True, "down_trigger": "early"},

@@ -1,8 +1,8 @@
 """What a hand-off between dependent steps costs on this GPU: a kernel boundary inside a CUDA graph (with and
 without programmatic dependent launch) against a software grid barrier inside one persistent kernel (four forms).
 The step is tiny (CTA b reads what CTA b + 1 wrote in the step before), so the figures are the hand-off itself:
-what a persistent batch-1 decode kernel would pay per dependent phase instead of a kernel boundary (issue 11;
-docs/kernels/gemv.md). Kernels: cuda_src/dev/sync_bench.cu. Prints the device name. GPU only.
+what a persistent batch-1 decode kernel would pay per dependent phase instead of a kernel boundary
+(docs/kernels/gemv.md). Kernels: cuda_src/dev/sync_bench.cu. Prints the device name. GPU only.
 
     python -m tools.dev.bench_sync [--grids 132,264] [--rounds 2000] [--steps 64]
 
