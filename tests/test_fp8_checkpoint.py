@@ -17,8 +17,8 @@ from xserv.engine.batch import SeqChunk, make_batch
 from xserv.engine.kv_cache import KVCache, KVCacheSpec
 from xserv.models.checkpoint import CheckpointReader
 from xserv.models.config import preset_dict
-from xserv.models.fp8 import (E4M3, Fp8BlockQuantization, Fp8Weight, dequantize_blockwise, dequantize_for_load,
-                              quantize_blockwise, scale_shape)
+from xserv.fp8_format import E4M3, Fp8Weight, dequantize_blockwise, quantize_blockwise, scale_shape
+from xserv.models.fp8 import Fp8BlockQuantization, dequantize_for_load
 from xserv.models.llama import LlamaConfig
 from xserv.models.qwen3 import Qwen3Config
 from xserv.models.qwen3_moe import Qwen3MoeConfig

@@ -33,7 +33,7 @@ from ..runtime.compiler import piece
 from ..tensor import Tensor, bfloat16, float32, int32
 from ._checks import check_tensor, output, same_device
 from ._launch import aligned, cdiv, check_alias, check_eps, pooled_buffer, round_up
-from ..models.fp8 import Fp8Weight
+from ..fp8_format import Fp8Weight
 from ..tensor import float8_e4m3fn
 from .activation import silu_and_mul_reference
 from .gemv_fp8 import FAMILY as FP8_FAMILY

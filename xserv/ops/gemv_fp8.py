@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..models.fp8 import DEFAULT_BLOCK, E4M3, dequantize_blockwise, scale_shape
+from ..fp8_format import DEFAULT_BLOCK, E4M3, dequantize_blockwise, scale_shape
 from ..runtime import get_device, kernel
 from ..runtime.compiler import piece
 from ..tensor import Tensor, bfloat16, float8_e4m3fn, float32

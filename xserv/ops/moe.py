@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..models.fp8 import DEFAULT_BLOCK, dequantize_blockwise
+from ..fp8_format import DEFAULT_BLOCK, dequantize_blockwise
 from ..tensor import Tensor, bfloat16, float8_e4m3fn, float32, int32
 from ._checks import check_tensor, output, same_device
 from ._launch import cdiv
