@@ -8,10 +8,13 @@ and exit with status 2.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import time
 from pathlib import Path
+
+from .model_options import add_model_args, load_llm
 
 EXIT_USAGE = 2
 EXIT_BROKEN_PIPE = 128 + 13  # what a shell reports for a command ended by SIGPIPE
@@ -21,17 +24,6 @@ commands:  /reset         forget the conversation
            /system TEXT   set the system prompt (and forget the conversation)
            /exit          quit (also Ctrl-D)
            Ctrl-C         stop the current answer (the session goes on)"""
-
-
-def _add_model_args(p: argparse.ArgumentParser, max_num_seqs: int | None = None) -> None:
-    from .engine.config import EngineConfig
-
-    g = p.add_argument_group("model")
-    g.add_argument("--model", "-m", default=None,
-                   help="a Hugging Face Qwen3 folder or hub id (default: the bundled tiny model, random weights)")
-    g.add_argument("--device", choices=("cpu", "cuda"), default=None,
-                   help="where to run (default: cuda when a GPU is present, else cpu)")
-    EngineConfig.add_cli_arguments(p, max_num_seqs=max_num_seqs)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -101,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 "  xserv generate -m Qwen/Qwen3-0.6B --chat --no-enable-thinking -p 'Write a haiku'\n"
                                 "  xserv generate -m ./Qwen3-8B --prompt-file article.txt --max-tokens 200 | less",
                          formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_model_args(gen, max_num_seqs=8)
+    add_model_args(gen, max_num_seqs=8)
     source = gen.add_argument_group("prompt (one of)").add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", "-p", help="the prompt text")
     source.add_argument("--prompt-file", metavar="PATH",
@@ -115,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Chat with a model in the terminal: answers stream as they are generated, "
                                       "the conversation is kept through the chat template.\n\n" + CHAT_HELP,
                           formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_model_args(chat, max_num_seqs=8)
+    add_model_args(chat, max_num_seqs=8)
     chat.add_argument("--system", default=None, metavar="TEXT", help="a system prompt")
     _add_sampling_args(chat, max_tokens=1024)
 
@@ -125,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
                            description="An OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, "
                                        "/v1/models, /health, /metrics) with streaming.",
                            formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_model_args(serve)
+    add_model_args(serve)
     server_options.add_serve_arguments(serve)
 
     from .bench import options as bench_options
@@ -137,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, help_text, wants_model in bench_options.BENCHMARKS:
         b = bench_sub.add_parser(name, help=help_text, description=help_text)
         if wants_model:
-            _add_model_args(b)
+            add_model_args(b)
         bench_options.add_arguments(name, b)
 
     from .models import make_test_model
@@ -174,23 +166,6 @@ def _sampling_params(args, folder=None):
     if args.ignore_eos:
         kw["ignore_eos"] = True
     return SamplingParams(**kw)
-
-
-def load_llm(args):
-    from .engine.config import EngineConfig
-    from .llm import LLM
-    from .models.checkpoint import resolve_model_source
-
-    model = args.model
-    if model is None:
-        from .models.random_checkpoint import bundled_tiny_model
-
-        model = str(bundled_tiny_model())
-        print("xserv: no --model given, using the bundled tiny model. Its weights are RANDOM: the answers are "
-              "gibberish. Pass --model PATH (a Qwen3 folder or hub id) for a real model.", file=sys.stderr)
-    folder = resolve_model_source(model)  # a bad path is reported before anything about the device
-    print(f"xserv: loading {model} ...", file=sys.stderr, flush=True)
-    return LLM(str(folder), device=args.device, config=EngineConfig.from_cli_args(args))
 
 
 def read_prompt(args) -> str:
@@ -365,6 +340,27 @@ def cli_words(message: str, flags: dict[str, str]) -> str:
     return re.sub(rf"^({names}) must ", lambda m: f"{flags[m.group(1)]} must ", message)
 
 
+class _NoticeHandler(logging.Handler):
+    """Prints the library's notices (logger "xserv": no GPU found, the bundled model, FP8 weights dequantized at
+    load, loading ...) to stderr as `xserv: MESSAGE`. It looks up sys.stderr at each notice, not once: a caller
+    may have replaced it since (a test capturing it, say)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            print(f"xserv: {self.format(record)}", file=sys.stderr, flush=True)
+        except Exception:  # noqa: BLE001 - logging's rule: a failing handler reports, never raises
+            self.handleError(record)
+
+
+def _print_library_notices() -> None:
+    """The command line shows what the library says at INFO and above; once per process (main may run again)."""
+    logger = logging.getLogger("xserv")
+    if not any(isinstance(h, _NoticeHandler) for h in logger.handlers):
+        logger.addHandler(_NoticeHandler())
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -372,6 +368,7 @@ def main(argv=None) -> int:
         parser.print_help()
         return EXIT_USAGE
     args.option_flags = option_flags(parser, args)
+    _print_library_notices()
     try:
         if args.command == "generate":
             return cmd_generate(args)

@@ -49,7 +49,7 @@ def _one(engine, prompt, params) -> tuple[float, float | None, int]:
 
 
 def run(args) -> int:
-    from ..cli import load_llm
+    from ..model_options import load_llm
     from ..sampling import SamplingParams
 
     for name in ("input_len", "output_len", "iters"):

@@ -67,7 +67,7 @@ def workload_line(args, device: str, in_tokens: int, out_tokens: int) -> str:
 
 
 def run(args) -> int:
-    from ..cli import load_llm
+    from ..model_options import load_llm
     from ..llm import pick_device
     from ..sampling import SamplingParams
 

@@ -163,7 +163,7 @@ def check_structured_output(engine) -> None:
 
 
 def _serve(args, uvicorn, sockets, chat_template: str | None) -> int:
-    from ..cli import load_llm
+    from ..model_options import load_llm
     from ..models.checkpoint import resolve_model_source
 
     load_args = args
