@@ -149,7 +149,7 @@ stage_suite() {
       # the one test that measures the whole GPU's free memory runs alone afterwards: another process allocating
       # beside it fails it
       models) echo tests --ignore=tests/ops --deselect=$alone ;;
-      */*) echo "$1" ;;
+      */*) echo "$1 --deselect=$alone" ;;
       *) echo "suite: unknown group $1 (attention, attention-fp8, ops, models or a test file)" >&2; return 1 ;;
     esac
   }
@@ -164,7 +164,7 @@ stage_suite() {
     echo "rc=$?" >> $log.log ) &
   done; done
   wait
-  if [[ " $* " == *" models "* ]]; then for path in $PATHS; do
+  if [[ " $* " == *" models "* || " $* " == *" ${alone%%::*} "* ]]; then for path in $PATHS; do
     step "suite-alone-$path" 120 1 env $(path_env $path) python3 -m pytest -m gpu -q -p no:cacheprovider $alone
   done; fi
   for group; do for path in $PATHS; do
