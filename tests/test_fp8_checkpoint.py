@@ -462,12 +462,15 @@ def test_fp8_experts_load_dequantized_by_default(fp8_folders, monkeypatch):
         assert not cls.loads_fp8_experts(c)
     monkeypatch.setenv("XSERV_FP8_EXPERTS", "e4m3")
     assert cls.loads_fp8_experts(c) and not cls.loads_fp8_experts(config_from_pretrained(fp8_folders["moe"][0]))
-    # the start-up compiles the moe piece of the experts' format (llm.py: moe_fp8 from loads_fp8_experts)
+    # the start-up compiles the moe piece of the experts' format, as the model class names it (FP8 on one GPU only:
+    # under tensor parallelism every FP8 weight loads dequantized)
     from xserv.runtime.compiler import startup_families
 
-    shapes = {"head_dim": 64, "group": 2, "moe": 1, "fp8": 1}
-    assert "moe:e1_x0" in startup_families("sm_90a", shapes)
-    assert "moe:e1_x1" in startup_families("sm_90a", {**shapes, "moe_fp8": 1})
+    shapes = cls.kernel_shapes(c)
+    assert shapes["moe"] == 1 and shapes["fp8"] == 1 and shapes["moe_fp8"] == 1
+    assert cls.kernel_shapes(c, tp_size=2)["moe_fp8"] == 0
+    assert "moe:e1_x1" in startup_families("sm_90a", shapes)
+    assert "moe:e1_x0" in startup_families("sm_90a", {**shapes, "moe_fp8": 0})
     notice = cls.fp8_load_notice(c)  # only the dense layer's gate and up (up starts inside a block) are dequantized
     quantized = sum(w.quantized for w in cls.weight_table(c))
     assert f"2 of its {quantized} quantized weights" in notice and "experts" not in notice

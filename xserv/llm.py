@@ -7,9 +7,7 @@ exception in a caller (KeyboardInterrupt included) aborts that caller's requests
 from __future__ import annotations
 
 import dataclasses
-import sys
 import threading
-import time
 import weakref
 from collections import deque
 from typing import Iterator
@@ -19,22 +17,7 @@ import numpy as np
 from .engine.config import EngineConfig
 from .engine.engine_thread import EngineThread, Submission, Update
 from .engine.llm_engine import LLMEngine, RequestOutput, choice_params
-
-
-def pick_device(device: str | None, notice=True) -> str:
-    from .runtime import cuda_available
-
-    if device is None:
-        if cuda_available():
-            return "cuda"
-        if notice:
-            print("xserv: no CUDA GPU found; running on the CPU (NumPy backend, float32, slow)", file=sys.stderr)
-        return "cpu"
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    if device == "cuda" and not cuda_available():
-        raise ValueError("device='cuda' asked for, but no CUDA GPU was found; use device='cpu'")
-    return device
+from .engine_builder import EngineBuilder
 
 
 class LLMClosed(RuntimeError):
@@ -171,55 +154,13 @@ class LLM:
     def __init__(self, model: str, device: str | None = None, config: EngineConfig | None = None, *,
                  progress: bool = True, **overrides):
         global _open_on_cuda
-        from .models.checkpoint import CheckpointReader, resolve_model_source
-        from .models.registry import config_from_pretrained, model_class
-        from .tokenizer import Tokenizer
-
         unknown = set(overrides) - {f.name for f in dataclasses.fields(EngineConfig)}
         if unknown:
             raise TypeError(f"LLM() got unknown engine option(s) {sorted(unknown)}")
-        cfg = (config or EngineConfig()).replace(**overrides)
-        self.engine_config = cfg
-        max_model_len = cfg.max_model_len
-        self.folder = resolve_model_source(model)  # a bad path is reported before any device notice
-        self.device = pick_device(device)
-        self.config = config = config_from_pretrained(self.folder)
-        notice = model_class(config).fp8_load_notice(config)
-        if notice:
-            print(f"xserv: {notice}", file=sys.stderr)
-        context = config.context_length
-        if max_model_len is not None and max_model_len > context:
-            raise ValueError(f"max_model_len {max_model_len} is longer than the model's context of {context} tokens "
-                             f"(max_position_embeddings, or YaRN's factor x original length)")
-        max_len = max_model_len or context
-        tp = cfg.tensor_parallel_size
-        rank_config = config
-        if tp > 1:  # the model splits tp ways onto as many GPUs: checked before anything is loaded or started
-            from .parallel.sharding import check_tp
-            from .parallel.sharding import rank_config as tp_rank_config
-
-            from .runtime import device_count
-
-            check_tp(config, tp, device_count() if self.device == "cuda" else tp, model_class(config))
-            rank_config = tp_rank_config(config, tp, 0).config
-        # the checkpoint's headers, before the tokenizer and the kernels: a missing, truncated or garbage file is
-        # reported at once, and before anything that would need releasing exists
-        reader = CheckpointReader(self.folder)
-        self.tokenizer = Tokenizer.from_folder(self.folder)
-        thread_setup = None
-        if self.device == "cuda":
-            from .runtime import get_device
-            from .runtime.compiler import ensure_compiled, kernel_shapes
-
-            start = time.perf_counter()
-            shapes = kernel_shapes(rank_config)
-            if "moe" in shapes:  # the moe piece of the experts' format (FP8 only where they load FP8: tp 1)
-                shapes["moe_fp8"] = int(tp == 1 and model_class(config).loads_fp8_experts(config))
-            if cfg.fp8_kv_cache:
-                shapes["kvfp8"] = 1  # the FP8 KV cache's decode piece (attention_decode_fp8)
-            ensure_compiled(get_device().arch, progress=progress, shapes=shapes)
-            self.kernel_compile_s = time.perf_counter() - start
-            thread_setup = get_device().bind_to_thread
+        builder = EngineBuilder(model, device, (config or EngineConfig()).replace(**overrides))
+        self.engine_config, self.folder, self.device = builder.engine_config, builder.folder, builder.device
+        self.config, self.tokenizer = builder.config, builder.tokenizer
+        builder.compile_kernels(progress=progress)
         with _open_lock:  # counted from here: a failure below releases what was made (see _release)
             if self.device == "cuda":
                 _open_on_cuda += 1
@@ -227,28 +168,17 @@ class LLM:
         self._finalizer = weakref.finalize(self, _release, state)
         self._finalizer.atexit = False  # at exit the process's memory goes anyway; no engine thread to stop
         self._state = state
-        start = time.perf_counter()
         try:
-            if tp > 1:  # ranks 1..tp-1 start and load their shards while this process loads rank 0's
-                from .parallel.group import TPGroup
-
-                state.group = TPGroup.start(self.folder, config, tp, self.device, cfg, max_positions=max_len)
-                state.model = state.group.load_rank0(self.folder, max_positions=max_len, progress=progress)
-                state.group.wait_loaded()
-            else:
-                state.model = model_class(config).from_checkpoint(config, reader, self.device, progress=progress,
-                                                                  max_positions=max_len)
-            del reader
-            self.timings = {"weights_s": time.perf_counter() - start}
-            start = time.perf_counter()
-            eos = set(config.eos_token_id) | set(self.tokenizer.eos_token_ids)
-            state.engine = LLMEngine.from_model(state.model, self.tokenizer, cfg, context_len=max_len,
-                                                eos_token_ids=eos, group=state.group)
+            builder.load(state, progress=progress)
         except BaseException:
-            reader = None  # the traceback keeps this frame while the caller handles the error: not its file maps
             self._finalizer()
             raise
-        self.timings["engine_s"] = time.perf_counter() - start
+        self.timings, self.kernel_compile_s = builder.timings, builder.kernel_compile_s
+        thread_setup = None
+        if self.device == "cuda":
+            from .runtime import get_device
+
+            thread_setup = get_device().bind_to_thread
         state.thread = EngineThread(state.engine, thread_setup=thread_setup,
                                     on_exit=lambda engine: _close_engine(engine, state.device))
         self.max_model_len = state.engine.max_model_len

@@ -67,8 +67,8 @@ def workload_line(args, device: str, in_tokens: int, out_tokens: int) -> str:
 
 
 def run(args) -> int:
+    from ..engine_builder import pick_device
     from ..model_options import load_llm
-    from ..llm import pick_device
     from ..sampling import SamplingParams
 
     device = pick_device(args.device, notice=False)

@@ -334,6 +334,18 @@ class DenseModel:
                        for w in ws)}
 
     @classmethod
+    def kernel_shapes(cls, config, tp_size: int = 1) -> dict[str, int]:
+        """The shapes of the kernels this model's steps launch, whose pieces a start-up compiles (runtime/compiler.py,
+        startup_families): head dim and query heads per kv head of `config` (a rank's config under tensor
+        parallelism: replicated kv heads change the group), and fp8=1 for a checkpoint with FP8 weights (the
+        gemv_fp8 and fp8 families)."""
+        shapes = {"head_dim": int(config.head_dim),
+                  "group": int(config.num_attention_heads // config.num_key_value_heads)}
+        if getattr(config, "quantization_config", None) is not None:
+            shapes["fp8"] = 1
+        return shapes
+
+    @classmethod
     def fp8_load_notice(cls, config) -> str | None:
         """One line for the user when an FP8 checkpoint has quantized weights that load dequantized (no FP8 kernel
         takes them: MoE experts, blocks other than 128 x 128, fused parts off the block grid); None otherwise."""

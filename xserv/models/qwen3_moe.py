@@ -283,6 +283,15 @@ class Qwen3MoeModel(Qwen3Model):
         return any(field in _EXPERT_FIELDS for _, field in cls.kept_fp8_fields(cls.weight_table(config)))
 
     @classmethod
+    def kernel_shapes(cls, config, tp_size: int = 1) -> dict[str, int]:
+        """The dense model's, and the moe family's piece: moe_fp8=1 for experts that load as FP8 (one GPU only),
+        else the bf16 experts' GEMMs."""
+        shapes = super().kernel_shapes(config, tp_size)
+        shapes["moe"] = 1
+        shapes["moe_fp8"] = int(tp_size == 1 and cls.loads_fp8_experts(config))
+        return shapes
+
+    @classmethod
     def fp8_load_notice(cls, config) -> str | None:
         """With XSERV_FP8_EXPERTS=e4m3 the base class's line (what still loads dequantized); by default, that the
         checkpoint loads dequantized and how to keep it FP8."""
