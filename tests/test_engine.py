@@ -269,7 +269,7 @@ def test_every_block_comes_back_after_finished_aborted_and_preempted(perturbed_m
 def test_streamed_text_equals_the_whole_text(llm):
     params = SamplingParams(max_tokens=20, ignore_eos=True, **GREEDY)
     whole = llm.generate([PROMPTS[3]], params)[0]
-    streamed = "".join(llm.engine.stream(PROMPTS[3], params))
+    streamed = "".join(llm.stream(PROMPTS[3], params))
     assert streamed == whole.text and whole.text
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from batch_shape import assert_same_greedy_run
+from engine_driver import generate, stream
 from qwen3_reference import perturbed_model_dir  # noqa: F401
 from xserv.engine.block_manager import NO_PARENT, BlockManager
 from xserv.sampling import SamplingParams
@@ -85,18 +86,18 @@ def test_same_block_tokens_after_another_prefix_are_computed_not_served(loaded):
     Planted bug that turns this red: `block_key` hashing the block's own tokens only (the parent ignored)."""
     params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0, logprobs=5)
     eng = make_engine(loaded, max_model_len=MAX_LEN, block_size=BS)
-    warm = eng.generate([Z + W + TAIL, X + Y + TAIL], [params] * 2)
+    warm = generate(eng, [Z + W + TAIL, X + Y + TAIL], [params] * 2)
     assert [o.num_cached_tokens for o in warm] == [0, 0]
-    zy, yy = (eng.generate([p], [params])[0] for p in (Z + Y + TAIL, Y + Y + TAIL))
+    zy, yy = (generate(eng, [p], [params])[0] for p in (Z + Y + TAIL, Y + Y + TAIL))
     assert zy.num_cached_tokens == BS  # Z only: its Y follows Z, X Y's follows X
     assert yy.num_cached_tokens == 0  # Y at position 0 is not Y at position 16
-    again = eng.generate([Z + Y + TAIL], [params])[0]
+    again = generate(eng, [Z + Y + TAIL], [params])[0]
     assert again.num_cached_tokens == 2 * BS and again.token_ids == zy.token_ids  # Z Y's own blocks do serve it
 
     fresh = make_engine(loaded, max_model_len=MAX_LEN, block_size=BS, enable_prefix_caching=False)
     for got in (zy, yy, again):
         prompt = got.prompt_token_ids
-        want = fresh.generate([prompt], [params])[0]  # alone, every token computed
+        want = generate(fresh, [prompt], [params])[0]  # alone, every token computed
         assert want.num_cached_tokens == 0
         assert_same_greedy_run(got, want, prompt[:BS + 1])  # a batch shape apart: equal up to rounding
 
@@ -112,8 +113,8 @@ STREAM_PARAMS = [SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)
 
 
 def _run_streams(eng, prompts, params_list):
-    """Stream every request at once (engine.stream, round robin); per request: (deltas, final output)."""
-    streams = [eng.stream(p, sp) for p, sp in zip(prompts, params_list)]
+    """Stream every request at once (engine_driver.stream, round robin); per request: (deltas, final output)."""
+    streams = [stream(eng, p, sp) for p, sp in zip(prompts, params_list)]
     deltas = [[] for _ in streams]
     active = list(range(len(streams)))
     while active:

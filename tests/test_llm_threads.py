@@ -326,12 +326,13 @@ def test_dropped_llm_stops_its_thread(tiny_model_dir):  # noqa: F811
 def test_unseeded_sampling_differs_between_runs_seeded_repeats(llm):
     """A fresh engine (a new process, a re-run cell) samples unseeded requests afresh; a seed repeats them; an
     engine-wide seed makes unseeded requests repeat across engines."""
+    from engine_driver import generate
     from xserv.engine.llm_engine import LLMEngine
 
     def first_request(config: EngineConfig, params: SamplingParams) -> list[int]:
         config = config.replace(max_num_seqs=2)  # small sampler state: seven engines are made here
         engine = LLMEngine.from_model(llm.model, llm.tokenizer, config, context_len=256, eos_token_ids=[])
-        return engine.generate([llm.tokenizer.encode("Hello")], [params])[0].token_ids
+        return generate(engine, [llm.tokenizer.encode("Hello")], [params])[0].token_ids
 
     free = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
     # 16 draws over a near-uniform 151k vocabulary: equal only by a miracle

@@ -33,7 +33,7 @@ from .kv_cache import KVCache, KVCacheSpec, kv_cache_dtype
 from .model_runner import ModelRunner
 from .sampler import Sampler
 from .scheduler import Scheduler
-from .sequence import FINISHED, RUNNING, RequestOutput, Sequence
+from .sequence import FINISHED, RUNNING, RequestOutput, Sequence  # noqa: F401 (RequestOutput: the library's)
 
 
 def choice_params(params) -> list:
@@ -392,28 +392,7 @@ class LLMEngine:
             ids = seq.output_ids[:-1] if dropped_last else seq.output_ids
             seq.final_text = self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    # ---- whole requests -----------------------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params_list, prompt_texts=None, on_step=None) -> list[RequestOutput]:
-        """Run the requests to the end; one output per sample (params.n of them per prompt, prompts in order).
-        `on_step(results)` is called after every step (progress bars, benchmarks)."""
-        texts = prompt_texts or [None] * len(prompts)
-        seqs = []
-        try:
-            for ids, params, text in zip(prompts, params_list, texts):
-                seqs += self.add_samples(ids, params, text)
-            while any(not s.is_finished for s in seqs):
-                results = self.step()
-                if on_step is not None:
-                    on_step(results)
-        finally:
-            for s in seqs:
-                self.abort(s)
-        return [s.output() for s in seqs]
-
-    def stream(self, prompt_ids, params, prompt: str | None = None) -> "TextStream":
-        """An iterator of one request's text deltas as they come; `.output` holds the request so far."""
-        return TextStream(self, self.add_request(prompt_ids, params, prompt, stream=True))
-
+    # ---- logits -------------------------------------------------------------------------------------------------
     def logits(self, token_ids) -> np.ndarray:
         """float32 [len, vocab]: the logits at every position of `token_ids` (prefilled in chunks into blocks
         borrowed from the pool for the call)."""
@@ -434,45 +413,3 @@ class LLMEngine:
         finally:
             self.blocks.free(table)
 
-
-class TextStream:
-    """Text deltas of one request, stepping the engine on demand. Closing it (or breaking out of the loop and
-    dropping it, or an exception such as KeyboardInterrupt inside the loop) aborts the request."""
-
-    def __init__(self, engine: LLMEngine, seq: Sequence):
-        from collections import deque
-
-        self.engine = engine
-        self.seq = seq
-        seq.stream_buffer = self._pending = deque()
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> str:
-        try:
-            while not self._pending:
-                if self.seq.is_finished:
-                    raise StopIteration
-                self.engine.step()  # steps every running request; this one's text lands in _pending
-        except BaseException:
-            self.close()
-            raise
-        return self._pending.popleft()
-
-    def close(self) -> None:
-        self.engine.abort(self.seq)
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
-
-    @property
-    def output(self) -> RequestOutput:
-        return self.seq.output()
-
-    @property
-    def num_tokens(self) -> int:
-        return self.seq.num_output_tokens
