@@ -3,7 +3,7 @@
     linear_fp8(x, weight, scale_inv, out=None, out_dtype=None, scratch=None, path="auto")
 
 x bf16 [M, K]; weight float8_e4m3fn [N, K] with float32 scale_inv [ceil(N / 128), ceil(K / 128)] (Qwen's -FP8
-layout: 128 x 128 blocks, xserv/models/fp8.py); out bf16 (default) or float32 [M, N]. On CUDA, K % 16 == 0. The
+layout: 128 x 128 blocks, xserv/fp8_format.py); out bf16 (default) or float32 [M, N]. On CUDA, K % 16 == 0. The
 model's projections call this for every quantized weight (xserv/models/dense.py), whatever M is.
 
 The dispatch rule (choose_path; docs/kernels/fp8.md says why):

@@ -8,7 +8,7 @@ quantize_1x128: one float32 scale per row and 128-column group (G = ceil(K / 128
 an all-zero group), q = e4m3(clip(x / scale, +-448)) with an IEEE float32 division, rounded to nearest even; the
 scales stored group-major, scales[g, m] (the M scales of a group contiguous): cuBLASLt's VEC128_32F layout for the
 activations (runtime/cublas.py, gemm_fp8_block_scaled). dequantize_bf16: bf16(float32(e4m3) * scale_inv), the float32
-product rounded once, as models/fp8.py's dequantize_blockwise. Both need K % 16 == 0 on CUDA (16-byte accesses, a
+product rounded once, as fp8_format.py's dequantize_blockwise. Both need K % 16 == 0 on CUDA (16-byte accesses, a
 chunk never straddles a 128-column group). The NumPy references compute the same values: the CUDA kernels match them
 bit for bit (tests/ops/test_fp8_linear.py).
 """

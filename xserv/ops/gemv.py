@@ -12,7 +12,7 @@ normalisation, silu_and_mul, linear, the residual add), so the CPU backend runs 
 NumPy references. Only the order of the fp32 sums differs from cuBLASLt's.
 
 FP8 weights (issue 31): rmsnorm_linear, rmsnorm_linear_silu_mul and linear_add also take an `Fp8Weight` (e4m3
-[N, K] with float32 128 x 128 block scales, models/fp8.py) for one row, the one-token decode step's projections:
+[N, K] with float32 128 x 128 block scales, xserv/fp8_format.py) for one row, the one-token decode step's projections:
 the same prologues and epilogues on the FP8 GEMV (gemv_fp8.cu's gemv_fp8_row_* entries: gemv_row.cuh's one-row
 kernel with the e4m3 format, the weights dequantized in registers). Their references compose the same NumPy
 references around linear_fp8_reference (dequantize, then multiply). `fp8_row_supported(n, k, paired)` says whether

@@ -3,7 +3,7 @@
     linear_fp8_gemv(x, weight_fp8, scale_inv)    out = x @ dequant(weight_fp8, scale_inv)^T
 
 x bf16 [m, K] (m = 1..8), weight float8_e4m3fn [N, K], scale_inv float32 [ceil(N / 128), ceil(K / 128)] (Qwen's
--FP8 checkpoints: 128 x 128 blocks, xserv/models/fp8.py), out bf16 or float32 [m, N]; K % 16 == 0 (the kernel
+-FP8 checkpoints: 128 x 128 blocks, xserv/fp8_format.py), out bf16 or float32 [m, N]; K % 16 == 0 (the kernel
 reads 16 weights per 16-byte load and a chunk never straddles a scale block), any N; N and K need not be multiples
 of 128 (partial edge blocks have scales of their own).
 
@@ -13,7 +13,7 @@ to each 16-weight partial sum instead (gemv_fp8.cu, "the block scale and the rou
 the fp32 roundings differ at about 1e-7 relative.
 
 The family is compiled per model as its one piece gemv_fp8:f1 (`// xserv-shapes: fp8=1`): a start-up compiles it
-for FP8-quantized models only (runtime/compiler.py, kernel_shapes). v1 on an NVIDIA H100 80GB HBM3, graph-timed: m = 1
+for FP8-quantized models only (the model class's kernel_shapes). v1 on an NVIDIA H100 80GB HBM3, graph-timed: m = 1
 at 56-89% of copy bandwidth on Qwen3-8B's projections, m = 8 at 26-36% (docs/kernels/gemv.md, "FP8 weight-only").
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ CONVERSIONS = ("auto", "soft")
 def linear_fp8_reference(x: np.ndarray, weight: np.ndarray, scale_inv: np.ndarray,
                          block: tuple[int, int] = DEFAULT_BLOCK) -> np.ndarray:
     """float64 [m, N]: x [m, K] @ dequant(weight)^T with the dequantized weight float32(e4m3) * scale_inv rounded to
-    float32 (models/fp8.py's dequantize_blockwise) and the sums in float64."""
+    float32 (fp8_format.py's dequantize_blockwise) and the sums in float64."""
     w = dequantize_blockwise(np.asarray(weight), np.asarray(scale_inv, np.float32), block, out_dtype=np.float32)
     return np.asarray(x).astype(np.float64) @ w.astype(np.float64).T
 

@@ -12,7 +12,7 @@ Weights are stacked per expert: gate_up bf16 [E, 2I, H] (each expert's gate rows
 fused layout), down bf16 [E, H, I]. The rounding points are a dense MLP's (silu_and_mul, linear's bf16 output), so
 one expert's MLP rounds exactly as xserv's dense MLP does. FP8 experts (a -FP8 checkpoint's): gate_up and down in
 e4m3 with float32 scales per 128 x 128 block, gate_up_scale [E, 2I / 128, H / 128] and down_scale [E, H / 128,
-I / 128] (H and I multiples of 128); each weight counts as bf16(float32(e4m3) * scale), models/fp8.py's
+I / 128] (H and I multiples of 128); each weight counts as bf16(float32(e4m3) * scale), fp8_format.py's
 dequantize_blockwise, so the results are the bf16 path's on the dequantized weights, bit for bit.
 
 CUDA (cuda_src/moe.cu, docs/kernels/moe.md): the router logits are a linear (the GEMV kernel for one row,
@@ -210,7 +210,7 @@ def moe_experts(x: Tensor, router: Tensor, gate_up: Tensor, down: Tensor, top_k:
 
 def dequantize_experts(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
     """Stacked FP8 experts q e4m3 [E, rows, cols] with scale [E, rows / 128, cols / 128] -> bf16 [E, rows, cols],
-    each expert as models/fp8.py's dequantize_blockwise rounds it (the CPU path; the GPU kernels' weights)."""
+    each expert as fp8_format.py's dequantize_blockwise rounds it (the CPU path; the GPU kernels' weights)."""
     return np.stack([dequantize_blockwise(q[e], scale[e]) for e in range(q.shape[0])])
 
 
