@@ -1,7 +1,7 @@
 """What a model must provide to the engine (docs/models.md says the same in prose).
 
-The engine and `xserv.llm` use a model only through these two protocols; `xserv.models.registry` maps a Hugging
-Face `architectures[0]` name to the classes that implement them. Nothing here is imported at run time by the engine:
+The engine and its builder (`xserv.engine_builder`) use a model only through these two protocols;
+`xserv.models.registry` maps a Hugging Face `architectures[0]` name to the classes that implement them. Nothing here is imported at run time by the engine:
 the protocols are the written contract, checked by the tests (`isinstance(model, CausalLM)`).
 """
 from __future__ import annotations
@@ -52,6 +52,12 @@ class CausalLM(Protocol):
     @classmethod
     def from_checkpoint(cls, config, reader, device: str = "cuda", progress: bool = True,
                         max_positions: int | None = None, dtype=None) -> "CausalLM": ...
+
+    @classmethod
+    def kernel_shapes(cls, config, tp_size: int = 1) -> dict[str, int]: ...  # the kernel pieces a start-up compiles
+
+    @classmethod
+    def fp8_load_notice(cls, config) -> str | None: ...  # a line for the user when FP8 weights load dequantized
 
     def make_workspace(self, max_tokens: int, max_logits: int) -> Any: ...
 
