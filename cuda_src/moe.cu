@@ -258,13 +258,11 @@ struct OneToken {
 };
 
 // The one-token down GEMM's combine (COMBINE): the routing weights, the combine's output (bf16 [1, H] stored, or the
-// fp32 residual [1, H] added to), a counter per row block (int32 [H / ROWS], zero between launches), and whether
-// the kernel lets its dependent launch begin right after its wait (1) or only when the grid ends (0).
+// fp32 residual [1, H] added to) and a counter per row block (int32 [H / ROWS], zero between launches).
 struct Combine {
     const float* weights;
     void* out;
     int* counters;
-    int early_trigger;
 };
 enum { kNoCombine = 0, kCombineStore = 1, kCombineAdd = 2 };
 
@@ -300,9 +298,8 @@ __device__ __forceinline__ void moe_gemm(const bf16* __restrict__ x, const bf16*
 
     if constexpr (COMBINE == kNoCombine) {
         pdl_start();
-    } else {  // the trigger: docs/kernels/moe.md v4 (by default none: the next launch begins when this grid ends)
+    } else {  // no trigger: the next launch begins when this grid ends, as after moe_combine_add (which it replaces)
         xserv::pdl_wait();
-        if (comb.early_trigger) xserv::pdl_launch_dependents();
     }
     const int tile = blockIdx.y;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -681,33 +678,27 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine_add(const bf16* __
 // The one-token down GEMM with the combine folded in (the small shape; a launch less than down + combine, the same
 // bits): grid (H / 32, max tiles) as moe_gemm_down_small. y [k, H] bf16 (the expert rows, still stored: the last
 // CTA of each row block reads them back from L2); weights fp32 [k]; out bf16 [1, H] (store) or fp32 [1, H] (the
-// residual, add); counters int32 [H / 32], zero between launches; early_trigger 0 / 1: see struct Combine.
-// STAGES, BK: the ring. At one token a CTA streams 32 rows x K = 768 of one expert, and with 64-wide chunks and 4
-// stages its loads go out in 4 dependent rounds: in the model (weights from DRAM) down ends ~14 us after gate/up
-// for ~8 us of bytes, the same with its weights already in L2 (docs/kernels/moe.md, "v5"). The _k128 (4 stages of
-// 128: 2 rounds, 41 KB, one wave of CTAs) and _k256 (3 stages of 256: the whole row at once, 61 KB, 3 CTAs per SM)
-// forms shorten that chain (ops/moe.py's DOWN_ONE_BK chooses; v6). NAME_fp8: e4m3 experts and their block scales.
+// residual, add); counters int32 [H / 32], zero between launches.
+// STAGES, BK: the ring. At one token a CTA streams 32 rows x K = 768 of one expert; 4 stages of 128-wide chunks send
+// its loads out in 2 dependent rounds (41 KB, one wave of CTAs), where the GEMMs' 64-wide chunks took 4 and left down
+// ending well after its bytes (docs/kernels/moe.md). NAME_fp8: e4m3 experts and their block scales.
 #define XSERV_MOE_DOWN_ONE(NAME, MODE, OUT, STAGES, BK)                                                              \
     XSERV_MOE_BF16_ENTRY(                                                                                            \
     extern "C" __global__ void __launch_bounds__(128) NAME(                                                          \
         const bf16* __restrict__ act, const bf16* __restrict__ w, const int* __restrict__ sorted,                     \
         const int* __restrict__ tile_expert, bf16* __restrict__ y, int top_k, int K, int N,                         \
-        const float* __restrict__ weights, OUT* out, int* counters, int early_trigger) {                             \
+        const float* __restrict__ weights, OUT* out, int* counters) {                                                \
         moe_gemm<1, 1, 4, 8, STAGES, BK, false, false, MODE>(act, w, sorted, tile_expert, y, top_k, K, N,            \
-                                                             OneToken{}, Combine{weights, out, counters, early_trigger});\
+                                                             OneToken{}, Combine{weights, out, counters});           \
     })                                                                                                               \
     XSERV_MOE_FP8_ENTRY(                                                                                             \
     extern "C" __global__ void __launch_bounds__(128) NAME##_fp8(                                                    \
         const bf16* __restrict__ act, const unsigned char* __restrict__ w, const float* __restrict__ wscale,          \
         const int* __restrict__ sorted, const int* __restrict__ tile_expert, bf16* __restrict__ y, int top_k, int K,  \
-        int N, const float* __restrict__ weights, OUT* out, int* counters, int early_trigger) {                      \
+        int N, const float* __restrict__ weights, OUT* out, int* counters) {                                         \
         moe_gemm<1, 1, 4, 8, STAGES, BK, false, false, MODE, true>(                                                  \
             act, reinterpret_cast<const bf16*>(w), sorted, tile_expert, y, top_k, K, N, OneToken{},                  \
-            Combine{weights, out, counters, early_trigger}, wscale);                                                 \
+            Combine{weights, out, counters}, wscale);                                                                \
     })
-XSERV_MOE_DOWN_ONE(moe_gemm_down_one_store, kCombineStore, bf16, 4, 64)
-XSERV_MOE_DOWN_ONE(moe_gemm_down_one_add, kCombineAdd, float, 4, 64)
 XSERV_MOE_DOWN_ONE(moe_gemm_down_one_store_k128, kCombineStore, bf16, 4, 128)
 XSERV_MOE_DOWN_ONE(moe_gemm_down_one_add_k128, kCombineAdd, float, 4, 128)
-XSERV_MOE_DOWN_ONE(moe_gemm_down_one_store_k256, kCombineStore, bf16, 3, 256)
-XSERV_MOE_DOWN_ONE(moe_gemm_down_one_add_k256, kCombineAdd, float, 3, 256)

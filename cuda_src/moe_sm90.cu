@@ -7,14 +7,13 @@
 // warpgroup issue a 64 x TILE x 16 product whose operands come straight from shared memory.
 //
 // Structure (one CTA = one token tile of one expert x ROWS weight rows; every thread also copies):
-//   the ring   STAGES stages of 64-wide K chunks, cp.async as in moe.cu: the CTA's ROWS weight rows then the tile's
-//              TILE token rows, 128 bytes a row with 16-byte piece c of row r at c ^ (r % 8): exactly the K-major
-//              128-byte-swizzle layout wgmma's matrix descriptors read (stride byte offset 1024 = one 8-row atom;
-//              a k16 step advances the start address 32 bytes). Stages start on 1024-byte boundaries (the swizzle
-//              is applied to address bits), so the dynamic shared memory is 1 KB more than the ring. The _tma
-//              entries (ops.moe.MOE_WGMMA 2, the default) put the weight rows there by TMA instead (the same
-//              swizzle, one box and an mbarrier a stage; both GEMMs 13-18% faster, moe.md v8); the token rows stay
-//              cp.async.
+//   the ring   STAGES stages of 64-wide K chunks: the CTA's ROWS weight rows then the tile's TILE token rows, 128
+//              bytes a row with 16-byte piece c of row r at c ^ (r % 8): exactly the K-major 128-byte-swizzle
+//              layout wgmma's matrix descriptors read (stride byte offset 1024 = one 8-row atom; a k16 step advances
+//              the start address 32 bytes). Stages start on 1024-byte boundaries (the swizzle is applied to address
+//              bits), so the dynamic shared memory is 1 KB more than the ring. The weight rows come by TMA (the
+//              same swizzle, one box and an mbarrier a stage: both GEMMs 13-18% faster than by cp.async, moe.md);
+//              the token rows, gathered through the sorted list, by cp.async as in moe.cu.
 //   the MMA    warpgroup wg owns MB blocks of 64 weight rows (A, from the ring) x all TILE tokens (B, from the ring):
 //              per chunk 4 k16 steps per block, then commit and wait; the barrier at the next chunk frees the
 //              stage. (Measured slower and dropped: 256 weight rows a CTA, and products running on over the next
@@ -51,7 +50,7 @@ using xserv::smem_u32;
 
 constexpr int kBK = 64;  // K chunk: 64 bf16 = one 128-byte swizzled row
 
-template <int WG, int MB, int TILE, int STAGES, bool GATE_UP, bool TMA_W>
+template <int WG, int MB, int TILE, int STAGES, bool GATE_UP>
 __device__ __forceinline__ void moe_gemm_wg(const bf16* __restrict__ x, const bf16* __restrict__ w, const void* w_map,
                                             const int* __restrict__ sorted, const int* __restrict__ tile_expert,
                                             bf16* __restrict__ out, int top_k, int K, int N) {
@@ -64,7 +63,7 @@ __device__ __forceinline__ void moe_gemm_wg(const bf16* __restrict__ x, const bf
     extern __shared__ __align__(128) unsigned char wg_smem[];
     __shared__ int entry_of[TILE];
     __shared__ int xrow_of[TILE];  // the x row a tile row reads (gate/up: the entry's token; down: the sorted row)
-    __shared__ __align__(8) unsigned long long w_landed[STAGES];  // TMA_W: a stage's weight rows landed
+    __shared__ __align__(8) unsigned long long w_landed[STAGES];  // a stage's weight rows landed
 
     xserv::pdl_wait();  // the sorted list and x (gate/up) or act (down) come from the launches before
     xserv::pdl_launch_dependents();
@@ -78,7 +77,7 @@ __device__ __forceinline__ void moe_gemm_wg(const bf16* __restrict__ x, const bf
         xrow_of[i] = e < 0 ? -1 : GATE_UP ? e / top_k : tile * TILE + i;
     }
     const unsigned bars = smem_u32(w_landed);
-    if (TMA_W && tid == 0) {
+    if (tid == 0) {
         for (int s = 0; s < STAGES; ++s) xserv::mbarrier_init(bars + 8 * s, 1);
         xserv::mbarrier_init_fence();
     }
@@ -97,7 +96,7 @@ __device__ __forceinline__ void moe_gemm_wg(const bf16* __restrict__ x, const bf
         valid = row0 + r < N;
         return row0 + r;
     };
-    // TMA_W: the weight rows by TMA, one box of 64 columns a stage, 128-byte swizzled like the cp.async pieces;
+    // The weight rows by TMA, one box of 64 columns a stage, 128-byte swizzled like the token rows' cp.async pieces;
     // thread 0 announces the stage's bytes and issues it. Down: w_map is the stacked weights as one [experts x N, K]
     // matrix, the box ROWS rows (rows past the CTA's N land and are discarded with their outputs, zeros past the
     // matrix's end). Gate/up: w_map sees the weights as (K, 8 rows, gate / up, N / 8 groups, experts), so that one box
@@ -106,7 +105,7 @@ __device__ __forceinline__ void moe_gemm_wg(const bf16* __restrict__ x, const bf
     auto load = [&](int chunk, int stage) {
         const unsigned dst0 = ring + stage * STAGE_BYTES;
         const int k0 = chunk * kBK;
-        if (TMA_W && tid == 0) {
+        if (tid == 0) {
             const unsigned bar = bars + 8 * stage;
             xserv::mbarrier_arrive_expect_tx(bar, ROWS * 128);
             if (GATE_UP) {  // one box: (64 columns, 8 rows, gate / up, ROWS / 16 groups of 8, this expert)
@@ -116,11 +115,11 @@ __device__ __forceinline__ void moe_gemm_wg(const bf16* __restrict__ x, const bf
             }
         }
 #pragma unroll 4
-        for (int i = TMA_W ? ROWS * 8 + tid : tid; i < (ROWS + TILE) * 8; i += THREADS) {
+        for (int i = ROWS * 8 + tid; i < (ROWS + TILE) * 8; i += THREADS) {
             const int r = i >> 3, c = i & 7, k = k0 + c * 8;
             const bf16* src;
             bool valid;
-            if (r < ROWS) {
+            if (r < ROWS) {  // never (i starts past the weight rows): kept, as taking it out moves the machine code
                 const int wrow = weight_row(r, valid);
                 valid = valid && k < K;
                 src = valid ? wexp + (long long)wrow * K + k : w;
@@ -150,7 +149,7 @@ __device__ __forceinline__ void moe_gemm_wg(const bf16* __restrict__ x, const bf
     for (int c = 0; c < chunks; ++c) {
         cp_async_wait<AHEAD - 1>();
         xserv::fence_proxy_async();  // this thread's copies of chunk c, visible to wgmma's async proxy
-        if (TMA_W) xserv::mbarrier_wait(bars + 8 * (c % STAGES), (c / STAGES) & 1);  // its weight rows
+        xserv::mbarrier_wait(bars + 8 * (c % STAGES), (c / STAGES) & 1);  // its weight rows
         __syncthreads();  // chunk c landed for every thread
         if (c + AHEAD < chunks) load(c + AHEAD, (c + AHEAD) % STAGES);
         cp_async_commit();
@@ -209,18 +208,13 @@ __device__ __forceinline__ void moe_gemm_wg(const bf16* __restrict__ x, const bf
 
 // ops/moe.py's _WGMMA_TILES gives the shapes (mid: one warpgroup of two 64-row blocks x 64 tokens, 128 threads;
 // large: two warpgroups of one 64-row block x 128 tokens, 256 threads; 128 weight rows a CTA, 3 stages) and the grids
-// (moe.cu's token tiles). The _tma entries take the weights' tensor map after the weights (ops.moe.MOE_WGMMA 2).
+// (moe.cu's token tiles). They take the weights' tensor map after the weights.
 #define XSERV_MOE_WG_GEMM(NAME, WG, MB, TILE, STAGES, GATE_UP)                                                      \
-    extern "C" __global__ void __launch_bounds__(128 * WG)                                                          \
-        NAME(const bf16* __restrict__ x, const bf16* __restrict__ w, const int* __restrict__ sorted,                 \
-             const int* __restrict__ tile_expert, bf16* __restrict__ out, int top_k, int K, int N) {                  \
-        moe_gemm_wg<WG, MB, TILE, STAGES, GATE_UP, false>(x, w, nullptr, sorted, tile_expert, out, top_k, K, N);     \
-    }                                                                                                                \
     extern "C" __global__ void __launch_bounds__(128 * WG)                                                          \
         NAME##_tma(const bf16* __restrict__ x, const bf16* __restrict__ w, const void* w_map,                        \
                    const int* __restrict__ sorted, const int* __restrict__ tile_expert, bf16* __restrict__ out,      \
                    int top_k, int K, int N) {                                                                        \
-        moe_gemm_wg<WG, MB, TILE, STAGES, GATE_UP, true>(x, w, w_map, sorted, tile_expert, out, top_k, K, N);        \
+        moe_gemm_wg<WG, MB, TILE, STAGES, GATE_UP>(x, w, w_map, sorted, tile_expert, out, top_k, K, N);        \
     }
 XSERV_MOE_WG_GEMM(moe_wg_gate_up_mid, 1, 2, 64, 3, true)
 XSERV_MOE_WG_GEMM(moe_wg_down_mid, 1, 2, 64, 3, false)

@@ -2,7 +2,7 @@
 left by a first full call), at Qwen3-30B-A3B's shape by default:
 
     python -m tools.dev.bench_moe [--tokens 1,8,64,2048] [--experts 128 --top-k 8 --hidden 2048 --inter 768]
-                              [--combine fused,early,unfused]   (one token: each form of its last launch, same run)
+                              [--size mid,large] [--tiles path,mma]
 
 Prints per stage microseconds and, for the GEMMs, the bytes of the experts the routing touched (counted from the
 routing itself) over the time against the copy bandwidth measured in the same run, and TFLOP/s against cuBLAS."""
@@ -17,13 +17,6 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
-# The one-token step's last launch (xserv/ops/moe.py): the combine inside the down GEMM with
-# the late or the early trigger, or the two launches it replaced.
-COMBINE_FORMS = {"fused": {"fuse_combine": True, "down_trigger": "late"},
-                 "early": {"fuse_combine": True, "down_trigger": "early"},
-                 "unfused": {"fuse_combine": False}}
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="1,8,64,256,2048,8192")
@@ -34,16 +27,12 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--size", default=None,
                     help="force the GEMM tile shape: small, mid or large, or several (comma-separated) one after another")
-    ap.add_argument("--wgmma", default=None,
-                    help="the hopper path's mid and large tiles on wgmma (xserv.ops.moe.MOE_WGMMA: 2 weights by TMA, 1 by "
-                         "cp.async, 0 off), or several one after another (2,1,0); default: the module's")
-    ap.add_argument("--combine", default=None,
-                    help="one token: the forms of the combine to time, of " + ", ".join(COMBINE_FORMS) + " (default: "
-                         "the environment's, XSERV_MOE_FUSE_COMBINE / XSERV_MOE_DOWN_TRIGGER)")
+    ap.add_argument("--tiles", default="path",
+                    help="the mid and large tiles: 'path' (the device's: wgmma on the hopper path), 'mma' (moe.cu's "
+                         "mma.sync tiles, the portable path's), or both one after another (path,mma)")
     args = ap.parse_args(argv)
 
     from tools._bench_util import copy_bandwidth_gbs, gemm_tflops
-    from xserv.ops import moe as moe_module
     from xserv.ops.moe import MoeShape, MoeWorkspace, moe_stages
     from xserv.runtime import get_runtime, synchronize
     from xserv.runtime.timing import benchmark_graph
@@ -60,23 +49,19 @@ def main(argv=None) -> int:
     router = Tensor.from_numpy(random_array(rng, (e, h), bfloat16, mean=0.0, std=0.5 / np.sqrt(h)))
     gate_up = Tensor.from_numpy(random_array(rng, (e, 2 * inter, h), bfloat16, mean=0.0, std=0.05))
     down = Tensor.from_numpy(random_array(rng, (e, h, inter), bfloat16, mean=0.0, std=0.05))
-    forms = args.combine.split(",") if args.combine else [None]
-    for form in forms:
-        if form is not None and form not in COMBINE_FORMS:
-            ap.error(f"--combine: {form!r} is not one of {', '.join(COMBINE_FORMS)}")
     sizes = args.size.split(",") if args.size else [None]
     if set(sizes) - {None, "small", "mid", "large"}:
         ap.error(f"--size: expected small, mid or large, got {args.size!r}")
-    wgmma_forms = [int(v) for v in args.wgmma.split(",")] if args.wgmma else [moe_module.MOE_WGMMA]
+    tile_forms = args.tiles.split(",")
+    if set(tile_forms) - {"path", "mma"}:
+        ap.error(f"--tiles: expected path, mma or path,mma, got {args.tiles!r}")
     token_counts = [int(v) for v in args.tokens.split(",")]
-    for t, size, wgmma, form in ((t, size, wgmma, form) for t in token_counts for size in sizes
-                                 for wgmma in wgmma_forms for form in (forms if t == 1 else [None])):
-        moe_module.MOE_WGMMA = wgmma
+    for t, size, tiles in ((t, size, tiles) for t in token_counts for size in sizes for tiles in tile_forms):
         x = Tensor.from_numpy(random_array(np.random.default_rng(t), (t, h), bfloat16, mean=0.0))
         out = Tensor.empty((t, h), bfloat16, "cuda")
         ws = MoeWorkspace(shape, t, "cuda")
         stages = moe_stages(x, router, gate_up, down, shape, True, out, ws, t, size=size,
-                            **COMBINE_FORMS.get(form, {}))
+                            portable_tiles=tiles == "mma")
         for _, launch in stages:
             launch()
         synchronize()
@@ -94,8 +79,7 @@ def main(argv=None) -> int:
                 extra = f" ({part / us / 1e3 / bw:.0%} copy, {flops * (2 / 3 if name.startswith('gate_up') else 1 / 3) / us / 1e6 / peak:.0%} gemm)"
             line.append(f"{name} {us:.1f}{extra}")
         floor = max(expert_bytes / bw / 1e3, flops / peak / 1e6)
-        label = "".join([f" {form}" if form else "", f" {size}" if size else "",
-                         f" wgmma={wgmma}" if args.wgmma else ""])
+        label = "".join([f" {size}" if size else "", f" tiles={tiles}" if len(tile_forms) > 1 else ""])
         print(f"T={t:5d}{label} touched {touched:3d}: " + ", ".join(line) + f" | sum {total:.1f} us, floor {floor:.1f} us "
               f"({floor / total:.0%})")
     return 0

@@ -26,7 +26,6 @@ decode step's forward is graph-captured with the expert ids on the device.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -236,35 +235,11 @@ _ONE_CTA_ROUTE_MAX_TOKENS = 16
 
 
 # The one-token step's combine runs inside its down GEMM (moe_gemm_down_one_*: the last CTA of each row block
-# combines it; docs/kernels/moe.md v4). For measurement, read when the launches are made (a graph keeps them):
-#   XSERV_MOE_FUSE_COMBINE=0      the down GEMM and moe_combine_* as two launches (before v4); 1 (default) fused
-#   XSERV_MOE_DOWN_TRIGGER=early  the fused kernel lets the next launch begin right after its wait; late (default)
-#                                 only when it ends, as moe_combine_add did
-# The one-token down GEMM's ring (moe.cu's moe_gemm_down_one_*): 64-wide chunks in 4 stages (the unfused down GEMM's
-# ring: the same sums bit for bit), 128 in 4 (_k128, the default: 2 dependent load rounds instead of 4; 30B-A3B batch 1
-# on an H100 314.8-315.0 -> 320.7-320.8 tok/s) or 256 in 3 (_k256: a CTA's whole K = 768 in flight at once, measured
-# slower: 301.3). A module attribute so that benchmarks can compare them (tools/dev/with_setting.py); read when the
-# launches are made (docs/kernels/moe.md, "v6").
-DOWN_ONE_BK = 128
-_DOWN_ONE_RING = {64: (4, ""), 128: (4, "_k128"), 256: (3, "_k256")}  # BK -> (stages, entry suffix)
-FUSE_COMBINE_ENV = "XSERV_MOE_FUSE_COMBINE"
-DOWN_TRIGGER_ENV = "XSERV_MOE_DOWN_TRIGGER"
-DOWN_TRIGGERS = ("late", "early")
-
-
-def _env_choice(name: str, default: str, choices: tuple[str, ...], environ=None) -> str:
-    value = (os.environ if environ is None else environ).get(name, default).strip().lower() or default
-    if value not in choices:
-        raise ValueError(f"{name}={value!r}: expected one of {', '.join(choices)} (default {default})")
-    return value
-
-
-def fused_combine_from_env(environ=None) -> bool:
-    return _env_choice(FUSE_COMBINE_ENV, "1", ("1", "0"), environ) == "1"
-
-
-def down_trigger_from_env(environ=None) -> str:
-    return _env_choice(DOWN_TRIGGER_ENV, "late", DOWN_TRIGGERS, environ)
+# combines it; a launch less than the down GEMM and moe_combine_*, the same bits). Its grid lets the next launch
+# begin only when it ends, as moe_combine_add does (an earlier release let the next GEMV's prefetch crowd its loads).
+# Its ring: 128-wide K chunks in 4 stages, 2 dependent load rounds for a CTA's K = 768 (64-wide chunks took 4, the
+# whole K in 3 stages of 256 fewer CTAs per SM; both measured slower: docs/kernels/moe.md).
+_DOWN_ONE_STAGES, _DOWN_ONE_BK = 4, 128
 
 
 def _max_tiles(entries: int, num_experts: int, tile: int) -> int:
@@ -277,13 +252,6 @@ def _moe_cuda(x, router, gate_up, down, shape: MoeShape, renormalize: bool, out,
               scales=None) -> None:
     for _, launch in moe_stages(x, router, gate_up, down, shape, renormalize, out, ws, t, scales=scales):
         launch()
-
-
-# The hopper path's mid and large GEMM tiles on wgmma (moe_sm90.cu): 2 on, with the weight rows by TMA (the _tma
-# entries; the default: on an H100 the 2,048-token TTFT of the 30B-A3B shape 40.7 against 46.3 ms, docs/kernels/moe.md
-# v8); 1 on, with the weight rows by cp.async (the TMA entries' bit-for-bit reference in the tests); 0 off (moe.cu's
-# mma.sync tiles). A module attribute for A/B runs (tools/dev/with_setting.py, tools/dev/ab_latency.py) and the tests.
-MOE_WGMMA = 2
 
 
 @dataclass(frozen=True)
@@ -303,10 +271,6 @@ _WGMMA_TILES = {"mid": _WgmmaTile(128, 128, 3), "large": _WgmmaTile(128, 256, 3)
 
 def uses_wgmma() -> bool:
     """Do the mid and large tiles of bf16 experts run moe_sm90.cu's wgmma entries here (the hopper kernel path)?"""
-    if MOE_WGMMA not in (0, 1, 2):
-        raise ValueError(f"MOE_WGMMA={MOE_WGMMA!r}: expected 1 (on), 2 (on, weights by TMA) or 0 (off)")
-    if not MOE_WGMMA:
-        return False
     from ..runtime import get_device
     from ..runtime.arch import KernelPath, arch_path
 
@@ -314,12 +278,12 @@ def uses_wgmma() -> bool:
 
 
 def moe_stages(x, router, gate_up, down, shape: MoeShape, renormalize: bool, out, ws: MoeWorkspace, t: int,
-               size: str | None = None, fuse_combine: bool | None = None,
-               down_trigger: str | None = None, scales: tuple[Tensor, Tensor] | None = None) -> list[tuple[str, object]]:
+               size: str | None = None, scales: tuple[Tensor, Tensor] | None = None,
+               portable_tiles: bool = False) -> list[tuple[str, object]]:
     """The launches of one moe_experts call in order, as (name, no-argument callable): what _moe_cuda runs, and
     what tools/dev/bench_moe.py times one by one. `size` forces the GEMM tile shape ("small" / "mid" / "large");
-    `fuse_combine` and `down_trigger` choose the one-token step's last launch (None: from the environment, above).
-    scales: FP8 experts' (gate_up_scale, down_scale): the GEMMs' _fp8 entries (the piece moe:e1_x1), the scales
+    portable_tiles: moe.cu's mma.sync mid and large tiles even on the hopper path (the wgmma tiles' reference in
+    tests and benchmarks). scales: FP8 experts' (gate_up_scale, down_scale): the GEMMs' _fp8 entries (the piece moe:e1_x1), the scales
     after the weights."""
     from ..runtime import kernel
     from ..runtime.compiler import piece
@@ -338,19 +302,18 @@ def moe_stages(x, router, gate_up, down, shape: MoeShape, renormalize: bool, out
     sfx = "_fp8" if fp8 else ""
     gate_up_w = (gate_up, scales[0]) if fp8 else (gate_up,)  # the GEMM entries' weight arguments
     down_w = (down, scales[1]) if fp8 else (down,)
-    # the mid and large tiles of bf16 experts on the hopper path: moe_sm90.cu's wgmma twins (same token tiles)
-    if size != "small" and not fp8 and uses_wgmma():
-        wg = _WGMMA_TILES[size]
-        tma = MOE_WGMMA == 2
-        gemm_family, gemm_entry = piece("moe_sm90", moe=1), f"moe_wg_{{}}_{size}{'_tma' if tma else ''}"
-        gemm_rows, gemm_threads, gemm_smem = wg.rows, wg.threads, wg.smem(tile)
-        if tma:  # the weights' tensor maps after the weights (one box a stage: a CTA's rows)
-            from ..runtime import get_runtime
-            from ..runtime.tma import gate_up_tensor_map, matrix_tensor_map
+    # the mid and large tiles of bf16 experts on the hopper path: moe_sm90.cu's wgmma twins (same token tiles), the
+    # weights' tensor maps after the weights (one box a stage: a CTA's rows)
+    if size != "small" and not fp8 and not portable_tiles and uses_wgmma():
+        from ..runtime import get_runtime
+        from ..runtime.tma import gate_up_tensor_map, matrix_tensor_map
 
-            rt = get_runtime()
-            gate_up_w = (gate_up, gate_up_tensor_map(rt, gate_up.ptr, e, inter, h, wg.rows // 16))
-            down_w = (down, matrix_tensor_map(rt, down.ptr, e * h, inter, wg.rows))
+        wg = _WGMMA_TILES[size]
+        gemm_family, gemm_entry = piece("moe_sm90", moe=1), f"moe_wg_{{}}_{size}_tma"
+        gemm_rows, gemm_threads, gemm_smem = wg.rows, wg.threads, wg.smem(tile)
+        rt = get_runtime()
+        gate_up_w = (gate_up, gate_up_tensor_map(rt, gate_up.ptr, e, inter, h, wg.rows // 16))
+        down_w = (down, matrix_tensor_map(rt, down.ptr, e * h, inter, wg.rows))
     else:
         gemm_family, gemm_entry, gemm_smem = family, f"moe_gemm_{{}}_{size}{sfx}", cfg.smem
         gemm_rows, gemm_threads = cfg.rows, cfg.threads
@@ -358,17 +321,6 @@ def moe_stages(x, router, gate_up, down, shape: MoeShape, renormalize: bool, out
     down_gemm = (gemm_family, gemm_entry.format("down"))
     mode = "add" if out.dtype == float32 else "store"  # into the fp32 residual, or a bf16 output
     one_token = t == 1 and size == "small" and e <= 128
-    if one_token and fuse_combine is None:
-        fuse_combine = fused_combine_from_env()
-    fused = one_token and fuse_combine
-    if fused:
-        if DOWN_ONE_BK not in _DOWN_ONE_RING:
-            raise ValueError(f"DOWN_ONE_BK={DOWN_ONE_BK}: expected one of {sorted(_DOWN_ONE_RING)}")
-        down_ring = _DOWN_ONE_RING[DOWN_ONE_BK]
-        trigger = down_trigger or down_trigger_from_env()
-        if trigger not in DOWN_TRIGGERS:
-            raise ValueError(f"down_trigger={trigger!r}: expected one of {', '.join(DOWN_TRIGGERS)}")
-        early = trigger == "early"
     gemv = prefer_gemv(t, e, h)  # (checks gemv_supported itself)
     per_lane = 4 if e <= 128 else 16  # the router row in registers: experts per lane
     flag = np.int32(1 if renormalize else 0)
@@ -392,11 +344,11 @@ def moe_stages(x, router, gate_up, down, shape: MoeShape, renormalize: bool, out
                 (cdiv(inter, gemm_rows // 2), max_tiles), gemm_threads, x, *gate_up_w, ws.sorted, ws.tile_expert,
                 ws.act, np.int32(k), np.int32(h), np.int32(inter), smem=gemm_smem, pdl=True))]),
         # one token: the combine inside the down GEMM (the last CTA of each row block; same grid, same bits)
-        *([("down+combine", lambda: kernel(family, f"moe_gemm_down_one_{mode}{down_ring[1]}{sfx}")(
+        *([("down+combine", lambda: kernel(family, f"moe_gemm_down_one_{mode}_k128{sfx}")(
             (cdiv(h, cfg.rows), max_tiles), cfg.threads, ws.act, *down_w, ws.sorted, ws.tile_expert, ws.y,
-            np.int32(k), np.int32(inter), np.int32(h), ws.weights, out, ws.counters, np.int32(early),
-            smem=_gemm_config(1, 1, 4, _TILES["small"], down_ring[0], DOWN_ONE_BK, fp8).smem, pdl=True))]
-          if fused else [
+            np.int32(k), np.int32(inter), np.int32(h), ws.weights, out, ws.counters,
+            smem=_gemm_config(1, 1, 4, _TILES["small"], _DOWN_ONE_STAGES, _DOWN_ONE_BK, fp8).smem, pdl=True))]
+          if one_token else [
             ("down", lambda: kernel(*down_gemm)(
                 (cdiv(h, gemm_rows), max_tiles), gemm_threads, ws.act, *down_w, ws.sorted, ws.tile_expert, ws.y,
                 np.int32(k), np.int32(inter), np.int32(h), smem=gemm_smem, pdl=True)),
