@@ -66,9 +66,8 @@ __device__ __forceinline__ unsigned int load_volatile(const unsigned int* p) {
 // (16-byte) chunks. Begins with the programmatic-dependent-launch wait (the launcher sets the attribute from sm_90
 // on): everything after it reads what earlier kernels wrote (the input, the residual, this block's counter), and it
 // also orders this call after the previous one on this stream, which the two-halves argument above relies on.
-// trigger == 1 then releases the next kernel at once: its CTAs start beside ours and stream their weights (a GEMV's
-// pre-wait prefetch) during the NVLink round trip, and its own pdl_wait still waits for this grid to complete.
-// trigger == 0: the next kernel starts when this grid ends (XSERV_TP_IPC_TRIGGER=late, for measurement).
+// It then releases the next kernel at once: its CTAs start beside ours and stream their weights (a GEMV's pre-wait
+// prefetch) during the NVLink round trip, and its own pdl_wait still waits for this grid to complete.
 struct IpcCall {
     char* own;
     unsigned int epoch;
@@ -78,9 +77,9 @@ struct IpcCall {
 };
 
 __device__ __forceinline__ IpcCall ipc_begin(const unsigned long long* __restrict__ bases, int rank, int world,
-                                             long long n, long long cap, int trigger) {
+                                             long long n, long long cap) {
     xserv::pdl_wait();
-    if (trigger) xserv::pdl_launch_dependents();
+    xserv::pdl_launch_dependents();
     IpcCall c;
     c.own = reinterpret_cast<char*>(bases[rank]);
     // Plain load: the previous writer of counters[b] is this block's thread 0 in an earlier kernel on this stream,
@@ -157,8 +156,8 @@ __device__ __forceinline__ void ipc_end(const IpcCall& c) {
 template <bool ADD_RESIDUAL>
 __device__ __forceinline__ void allreduce_oneshot(
     const __nv_bfloat16* in, __nv_bfloat16* out, float* residual, const unsigned long long* __restrict__ bases,
-    const unsigned int* abort_flag, int rank, int world, long long n, long long cap, int trigger) {
-    const IpcCall c = ipc_begin(bases, rank, world, n, cap, trigger);
+    const unsigned int* abort_flag, int rank, int world, long long n, long long cap) {
+    const IpcCall c = ipc_begin(bases, rank, world, n, cap);
     ipc_push(c, in, bases, rank, world, n, cap);
     ipc_signal_wait(c, bases, abort_flag, rank, world);
 
@@ -202,20 +201,19 @@ __device__ __forceinline__ void allreduce_oneshot(
 }
 
 // in, out: [n] bf16 (may alias); bases: [world] device addresses of every rank's IPC buffer in this process;
-// abort_flag: [1] uint32, host-mapped (nonzero: the host gave up on a dead peer; the waits end, the output is garbage);
-// trigger: 1 releases the next kernel (programmatic dependent launch) right after this grid's wait, 0 at its end.
+// abort_flag: [1] uint32, host-mapped (nonzero: the host gave up on a dead peer; the waits end, the output is garbage).
 extern "C" __global__ void __launch_bounds__(512) allreduce_oneshot_bf16(
     const __nv_bfloat16* in, __nv_bfloat16* out, const unsigned long long* __restrict__ bases,
-    const unsigned int* abort_flag, int rank, int world, long long n, long long cap, int trigger) {
-    allreduce_oneshot<false>(in, out, nullptr, bases, abort_flag, rank, world, n, cap, trigger);
+    const unsigned int* abort_flag, int rank, int world, long long n, long long cap) {
+    allreduce_oneshot<false>(in, out, nullptr, bases, abort_flag, rank, world, n, cap);
 }
 
 // The same, then residual += out (float32 [n]): the all-reduce of a row-parallel o / down projection's partial and
 // the residual add of the fused one-token path in one launch (xserv/models/dense.py, docs/engine.md).
 extern "C" __global__ void __launch_bounds__(512) allreduce_oneshot_add_bf16(
     const __nv_bfloat16* in, __nv_bfloat16* out, float* residual, const unsigned long long* __restrict__ bases,
-    const unsigned int* abort_flag, int rank, int world, long long n, long long cap, int trigger) {
-    allreduce_oneshot<true>(in, out, residual, bases, abort_flag, rank, world, n, cap, trigger);
+    const unsigned int* abort_flag, int rank, int world, long long n, long long cap) {
+    allreduce_oneshot<true>(in, out, residual, bases, abort_flag, rank, world, n, cap);
 }
 
 // Rank 0's int32 tokens to every rank, through the same protocol (one more call in every rank's sequence of calls:
@@ -226,9 +224,9 @@ extern "C" __global__ void __launch_bounds__(512) allreduce_oneshot_add_bf16(
 // sampler. Rank 0's `tokens` are only read (its offset is 0: nothing to copy back).
 extern "C" __global__ void __launch_bounds__(512) ipc_broadcast_tokens(
     int* tokens, const unsigned long long* __restrict__ bases, const unsigned int* abort_flag, int rank, int world,
-    long long count, long long cap, int offset, int trigger) {
+    long long count, long long cap, int offset) {
     const long long n = 2 * count;  // bf16 elements
-    const IpcCall c = ipc_begin(bases, rank, world, n, cap, trigger);
+    const IpcCall c = ipc_begin(bases, rank, world, n, cap);
     if (rank == 0) ipc_push(c, reinterpret_cast<const __nv_bfloat16*>(tokens), bases, rank, world, n, cap);
     ipc_signal_wait(c, bases, abort_flag, rank, world);
     const int* data = reinterpret_cast<const int*>(

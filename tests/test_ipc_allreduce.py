@@ -52,10 +52,6 @@ def test_environment_settings():
     assert mode_from_env({ipc.ENV: "NCCL"}) == "nccl"
     with pytest.raises(ValueError, match="XSERV_TP_ALLREDUCE='ring'"):
         mode_from_env({ipc.ENV: "ring"})
-    assert ipc.trigger_from_env({}) == "early"
-    assert [ipc.trigger_from_env({ipc.ENV_TRIGGER: v}) for v in ("Late", "off")] == ["late", "off"]
-    with pytest.raises(ValueError, match="XSERV_TP_IPC_TRIGGER='soon'"):
-        ipc.trigger_from_env({ipc.ENV_TRIGGER: "soon"})
     assert max_bytes_from_env({}) == ipc.IPC_MAX_BYTES == 64 << 10
     assert max_bytes_from_env({ipc.ENV_MAX_BYTES: "16384"}) == 16384
     for bad in ("lots", "8", str(1 << 30)):

@@ -274,7 +274,10 @@ def test_bad_shard_is_one_clear_error(perturbed_model_dir, monkeypatch):  # noqa
         close(group)
 
     monkeypatch.setattr(TPGroup, "close", recording_close)
-    monkeypatch.setenv("XSERV_TP_TEST_FAIL", "1:load")  # the spawned rank 1 inherits it
+    import xserv.parallel.group as group_module
+    from tp_faults import worker_with_bad_shard
+
+    monkeypatch.setattr(group_module, "worker_main", worker_with_bad_shard)  # rank 1's shard fails to load
     start = time.monotonic()
     with pytest.raises(WorkerFailed) as info:
         LLM(str(perturbed_model_dir), device="cpu", max_model_len=256, progress=False, tensor_parallel_size=2)

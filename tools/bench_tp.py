@@ -1,11 +1,10 @@
 """Tensor-parallel decode benchmarks on two GPUs (`bash tools/gpu.sh tp` runs them): the NCCL all-reduce of one
 decode row, 8B-shaped batch-1 decode at TP=1 and TP=2, 32B-shaped at TP=2, and (`variants`) TP=2 with and without
-decode steps launched ahead and with the IPC kernels' trigger placements (xserv/parallel/ipc.py ENV_TRIGGER), in one
-process. The checkpoints are DIR/8b and DIR/32b (`xserv make-test-model --preset 8b --out DIR/8b`).
+decode steps launched ahead, in one process. The checkpoints are DIR/8b and DIR/32b (`xserv make-test-model --preset 8b --out DIR/8b`).
 
     python -m tools.bench_tp [--models DIR] [8b] [32b] [variants]      (DIR: /dev/shm/xserv-models)
 """
-import os, sys, time
+import sys, time
 import numpy as np
 
 
@@ -101,7 +100,8 @@ def main():
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s (read + write, one GPU)")
     ar = {h: allreduce_us(h) for h in (4096, 5120)}
     for h, (e, g) in ar.items():
-        path = "NCCL" if os.environ.get("XSERV_TP_ALLREDUCE", "auto").lower() == "nccl" else "IPC one-shot (<= 64 KB)"
+        from xserv import settings
+        path = "NCCL" if settings.TP_ALLREDUCE.get() == "nccl" else "IPC one-shot (<= 64 KB)"
         print(f"{path} all-reduce [1, {h}] bf16, 2 ranks: {e:.1f} us eager, {g:.1f} us inside a CUDA graph")
     if "8b" in stages:
         r1 = decode(m8, 1)
@@ -111,21 +111,12 @@ def main():
                   f"roofline {b / bw * 1e3:.3f} ms ({b / bw / dt:.0%} of it); decode graphs {'on' if graphs else 'OFF'}")
         print(f"8B TP=2 / TP=1 speed-up: {r1[0] / r2[0]:.2f}x (goal >= 1.5x); all-reduces per step {2 * r2[2] + 1} "
               f"x {ar[4096][1]:.1f} us = {(2 * r2[2] + 1) * ar[4096][1] / 1e3:.3f} ms")
-    if "variants" in stages:  # launch-ahead at tp > 1 and the IPC kernels' trigger placement, same process
-        from xserv.parallel.ipc import ENV_TRIGGER
+    if "variants" in stages:  # launch-ahead at tp > 1, same process
         base = r1[0] if "8b" in stages else decode(m8, 1)[0]
-        saved = os.environ.get(ENV_TRIGGER)
-        for label, trig, options in (("launch-ahead, trigger early (default)", "early", {}),
-                                     ("no launch-ahead, trigger early", "early", {"overlap_steps": False}),
-                                     ("no launch-ahead, no PDL on the IPC kernels", "off", {"overlap_steps": False})):
-            os.environ[ENV_TRIGGER] = trig  # the spawned worker inherits it
+        for label, options in (("launch-ahead (default)", {}), ("no launch-ahead", {"overlap_steps": False})):
             dt, *_, ahead = decode(m8, 2, **options)
             print(f"8B TP=2, {label}: {dt * 1e3:.3f} ms/step, {1 / dt:.1f} tok/s, {base / dt:.2f}x TP=1 "
                   f"({1 / base:.1f} tok/s); steps launched ahead: {ahead}")
-        if saved is None:
-            del os.environ[ENV_TRIGGER]
-        else:
-            os.environ[ENV_TRIGGER] = saved
     if "32b" in stages:
         dt, b, L, H, graphs, _ = decode(m32, 2)
         per = (2 * L + 1) * ar[5120][1] / 1e3

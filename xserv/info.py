@@ -9,7 +9,6 @@ loaded, no compile).
 from __future__ import annotations
 
 import json
-import os
 import platform
 import sys
 
@@ -76,7 +75,8 @@ def _gpu(index: int = 0) -> dict:
     """Name, compute capability, target, path, memory of GPU `index` through the driver API."""
     from cuda.bindings import driver
 
-    from .runtime.arch import ENV, arch_path, pdl_enabled, target_from_env
+    from . import settings
+    from .runtime.arch import arch_path, pdl_enabled, target_from_env
     from .runtime.errors import check_driver
 
     dev = check_driver(driver.cuDeviceGet(index), "cuDeviceGet")
@@ -89,7 +89,7 @@ def _gpu(index: int = 0) -> dict:
     gpu = {"index": index, "name": name, "compute_capability": f"{cc[0]}.{cc[1]}",
            "multiprocessors": check_driver(driver.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
                                                                        dev), "cuDeviceGetAttribute"),
-           "xserv_arch": os.environ.get(ENV) or None}
+           "xserv_arch": settings.ARCH.get()}
     try:
         target = target_from_env(cc, name)
         gpu.update(target=target, kernel_path=arch_path(target).value, pdl=pdl_enabled(target), error=None)

@@ -12,13 +12,13 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from .. import settings
 from .common import add_workload_arguments, write_json
 from .throughput import make_workload
 
@@ -48,7 +48,7 @@ def add_arguments(p) -> None:
     g.add_argument("--url", type=server_url, default="http://127.0.0.1:8000",
                    help="the server (default http://127.0.0.1:8000)")
     g.add_argument("--model", default=None, help="the model name to send (default: the first of /v1/models)")
-    g.add_argument("--api-key", default=os.environ.get("XSERV_API_KEY"), metavar="KEY",
+    g.add_argument("--api-key", default=settings.API_KEY.get(), metavar="KEY",
                    help="sent as 'Authorization: Bearer KEY' (default: the XSERV_API_KEY environment variable)")
     g.add_argument("--timeout", type=float, default=1800.0, metavar="S", help="per-request timeout (default 1800)")
     g = p.add_argument_group("workload")

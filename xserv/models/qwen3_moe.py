@@ -21,12 +21,12 @@ output into the fp32 residual. Both round where a dense layer rounds.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from .. import settings
 from ..ops.moe import MAX_EXPERTS, MAX_TOP_K, expected_touched_experts, moe_experts, moe_workspace
 from ..ops.rmsnorm import fused_add_rmsnorm
 from ..tensor import Tensor
@@ -203,18 +203,13 @@ class Qwen3MoeWorkspace(Workspace):
 
 # ---- the model ---------------------------------------------------------------------------------------------------
 _EXPERT_FIELDS = ("experts_gate_up", "experts_down")
-FP8_EXPERTS_ENV = "XSERV_FP8_EXPERTS"
-_FP8_EXPERTS_CHOICES = ("bf16", "e4m3")
+FP8_EXPERTS_ENV = settings.FP8_EXPERTS.name
 
 
 def fp8_experts_kept(environ=None) -> bool:
     """XSERV_FP8_EXPERTS: "bf16" (the default: a -FP8 checkpoint's experts dequantized at load) or "e4m3" (kept in
     FP8 where their shapes allow: half the experts' memory)."""
-    value = (os.environ if environ is None else environ).get(FP8_EXPERTS_ENV, "bf16").strip().lower() or "bf16"
-    if value not in _FP8_EXPERTS_CHOICES:
-        raise ValueError(f"{FP8_EXPERTS_ENV}={value!r}: expected one of {', '.join(_FP8_EXPERTS_CHOICES)} "
-                         f"(default bf16)")
-    return value == "e4m3"
+    return settings.FP8_EXPERTS.get(environ) == "e4m3"
 
 
 def _experts_view(field: Tensor | Fp8Weight, experts: int, rows: int, cols: int):

@@ -30,6 +30,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
+from .. import settings
 from ..tensor import as_dtype
 from .checkpoint import INDEX_FILE, NUMPY_TO_SAFETENSORS, SINGLE_FILE
 from .config import DenseConfig, preset_dict, presets_dir
@@ -454,7 +455,7 @@ def _config_hash(d: dict) -> str:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("XSERV_CACHE_DIR") or Path.home() / ".cache" / "xserv").expanduser()
+    return settings.CACHE_DIR.get()
 
 
 def bundled_tiny_model() -> Path:

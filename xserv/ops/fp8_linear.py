@@ -36,9 +36,9 @@ raises instead.
 """
 from __future__ import annotations
 
-import os
 import warnings
 
+from .. import settings
 from ..runtime import get_device, get_runtime
 from ..runtime.arch import compute_capability
 from ..runtime.errors import CublasError
@@ -60,18 +60,14 @@ FP8_GEMM_FROM_M = 8
 FP8_GEMM_M_MULTIPLE = 4
 
 
-ACTIVATIONS_ENV = "XSERV_FP8_ACTIVATIONS"
-ACTIVATION_FORMATS = ("e4m3", "bf16")
+ACTIVATIONS_ENV = settings.FP8_ACTIVATIONS.name
 
 
 def w8a8_enabled() -> bool:
     """XSERV_FP8_ACTIVATIONS: "e4m3" (the default: from 8 rows on sm_90+, the activations are quantized per 1 x 128
     group, Qwen's dynamic scheme, for the FP8 GEMM) or "bf16" (weight-only everywhere: bf16 activations, the weight
     dequantized for the bf16 GEMM; slower prefill, no activation rounding)."""
-    value = os.environ.get(ACTIVATIONS_ENV, "e4m3")
-    if value not in ACTIVATION_FORMATS:
-        raise ValueError(f"{ACTIVATIONS_ENV}={value!r}: expected one of {', '.join(ACTIVATION_FORMATS)}")
-    return value == "e4m3"
+    return settings.FP8_ACTIVATIONS.get() == "e4m3"
 
 
 def choose_path(m: int, target: str) -> str:

@@ -461,8 +461,6 @@ def worker_main(rank: int, spec: dict, conn, wake) -> None:
         else:
             comm = ShmCommunicator(spec["comm"]["name"], rank, tp, rc.vocab_part, rc.config.vocab_size)
         phase = "loading its shard"
-        if os.environ.get("XSERV_TP_TEST_FAIL") == f"{rank}:load":  # tests: a rank whose shard fails to load
-            raise ValueError("XSERV_TP_TEST_FAIL: a bad shard on this rank")
         from .load import load_shard
 
         model = load_shard(spec["folder"], tp, rank, device, max_positions=spec["max_positions"], config=config,
@@ -545,8 +543,6 @@ def _handle(state: dict, command: str, args: dict, arrays: dict):
         runner.token_offset = state["rc"].vocab[0]
         state["runner"] = runner
         return kv.num_blocks
-    if os.environ.get("XSERV_TP_TEST_FAIL") == f"{model.comm.rank}:{command}":  # tests: a rank failing mid-run
-        raise RuntimeError(f"XSERV_TP_TEST_FAIL asked this rank to fail at {command!r}")
     state["runner"].follow(command, args, arrays)
     return None
 

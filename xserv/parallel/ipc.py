@@ -20,19 +20,16 @@ only on the message (the same on every rank), so all ranks take the same path fo
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
 
-ENV = "XSERV_TP_ALLREDUCE"  # "auto" (default): the IPC kernel for small messages where peers can; "nccl": NCCL only
-ENV_MAX_BYTES = "XSERV_TP_IPC_MAX_BYTES"  # the largest message (bytes) the IPC kernel takes; default IPC_MAX_BYTES
-IPC_MAX_BYTES = 64 << 10  # [8, 4096] or [6, 5120] bf16: decode steps of up to 8 rows at the 8B / 32B widths
-# When the kernel releases the next kernel (programmatic dependent launch, sm_90 on): "early" (default) right after
-# its wait, so the next GEMV streams its weights during the NVLink round trip; "late" when it ends; "off": launched
-# without the attribute (as before 2026-11-26's last session). For measurement: `python -m tools.bench_tp variants`.
-ENV_TRIGGER = "XSERV_TP_IPC_TRIGGER"
-TRIGGERS = ("early", "late", "off")
+from .. import settings
+
+ENV = settings.TP_ALLREDUCE.name  # "auto" (default): the IPC kernel for small messages where peers can; "nccl"
+ENV_MAX_BYTES = settings.TP_IPC_MAX_BYTES.name  # the largest message (bytes) the IPC kernel takes
+# [8, 4096] or [6, 5120] bf16: decode steps of up to 8 rows at the 8B / 32B widths
+IPC_MAX_BYTES = settings.TP_IPC_MAX_BYTES.default
 # cuda_src/allreduce.cu's constants (tests/test_ipc_allreduce.py reads them back from the source)
 MAX_WORLD = 8
 MAX_BLOCKS = 32
@@ -44,31 +41,11 @@ _RECORD_BYTES = 128  # one rank's all-gathered record: handle, device ordinal (i
 
 
 def mode_from_env(environ=None) -> str:
-    value = (os.environ if environ is None else environ).get(ENV, "auto").strip().lower() or "auto"
-    if value not in ("auto", "nccl"):
-        raise ValueError(f"{ENV}={value!r}: expected 'auto' (the IPC one-shot kernel for small messages where every "
-                         f"pair of GPUs has peer access) or 'nccl' (NCCL for every all-reduce)")
-    return value
-
-
-def trigger_from_env(environ=None) -> str:
-    value = (os.environ if environ is None else environ).get(ENV_TRIGGER, "early").strip().lower() or "early"
-    if value not in TRIGGERS:
-        raise ValueError(f"{ENV_TRIGGER}={value!r}: expected one of {', '.join(TRIGGERS)}")
-    return value
+    return settings.TP_ALLREDUCE.get(environ)
 
 
 def max_bytes_from_env(environ=None) -> int:
-    raw = (os.environ if environ is None else environ).get(ENV_MAX_BYTES)
-    if raw is None or not raw.strip():
-        return IPC_MAX_BYTES
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{ENV_MAX_BYTES}={raw!r}: expected a number of bytes") from None
-    if value < 16 or value > (16 << 20):
-        raise ValueError(f"{ENV_MAX_BYTES}={value}: expected 16 to {16 << 20} bytes")
-    return value
+    return settings.TP_IPC_MAX_BYTES.get(environ)
 
 
 @dataclass(frozen=True)
@@ -158,9 +135,6 @@ class IpcAllReduce:
         self._broadcast_kernel = broadcast_kernel  # rank 0's int32 tokens to every rank (broadcast_tokens)
         self._rank32, self._world32 = np.int32(rank), np.int32(world)
         self._cap64 = np.int64(cap)
-        trigger = trigger_from_env()
-        self._pdl = trigger != "off"  # (the launcher drops the attribute below sm_90)
-        self._trigger32 = np.int32(trigger == "early")
 
     @classmethod
     def create(cls, rank: int, world: int, all_gather_bytes, *, max_bytes: int | None = None,
@@ -241,7 +215,7 @@ class IpcAllReduce:
         if out.numel != t.numel or np.dtype(out.dtype) != np.dtype(t.dtype) or out.ptr % 16:
             raise ValueError("IPC all-reduce: out must be bf16, 16-byte aligned and as large as the input")
         self._kernel(BLOCKS, THREADS, t, out, self._bases, self._abort_dev, self._rank32, self._world32,
-                     np.int64(t.numel), self._cap64, self._trigger32, pdl=self._pdl)
+                     np.int64(t.numel), self._cap64, pdl=True)
         return out
 
     def all_reduce_add(self, t, residual):
@@ -257,7 +231,7 @@ class IpcAllReduce:
             raise ValueError(f"IPC all-reduce: residual must be a 16-byte aligned float32 CUDA tensor of {t.numel} "
                              f"elements, got {residual.shape} {np.dtype(residual.dtype).name}")
         self._add_kernel(BLOCKS, THREADS, t, t, residual, self._bases, self._abort_dev, self._rank32, self._world32,
-                         np.int64(t.numel), self._cap64, self._trigger32, pdl=self._pdl)
+                         np.int64(t.numel), self._cap64, pdl=True)
         return residual
 
     def can_broadcast_tokens(self, count: int) -> bool:
@@ -274,7 +248,7 @@ class IpcAllReduce:
             raise ValueError(f"IPC token broadcast: {tokens.shape} {np.dtype(tokens.dtype).name} is not a 16-byte "
                              f"aligned int32 CUDA tensor of at most {self.layout.cap // 2} tokens")
         self._broadcast_kernel(BLOCKS, THREADS, tokens, self._bases, self._abort_dev, self._rank32, self._world32,
-                               np.int64(tokens.numel), self._cap64, np.int32(offset), self._trigger32, pdl=self._pdl)
+                               np.int64(tokens.numel), self._cap64, np.int32(offset), pdl=True)
         return tokens
 
     def abort(self) -> None:

@@ -22,7 +22,9 @@ import enum
 import re
 from dataclasses import dataclass
 
-ENV = "XSERV_ARCH"
+from .. import settings
+
+ENV = settings.ARCH.name
 MIN_COMPUTE_CAPABILITY = (8, 0)
 # The compute capabilities XSERV_ARCH may name (NVRTC 13 knows them all). A device outside this list but at least
 # sm_80 still gets its native target (arch_for); NVRTC says so if it does not know it.
@@ -153,9 +155,7 @@ def forced_shared_memory(target: str, per_block: int, per_sm: int) -> tuple[int,
 
 
 def target_from_env(compute_capability: tuple[int, int], gpu_name: str, environ=None) -> str:
-    import os
-
-    return select_target(compute_capability, gpu_name, (os.environ if environ is None else environ).get(ENV))
+    return select_target(compute_capability, gpu_name, settings.ARCH.get(environ))
 
 
 # ---- which kernel serves which path, per op ---------------------------------------------------------------------

@@ -39,6 +39,7 @@ from pathlib import Path
 
 from cuda.bindings import driver, nvrtc
 
+from .. import settings
 from .arch import arch_path, families_of, parse_arch, split_target
 from .device import device_count
 from .errors import CompileError
@@ -64,7 +65,7 @@ def kernel_source_dir() -> Path:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("XSERV_CACHE_DIR", Path.home() / ".cache" / "xserv")) / "cubin"
+    return settings.CACHE_DIR.get() / "cubin"
 
 
 def _families_in(folder: Path, prefix: str = "") -> list[str]:

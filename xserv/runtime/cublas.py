@@ -14,12 +14,11 @@ falls back without asking again.
 """
 from __future__ import annotations
 
-import os
-
 import ml_dtypes
 import numpy as np
 from cuda.bindings import driver
 
+from .. import settings
 from .errors import CublasError, check_driver
 from .timing import EventTimer
 
@@ -124,7 +123,7 @@ class _Plan:
 
 
 def _autotune_default() -> bool:
-    return os.environ.get("XSERV_GEMM_AUTOTUNE", "1") != "0"
+    return settings.GEMM_AUTOTUNE.get()
 
 
 class Cublas:

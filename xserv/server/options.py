@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import argparse
-import os
+
+from .. import settings
 
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 DEFAULT_MAX_HEADER_BYTES = 64 << 10
@@ -51,7 +52,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     g.add_argument("--port", type=port_number, default=8000, help="port to listen on (default 8000)")
-    g.add_argument("--api-key", default=os.environ.get("XSERV_API_KEY"), metavar="KEY",
+    g.add_argument("--api-key", default=settings.API_KEY.get(), metavar="KEY",
                    help="require `Authorization: Bearer KEY` on every route but /health (default: the "
                         "XSERV_API_KEY environment variable, which keeps the key out of `ps`; none = open)")
     g.add_argument("--served-model-name", default=None, metavar="NAME",
