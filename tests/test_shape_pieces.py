@@ -135,7 +135,7 @@ def launched_decode_kernels(head_dim: int, group: int) -> dict[str, set[str]]:
             for sub in kernels:
                 name = (sub.fp8_name if fp8 else sub.name)(head_dim, group)
                 names |= {name, name + "_lean"} if sub.has_lean(head_dim, group) else {name}
-                if fp8 and D.has_fp8_mma(sub, head_dim, group):  # FP8_DECODE_MMA's tensor-core form
+                if fp8 and D.has_fp8_mma(sub, head_dim, group):  # the 4-warp kernel's tensor-core form
                     names.add(dataclasses.replace(sub, suffix="_mma").fp8_name(head_dim, group))
     return out
 

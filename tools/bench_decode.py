@@ -21,6 +21,17 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+# --gemv-rule: where the projections of 2..16-row steps take the mma GEMV kernel instead of cuBLASLt, as
+# xserv.ops.gemv.MMA_PREFERRED's (rows up to, N x K up to, N up to) entries. The rules measured against the shipped
+# one (docs/kernels/gemv.md; H200):
+MMA_RULES: dict[str, tuple[tuple[int, int, int], ...]] = {
+    "cublas": (),  # cuBLASLt for every projection above one row
+    # where the mma kernel is faster alone, back to back: latency-bound weights (the 0.6B projections: 1.0-1.3x at
+    # 2..8 rows, o and down also at 16; the 8B o projection, 32 MB, 1.15-1.2x at up to 4 rows)
+    "alone": ((4, 1 << 24, 1 << 30), (8, 1 << 23, 1 << 30), (16, 3 << 20, 1 << 30)),
+    "small": ((4, 1 << 24, 1 << 30), (8, 1 << 23, 1 << 30)),  # the same up to 8 rows
+}
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -43,11 +54,11 @@ def main(argv=None) -> int:
                          "v4_plan), timed one after the other: a plan experiment in the model's chain")
     ap.add_argument("--gemv-rule", default="shipped",
                     help="comma list of rules for the projections of 2..16-row steps: shipped "
-                         "(xserv.ops.gemv.MMA_PREFERRED) or a name in xserv.ops.gemv.MMA_RULES (cublas, alone, small, "
-                         "narrow), timed one after the other")
+                         "(xserv.ops.gemv.MMA_PREFERRED) or a name in MMA_RULES here (cublas, alone, small), timed one "
+                         "after the other")
     ap.add_argument("--gemv-set", default="",
                     help="NAME=v1,v2: settings of a numeric plan attribute of xserv.ops.gemv (ROW_SHORT_K_FILL, "
-                         "ONE_STEP_PLAIN_CTAS_PER_SM, PREFER_ONE_STEP, EARLY_TRIGGER_BYTES, ...), timed one after "
+                         "ONE_STEP_PLAIN_CTAS_PER_SM, EARLY_TRIGGER_BYTES, FP8_PREFER_ONE_STEP, ...), timed one after "
                          "the other")
     ap.add_argument("--rounds", type=int, default=1,
                     help="repeat the whole list this many times (alternating A/B figures in one process)")
@@ -102,7 +113,7 @@ def main(argv=None) -> int:
         ap.error(f"--decode-splits: expected a comma list of integers or 'plan', got {args.decode_splits!r}")
     shipped_plan, forced = decode.plan_decode, None
     decode.plan_decode = lambda *a: _forced_plan(shipped_plan, forced, *a)
-    rules = {"shipped": gemv.MMA_PREFERRED, **gemv.MMA_RULES}
+    rules = {"shipped": gemv.MMA_PREFERRED, **MMA_RULES}
     for r in args.gemv_rule.split(","):
         if r not in rules:
             ap.error(f"--gemv-rule: unknown rule {r!r}; expected one of {', '.join(rules)}")

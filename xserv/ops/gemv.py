@@ -71,16 +71,15 @@ CTAS_PER_SM = 2
 ONE_STEP_CTAS_PER_SM = 3  # the RMSNorm prologue's entries
 ONE_STEP_PLAIN_CTAS_PER_SM = 4  # the others'
 # The one-row plan takes the split that makes a tile one load step where the CTA's warps allow it (the 8B's qkv, o
-# and lm_head at K = 4096: split 4, against 2 / 2 / 1 for the looping entries): 8B +1.0% (gemv.md, "v14").
-PREFER_ONE_STEP = True
+# and lm_head at K = 4096: split 4, against 2 / 2 / 1 for the looping entries): 8B +1.0% (gemv.md).
 # The one-row kernel takes one split fewer than "every CTA slot gets a tile" asks for where that split would leave
 # a warp's share of K short of one load step and the fewer tiles still fill this share of the slots (0.6B qkv,
 # K = 1024: 256 tiles of whole rows on 264 slots, not 512 of half rows; docs/kernels/gemv.md, "v13"). A module
 # attribute so that benchmarks can compare settings (tools/bench_decode --gemv-set; above 1: never).
 ROW_SHORT_K_FILL = 0.9
 # The FP8 one-row entries (gemv_fp8_row_*) take the same plan with their own load step (2048 values a warp) and these
-# two settings of their own, so that benchmarks can compare them apart from the bf16 kernel's (tools/bench_decode
-# --gemv-set). The early trigger counts the e4m3 bytes: the 8B's o projection (16 MiB) is then triggered early as the
+# two plan parameters of their own, so that benchmarks can compare them apart from the bf16 kernel's (tools/bench_decode
+# --gemv-set; FP8_PREFER_ONE_STEP 0: the fewest splits that fill the SMs, the looping entries). The early trigger counts the e4m3 bytes: the 8B's o projection (16 MiB) is then triggered early as the
 # bf16 0.6B projections of that size are (a kernel about as long); its qkv (24 MiB) and the rest are not. Unmeasured
 # on a GPU when written (docs/kernels/fp8.md, "v4").
 FP8_EARLY_TRIGGER_BYTES = 16 << 20
@@ -161,22 +160,14 @@ def launch_smem(m: int, k: int, smem_per_block: int = SM90_SMEM_PER_BLOCK_OPTIN,
     return _smem(m, k_slices(m, k, smem_per_block, smem_per_sm)[1])
 
 
-# Above one row, the mma kernel or cuBLASLt (docs/kernels/gemv.md, "v11"): a rule is a list of (rows up to, N x K
-# up to, N up to) where the mma kernel is taken. Measured rules (H200), kept so that benchmarks can compare them
-# (tools/bench_decode --gemv-rule):
-MMA_RULES: dict[str, tuple[tuple[int, int, int], ...]] = {
-    "cublas": (),  # cuBLASLt for every projection above one row
-    # where the mma kernel is faster alone, back to back: latency-bound weights (the 0.6B projections: 1.0-1.3x at
-    # 2..8 rows, o and down also at 16; the 8B o projection, 32 MB, 1.15-1.2x at up to 4 rows)
-    "alone": ((4, 1 << 24, 1 << 30), (8, 1 << 23, 1 << 30), (16, 3 << 20, 1 << 30)),
-    "small": ((4, 1 << 24, 1 << 30), (8, 1 << 23, 1 << 30)),  # the same up to 8 rows
-    "narrow": ((8, 1 << 24, 4096),),  # up to 8 rows of at most 4096 outputs and 16M weights (not 0.6B gate_up)
-}
-# The model's choice. With the norms and the activation between the projections in the PDL chain (rmsnorm.cu,
-# activation.ptx), the mma kernel's early start pays in the model too: 0.6B decode at batch 2 / 4 / 8 +12% / +10%
-# / +9% over "cublas", "narrow" 1.6% ahead of "small" at batch 4 and even elsewhere; from 9 rows ("alone" at 16:
-# -11%) and on the larger 8B weights cuBLASLt keeps them (gemv.md, "v11").
-MMA_PREFERRED = MMA_RULES["narrow"]
+# Above one row, the mma kernel or cuBLASLt (docs/kernels/gemv.md): the rule is a list of (rows up to, N x K up to,
+# N up to) where the mma kernel is taken: up to 8 rows of at most 4096 outputs and 16M weights (not the 0.6B's
+# gate_up). With the norms and the activation between the projections in the PDL chain (rmsnorm.cu,
+# activation.ptx), the mma kernel's early start pays in the model: 0.6B decode at batch 2 / 4 / 8 +12% / +10% / +9%
+# over cuBLASLt everywhere, 1.6% ahead of taking it for every 0.6B projection at batch 4 and even elsewhere; from 9
+# rows and on the larger 8B weights cuBLASLt keeps them. The other rules measured are tools/bench_decode's
+# --gemv-rule.
+MMA_PREFERRED: tuple[tuple[int, int, int], ...] = ((8, 1 << 24, 4096),)
 
 
 def prefer_gemv(m: int, n: int, k: int, smem_per_block: int | None = None, smem_per_sm: int | None = None) -> bool:
@@ -394,18 +385,18 @@ def plan(m: int, n: int, multiprocessor_count: int, paired: bool = False, k: int
     _<prologue>_<epilogue>[_1step], the mma kernel's _bf16_bf16 or _sliced), split = warps sharing a row group's K
     (the fewest that give every SM two tiles and keep the last round of tiles >= 90% full; for one row, one fewer
     where that one would leave a warp's load step part empty (ROW_SHORT_K_FILL), more where they make a tile one
-    load step (PREFER_ONE_STEP)), slices = the K slices (k_slices; each CTA takes one and loops over the tiles),
+    load step), slices = the K slices (k_slices; each CTA takes one and loops over the tiles),
     grid = the CTAs, at most CTAS_PER_SM per multiprocessor (each stages its x once; for the one-row kernel's
     one-step tiles ONE_STEP_CTAS_PER_SM with the RMSNorm prologue (normed), ONE_STEP_PLAIN_CTAS_PER_SM without).
     paired (the SiLU-and-mul epilogue, one row; normed): a tile pairs gate and up row groups, so split <= 2.
     smem_per_block / smem_per_sm: the device's shared memory (sm_90's by default): they size the K slices and cap
     the CTAs per SM at what an SM holds (resident_ctas; never binding on sm_90).
     fp8: the same one-row kernel on e4m3 weights (gemv_fp8_row; m = 1): its load step covers 2048 values of K, and
-    FP8_PREFER_ONE_STEP stands in for PREFER_ONE_STEP."""
+    FP8_PREFER_ONE_STEP says whether it takes more splits to make a tile one load step."""
     if fp8 and m != 1:
         raise ValueError(f"plan: the FP8 row kernel takes one row, not {m}")
     row_step_k = _FP8_ROW_STEP_K if fp8 else _ROW_STEP_K
-    prefer_one_step = FP8_PREFER_ONE_STEP if fp8 else PREFER_ONE_STEP
+    prefer_one_step = FP8_PREFER_ONE_STEP if fp8 else True
     if m == 1:
         name, warps, rows = ("gemv_fp8_row" if fp8 else "gemv_row"), _ROW_WARPS, _ROW_ROWS
     else:
