@@ -411,7 +411,7 @@ def test_fp8_cache_instantiates_every_production_decode_kernel():
     assert {n for n in fp8 if n.startswith("attention_decode_fp8_")} == fp8
     assert {D.DecodeKernel("v4", 4, "attention_decode").fp8_name(128, 2)} == {"attention_decode_fp8_v4_d128_g2_s2"}
     mma = {D.DecodeKernel("v4", 4, "attention_decode", suffix="_mma").fp8_name(128, g) for g in range(1, 9)}
-    assert mma <= fp8  # FP8_DECODE_MMA: the FP8 cache's own tensor-core form of the 4-warp kernel
+    assert mma <= fp8  # the FP8 cache's own tensor-core form of the 4-warp kernel
     assert ({"attention_decode_" + n[len("attention_decode_fp8_"):] for n in fp8 - mma}
             == bf16 - {"attention_decode_combine"})
     for variant, k in A.DECODE_KERNELS.items():
@@ -897,20 +897,16 @@ def test_decode_rope_gpu_bad_position_gives_nan(rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fused", ["spread", "pdl", "nopdl", False])
-def test_decode_rope_gpu_pdl_chain_graph(rng, monkeypatch, fused):
+@pytest.mark.parametrize("fused", [True, False])
+def test_decode_rope_gpu_pdl_chain_graph(rng, fused):
     """The model's chain with programmatic dependent launch, captured in a CUDA graph and replayed: the qkv GEMV
     (rmsnorm_linear), then the fused op, or qk_norm_rope_write_kv then attention_decode. Before every replay qkv and
     the new tokens' cache slots are NaN (host copies before the launch), so a kernel that read either before its pdl_wait would show
-    NaN. Replays give the bits of the eager run. The fused op in each of its launch settings (decode.FUSED_PDL,
-    decode.SPREAD_CTAS)."""
+    NaN. Replays give the bits of the eager run."""
     from xserv.ops.gemv import rmsnorm_linear
     from xserv.ops.rope import qk_norm_rope_write_kv
     from xserv.runtime.graphs import CUDAGraph
 
-    if fused:
-        monkeypatch.setattr(D, "FUSED_PDL", fused != "nopdl")
-        monkeypatch.setattr(D, "SPREAD_CTAS", fused == "spread")
     hq, hkv, d, hidden = 16, 8, 128, 1024
     lens = [520, 37, 1, 4000]
     c = rope_case(rng, lens, hq, hkv, d, 16, kinds=["new", "new", "pad", "new"])
@@ -1040,17 +1036,17 @@ def test_decode_rope_gpu_lean_entry(rng, monkeypatch, hq, hkv, norm, lens):
     c = rope_case(rng, lens, hq, hkv, 128, 16, norm=norm, kinds=kinds)
     max_kv = max(max(lens), 512)
     got = run_decode_rope(c, max_kv_len=max_kv)
-    monkeypatch.setattr(D, "LEAN_FUSED", False)
+    monkeypatch.setattr(D, "lean_entry", lambda *plan: False)  # the full entries
     want = run_decode_rope(c, max_kv_len=max_kv)
     for g, w in zip(got[:3], want[:3]):
         np.testing.assert_array_equal(u16(g), u16(w))
     assert row_error(got[0], rope_expected(c)[0]) < TOL
 
 
-def test_lean_entry_only_where_the_plan_allows(monkeypatch):
+def test_lean_entry_only_where_the_plan_allows():
     """The fused op takes the _lean entry for the 8-warp kernel's shapes with one (head_dim 128: groups 1-4 whole,
     groups 5, 6 and 8 in the plan's query-head subgroups) and at most V4_FAST_COMBINE splits (1 x 513 keys: 9; 1 x
-    32k: 32), and only with LEAN_FUSED."""
+    32k: 32)."""
     wide = D.DECODE_KERNELS["v4w8"]
     k, splits, _ = D.plan_decode("v4", 1, 8, 513, 16, 128, 2, 132)
     assert k is wide and splits <= D.V4_FAST_COMBINE and D.lean_entry(k, 128, 2, splits)
@@ -1066,8 +1062,6 @@ def test_lean_entry_only_where_the_plan_allows(monkeypatch):
         assert not D.lean_entry(k, 128, group, D.V4_FAST_COMBINE + 1)
         assert not D.lean_entry(k, 64, group, splits)  # head_dim 64: the full entries only
     assert not D.lean_entry(D.DECODE_KERNELS["v4"], 128, 2, 8)  # the 4-warp kernel has none
-    monkeypatch.setattr(D, "LEAN_FUSED", False)
-    assert not D.lean_entry(wide, 128, 2, 9)
 
 
 @dev

@@ -445,10 +445,11 @@ def test_decode_fp8_plans_cuda_match_numpy(variant, batch, context, hq, hkv, d):
                                            ("v4", "ragged64")])
 @pytest.mark.parametrize("hq, hkv", [(32, 8), (24, 8), (16, 8), (8, 8), (64, 8), (40, 8), (32, 4)])  # G 4 3 2 1 8 5 8
 def test_decode_fp8_mma_cuda_matches_numpy(monkeypatch, variant, lens, hq, hkv):
-    """FP8_DECODE_MMA: the 4-warp kernel's tensor-core form (scores and values by mma.sync on f16, the e4m3 codes
+    """The 4-warp kernel's tensor-core form (scores and values by mma.sync on f16, the e4m3 codes
     exact, q rounded to f16) over a NaN-poisoned output: close to the float64 reference of the dequantized cache
     (every key of ragged lengths, 1 and 15 keys included, a batch of 64 through the plain v4 plan), and a 2% error in
-    v_scale fails the same check. It agrees with the CUDA-core form to the same tolerance."""
+    v_scale fails the same check. It agrees with the CUDA-core form (the other FP8 kernels' loop, still compiled for
+    these shapes) to the same tolerance."""
     from xserv.ops.attention import decode as D
     from xserv.testing import poisoned
 
@@ -461,8 +462,10 @@ def test_decode_fp8_mma_cuda_matches_numpy(monkeypatch, variant, lens, hq, hkv):
                                        hq, np.float64, k_scale=c["k_scale"], v_scale=c["v_scale"])
     t = tensors(c, "cuda")
 
+    has_mma = D.has_fp8_mma
+
     def run(v_scale, mma):
-        monkeypatch.setattr(D, "FP8_DECODE_MMA", mma)
+        monkeypatch.setattr(D, "has_fp8_mma", has_mma if mma else lambda *shape: False)
         out = poisoned((len(lens), hq, 128), bfloat16)
         return A.attention_decode(t["q"], t["k_cache"], t["v_cache"], t["kv_lens"], t["tables"], c["scale"],
                                   max(lens), out=out, num_q_heads=hq, variant=variant, k_scale=t["k_scale"],
@@ -487,9 +490,9 @@ def test_decode_rope_fp8_mma_writes_the_same_cache(monkeypatch, hq, hkv):
 
     rng = np.random.default_rng(hq)
     c = _fp8_rope_case(rng, [700, 1, 33, 1200, 64], hq, hkv, 128)
-    results = {}
+    results, has_mma = {}, D.has_fp8_mma
     for mma in (False, True):
-        monkeypatch.setattr(D, "FP8_DECODE_MMA", mma)
+        monkeypatch.setattr(D, "has_fp8_mma", has_mma if mma else lambda *shape: False)
         results[mma] = _decode_rope_fp8(c, True, True, "v4w4")
     for a, b in zip(results[True][1:], results[False][1:]):
         np.testing.assert_array_equal(a, b)

@@ -46,13 +46,11 @@ V2_CTAS_PER_SM = 4  # v2's split-KV grid aims at this many CTAs per SM
 # (v4w8 -> v4 -> v2 for the production v4; a dev variant named outright raises); the per-SM total sizes the resident
 # CTA counts (DecodeKernel.resident). docs/kernels/portability.md, "Shared memory per arch".
 # The fused entry (attention_decode_rope), launched right behind the qkv GEMV: with programmatic dependent launch
-# (FUSED_PDL) its CTAs start, and do their pre-wait work, while the GEMV still runs; the SMs free up one by one, and
-# the block scheduler would stack the early CTAs 2-4 deep on the first free SMs (the GEMV holds nearly all registers
-# of an SM), unbalancing a plan that spreads the keys over the SMs. SPREAD_CTAS: each CTA asks for enough dynamic
-# shared memory that an SM holds at most ceil(CTAs / SMs) of them (spread_smem). Both measured in
-# docs/kernels/attention.md ("QK-norm + RoPE + KV write folded into decode v4").
-FUSED_PDL = True
-SPREAD_CTAS = True
+# its CTAs start, and do their pre-wait work, while the GEMV still runs; the SMs free up one by one, and the block
+# scheduler would stack the early CTAs 2-4 deep on the first free SMs (the GEMV holds nearly all registers of an
+# SM), unbalancing a plan that spreads the keys over the SMs. So each CTA asks for enough dynamic shared memory that
+# an SM holds at most ceil(CTAs / SMs) of them (spread_smem). Both measured in docs/kernels/attention.md ("QK-norm +
+# RoPE + KV write folded into decode v4").
 # Query-head subgroups: a group of more than 4 query heads per kv head (Qwen3-14B: 40/8, 32B: 64/8) does not fit the
 # 8-warp CTAs' registers, so in the grids where those run (few sequences) the plan may split it into R subgroups of
 # at most 4 heads, R CTAs that read the same K/V (DecodeKernel.subgroups). Each subgroup loads and converts every key
@@ -152,9 +150,8 @@ _WIDE_SHAPES = frozenset((d, g) for d in (64, 128) for g in (1, 2, 3, 4))  # 8 w
 # The 8-warp kernel's _lean entries (Qwen3's head_dim) as (head_dim, query heads per CTA, subgroups): groups 1-4
 # whole, and the subgroup kernels of groups 5 (5 x 1), 6 (2 x 3) and 8 (2 x 4: Qwen3-32B, and the 30B-A3B's 32/4).
 _LEAN_SHAPES = frozenset({(128, g, 1) for g in (1, 2, 3, 4)} | {(128, 1, 5), (128, 3, 2), (128, 4, 2)})
-# The fused op launches a kernel's _lean entry where it has one and the plan allows it (lean_entry). A module
-# attribute so that tests and benchmarks can turn it off (the full entry: the same bits).
-LEAN_FUSED = True
+# The fused op launches a kernel's _lean entry where it has one and the plan allows it (lean_entry; the full entry
+# gives the same bits).
 DECODE_KERNELS = {k.variant: k for k in (
     DecodeKernel("v4", 4, "attention_decode", wide="v4w8"),
     DecodeKernel("v4w4", 4, "attention_decode"),  # v4 with 4-warp CTAs at every grid (for A/B runs)
@@ -173,9 +170,7 @@ DEFAULT_DECODE = "v4"
 # On an FP8 (e4m3) cache, the 4-warp v4 kernel's scores and values on tensor cores (attention_decode_fp8.cu's _mma
 # entries: head_dim 128, groups of at most 8). The CUDA-core loop read K/V at ~55% of copy bandwidth at large batches;
 # this form took the 8B-FP8 + FP8-KV offline workload from 9,573 to 10,593 output tok/s on an H100
-# (docs/kernels/attention.md, "FP8 KV cache on tensor cores"). A module attribute so that benchmarks and tests can
-# compare the two forms (False: the CUDA-core loop everywhere).
-FP8_DECODE_MMA = True
+# (docs/kernels/attention.md, "FP8 KV cache on tensor cores"). The other FP8 kernels keep the CUDA-core loop.
 # The families whose bodies attention_decode_fp8.cu instantiates for an e4m3 cache (KvChunksE4m3), and that piece's
 # family: every production kernel (v4, v4w4, v4w8 and its subgroups and lean entries; v2), none of the dev ones.
 _FP8_BODIES = frozenset({"attention_decode", "attention_decode_v2"})
@@ -402,7 +397,7 @@ def _launch(plan: tuple[DecodeKernel, int, int], q: Tensor, k_cache: Tensor, v_c
     num_seqs, _, head_dim = out.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
-    if scales is not None and FP8_DECODE_MMA and has_fp8_mma(k, head_dim, group):
+    if scales is not None and has_fp8_mma(k, head_dim, group):
         k = _mma_form(k)
         plan = (k, splits, chunk)
     heads = num_kv_heads * k.subgroups  # grid rows: one per query-head subgroup of each kv head
@@ -425,7 +420,7 @@ def _launch(plan: tuple[DecodeKernel, int, int], q: Tensor, k_cache: Tensor, v_c
     if scales is not None:
         args += scales
     grid = (splits, heads, num_seqs)
-    pdl = FUSED_PDL if fused else v4_template
+    pdl = fused or v4_template
     info = get_device().info  # the device's shared memory, not sm_90's: an sm_86/89 CTA gets 99 KB at most
     smem = launch_smem(plan, head_dim, num_kv_heads, num_seqs, fused, info.multiprocessor_count,
                        info.max_shared_memory_per_block_optin, info.max_shared_memory_per_multiprocessor)
@@ -444,10 +439,10 @@ def launch_smem(plan: tuple[DecodeKernel, int, int], head_dim: int, num_kv_heads
                 multiprocessor_count: int, smem_per_block: int = SM90_SMEM_PER_BLOCK_OPTIN,
                 smem_per_sm: int = SM90_SMEM_PER_MULTIPROCESSOR) -> int:
     """The dynamic shared memory _launch asks for a planned kernel: its own (DecodeKernel.smem), raised by
-    spread_smem for the fused entry (SPREAD_CTAS) within the device's per-CTA limit."""
+    spread_smem for the fused entry within the device's per-CTA limit."""
     k, splits, _ = plan
     smem = k.smem(head_dim)
-    if fused and SPREAD_CTAS:
+    if fused:
         smem = spread_smem(smem, splits * num_kv_heads * k.subgroups * num_seqs, multiprocessor_count,
                            smem_per_block, smem_per_sm)
     return smem
@@ -470,14 +465,14 @@ def _mma_form(k: DecodeKernel) -> DecodeKernel:
 
 def has_fp8_mma(k: DecodeKernel, head_dim: int, group: int) -> bool:
     """Does k have an FP8-cache tensor-core form for this shape (attention_decode_fp8.cu's _mma entries, which an FP8
-    launch takes where FP8_DECODE_MMA is on): the 4-warp v4 kernel on whole groups of at most 8, head_dim 128."""
+    launch takes): the 4-warp v4 kernel on whole groups of at most 8, head_dim 128."""
     return k.variant in ("v4", "v4w4") and k.subgroups == 1 and head_dim == 128 and group <= 8
 
 
 def lean_entry(k: DecodeKernel, head_dim: int, group: int, splits: int) -> bool:
-    """Does the fused op launch k's _lean entry for this plan (LEAN_FUSED; k has one for the shape and its query-head
-    subgroups, at most V4_FAST_COMBINE splits)?"""
-    return LEAN_FUSED and k.has_lean(head_dim, group) and splits <= V4_FAST_COMBINE
+    """Does the fused op launch k's _lean entry for this plan (k has one for the shape and its query-head subgroups,
+    at most V4_FAST_COMBINE splits)?"""
+    return k.has_lean(head_dim, group) and splits <= V4_FAST_COMBINE
 
 
 _rope_module = None
