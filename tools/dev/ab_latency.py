@@ -1,8 +1,8 @@
-"""A/B of one xserv module setting on one loaded model: time to first token and batch-1 decode for each value, the
+"""A/B of one xserv plan parameter on one loaded model: time to first token and batch-1 decode for each value, the
 model loaded once and the values alternating round by round, so that drift (clocks, heat) falls on all alike and a
 48-layer model is read from disk once instead of once a value.
 
-    python -m tools.dev.ab_latency --model DIR --setting xserv.ops.moe.MOE_WGMMA=1,0 \\
+    python -m tools.dev.ab_latency --model DIR --setting xserv.ops.fp8_linear.FP8_GEMM_FROM_M=8,16 \\
         [--input-len 2048] [--output-len 2] [--rounds 3] [--iters 3]
 
 A setting is MODULE.ATTRIBUTE=V1,V2,... (tools/dev/with_setting.py's conversion). It must be one the step reads each

@@ -1,7 +1,8 @@
-"""Run a Python module (as `python -m` would) with module attributes of xserv set first: the A/B switches that
-benchmarks compare (decode.FP8_V4_STAGES, gemv.FP8_EARLY_TRIGGER_BYTES, model_runner.FINE_KV_MAX_BATCH, ...).
+"""Run a Python module (as `python -m` would) with module attributes of xserv set first: the plan parameters that
+benchmarks compare (gemv.FP8_EARLY_TRIGGER_BYTES, gemv.FP8_PREFER_ONE_STEP, model_runner.FINE_KV_MAX_BATCH, ...).
+Settings a user may set are environment variables (xserv/settings.py), not attributes.
 
-    python -m tools.dev.with_setting xserv.ops.attention.decode.FP8_V4_STAGES=3 -- xserv bench throughput --model DIR
+    python -m tools.dev.with_setting xserv.ops.gemv.FP8_EARLY_TRIGGER_BYTES=0 -- xserv bench latency --model DIR
     python -m tools.dev.with_setting xserv.engine.model_runner.FINE_KV_MAX_BATCH=0 -- pytest -q tests/test_engine.py
 
 Each setting is MODULE.ATTRIBUTE=VALUE with an existing attribute; VALUE is converted to that attribute's type.
