@@ -5,8 +5,9 @@ the paged cache for SDPA). Prints TFLOP/s (prefill) or GB/s (decode), ratios, an
     python -m tools.bench_attention [--quick] [--skip-torch] [--decode-only] [--prefill all|shipped|NAMES]
                                     [--decode-variants v4,v2,v3,v3s3]
 
-Kernels are named as in xserv.ops.attention's tables (PREFILL_KERNELS, DECODE_KERNELS): the shipped ones and the
-development ones in cuda_src/dev/ (compiled on first use here, never by the library).
+Kernels are named as in xserv.ops.attention's tables (PREFILL_KERNELS, DECODE_KERNELS: the shipped ones) and the dev
+registry tools/dev/kernels.py (the development ones in cuda_src/dev/, compiled on first use here, never by the
+library).
 
 Prefill is timed as plain launches (ms-scale kernels), decode as CUDA-graph replays (the engine's decode step;
 also proves the op is capturable). Median of many, rotating input sets larger than L2.
@@ -48,17 +49,16 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer iterations")
     p.add_argument("--skip-torch", action="store_true")
-    p.add_argument("--prefill", default="all", help="prefill kernels to time: all (shipped and dev, probes "
-                   "excepted), shipped, or comma-separated names (e.g. v5,v4_w2_k64,fa2_w8,v4probe1)")
+    p.add_argument("--prefill", default="all", help="prefill kernels to time: all (shipped and dev), shipped, or "
+                   "comma-separated names (e.g. v5,v4_w2_k64,fa2_w8)")
     p.add_argument("--only", default="", help="prefill configs whose label contains this text")
     p.add_argument("--once", action="store_true", help="run each prefill kernel once, untimed (for ncu)")
     p.add_argument("--prefill-only", action="store_true", help="skip the decode configs")
     p.add_argument("--decode-only", action="store_true", help="skip the prefill configs")
     p.add_argument("--decode-only-labels", default="", help="decode configs whose label contains one of these "
                    "comma-separated texts (default: all)")
-    p.add_argument("--decode-variants", default="v4,v2,v3,v3s3", help="decode kernels to time (DECODE_KERNELS "
-                   "names; v4p is a load-only probe with a wrong result; v4s3, v4s4, v4n, v4p exist for the shapes "
-                   "here only)")
+    p.add_argument("--decode-variants", default="v4,v2,v3,v3s3", help="decode kernels to time (shipped or dev "
+                   "names, tools/dev/kernels.py; v4s3, v4s4, v4w16 exist for d128 G 2 and 4, d64 G 2 only)")
     args = p.parse_args(argv)
 
     torch = None
@@ -72,13 +72,20 @@ def main(argv=None) -> int:
             print("PyTorch not importable: no peers")
             torch = None
 
-    from tools.harness_specs import attention as S
     from tools._bench_util import copy_bandwidth_gbs, to_device, torch_inputs
+    from tools.dev import kernels
+    from tools.harness_specs import attention as S
     from xserv.ops import attention as A
     from xserv.ops.attention.decode import plan_decode
     from xserv.runtime import get_device
     from xserv.runtime.timing import benchmark, benchmark_graph
     from xserv.tensor import Tensor, bfloat16
+
+    for var in args.decode_variants.split(","):
+        try:
+            kernels.decode(var)
+        except ValueError as exc:
+            p.error(f"--decode-variants: {exc}")
 
     dev = get_device()
     l2 = dev.info.l2_cache_bytes
@@ -93,9 +100,9 @@ def main(argv=None) -> int:
 
     def prefill_names(head_dim):
         if args.prefill in ("all", "shipped"):
-            names = A.prefill_variants(head_dim, dev=args.prefill == "all")
-            return [v for v in names if not v.startswith("v4probe") and v != "simple"]
-        return [v for v in args.prefill.split(",") if head_dim in A.PREFILL_KERNELS.get(v, {})]
+            names = kernels.prefill_variants(head_dim, dev=args.prefill == "all")
+            return [v for v in names if v != "simple"]
+        return [v for v in args.prefill.split(",") if v in kernels.prefill_variants(head_dim)]
 
     def torch_time(sets_np, fn, backend, graph=False):
         if torch is None:
@@ -131,11 +138,11 @@ def main(argv=None) -> int:
         sets = [to_device(x) for x in sets_np]
         outs = [Tensor.empty(x["q"].shape, bfloat16) for x in sets_np]
         for variant in prefill_names(d):
-            if A.PREFILL_KERNELS[variant][d].tma != "none" and dev.arch != "sm_90a":
+            if kernels.prefill_kernel(variant, d).tma != "none" and dev.arch != "sm_90a":
                 continue
-            fns = [lambda t=t, o=o, variant=variant: A.attention_prefill(
+            fns = [lambda t=t, o=o, k=kernels.prefill(variant, d): A.attention_prefill(
                 t["q"], t["k_cache"], t["v_cache"], t["cu_seqlens_q"], t["kv_lens"], t["block_tables"], t["scale"],
-                t["max_q_len"], out=o, causal=causal, variant=variant) for t, o in zip(sets, outs)]
+                t["max_q_len"], out=o, causal=causal, variant=k) for t, o in zip(sets, outs)]
             if args.once:
                 fns[0]()
                 continue
@@ -169,26 +176,25 @@ def main(argv=None) -> int:
         outs = [Tensor.empty(x["q"].shape, bfloat16) for x in sets_np]
         splits = {}
         for var in args.decode_variants.split(","):
-            fns = [lambda t=t, o=o, var=var: A.attention_decode(
+            fns = [lambda t=t, o=o, k=kernels.decode(var): A.attention_decode(
                 t["q"], t["k_cache"], t["v_cache"], t["kv_lens"], t["block_tables"], t["scale"], t["max_kv_len"],
-                out=o, variant=var) for t, o in zip(sets, outs)]
+                out=o, variant=k) for t, o in zip(sets, outs)]
             try:
                 results[var] = benchmark_graph(fns, calls=10, iters=iters)
             except Exception as exc:  # report and go on with the other variants
                 print(f"  ({var}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]})")
                 continue
-            k, splits[var], _ = plan_decode(var, b, hkv, lkv, block, d, hq // hkv, dev.multiprocessor_count)
+            k, splits[var], _ = plan_decode(kernels.decode(var), b, hkv, lkv, block, d, hq // hkv,
+                                            dev.multiprocessor_count)
             if k.variant != var:
                 splits[var] = f"{splits[var]} ({k.variant})"  # the fallback ran
         # agreement with v2 on the same data (the tests check against the float64 reference)
         check = {}
         for var in splits:
-            if var == "v4p":  # the probe computes nothing
-                continue
             o = Tensor.empty(sets_np[0]["q"].shape, bfloat16)
             t = sets[0]
             A.attention_decode(t["q"], t["k_cache"], t["v_cache"], t["kv_lens"], t["block_tables"], t["scale"],
-                               t["max_kv_len"], out=o, variant=var)
+                               t["max_kv_len"], out=o, variant=kernels.decode(var))
             check[var] = o.numpy().astype(np.float64)
         if "v2" in check:
             errs = {v: np.linalg.norm(x - check["v2"]) / np.linalg.norm(check["v2"]) for v, x in check.items()}

@@ -13,7 +13,8 @@ reference in float64 (relative L2 error). `bench` times the op with CUDA events 
 input sets larger than L2) and reports GB/s or TFLOP/s against the device's own ceilings measured in the same
 run; `--vs torch` also times the PyTorch equivalent and prints the ratio. `--graph` times both in CUDA-graph
 replays instead (GPU time without the host's per-call launch work, as the engine's decode step runs). `--variant` picks one of an op's kernels
-(the attention ops' PREFILL_KERNELS / DECODE_KERNELS names, development kernels in cuda_src/dev/ included).
+(the attention ops: a shipped PREFILL_KERNELS / DECODE_KERNELS name, or a development kernel of cuda_src/dev/ as the
+dev registry tools/dev/kernels.py names it).
 """
 from __future__ import annotations
 
@@ -301,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--shapes", help="comma-separated shapes like 8192x4096,1x128 (see the op's spec)")
         s.add_argument("--seed", type=int, default=None, help="seed for the random inputs (default: fresh)")
         s.add_argument("--variant", help="the op's kernel variant (e.g. v4_w2_k64 for attention_prefill, v3 for "
-                       "attention_decode; dev kernels compile on request)")
+                       "attention_decode; dev kernels, tools/dev/kernels.py, compile on request)")
         if name == "bench":
             s.add_argument("--vs", choices=["torch"], help="also time the PyTorch equivalent")
             s.add_argument("--iters", type=int, default=30)

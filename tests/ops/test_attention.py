@@ -7,6 +7,7 @@ import re
 import numpy as np
 import pytest
 
+from tools.dev import kernels as K
 from xserv.ops import attention as A
 from xserv.ops.attention import decode as D
 from xserv.ops.attention import prefill as P
@@ -21,7 +22,8 @@ TOL = 1e-2
 # docs/kernels/attention.md ("Tests").
 TOL_LONG = 4e-3
 
-# Development kernels (cuda_src/dev/) are tested on request: XSERV_DEV_TESTS=1 python -m pytest -m gpu ...
+# Development kernels (cuda_src/dev/, named by tools/dev/kernels.py) are tested on the GPU on request:
+# XSERV_DEV_TESTS=1 python -m pytest -m "gpu and dev" ...
 def dev(test):
     skip = pytest.mark.skipif(not os.environ.get("XSERV_DEV_TESTS"), reason="dev kernels: set XSERV_DEV_TESTS=1")
     return pytest.mark.dev(skip(test))
@@ -189,10 +191,16 @@ def test_argument_errors(rng):
                            variant="v9")
     with pytest.raises(ValueError, match="variant"):
         P.select_prefill_kernel("v9", 128, 16)
-    with pytest.raises(ValueError, match="variant"):  # the probes exist for head_dim 128 only
-        P.select_prefill_kernel("v4probe1", 64, 16)
+    with pytest.raises(ValueError, match="variant"):  # the production table lists no dev kernel
+        P.select_prefill_kernel("fa2_w4", 128, 16)
+    with pytest.raises(ValueError, match="variant"):  # a dev kernel exists for its own head_dim only
+        K.prefill("v4_w3_k64", 64)
     with pytest.raises(ValueError, match="variant"):
-        D.plan_decode("v4n", 1, 8, 100, 16, 64, 4, 132)  # experiments: the benchmark's shapes only
+        P.select_prefill_kernel(K.DEV_PREFILL["v4_w3_k64"][128], 64, 16)
+    with pytest.raises(ValueError, match="variant"):
+        D.plan_decode("v3", 1, 8, 100, 16, 64, 4, 132)
+    with pytest.raises(ValueError, match="variant"):
+        D.plan_decode(K.DEV_DECODE["v4s3"], 1, 8, 100, 16, 64, 4, 132)  # experiments: the benchmark's shapes only
 
 
 def test_decode_plan():
@@ -218,7 +226,8 @@ def test_plan_decode_v4_page_table_and_fallbacks():
         assert -(-chunk // block) + 1 <= D.V4_TABLE_CAP  # the split's pages fit v4's shared page table
     k, splits, chunk = D.plan_decode("v4", 1, 8, 1 << 20, 1, 128, 4, 132)  # block size 1: the pages cannot fit
     assert k.variant == "v2" and splits * chunk >= 1 << 20
-    assert D.plan_decode("v3", 4, 8, 4096, 20, 128, 4, 132)[0].variant == "v2"  # v3 needs block_size % 16 == 0
+    # the dev v3 needs block_size % 16 == 0
+    assert D.plan_decode(K.DEV_DECODE["v3"], 4, 8, 4096, 20, 128, 4, 132)[0].variant == "v2"
 
 
 def test_v4_plan_few_sequences():
@@ -353,7 +362,7 @@ def _kernel_names(family: str) -> set[str]:
     for d, g, s in re.findall(r"^\s*XSERV_DECODE_V4_KERNEL\((\w+), (\w+), (\d)\)", src, re.M):
         names.add(f"attention_decode_v4_d{d}_g{g}_s{s}")
     for d, g in re.findall(r"^XSERV_DECODE_V4_EXPERIMENTS\((\d+), (\d)\)", src, re.M):
-        names.update(f"attention_decode_v4_d{d}_g{g}_{x}" for x in ("s3", "s4", "s2_n", "s2_p", "s2_w16"))
+        names.update(f"attention_decode_v4_d{d}_g{g}_{x}" for x in ("s3", "s4", "s2_w16"))
     for d, g, s, w in re.findall(r"^XSERV_DECODE_V4_WIDE_KERNEL\((\d+), (\d), (\d), (\d+)\)", src, re.M):
         names.add(f"attention_decode_v4_d{d}_g{g}_s{s}_w{w}")
     for d, g in re.findall(r"^XSERV_DECODE_V4_LEAN_KERNEL\((\d+), (\d)\)", src, re.M):
@@ -372,19 +381,25 @@ def _kernel_names(family: str) -> set[str]:
         names.add(f"attention_prefill_v4_d{d}_w{w}_k{k}")
     for d, w, k, s in re.findall(r"^XSERV_PREFILL_V5\((\d+), (\d), (\d+), (\d)\)", src, re.M):
         names.add(f"attention_prefill_v5_d{d}_w{w}_k{k}_s{s}")
-    for p in re.findall(r"^XSERV_PREFILL_V4_PROBE\((\d)\)", src, re.M):
-        names.add(f"attention_prefill_v4probe{p}_d128_w2_k128")
     return names
 
 
 def test_launch_tables_name_instantiated_kernels():
-    """Every kernel the prefill and decode tables can launch is instantiated in the family they name, and the
-    shipped variants live in production families (cuda_src/), the others in cuda_src/dev/."""
-    for variant, by_dim in A.PREFILL_KERNELS.items():
-        for d, k in by_dim.items():
-            assert k.name in _kernel_names(k.family), (variant, d, k.name, k.family)
-            assert k.dev == (variant not in P.PRODUCTION_PREFILL), variant
-            assert k.smem <= 227 * 1024 and k.rows % (64 if k.tma != "none" else 4) == 0
+    """Every kernel the prefill and decode tables (production and the dev registry's) can launch is instantiated in
+    the family they name; the production tables name production families (cuda_src/) only, the dev registry
+    cuda_src/dev/ only, and no name is in both."""
+    for table, dev in ((A.PREFILL_KERNELS, False), (K.DEV_PREFILL, True)):
+        for variant, by_dim in table.items():
+            for d, k in by_dim.items():
+                assert k.name in _kernel_names(k.family), (variant, d, k.name, k.family)
+                assert k.dev == dev and k.variant == variant, variant
+                assert k.smem <= 227 * 1024 and k.rows % (64 if k.tma != "none" else 4) == 0
+    assert not set(A.PREFILL_KERNELS) & set(K.DEV_PREFILL)
+    assert not set(A.DECODE_KERNELS) & set(K.DEV_DECODE)
+    for variant, k in K.DEV_DECODE.items():
+        assert k.dev and k.variant == variant and not k.has_fp8, variant
+        for d, g in k.shapes or {(d, g) for d in A.HEAD_DIMS for g in range(1, A.MAX_GQA_GROUP + 1)}:
+            assert k.name(d, g) in _kernel_names(k.family), (variant, k.name(d, g))
     for variant, k in A.DECODE_KERNELS.items():
         shapes = k.shapes or {(d, g) for d in A.HEAD_DIMS for g in range(1, A.MAX_GQA_GROUP + 1)}
         for d, g in shapes:
@@ -392,7 +407,7 @@ def test_launch_tables_name_instantiated_kernels():
         for d, g, r in k.lean:  # the fused op's _lean entries (lean_entry), whole groups and subgroups
             sub = dataclasses.replace(k, subgroups=r)
             assert sub.has_lean(d, g * r) and sub.name(d, g * r) + "_lean" in _kernel_names(k.family), (variant, d, g, r)
-        assert k.dev == (variant not in ("v4", "v4w4", "v4w8", "v2")), variant
+        assert not k.dev, variant
     wide = A.DECODE_KERNELS["v4w8"]
     for d in A.HEAD_DIMS:  # the query-head subgroup kernels the plan can pick
         for group in range(1, A.MAX_GQA_GROUP + 1):
@@ -445,7 +460,7 @@ def test_host_mirrors_match_device_constants():
         assert D.v4_min_blocks(g) == (int(minb[1]) if g <= int(minb[0]) else int(minb[2]))
     v3 = _source("dev/attention_decode_dev")
     for d, s, n in re.findall(r"#define XSERV_V3_MINB_(\d+)_(\d) (\d+)", v3):
-        assert D.v3_min_blocks(int(d), int(s)) == int(n)
+        assert K.v3_min_blocks(int(d), int(s)) == int(n)
     # the shared-memory sizes: every kernel that takes dynamic shared memory checks it gets enough (require_smem)
     for family in ("attention_prefill", "attention_prefill_sm90", "attention_decode"):
         assert "require_dynamic_smem(" in _source(family), family
@@ -965,13 +980,11 @@ def test_prefill_gpu_dev_variants(rng, head_dim, hq, hkv, block_size, causal):
     case = make_case(rng, [1, 70, 129, 200], [1, 300, 129, 1111], hq, hkv, head_dim, block_size)
     ref = A.attention_prefill_reference(case["q"], case["k_cache"], case["v_cache"], case["cu"], case["kv_lens"],
                                         case["tables"], case["scale"], dtype=np.float64, causal=causal)
-    for variant in A.prefill_variants(head_dim, dev=True):
-        k = A.PREFILL_KERNELS[variant][head_dim]
-        if not k.dev or variant in ("v4probe1", "v4probe2", "v4probe3"):  # probes: wrong results on purpose
+    for variant, by_dim in K.DEV_PREFILL.items():
+        k = by_dim.get(head_dim)
+        if k is None or k.tma != "none" and get_device().arch != "sm_90a":
             continue
-        if k.tma != "none" and get_device().arch != "sm_90a":
-            continue
-        assert rel_error(run_prefill(case, variant=variant, causal=causal), ref) < TOL, variant
+        assert rel_error(run_prefill(case, variant=k, causal=causal), ref) < TOL, variant
 
 
 @dev
@@ -981,16 +994,16 @@ def test_prefill_gpu_dev_variants(rng, head_dim, hq, hkv, block_size, causal):
 @pytest.mark.parametrize("hq,hkv,block_size,packed", DECODE_SHAPES)
 def test_decode_gpu_dev_v3(rng, variant, head_dim, hq, hkv, block_size, packed):
     case = make_case(rng, [1] * len(DECODE_LENS), DECODE_LENS, hq, hkv, head_dim, block_size, packed=packed)
-    assert rel_error(run_decode(case, 4096, variant=variant), dense_expected(case)) < TOL
+    assert rel_error(run_decode(case, 4096, variant=K.decode(variant)), dense_expected(case)) < TOL
 
 
 @dev
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["v4s3", "v4s4", "v4n", "v4w16"])
+@pytest.mark.parametrize("variant", ["v4s3", "v4s4", "v4w16"])
 @pytest.mark.parametrize("head_dim,hq,hkv,block_size", [(128, 32, 8, 16), (128, 16, 8, 48), (64, 16, 8, 8)])
 def test_decode_gpu_dev_v4_experiments(rng, variant, head_dim, hq, hkv, block_size):
     case = make_case(rng, [1] * 7, [0, 1, 15, 17, 65, 1000, 4096], hq, hkv, head_dim, block_size)
-    assert rel_error(run_decode(case, 4096, variant=variant), dense_expected(case)) < TOL
+    assert rel_error(run_decode(case, 4096, variant=K.decode(variant)), dense_expected(case)) < TOL
 
 
 def _check_wide(rng, monkeypatch, variant, head_dim, hq, hkv, one_split):
@@ -1020,7 +1033,7 @@ def test_decode_rope_gpu_wide(rng, monkeypatch, head_dim, hq, hkv, one_split):
 @pytest.mark.parametrize("head_dim,hq,hkv", [(128, 16, 8), (128, 32, 8), (64, 16, 8)])
 @pytest.mark.parametrize("one_split", [False, True])
 def test_decode_rope_gpu_dev_wide(rng, monkeypatch, head_dim, hq, hkv, one_split):
-    _check_wide(rng, monkeypatch, "v4w16", head_dim, hq, hkv, one_split)
+    _check_wide(rng, monkeypatch, K.decode("v4w16"), head_dim, hq, hkv, one_split)
 
 
 @pytest.mark.gpu
@@ -1068,4 +1081,4 @@ def test_lean_entry_only_where_the_plan_allows():
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["v3", "v3s3"])
 def test_decode_gpu_dev_graph_replays(rng, variant):
-    _graph_replays(rng, variant)
+    _graph_replays(rng, K.decode(variant))

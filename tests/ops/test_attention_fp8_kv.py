@@ -6,6 +6,7 @@ import math
 import numpy as np
 import pytest
 
+from tools.dev import kernels as K
 from xserv.ops import attention as A
 from xserv.ops.attention import fp8_kv as F
 from xserv.ops.rope import (qk_norm_rope, qk_norm_rope_write_kv, qk_norm_rope_write_kv_reference, qk_rope,
@@ -588,8 +589,8 @@ def test_decode_rope_fp8_v2_fallback_is_two_launches_with_the_same_result():
 
 
 def test_fp8_cache_takes_the_production_variants_only():
-    """Over an FP8 cache the production variants plan as on bf16 (their kernels have e4m3 forms); a dev variant, whose
-    kernels have none, is refused by both ops on every backend."""
+    """Over an FP8 cache the production variants plan as on bf16 (their kernels have e4m3 forms); a dev kernel (the
+    dev registry's), which has none, is refused by both ops on every backend."""
     c = _fp8_rope_case(np.random.default_rng(5), [40, 3], 16, 8, 64)
     t = tensors(c, "cpu")
     for variant in ("v4", "v4w4", "v2"):
@@ -597,7 +598,7 @@ def test_fp8_cache_takes_the_production_variants_only():
                                  num_q_heads=16, variant=variant, k_scale=t["k_scale"], v_scale=t["v_scale"])
         assert np.all(np.isfinite(out.numpy().astype(np.float32)))
     to = lambda a: Tensor.from_numpy(a, "cpu")  # noqa: E731
-    for variant in ("v3", "v4s3", "v4n"):
+    for variant in (K.decode("v3"), K.decode("v4s3"), K.decode("v4w16")):
         with pytest.raises(ValueError, match="no FP8-cache kernels"):
             A.attention_decode(t["q"], t["k_cache"], t["v_cache"], t["kv_lens"], t["tables"], c["scale"], 40,
                                num_q_heads=16, variant=variant, k_scale=t["k_scale"], v_scale=t["v_scale"])

@@ -8,7 +8,8 @@ source instantiates them) against qk_norm_rope + write_kv_packed (graph replays)
 
 Every config is timed at the plan plan_decode picks; those whose label contains one of the --sweep texts ("all":
 every config) also at the forced split counts of SPLITS (chunks of 64 keys and more, <= 256 splits, pages within
-v4's table). Variants: DECODE_KERNELS names (development kernels compile on request), all planned by plan_decode.
+v4's table). Variants: shipped or development names (tools/dev/kernels.py; development kernels compile on request),
+all planned by plan_decode.
 
 `v4base`: a copy of an earlier attention_decode.cu placed at cuda_src/dev/attention_decode_v4base.cu (not part of
 the repository; skipped when absent), compiled as a development family, to compare kernel versions in one run.
@@ -88,6 +89,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     from tools._bench_util import copy_bandwidth_gbs, to_device
+    from tools.dev import kernels
     from tools.harness_specs import attention as S
     from xserv.ops import attention as A
     from xserv.ops.attention import decode as D
@@ -103,21 +105,26 @@ def main(argv=None) -> int:
     iters = 8 if args.quick else 15
     print(f"device: {dev.name} ({dev.arch}, {sms} SMs, L2 {l2 >> 20} MiB); copy bandwidth {copy:.0f} GB/s")
     variants = [v for v in args.variants.split(",") if v]
-    if "v4base" in variants:
-        if (kernel_source_dir() / "dev" / "attention_decode_v4base.cu").is_file():
-            D.DECODE_KERNELS["v4base"] = D.DecodeKernel("v4base", 4, "dev/attention_decode_v4base")
+    chosen = {}  # variant name -> what the op takes (a shipped name, or a dev registry's DecodeKernel)
+    for v in variants:
+        if v == "v4base":
+            if (kernel_source_dir() / "dev" / "attention_decode_v4base.cu").is_file():
+                chosen[v] = kernels.DevDecodeKernel("v4base", 4, "dev/attention_decode_v4base")
         else:
-            variants.remove("v4base")
+            try:
+                chosen[v] = kernels.decode(v)
+            except ValueError as exc:
+                p.error(f"--variants: {exc}")
+    variants = list(chosen)
     planner = D.plan_decode
     forced: dict = {}
     used: dict = {}
 
-    def plan(variant, num_seqs, num_kv_heads, max_kv_len, block_size, head_dim, group, multiprocessor_count):
-        k, splits, chunk = planner("v4" if variant == "v4base" else variant, num_seqs, num_kv_heads, max_kv_len,
-                                   block_size, head_dim, group, multiprocessor_count)
+    def plan(variant, *shape):
+        k, splits, chunk = planner("v4" if variant is chosen.get("v4base") else variant, *shape)
         if forced:
             splits, chunk = forced["plan"]
-            k = D.DECODE_KERNELS[variant]
+            k = variant if isinstance(variant, D.DecodeKernel) else D.DECODE_KERNELS[variant]
         used["kernel"] = k.variant + (f"/{k.subgroups}" if k.subgroups > 1 else "")
         used["subgroups"] = k.subgroups
         return k, splits, chunk
@@ -142,7 +149,7 @@ def main(argv=None) -> int:
 
         def call(t, o, var):
             A.attention_decode(t["q"], t["k_cache"], t["v_cache"], t["kv_lens"], t["block_tables"], t["scale"],
-                               t["max_kv_len"], out=o, variant=var)
+                               t["max_kv_len"], out=o, variant=chosen.get(var, var))
 
         ref = Tensor.empty((b, hq, d), bfloat16)
         call(t0, ref, "v4")

@@ -6,8 +6,9 @@ Shapes (every sequence of a shape has the same lengths; the tests cover mixed on
   attention_decode               BxHQxHKVxLKVxD[xBLOCK]
   attention_decode_rope          BxHQxHKVxLKVxD[xBLOCK]      LKV counts the new token (its q/k/v in the packed qkv)
   write_kv                       TxHQxHKVxD[xBLOCK]          (the packed-qkv form the model calls)
-BLOCK is the KV-cache block size (default 16). `--variant NAME` runs one of the op's kernels (a PREFILL_KERNELS or
-DECODE_KERNELS name of xserv.ops.attention; development kernels compile on request), else the default.
+BLOCK is the KV-cache block size (default 16). `--variant NAME` runs one of the op's kernels (a shipped name of
+xserv.ops.attention's PREFILL_KERNELS / DECODE_KERNELS or a development one of tools/dev/kernels.py, which compiles on
+request), else the default.
 
 FLOPs count the visible (query, key) pairs exactly: 4 * D * HQ * sum over queries of the keys each one sees
 (2 D for q.k, 2 D for p.v; the softmax is not counted). Causal LQ = LKV = L gives 4 D HQ L (L+1) / 2.
@@ -60,12 +61,14 @@ def _prefill_inputs(rng, shape, causal=True):
 
 
 def _prefill_run(t):
+    from tools.dev import kernels
     from xserv.ops.attention import attention_prefill
     from xserv.testing import poisoned
 
     out = poisoned(t["q"].shape, bfloat16)
+    variant = kernels.prefill(t.get("variant"), t["q"].shape[2])
     return attention_prefill(t["q"], t["k_cache"], t["v_cache"], t["cu_seqlens_q"], t["kv_lens"], t["block_tables"],
-                             t["scale"], t["max_q_len"], out=out, causal=t["causal"], variant=t.get("variant"))
+                             t["scale"], t["max_q_len"], out=out, causal=t["causal"], variant=variant)
 
 
 def _prefill_reference(x):
@@ -134,12 +137,13 @@ def _decode_inputs(rng, shape):
 
 
 def _decode_run(t):
+    from tools.dev import kernels
     from xserv.ops.attention import attention_decode
     from xserv.testing import poisoned
 
     out = poisoned(t["q"].shape, bfloat16)
     return attention_decode(t["q"], t["k_cache"], t["v_cache"], t["kv_lens"], t["block_tables"], t["scale"],
-                            t["max_kv_len"], out=out, variant=t.get("variant"))
+                            t["max_kv_len"], out=out, variant=kernels.decode(t.get("variant")))
 
 
 def _decode_reference(x):
@@ -184,6 +188,7 @@ def _decode_rope_inputs(rng, shape):
 
 
 def _decode_rope_run(t):
+    from tools.dev import kernels
     from xserv.ops.attention import attention_decode_rope
     from xserv.testing import poisoned
 
@@ -191,7 +196,7 @@ def _decode_rope_run(t):
     return attention_decode_rope(t["qkv"], t["q_weight"], t["k_weight"], t["positions"], t["cos_sin"], hq, _ROPE_EPS,
                                  t["k_cache"], t["v_cache"], t["slot_mapping"], t["kv_lens"], t["block_tables"],
                                  t["scale"], t["max_kv_len"], out=poisoned((b, hq, d), bfloat16),
-                                 variant=t.get("variant"))
+                                 variant=kernels.decode(t.get("variant")))
 
 
 def _decode_rope_reference(x):

@@ -7,9 +7,9 @@ v2 (attention_decode_v2.cu, plain loads and a separate combine kernel) where a s
 shared page table (a block size below 8 with a very long context). The v4 plan (`v4_plan`) balances the keys per
 SM rather than filling resident slots: few sequences get about two CTAs per SM, and there (where the group is at
 most 4, or splits into subgroups of at most 4 query heads) v4 runs 8-warp CTAs (v4w8), twice the bytes in flight
-per SM. v3 (tensor cores) and the v4
-experiments are development kernels in cuda_src/dev/, run when a test, the harness or tools/bench_attention.py names
-them. Measurements: docs/kernels/attention.md.
+per SM. DECODE_KERNELS lists these shipped kernels only; the development kernels (v3 on tensor cores, the v4
+stage-count and 16-warp experiments) live in cuda_src/dev/ and are named by the dev registry tools/dev/kernels.py,
+whose DecodeKernel the ops take as `variant`. Measurements: docs/kernels/attention.md.
 
 An FP8 (float8_e4m3fn) cache runs the same plan and grid with the same kernels' e4m3 instantiations
 (cuda_src/attention_decode_fp8.cu: attention_decode_fp8_v4_..., attention_decode_fp8_d{D}_g{G} for the v2
@@ -67,16 +67,11 @@ def v4_min_blocks(group: int) -> int:
     return 4 if group <= 4 else 2
 
 
-def v3_min_blocks(head_dim: int, stages: int) -> int:
-    """XSERV_V3_MINB_<D>_<S> of dev/attention_decode_dev.cu (what shared memory allows)."""
-    return {(128, 2): 3, (128, 3): 2, (64, 2): 5, (64, 3): 4}[head_dim, stages]
-
-
 @dataclass(frozen=True)
 class DecodeKernel:
-    """A decode kernel family member: generation 2, 3 or 4, ring stages, name suffix, the (head_dim, group) shapes
-    it is compiled for (None: every supported one), whether it is v4's production template with its fused-entry
-    arguments (the _n / _p experiments are not), its warps per CTA (8 for v4w8, 16 for the v4w16 experiment), and
+    """A decode kernel family member: generation 2 or 4 (3: the dev registry's tensor-core kernels, which plan as v4
+    does but need block_size % 16 == 0), ring stages, name suffix, the (head_dim, group) shapes it is compiled for
+    (None: every supported one), whether it takes v4's fused-entry arguments, its warps per CTA (8 for v4w8), and
     `wide`: the variant the plan runs instead where its grid is one wave of that variant's CTAs (v4 -> v4w8), and
     `subgroups` (set by the plan, not in DECODE_KERNELS): R CTAs per (sequence, kv head, split), each over group / R
     of the kv head's query heads. `lean`: the (head_dim, query heads per CTA, subgroups) shapes that also have a
@@ -121,12 +116,9 @@ class DecodeKernel:
         return group % self.subgroups == 0 and (head_dim, group // self.subgroups, self.subgroups) in self.lean
 
     def smem(self, head_dim: int) -> int:
-        """Dynamic shared memory: v4's ring + page table + a flag + the fused entry's rows; v3's per-warp staging + a
-        flag; v2 none."""
+        """Dynamic shared memory: v4's ring + page table + a flag + the fused entry's rows; v2 none."""
         if self.generation == 4:  # a ring stage per warp: V4_RING_STAGE_BYTES is 4 warps' stage
             return self.stages * V4_RING_STAGE_BYTES * self.warps // 4 + V4_TABLE_CAP * 4 + 16 + V4_ROW_BYTES
-        if self.generation == 3:
-            return 4 * self.stages * head_dim * 64 + 16
         return 0
 
     def fits(self, head_dim: int, smem_per_block: int = SM90_SMEM_PER_BLOCK_OPTIN) -> bool:
@@ -140,12 +132,9 @@ class DecodeKernel:
         if self.generation == 4:  # launch bounds: the 4-warp CTAs' count scaled by 4 / warps (16 / W for G <= 4)
             bound = v4_min_blocks(group) * 4 // self.warps
             return min(bound, by_smem)
-        if self.generation == 3:
-            return min(v3_min_blocks(head_dim, self.stages), by_smem)
         return V2_CTAS_PER_SM
 
 
-_EXPERIMENT_SHAPES = frozenset({(128, 4), (128, 2), (64, 2)})  # the benchmark's (head_dim, group)
 _WIDE_SHAPES = frozenset((d, g) for d in (64, 128) for g in (1, 2, 3, 4))  # 8 warps: 16 / 8 CTAs per SM for G <= 4
 # The 8-warp kernel's _lean entries (Qwen3's head_dim) as (head_dim, query heads per CTA, subgroups): groups 1-4
 # whole, and the subgroup kernels of groups 5 (5 x 1), 6 (2 x 3) and 8 (2 x 4: Qwen3-32B, and the 30B-A3B's 32/4).
@@ -157,14 +146,6 @@ DECODE_KERNELS = {k.variant: k for k in (
     DecodeKernel("v4w4", 4, "attention_decode"),  # v4 with 4-warp CTAs at every grid (for A/B runs)
     DecodeKernel("v4w8", 4, "attention_decode", suffix="_w8", shapes=_WIDE_SHAPES, warps=8, lean=_LEAN_SHAPES),
     DecodeKernel("v2", 2, "attention_decode_v2"),
-    DecodeKernel("v3", 3, "dev/attention_decode_dev"),
-    DecodeKernel("v3s3", 3, "dev/attention_decode_dev", stages=3),
-    DecodeKernel("v4s3", 4, "dev/attention_decode_dev", stages=3, shapes=_EXPERIMENT_SHAPES),
-    DecodeKernel("v4s4", 4, "dev/attention_decode_dev", stages=4, shapes=_EXPERIMENT_SHAPES),
-    DecodeKernel("v4n", 4, "dev/attention_decode_dev", suffix="_n", shapes=_EXPERIMENT_SHAPES, fused_args=False),
-    DecodeKernel("v4p", 4, "dev/attention_decode_dev", suffix="_p", shapes=_EXPERIMENT_SHAPES,
-                 fused_args=False),  # wrong on purpose
-    DecodeKernel("v4w16", 4, "dev/attention_decode_dev", suffix="_w16", shapes=_EXPERIMENT_SHAPES, warps=16),
 )}
 DEFAULT_DECODE = "v4"
 # On an FP8 (e4m3) cache, the 4-warp v4 kernel's scores and values on tensor cores (attention_decode_fp8.cu's _mma
@@ -250,24 +231,26 @@ def v4_plan(num_seqs: int, num_kv_heads: int, max_kv_len: int, multiprocessor_co
 
 
 @functools.lru_cache(maxsize=4096)
-def plan_decode(variant: str, num_seqs: int, num_kv_heads: int, max_kv_len: int, block_size: int, head_dim: int,
-                group: int, multiprocessor_count: int, smem_per_block: int = SM90_SMEM_PER_BLOCK_OPTIN,
+def plan_decode(variant: str | DecodeKernel, num_seqs: int, num_kv_heads: int, max_kv_len: int, block_size: int,
+                head_dim: int, group: int, multiprocessor_count: int, smem_per_block: int = SM90_SMEM_PER_BLOCK_OPTIN,
                 smem_per_sm: int = SM90_SMEM_PER_MULTIPROCESSOR) -> tuple[DecodeKernel, int, int]:
-    """(kernel, num_splits, chunk_len) for `variant` on this shape, with the fallbacks applied: v4 (and the v4
-    experiments) plan with v4_plan and run v2 where a split would overflow the shared page table; v4 itself runs
+    """(kernel, num_splits, chunk_len) for `variant` (a DECODE_KERNELS name or a DecodeKernel: a dev registry's) on
+    this shape, with the fallbacks applied: v4 (and the dev v4 experiments) plan with v4_plan and run v2 where a
+    split would overflow the shared page table; v4 itself runs
     its 8-warp CTAs (v4w8) where the planned grid is one wave of them (at most 2 per SM) and the group is at most 4
     (few sequences: each CTA's keys go out in half the stages; docs/kernels/attention.md, "Wide CTAs"), a larger
     group split into query-head subgroups of at most 4 where that makes such a grid of short splits
-    (DecodeKernel.subgroups; groups of 5, 6 and 8, MAX_SUBGROUPS, SUBGROUP_MAX_CHUNK); v3 needs
+    (DecodeKernel.subgroups; groups of 5, 6 and 8, MAX_SUBGROUPS, SUBGROUP_MAX_CHUNK); the dev v3 needs
     block_size % 16 == 0, else v2. smem_per_block / smem_per_sm: the device's shared memory (sm_90's by default;
     DeviceInfo): a kernel whose CTA asks more than smem_per_block is not planned (the production v4: its 8-warp CTAs
     are skipped, then v2 runs; a variant named outright raises ValueError), and the per-SM total sizes the resident
     CTAs. Every production kernel fits every arch from sm_80 on (v4w8, the largest, asks 70,160 bytes;
     tests/test_smem_limits.py). Cached: an eager call pays the search once per shape (it took 100-200 us of host
     time at 1 x 32k-128k, more than the kernel)."""
-    k = DECODE_KERNELS.get(variant)
+    k = variant if isinstance(variant, DecodeKernel) else DECODE_KERNELS.get(variant)
     if k is None:
         raise ValueError(f"variant: unknown decode kernel {variant!r}; known: {', '.join(DECODE_KERNELS)}")
+    variant = k.variant
     if k.shapes is not None and (head_dim, group) not in k.shapes:
         raise ValueError(f"variant: {variant} is compiled for (head_dim, group) in {sorted(k.shapes)} only, "
                          f"not ({head_dim}, {group})")
@@ -317,12 +300,13 @@ def _subgroup_counts(group: int, head_dim: int, wide: DecodeKernel | None) -> li
 
 def attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_lens: Tensor, block_tables: Tensor,
                      scale: float, max_kv_len: int, out: Tensor | None = None,
-                     num_q_heads: int | None = None, variant: str | None = None, k_scale: Tensor | None = None,
-                     v_scale: Tensor | None = None) -> Tensor:
+                     num_q_heads: int | None = None, variant: str | DecodeKernel | None = None,
+                     k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> Tensor:
     """One query per sequence at position kv_lens[s] - 1 (its K/V already in the cache): q [B, Hq, D] (or packed
     qkv with num_q_heads), kv_lens int32 [B] (0 <= kv_len <= max_kv_len; 0 gives a zero row), block_tables int32
     [B, max_blocks] -> out bf16 [B, Hq, D]. max_kv_len is a host-side bound that sizes the split-KV grid (no device
-    reads). variant: a DECODE_KERNELS name (default v4; the others are for tests and benchmarks). An FP8 cache
+    reads). variant: a DECODE_KERNELS name (default v4; the others are for tests and benchmarks) or a DecodeKernel
+    (a development kernel of tools/dev/kernels.py). An FP8 cache
     (float8_e4m3fn, with this layer's k_scale / v_scale float32 [Hkv]) runs the planned kernel's e4m3 instantiation
     (attention_decode_fp8.cu; K and V dequantized in registers): the production variants only (DecodeKernel.has_fp8;
     a dev variant raises ValueError)."""
@@ -350,20 +334,24 @@ def attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_lens: Tenso
 _PLAIN_V4 = (0, 0, 0, np.int32(0), 0, 0, np.float32(0))  # v4's fused-entry arguments of a plain call (nullptr: off)
 
 
-def _check_variant(variant: str | None, k_cache: Tensor) -> str:
-    """The variant name (None: DEFAULT_DECODE), checked: a DECODE_KERNELS name, and one with e4m3 kernels for an FP8
-    cache (DecodeKernel.has_fp8)."""
+def _check_variant(variant: str | DecodeKernel | None, k_cache: Tensor) -> str | DecodeKernel:
+    """The variant (None: DEFAULT_DECODE), checked: a DECODE_KERNELS name or a DecodeKernel, and one with e4m3
+    kernels for an FP8 cache (DecodeKernel.has_fp8)."""
     variant = DEFAULT_DECODE if variant is None else variant
-    if variant not in DECODE_KERNELS:
+    if isinstance(variant, DecodeKernel):
+        k = variant
+    elif variant in DECODE_KERNELS:
+        k = DECODE_KERNELS[variant]
+    else:
         raise ValueError(f"variant: unknown decode kernel {variant!r}; known: {', '.join(DECODE_KERNELS)}")
-    if is_fp8(k_cache) and not DECODE_KERNELS[variant].has_fp8:
-        raise ValueError(f"variant: {variant} has no FP8-cache kernels (attention_decode_fp8.cu instantiates "
+    if is_fp8(k_cache) and not k.has_fp8:
+        raise ValueError(f"variant: {k.variant} has no FP8-cache kernels (attention_decode_fp8.cu instantiates "
                          f"{', '.join(v for v, k in DECODE_KERNELS.items() if k.has_fp8)})")
     return variant
 
 
-def _plan(variant: str, num_seqs: int, num_kv_heads: int, max_kv_len: int, block_size: int, head_dim: int,
-          group: int) -> tuple[DecodeKernel, int, int]:
+def _plan(variant: str | DecodeKernel, num_seqs: int, num_kv_heads: int, max_kv_len: int, block_size: int,
+          head_dim: int, group: int) -> tuple[DecodeKernel, int, int]:
     max_kv_len = int(max_kv_len)
     if max_kv_len < 1:
         raise ValueError(f"max_kv_len: {max_kv_len} < 1")
@@ -491,8 +479,8 @@ def _rope():
 def attention_decode_rope(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor | None, positions: Tensor,
                           cos_sin: Tensor, num_q_heads: int, eps: float, k_cache: Tensor, v_cache: Tensor,
                           slot_mapping: Tensor, kv_lens: Tensor, block_tables: Tensor, scale: float, max_kv_len: int,
-                          out: Tensor | None = None, variant: str | None = None, k_scale: Tensor | None = None,
-                          v_scale: Tensor | None = None) -> Tensor:
+                          out: Tensor | None = None, variant: str | DecodeKernel | None = None,
+                          k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> Tensor:
     """qk_norm_rope_write_kv (q_weight, k_weight given: Qwen3's head norms; both None: Llama) followed by
     attention_decode, for a decode batch (one new token per sequence), in one launch with the same results:
     qkv bf16 [B, Hq + 2 Hkv, D] packed (16-byte aligned), positions and slot_mapping int32 [B] (slot < 0: nothing

@@ -2,9 +2,9 @@
 
 Which kernel runs: v5 (wgmma + a TMA producer warp) on sm_90a, v4 (wgmma, cp.async where the TMA cannot copy) on
 sm_90a when the cache's block size rules out v5's TMA copies, v3 (mma.sync) on any other architecture. `simple`
-(one warp per query row) is an independent GPU cross-check. Every other kernel (v2 "fa2", the v3/v4/v5 tuning
-points, the v4 timing probes) is a development kernel in cuda_src/dev/, compiled only when a test, the harness or
-tools/bench_attention.py names it. Measurements: docs/kernels/attention.md.
+(one warp per query row) is an independent GPU cross-check. PREFILL_KERNELS lists these shipped kernels only; the
+development kernels (v2 "fa2", the v3/v4/v5 tuning points that lost) live in cuda_src/dev/ and are named by the dev
+registry tools/dev/kernels.py, whose PrefillKernel the op takes as `variant`. Measurements: docs/kernels/attention.md.
 """
 from __future__ import annotations
 
@@ -33,8 +33,7 @@ class PrefillKernel:
 
     rows: query rows per CTA; keys: keys per K/V tile; smem: dynamic shared memory bytes (the kernel traps when
     given less than its layout needs); tma: "none", "optional" (v4: K/V tensor maps, or null for cp.async only)
-    or "required" (v5); q_tiles_first: grid (q tiles, Hq, B) instead of (Hq, B, q tiles); extra_args: constants
-    after the tensor maps (the dev probes' tma_spread)."""
+    or "required" (v5); q_tiles_first: grid (q tiles, Hq, B) instead of (Hq, B, q tiles)."""
 
     variant: str
     head_dim: int
@@ -47,7 +46,6 @@ class PrefillKernel:
     tma: str = "none"
     q_tiles_first: bool = False
     causal_only: bool = False
-    extra_args: tuple = ()
 
     @property
     def dev(self) -> bool:
@@ -70,47 +68,31 @@ def _simple(d):
                          smem=0, q_tiles_first=True, causal_only=True)
 
 
-def _fa2(d, warps):
-    rows = 16 * warps
-    return PrefillKernel(f"fa2_w{warps}", d, "dev/attention_prefill_dev", f"attention_prefill_fa2_d{d}_w{warps}",
-                         rows=rows, threads=32 * warps, smem=(rows + 4 * 64) * d * 2, q_tiles_first=True)
-
-
-def _v3(d, tag, dev=False, default=True):
-    """tag "m{m-tiles per warp}w{warps}[q]_b{ldmatrix ring}[_k32]" (q: Q fragments kept in registers). default: the
-    head dim's "v3" variant; else (a tuning point, shipped or in dev/) "v3_<tag>"."""
+# The constructors below give a kernel's launch shape from its template parameters (the layouts of
+# attention_prefill*.cu); the dev registry builds the dev/ tuning points with them and then renames the variant and
+# family, so that a layout is described once.
+def _v3(d, tag, variant="v3"):
+    """tag "m{m-tiles per warp}w{warps}[q]_b{ldmatrix ring}[_k32]" (q: Q fragments kept in registers)."""
     mt, warps, keys = int(tag[1]), int(tag[3]), 32 if tag.endswith("_k32") else 64
     rows = 16 * mt * warps
-    return PrefillKernel("v3" if default and not dev else "v3_" + tag, d,
-                         "dev/attention_prefill_dev" if dev else "attention_prefill",
-                         f"attention_prefill_v3_d{d}_{tag}", rows=rows, threads=32 * warps,
-                         smem=(rows + 4 * keys) * d * 2, keys=keys)
+    return PrefillKernel(variant, d, "attention_prefill", f"attention_prefill_v3_d{d}_{tag}", rows=rows,
+                         threads=32 * warps, smem=(rows + 4 * keys) * d * 2, keys=keys)
 
 
-def _v4(d, warpgroups, keys, dev=False):
-    rows, tag = 64 * warpgroups, f"w{warpgroups}_k{keys}"
-    return PrefillKernel("v4_" + tag if dev else "v4", d,
-                         "dev/attention_prefill_sm90_dev" if dev else "attention_prefill_sm90",
-                         f"attention_prefill_v4_d{d}_{tag}", rows=rows, threads=128 * warpgroups,
+def _v4(d, warpgroups, keys):
+    rows = 64 * warpgroups
+    return PrefillKernel("v4", d, "attention_prefill_sm90", f"attention_prefill_v4_d{d}_w{warpgroups}_k{keys}",
+                         rows=rows, threads=128 * warpgroups,
                          smem=(rows + 4 * keys) * d * 2 + _TILE_ALIGN + 4 * _MBARRIER, keys=keys, tma="optional")
 
 
-def _v5(d, warpgroups, keys, stages, dev=False):
-    rows, tag = 64 * warpgroups, f"w{warpgroups}_k{keys}_s{stages}"
-    return PrefillKernel("v5_" + tag if dev else "v5", d,
-                         "dev/attention_prefill_sm90_dev" if dev else "attention_prefill_sm90",
-                         f"attention_prefill_v5_d{d}_{tag}", rows=rows, threads=128 * warpgroups + 128,
+def _v5(d, warpgroups, keys, stages):
+    rows = 64 * warpgroups
+    return PrefillKernel("v5", d, "attention_prefill_sm90",
+                         f"attention_prefill_v5_d{d}_w{warpgroups}_k{keys}_s{stages}", rows=rows,
+                         threads=128 * warpgroups + 128,
                          smem=(rows + 2 * stages * keys) * d * 2 + _TILE_ALIGN + 3 * stages * _MBARRIER, keys=keys,
                          tma="required")
-
-
-def _v4_probe(probe, spread=1):
-    """The d128 v4 kernel as measured, with a timing probe (1: no K/V copies after the first tile, 2: no softmax,
-    3: no PV product; wrong results on purpose) or, probe 0, the real kernel with its TMA-issue switch."""
-    base = _v4(128, 2, 128)
-    return PrefillKernel(f"v4probe{probe}" + ("" if spread else "_warp0"), 128, "dev/attention_prefill_sm90_dev",
-                         f"attention_prefill_v4probe{probe}_d128_w2_k128", rows=base.rows, threads=base.threads,
-                         smem=base.smem, keys=base.keys, tma="optional", extra_args=(np.int32(spread),))
 
 
 def _table(kernels) -> dict[str, dict[int, PrefillKernel]]:
@@ -120,26 +102,19 @@ def _table(kernels) -> dict[str, dict[int, PrefillKernel]]:
     return table
 
 
-# variant -> head_dim -> kernel. The production kernels first (cuda_src/attention_prefill*.cu), then dev/.
+# variant -> head_dim -> kernel: the shipped kernels (cuda_src/attention_prefill*.cu).
 PREFILL_KERNELS = _table([
     _simple(64), _simple(128),
-    _v3(128, "m2w8_b3"), _v3(64, "m1w8q_b3"), _v3(128, "m2w8_b3_k32", default=False),  # the last: 99 KB arches
+    _v3(128, "m2w8_b3"), _v3(64, "m1w8q_b3"),
+    _v3(128, "m2w8_b3_k32", variant="v3_m2w8_b3_k32"),  # d128 where m2w8_b3 does not fit (99 KB arches)
     _v4(128, 2, 128), _v4(64, 3, 128),
     _v5(128, 2, 128, 3), _v5(64, 2, 128, 3),
-    *(_fa2(d, w) for d in HEAD_DIMS for w in (4, 8)),
-    *(_v3(128, t, dev=True) for t in ("m2w4_b2", "m2w4_b3", "m2w4_b3_k32", "m1w4q_b3", "m1w8q_b3")),
-    *(_v3(64, t, dev=True) for t in ("m2w4q_b3", "m1w4q_b3", "m1w8q_b3_k32")),
-    _v4(128, 2, 64, dev=True), _v4(128, 3, 64, dev=True), _v4(64, 2, 128, dev=True), _v4(64, 2, 64, dev=True),
-    _v5(128, 2, 128, 2, dev=True), _v5(128, 2, 64, 4, dev=True), _v5(128, 3, 64, 3, dev=True),
-    _v5(64, 3, 128, 3, dev=True),
-    *(_v4_probe(p) for p in range(4)), _v4_probe(0, spread=0),
 ])
-PRODUCTION_PREFILL = ("simple", "v3", "v3_m2w8_b3_k32", "v4", "v5")  # v3_m2w8_b3_k32: d128, 99 KB arches
 
 
-def prefill_variants(head_dim: int, dev: bool = False) -> list[str]:
-    """The variant names compiled for head_dim (production ones, plus the dev ones with dev=True)."""
-    return [v for v, by_dim in PREFILL_KERNELS.items() if head_dim in by_dim and (dev or v in PRODUCTION_PREFILL)]
+def prefill_variants(head_dim: int) -> list[str]:
+    """The variant names compiled for head_dim."""
+    return [v for v, by_dim in PREFILL_KERNELS.items() if head_dim in by_dim]
 
 
 def default_prefill_variant() -> str:
@@ -148,13 +123,11 @@ def default_prefill_variant() -> str:
     return default_variant("attention_prefill", get_device().arch)
 
 
-# The v3 tuning points by their measured speed (H200, d128 causal TFLOP/s 229 / 214 / 211 / 209 / 201 / 200 / 178;
-# d64 135 / 123 / 108 / 106: docs/kernels/attention.md, "v3 prefill"), the order in which fit_v3 takes them where
-# the shipped v3 does not fit a device's shared memory (d128 m2w8_b3 asks 131,072 bytes; sm_86 / sm_89 / sm_120
-# allow 101,376 per CTA).
-V3_BY_SPEED = {128: ("v3", "v3_m2w4_b3", "v3_m2w4_b2", "v3_m2w4_b3_k32", "v3_m2w8_b3_k32", "v3_m1w8q_b3",
-                     "v3_m1w4q_b3"),
-               64: ("v3", "v3_m1w4q_b3", "v3_m1w8q_b3_k32", "v3_m2w4q_b3")}
+# The shipped v3 kernels by their measured speed (H200, d128 causal: m2w8_b3 229 TFLOP/s, m2w8_b3_k32 201;
+# docs/kernels/attention.md, "v3 prefill"): fit_v3 prefers the faster one among those that keep as many warps
+# resident per SM where the shipped v3 does not fit a device's shared memory (d128 m2w8_b3 asks 131,072 bytes;
+# sm_86 / sm_89 / sm_120 allow 101,376 per CTA).
+V3_BY_SPEED = {128: ("v3", "v3_m2w8_b3_k32"), 64: ("v3",)}
 
 
 def v3_warps_per_sm(k: PrefillKernel, smem_per_sm: int = SM90_SMEM_PER_MULTIPROCESSOR) -> int:
@@ -162,9 +135,6 @@ def v3_warps_per_sm(k: PrefillKernel, smem_per_sm: int = SM90_SMEM_PER_MULTIPROC
     and an SM's shared memory (each CTA's + the 1 KB reserved)."""
     warps = k.threads // 32
     return warps * min(256 // k.threads, smem_per_sm // (k.smem + CTA_SMEM_RESERVED))
-
-
-DEV_PREFIX = "dev/"
 
 
 def fit_v3(head_dim: int, smem_per_block: int = SM90_SMEM_PER_BLOCK_OPTIN,
@@ -179,25 +149,30 @@ def fit_v3(head_dim: int, smem_per_block: int = SM90_SMEM_PER_BLOCK_OPTIN,
         return shipped
     order = V3_BY_SPEED.get(head_dim, ("v3",))
     fits = [PREFILL_KERNELS[v][head_dim] for v in order
-            if head_dim in PREFILL_KERNELS.get(v, {}) and PREFILL_KERNELS[v][head_dim].smem <= smem_per_block
-            and not PREFILL_KERNELS[v][head_dim].family.startswith(DEV_PREFIX)]
+            if head_dim in PREFILL_KERNELS.get(v, {}) and PREFILL_KERNELS[v][head_dim].smem <= smem_per_block]
     if not fits:
         raise ValueError(f"attention_prefill: no v3 kernel for head_dim {head_dim} fits {smem_per_block} bytes of "
                          f"shared memory per CTA")
     return max(fits, key=lambda k: (v3_warps_per_sm(k, smem_per_sm), -order.index(k.variant)))
 
 
-def select_prefill_kernel(variant: str, head_dim: int, block_size: int, use_tma: bool = True,
+def select_prefill_kernel(variant: str | PrefillKernel, head_dim: int, block_size: int, use_tma: bool = True,
                           smem_per_block: int | None = None, smem_per_sm: int | None = None) -> PrefillKernel:
-    """The kernel that runs `variant` for this head_dim and block size: v5 needs the TMA, so without it (the block
-    size, or use_tma=False in tests) its place is taken by v4; v3 where its CTA does not fit the device's shared
-    memory (smem_per_block / smem_per_sm, by default the device's) by fit_v3's choice. Another variant asking more
-    than smem_per_block raises ValueError (the runtime would at launch)."""
-    by_dim = PREFILL_KERNELS.get(variant)
-    if by_dim is None or head_dim not in by_dim:
-        raise ValueError(f"variant: no prefill kernel {variant!r} for head_dim {head_dim}; "
-                         f"known: {', '.join(prefill_variants(head_dim, dev=True))}")
-    k = by_dim[head_dim]
+    """The kernel that runs `variant` (a PREFILL_KERNELS name, or a PrefillKernel: a dev registry's) for this
+    head_dim and block size: v5 needs the TMA, so without it (the block size, or use_tma=False in tests) its place
+    is taken by v4; v3 where its CTA does not fit the device's shared memory (smem_per_block / smem_per_sm, by
+    default the device's) by fit_v3's choice. Another variant asking more than smem_per_block raises ValueError
+    (the runtime would at launch)."""
+    if isinstance(variant, PrefillKernel):
+        if variant.head_dim != head_dim:
+            raise ValueError(f"variant: {variant.name} is for head_dim {variant.head_dim}, not {head_dim}")
+        k = variant
+    else:
+        by_dim = PREFILL_KERNELS.get(variant)
+        if by_dim is None or head_dim not in by_dim:
+            raise ValueError(f"variant: no prefill kernel {variant!r} for head_dim {head_dim}; "
+                             f"known: {', '.join(prefill_variants(head_dim))}")
+        k = by_dim[head_dim]
     if k.tma == "required" and (not use_tma or k.tma_rows(block_size) is None):
         k = PREFILL_KERNELS["v4"][head_dim]
     if k.tma != "none" and arch_path(get_device().arch) is not KernelPath.HOPPER:
@@ -220,15 +195,16 @@ def select_prefill_kernel(variant: str, head_dim: int, block_size: int, use_tma:
 
 def attention_prefill(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Tensor, kv_lens: Tensor,
                       block_tables: Tensor, scale: float, max_q_len: int, out: Tensor | None = None,
-                      num_q_heads: int | None = None, causal: bool = True, variant: str | None = None,
+                      num_q_heads: int | None = None, causal: bool = True,
+                      variant: str | PrefillKernel | None = None,
                       use_tma: bool = True, k_scale: Tensor | None = None, v_scale: Tensor | None = None,
                       kv_scratch: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Causal attention of packed query chunks against the paged cache (which already holds their K/V).
     q [T, Hq, D] (or packed qkv with num_q_heads), cu_seqlens_q int32 [B+1], kv_lens int32 [B] (>= q_len),
     block_tables int32 [B, max_blocks]; max_q_len >= every q_len (sizes the grid) -> out bf16 [T, Hq, D].
     causal=False (every query sees all kv_len keys) exists for benchmarks against non-causal peers.
-    variant: a PREFILL_KERNELS name (default: default_prefill_variant()); use_tma=False keeps v4/v5 off the TMA
-    (cp.async copies only), for tests of that path.
+    variant: a PREFILL_KERNELS name (default: default_prefill_variant()) or a PrefillKernel (a development kernel of
+    tools/dev/kernels.py); use_tma=False keeps v4/v5 off the TMA (cp.async copies only), for tests of that path.
     FP8 cache (float8_e4m3fn, with this layer's k_scale / v_scale): on CUDA the blocks the batch reads are first
     dequantized into kv_scratch (bf16 (K, V) of the cache's shape, same block indices: KVCache.prefill_scratch; None:
     a pooled one), which the bf16 kernels then read through the batch's own block tables (fp8_kv.py,
@@ -271,6 +247,5 @@ def attention_prefill(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q:
         runtime = get_runtime()
         args += [0, 0] if rows is None else [kv_cache_tensor_map(runtime, c.ptr, c.shape, rows)
                                              for c in (k_cache, v_cache)]
-    kernel(k.family, k.name)(k.grid(num_q_heads, num_seqs, max_q_len), (k.threads, 1, 1), *args, *k.extra_args,
-                             smem=k.smem)
+    kernel(k.family, k.name)(k.grid(num_q_heads, num_seqs, max_q_len), (k.threads, 1, 1), *args, smem=k.smem)
     return out
