@@ -9,10 +9,10 @@ h // (num_q_heads // num_kv_heads). Queries may be given as q [T, Hq, D] or as t
 [T, Hq + 2 Hkv, D] with `num_q_heads` saying how many of its heads are queries.
 
 Modules: reference (NumPy, float32 for the CPU backend, float64 in tests), kv_write (cuda_src/kv_cache.cu),
-prefill and decode (each with its table of kernels: the shipped ones in cuda_src/attention_*.cu, development ones
-in cuda_src/dev/). fp8_kv: the FP8 (e4m3) KV cache, a float8_e4m3fn cache with per-kv-head float32 k_scale /
-v_scale that every op above takes (quantized on write, dequantized in registers by attention_decode_fp8.cu, into a
-bf16 copy before prefill). Kernel notes and measurements: docs/kernels/attention.md.
+prefill and decode (each with its table of the shipped kernels, cuda_src/attention_*.cu; the development ones in
+cuda_src/dev/ are named by tools/dev/kernels.py). fp8_kv: the FP8 (e4m3) KV cache, a float8_e4m3fn cache with
+per-kv-head float32 k_scale / v_scale that every op above takes (quantized on write, dequantized in registers by
+attention_decode_fp8.cu, into a bf16 copy before prefill). Kernel notes and measurements: docs/kernels/attention.md.
 """
 from ._args import HEAD_DIMS, MAX_GQA_GROUP
 from .decode import DECODE_KERNELS, attention_decode, attention_decode_rope, decode_plan
