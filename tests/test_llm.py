@@ -1,4 +1,6 @@
 """The library API on the tiny model (NumPy backend), and CUDA against NumPy on the GPU."""
+import logging
+
 import numpy as np
 import pytest
 
@@ -203,3 +205,25 @@ def test_a_failed_load_leaves_no_finalizer_error(tiny_model_dir, tmp_path):  # n
     assert "Exception ignored" not in cli_err and "Traceback" not in cli_err, cli_err
     errors = [line for line in cli_err.splitlines() if "error" in line]
     assert len(errors) == 1 and str(folders["truncated"] / "model.safetensors") in errors[0], cli_err
+
+
+def test_notices_go_to_the_xserv_logger(monkeypatch, caplog, capsys):
+    """A library user hears xserv's notices through `logging` (logger "xserv") and silences them there; the command
+    line prints them (test_cli.py). Red when a notice is printed to stderr directly."""
+    import xserv.runtime
+    from xserv.engine_builder import pick_device
+
+    monkeypatch.setattr(xserv.runtime, "cuda_available", lambda: False)
+    with caplog.at_level(logging.WARNING, logger="xserv"):
+        assert pick_device(None) == "cpu"
+    assert [(r.name, r.levelno) for r in caplog.records] == [("xserv", logging.WARNING)]
+    assert "no CUDA GPU found; running on the CPU" in caplog.records[0].getMessage()
+    capsys.readouterr()
+    logger = logging.getLogger("xserv")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        assert pick_device(None) == "cpu"
+    finally:
+        logger.setLevel(level)
+    assert capsys.readouterr().err == ""
