@@ -80,11 +80,13 @@ def test_the_consumers_read_through_the_settings(monkeypatch):
 
 def test_a_retired_variable_warns_once_and_changes_nothing(monkeypatch, caplog):
     monkeypatch.setattr(settings, "_warned", set())
+    monkeypatch.setattr(settings, "_process_env_checked", False)
     monkeypatch.setenv("XSERV_MOE_FUSE_COMBINE", "0")
     with caplog.at_level(logging.WARNING, logger="xserv"):
         assert settings.FP8_EXPERTS.get() == "bf16"
         assert settings.TP_ALLREDUCE.get() == "auto"
     warnings = [r.getMessage() for r in caplog.records if "XSERV_MOE_FUSE_COMBINE" in r.getMessage()]
+    assert settings._process_env_checked
     assert len(warnings) == 1 and "no longer exists" in warnings[0] and "combines inside its down GEMM" in warnings[0]
     assert set(settings.RETIRED) == {"XSERV_MOE_FUSE_COMBINE", "XSERV_MOE_DOWN_TRIGGER", "XSERV_TP_IPC_TRIGGER"}
 

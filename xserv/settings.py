@@ -33,7 +33,7 @@ class Setting:
 
     def get(self, environ: Mapping[str, str] | None = None):
         env = os.environ if environ is None else environ
-        if environ is None:
+        if environ is None and not _process_env_checked:  # once: some settings are read on every eager launch
             _warn_retired(env)
         raw = env.get(self.name)
         if raw is None or not raw.strip():
@@ -123,9 +123,13 @@ RETIRED: dict[str, str] = {
                             "XSERV_TP_ALLREDUCE=nccl is the way to leave it out",
 }
 _warned: set[str] = set()
+_process_env_checked = False
 
 
 def _warn_retired(environ: Mapping[str, str]) -> None:
+    global _process_env_checked
+    if environ is os.environ:
+        _process_env_checked = True
     for name, now in RETIRED.items():
         if name in environ and name not in _warned:
             _warned.add(name)
