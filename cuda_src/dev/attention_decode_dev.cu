@@ -1,9 +1,9 @@
 // Development kernels of the decode family (not shipped: compiled only on request by the tests marked `dev`,
-// tools/bench_attention.py and the kernel harness). Built on the production file, whose helpers and kernels it
-// includes; measured in docs/kernels/attention.md ("v3 decode", "v4 decode").
+// tools/bench_attention.py and the kernel harness, which name them through tools/dev/kernels.py). Built on the
+// production file, whose helpers and kernel templates it includes rather than copies; measured in
+// docs/kernels/attention.md ("v3 decode", "v4 decode").
 //   v3: tensor-core decode (mma.sync), per-lane cp.async staging; never the default (v4 is faster everywhere).
-//   v4 experiments: 3 / 4 stages (the production template), _n (v2's butterfly reduce instead of the transpose-
-//   reduce) and _p (a load-only probe with a wrong result on purpose: the memory ceiling of the loading scheme).
+//   v4 experiments: the production template with 3 / 4 ring stages and with 16-warp CTAs.
 #include "../attention_decode.cu"
 
 // =================================================================================================================
@@ -230,7 +230,7 @@ __device__ void decode_split_v3(const __nv_bfloat16* __restrict__ q, long long q
 }  // namespace
 
 // Min CTAs per SM for __launch_bounds__: what shared memory allows (4 * S * D * 64 bytes per CTA), so that the
-// register budget never becomes the tighter limit (decode_plan's _V3_RESIDENT assumes these).
+// register budget never becomes the tighter limit (tools/dev/kernels.py v3_min_blocks mirrors these).
 #define XSERV_V3_MINB_128_2 3
 #define XSERV_V3_MINB_128_3 2
 #define XSERV_V3_MINB_64_2 5
@@ -262,282 +262,14 @@ XSERV_DECODE_V3_STAGES(128, 7)
 XSERV_DECODE_V3_STAGES(128, 8)
 
 // =================================================================================================================
-// v4 experiments. decode_split_v4_exp is the v4 kernel as it was measured, with two compile-time switches:
-//   TR: transpose-reduce of the scores (the shipped form); false = v2's butterfly, one per score.
-//   PROBE: stream K and V through the ring only (no math; output zeros): the loading scheme's memory ceiling.
+// v4 experiments, the production templates of attention_decode.cu at other shapes, for the benchmark's (head_dim,
+// group) shapes only: 3 and 4 ring stages (XSERV_DECODE_V4_KERNEL; 2 ship), and 16-warp CTAs
+// (XSERV_DECODE_V4_WIDE_KERNEL; the 8-warp ones ship): one split per kv head of a short context with no split combine
+// lost (docs/kernels/attention.md, "Wide CTAs for short contexts").
 // =================================================================================================================
-namespace {
-
-template <int D, int G, int STAGES, bool TR, bool PROBE>
-__device__ void decode_split_v4_exp(const __nv_bfloat16* __restrict__ q, long long q_row_stride,
-                                const __nv_bfloat16* __restrict__ k_cache, const __nv_bfloat16* __restrict__ v_cache,
-                                const int* __restrict__ kv_lens, const int* __restrict__ block_tables,
-                                int max_blocks_per_seq, int block_size, int num_q_heads, int num_kv_heads,
-                                float scale_log2, int chunk_len, int num_splits, __nv_bfloat16* __restrict__ out,
-                                float* __restrict__ part_o, float* __restrict__ part_lse, int* __restrict__ counters,
-                                unsigned bs_magic, int bs_shift) {
-    constexpr int U = kV4Unroll;
-    constexpr int LPK = D / 8;         // lanes per key
-    constexpr int KPS = 32 / LPK;      // keys side by side in a warp
-    constexpr int KPI = KPS * U;       // keys per warp and stage
-    constexpr int NCH = 2 * U;         // 16-byte chunks per lane and stage (K then V)
-    constexpr int RING = kV4Warps * STAGES * NCH * 32 * 16;
-    static_assert(kV4Warps * G * D * 4 + 2 * kV4Warps * G * 4 <= RING, "merge area fits in the ring");
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    int* tab = reinterpret_cast<int*>(smem_raw + RING);
-    int& sm_last = *reinterpret_cast<int*>(smem_raw + RING + kV4TabCap * 4);
-
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int c = lane % LPK, sub = lane / LPK;
-    const int s = blockIdx.z, kv_head = blockIdx.y, split = blockIdx.x;
-    const int kv_len = kv_lens[s];
-    const int start = split * chunk_len;
-    const int h0 = kv_head * G;
-    if (start >= kv_len) {
-        if (kv_len == 0 && split == 0)  // a padding row of a captured batch: a defined zero row
-            for (int idx = threadIdx.x; idx < G * D; idx += kV4Warps * 32)
-                out[((long long)s * num_q_heads + h0) * D + idx] = __float2bfloat16(0.f);
-        return;
-    }
-    const int end = min(start + chunk_len, kv_len);
-    const int* table = block_tables + (long long)s * max_blocks_per_seq;
-    // The split's pages, as first slots (page * block_size). The launcher guarantees they fit in kV4TabCap.
-    const int p0 = fast_div(start, bs_magic, bs_shift);
-    const int n_tab = fast_div(end - 1, bs_magic, bs_shift) - p0 + 1;
-    for (int i = threadIdx.x; i < n_tab; i += kV4Warps * 32) tab[i] = __ldg(table + p0 + i) * block_size;
-
-    float qf[G][8];
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-        uint4 raw = *reinterpret_cast<const uint4*>(q + s * q_row_stride + (long long)(h0 + g) * D + c * 8);
-        bf16x8_to_float(raw, qf[g]);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) qf[g][e] *= scale_log2;
-    }
-    float m[G], l[G], acc[G][8];
-    empty_states(m, l, acc);
-
-    const int first = start + warp * KPI;
-    const int n_it = end > first ? (end - first + kV4Warps * KPI - 1) / (kV4Warps * KPI) : 0;
-    const unsigned row_bytes = (unsigned)(num_kv_heads * D * 2);  // bytes between consecutive slots
-    const unsigned long long kbase = reinterpret_cast<unsigned long long>(k_cache + (long long)kv_head * D + c * 8);
-    const unsigned long long vbase = reinterpret_cast<unsigned long long>(v_cache + (long long)kv_head * D + c * 8);
-    const unsigned ring = smem_u32(smem_raw) + (unsigned)(warp * STAGES * NCH * 32 + lane) * 16u;
-    __syncthreads();  // the page table is in shared memory
-
-    auto issue = [&](int it, int stage) {
-        const int j0 = first + it * (kV4Warps * KPI) + sub;
-        const unsigned st = ring + (unsigned)(stage * NCH * 32) * 16u;
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int j = j0 + u * KPS;
-            const bool valid = j < end;
-            const int jj = valid ? j : start;  // an address inside the sequence either way
-            const int pidx = fast_div(jj, bs_magic, bs_shift);
-            const unsigned slot = (unsigned)(tab[pidx - p0] + (jj - pidx * block_size));
-            // one IMAD.WIDE.U32 each: base + slot * row_bytes
-            const unsigned long long koff = kbase + (unsigned long long)slot * row_bytes;
-            const unsigned long long voff = vbase + (unsigned long long)slot * row_bytes;
-            cp_async16_m(st + u * 512u, reinterpret_cast<const void*>(koff), valid);
-            cp_async16_m(st + (U + u) * 512u, reinterpret_cast<const void*>(voff), valid);
-        }
-    };
-
-#pragma unroll
-    for (int b = 0; b < STAGES - 1; ++b) {
-        if (b < n_it) issue(b, b);
-        cp_async_commit_m();
-    }
-    unsigned probe = 0u;
-    int rd = 0, wr = STAGES - 1;
-    for (int it = 0; it < n_it; ++it) {
-        if (it + STAGES - 1 < n_it) issue(it + STAGES - 1, wr);
-        cp_async_commit_m();
-        cp_async_wait_m<STAGES - 1>();  // this lane's copies of stage `rd` have landed
-        const unsigned st = ring + (unsigned)(rd * NCH * 32) * 16u;
-        rd = rd + 1 == STAGES ? 0 : rd + 1;
-        wr = wr + 1 == STAGES ? 0 : wr + 1;
-        if constexpr (PROBE) {
-            probe ^= (unsigned)it;
-        } else {
-        const int jb = first + it * (kV4Warps * KPI) + sub;
-        float sc[U][G];
-        if constexpr (TR) {
-            constexpr int GP = G <= 1 ? 1 : G <= 2 ? 2 : G <= 4 ? 4 : 8;  // G padded to a power of two
-            constexpr int NP = U * GP;
-            constexpr int NF = NP >= LPK ? NP / LPK : 1;  // full scores a lane holds after the reduce
-            constexpr int R = NP >= LPK ? 1 : LPK / NP;   // lanes holding the same score
-            float v[NP];
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                float kf[8];
-                bf16x8_to_float_fast(lds128(st + u * 512u), kf);
-#pragma unroll
-                for (int g = 0; g < GP; ++g) {
-                    float d = 0.f;
-                    if (g < G) {
-#pragma unroll
-                        for (int e = 0; e < 8; ++e) d = fmaf(qf[g][e], kf[e], d);
-                    }
-                    v[u * GP + g] = d;
-                }
-            }
-            // transpose-reduce over the key's lanes: at lane bit `bit`, the lane with the bit set keeps the upper
-            // half of its values and sends the lower half, its partner the reverse
-#pragma unroll
-            for (int bit = LPK / 2, n = NP; bit >= 1; bit >>= 1) {
-                if (n > 1) {
-                    const bool hi = (c & bit) != 0;
-                    const int half = n / 2;
-#pragma unroll
-                    for (int i = 0; i < NP / 2; ++i) {
-                        if (i < half) {
-                            const float a = v[i], b = v[i + half];
-                            const float send = hi ? a : b, keep = hi ? b : a;
-                            v[i] = keep + __shfl_xor_sync(0xffffffffu, send, bit);
-                        }
-                    }
-                    n = half;
-                } else {
-                    v[0] += __shfl_xor_sync(0xffffffffu, v[0], bit);
-                }
-            }
-            // lane c now holds the full scores ((c / R) * NF + k), k < NF; gather them all into every lane
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-#pragma unroll
-                for (int g = 0; g < G; ++g) {
-                    const int i = u * GP + g;
-                    sc[u][g] = __shfl_sync(0xffffffffu, v[i % NF], sub * LPK + (i / NF) * R);
-                }
-            }
-        } else {
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                float kf[8];
-                bf16x8_to_float_fast(lds128(st + u * 512u), kf);
-#pragma unroll
-                for (int g = 0; g < G; ++g) {
-                    float d = 0.f;
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) d = fmaf(qf[g][e], kf[e], d);
-#pragma unroll
-                    for (int off = LPK / 2; off > 0; off >>= 1) d += __shfl_xor_sync(0xffffffffu, d, off);
-                    sc[u][g] = d;
-                }
-            }
-        }
-        if (first + it * (kV4Warps * KPI) + KPI > end) {  // the last stage of the warp: mask keys past the end
-#pragma unroll
-            for (int u = 0; u < U; ++u)
-#pragma unroll
-                for (int g = 0; g < G; ++g)
-                    if (jb + u * KPS >= end) sc[u][g] = neg_inf();
-        }
-        // online softmax with a lazily raised max (see the header)
-        float mx[G];
-        bool grow = false;
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-            mx[g] = sc[0][g];
-#pragma unroll
-            for (int u = 1; u < U; ++u) mx[g] = fmaxf(mx[g], sc[u][g]);
-            grow |= mx[g] > m[g] + kV4Thresh;  // m = -inf: any valid key raises it
-        }
-        if (__any_sync(0xffffffffu, grow)) {
-#pragma unroll
-            for (int g = 0; g < G; ++g) {
-                const float m_new = fmaxf(m[g], mx[g]);
-                const float alpha = exp2_approx(m[g] - (m_new == neg_inf() ? 0.f : m_new));  // m = -inf: 0
-                l[g] *= alpha;
-#pragma unroll
-                for (int e = 0; e < 8; ++e) acc[g][e] *= alpha;
-                m[g] = m_new;
-            }
-        }
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-            const float m_use = m[g] == neg_inf() ? 0.f : m[g];
-#pragma unroll
-            for (int u = 0; u < U; ++u) sc[u][g] = exp2_approx(sc[u][g] - m_use);  // now p (0 for masked keys)
-        }
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            float vf[8];
-            bf16x8_to_float_fast(lds128(st + (U + u) * 512u), vf);
-#pragma unroll
-            for (int g = 0; g < G; ++g) {
-                l[g] += sc[u][g];
-#pragma unroll
-                for (int e = 0; e < 8; ++e) acc[g][e] = fmaf(sc[u][g], vf[e], acc[g][e]);
-            }
-        }
-        }  // !PROBE
-    }
-    cp_async_wait_m<0>();
-
-    if constexpr (PROBE) {
-        // no result: zeros (and the ring's last word, which keeps nothing from being optimised away)
-        if (split == 0)
-            for (int idx = threadIdx.x; idx < G * D; idx += kV4Warps * 32)
-                out[((long long)s * num_q_heads + h0) * D + idx] = __float2bfloat16(probe == 0xffffffffu ? 1.f : 0.f);
-        return;
-    }
-
-    // Merge the KPS key groups of this warp (lanes c, c + LPK, ... hold the same columns).
-#pragma unroll
-    for (int off = LPK; off < 32; off <<= 1) {
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-            float acc_o[8];
-#pragma unroll
-            for (int e = 0; e < 8; ++e) acc_o[e] = __shfl_xor_sync(0xffffffffu, acc[g][e], off);
-            const float m_o = __shfl_xor_sync(0xffffffffu, m[g], off);
-            const float l_o = __shfl_xor_sync(0xffffffffu, l[g], off);
-            merge_state(m[g], l[g], acc[g], m_o, l_o, acc_o);
-        }
-    }
-    __syncthreads();  // every warp is past its last ring read: the ring becomes the merge area
-    float* sm_acc = reinterpret_cast<float*>(smem_raw);  // [kV4Warps][G][D]
-    float* sm_m = sm_acc + kV4Warps * G * D;             // [kV4Warps][G]
-    float* sm_l = sm_m + kV4Warps * G;                   // [kV4Warps][G]
-    if (sub == 0) {
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-#pragma unroll
-            for (int e = 0; e < 8; ++e) sm_acc[(warp * G + g) * D + c * 8 + e] = acc[g][e];
-            if (c == 0) {
-                sm_m[warp * G + g] = m[g];
-                sm_l[warp * G + g] = l[g];
-            }
-        }
-    }
-    __syncthreads();
-    const long long row0 = (long long)s * num_q_heads + h0;
-    write_split_result<D, G, kV4Warps>(sm_m, sm_l, sm_acc, row0, split, num_splits, out, part_o, part_lse);
-    if (num_splits == 1) return;
-    // the merge area is no longer read: it holds the split weights now
-    combine_splits_if_last<D, G, kV4Warps>(counters + (long long)s * num_kv_heads + kv_head,
-                                           min(num_splits, (kv_len + chunk_len - 1) / chunk_len), row0, num_splits,
-                                           part_o, part_lse, out, reinterpret_cast<float*>(smem_raw), sm_last);
-}
-
-}  // namespace
-
-#define XSERV_DECODE_V4_EXP_KERNEL(D, G, S, SUFFIX, TR, PROBE)                                                   \
-    extern "C" __global__ void __launch_bounds__(128, XSERV_V4_MINB(G))                                          \
-        attention_decode_v4_d##D##_g##G##_s##S##SUFFIX(XSERV_DECODE_ARGS, int* __restrict__ counters,           \
-                                                       unsigned bs_magic, int bs_shift) {                         \
-        decode_split_v4_exp<D, G, S, TR, PROBE>(XSERV_DECODE_PASS, counters, bs_magic, bs_shift);                \
-    }
-// 16-warp CTAs (XSERV_DECODE_V4_WIDE_KERNEL of attention_decode.cu; the 8-warp ones ship there): one split per kv
-// head of a short context with no split combine lost (docs/kernels/attention.md, "Wide CTAs for short contexts").
-// the benchmark's (head_dim, group) shapes only
 #define XSERV_DECODE_V4_EXPERIMENTS(D, G)          \
     XSERV_DECODE_V4_KERNEL(D, G, 3)                \
     XSERV_DECODE_V4_KERNEL(D, G, 4)                \
-    XSERV_DECODE_V4_EXP_KERNEL(D, G, 2, _n, false, false) \
-    XSERV_DECODE_V4_EXP_KERNEL(D, G, 2, _p, false, true) \
     XSERV_DECODE_V4_WIDE_KERNEL(D, G, 2, 16)
 XSERV_DECODE_V4_EXPERIMENTS(128, 4)
 XSERV_DECODE_V4_EXPERIMENTS(128, 2)
