@@ -47,8 +47,9 @@ def main(argv=None) -> int:
                     help="comma list of fused/pair: decode attention with QK-norm/RoPE/KV write folded in, or the "
                          "two kernels (model.fused_attention), timed one after the other")
     ap.add_argument("--decode-kernels", default="",
-                    help="comma list of decode-attention kernels (xserv.ops.attention.decode.DECODE_KERNELS, e.g. "
-                         "v4,v4s4) the model runs, timed one after the other in this process (default: the shipped)")
+                    help="comma list of decode-attention kernels, shipped or dev (tools.dev.kernels."
+                         "decode_variants(), e.g. v4,v4s4) the model runs, timed one after the other in this process "
+                         "(default: the shipped)")
     ap.add_argument("--decode-splits", default="plan",
                     help="comma list of split counts forced on the v4 decode-attention plan (plan: the shipped "
                          "v4_plan), timed one after the other: a plan experiment in the model's chain")
@@ -71,6 +72,8 @@ def main(argv=None) -> int:
     from xserv.ops import gemv
     from xserv.ops.attention import decode
     from xserv.runtime import get_device, synchronize
+
+    from tools.dev import kernels as dev_kernels
 
     setting, _, values = args.gemv_set.partition("=")
     if setting and not isinstance(getattr(gemv, setting, None), (int, float)):
@@ -101,8 +104,8 @@ def main(argv=None) -> int:
     eng = llm.engine
     kernels = [k for k in args.decode_kernels.split(",") if k] or [decode.DEFAULT_DECODE]
     for k in kernels:
-        if k not in decode.DECODE_KERNELS:
-            ap.error(f"--decode-kernels: unknown kernel {k!r}; known: {', '.join(decode.DECODE_KERNELS)}")
+        if k not in dev_kernels.decode_variants():
+            ap.error(f"--decode-kernels: unknown kernel {k!r}; known: {', '.join(dev_kernels.decode_variants())}")
     modes = args.attention.split(",")
     for a in modes:
         if a not in ("fused", "pair"):
@@ -125,10 +128,11 @@ def main(argv=None) -> int:
         fused = mode == "fused"
         model = llm.model
         current = getattr(gemv, setting) if setting else None
-        wanted = (fused, kernel, splits, rules[rule], set_value)  # the decode graphs hold these: capture them again
+        variant = dev_kernels.decode(kernel)  # a shipped name as it is, a dev one as its DecodeKernel
+        wanted = (fused, variant, splits, rules[rule], set_value)  # the decode graphs hold these: capture them again
         if wanted != (model.fused_attention, decode.DEFAULT_DECODE, forced, gemv.MMA_PREFERRED, current):
             model.fused_attention, forced = fused, splits
-            decode.DEFAULT_DECODE = kernel
+            decode.DEFAULT_DECODE = variant
             gemv.MMA_PREFERRED = rules[rule]
             if setting:
                 setattr(gemv, setting, set_value)

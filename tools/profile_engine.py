@@ -37,8 +37,15 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bfloat16", "fp8_e4m3"),
                     help="the KV cache's element type (EngineConfig.kv_cache_dtype)")
     ap.add_argument("--decode-kernel", default="",
-                    help="the decode-attention kernel the model runs (xserv.ops.attention.decode.DECODE_KERNELS)")
+                    help="the decode-attention kernel the model runs, shipped or dev "
+                         "(tools.dev.kernels.decode_variants())")
     args = ap.parse_args(argv)
+
+    from tools.dev import kernels
+
+    if args.decode_kernel and args.decode_kernel not in kernels.decode_variants():
+        ap.error(f"--decode-kernel: unknown kernel {args.decode_kernel!r}; "
+                 f"known: {', '.join(kernels.decode_variants())}")
 
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -53,9 +60,7 @@ def main(argv=None) -> int:
     if args.decode_kernel:  # the kernel is in the decode graphs: capture them again
         from xserv.ops.attention import decode
 
-        if args.decode_kernel not in decode.DECODE_KERNELS:
-            ap.error(f"--decode-kernel: unknown kernel {args.decode_kernel!r}")
-        decode.DEFAULT_DECODE = args.decode_kernel
+        decode.DEFAULT_DECODE = kernels.decode(args.decode_kernel)
         if llm.engine.runner.graphs:
             llm.engine.runner.graphs.clear()
             llm.engine.runner.capture_decode_graphs()
