@@ -17,8 +17,9 @@ import xserv.ops.gemv as G
 import xserv.ops.sampling as S
 from xserv.runtime import CompileError
 from xserv.runtime import compiler
+from xserv.models.dense import DenseModel
 from xserv.runtime.compiler import (family_pieces, family_shapes, family_source, family_startup, kernel_code_sizes,
-                                    kernel_shapes, piece, piece_options, startup_families)
+                                    piece, piece_options, startup_families)
 
 
 class Config:
@@ -52,10 +53,10 @@ def test_names_and_options():
 
 
 def test_startup_compiles_the_models_pieces_only():
-    assert kernel_shapes(Config(16, 8)) == {"head_dim": 128, "group": 2}  # Qwen3-0.6B
-    assert kernel_shapes(Config(32, 8)) == {"head_dim": 128, "group": 4}  # Qwen3-8B
+    assert DenseModel.kernel_shapes(Config(16, 8)) == {"head_dim": 128, "group": 2}  # Qwen3-0.6B
+    assert DenseModel.kernel_shapes(Config(32, 8)) == {"head_dim": 128, "group": 4}  # Qwen3-8B
     for target in ("sm_90a", "sm_80@sm_90a", "sm_89", "sm_120a"):
-        names = startup_families(target, kernel_shapes(Config(32, 8)))
+        names = startup_families(target, DenseModel.kernel_shapes(Config(32, 8)))
         pieces = [n for n in names if ":" in n]
         assert pieces == ["attention_decode:d128_g4", "attention_decode_v2:d128_g4", "gemv:m1_p0", "gemv:m8_p0",
                           "gemv:m8_p1", "sampling:v1"]
@@ -204,7 +205,7 @@ def qwen3_gemv_entries(hidden: int, heads: int, kv_heads: int, inter: int, sms: 
 @pytest.mark.parametrize("model", list(QWEN3))
 def test_a_qwen3_step_launches_startup_pieces_only(model):
     hidden, heads, kv_heads, inter = QWEN3[model]
-    startup = startup_families("sm_90a", kernel_shapes(Config(heads, kv_heads)))
+    startup = startup_families("sm_90a", DenseModel.kernel_shapes(Config(heads, kv_heads)))
     assert {G._PIECES[n] for n in qwen3_gemv_entries(hidden, heads, kv_heads, inter)} <= set(startup)
     assert S._PIECES[True] in startup  # Qwen3's vocab is a multiple of 4: the _vec entry
 

@@ -11,12 +11,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from xserv.models.fp8 import dequantize_blockwise, quantize_blockwise, scale_shape
+from xserv.fp8_format import dequantize_blockwise, quantize_blockwise, scale_shape
 from xserv.ops import fp8_quant as Q
 from xserv.ops.fp8_linear import Fp8Scratch, choose_path, linear_fp8, linear_fp8_reference
 from xserv.ops.fp8_quant import (dequantize_1x128, dequantize_bf16, dequantize_bf16_reference, pad_scales,
                                  pad_scales_reference, quantize_1x128, quantize_1x128_reference)
-from xserv.runtime.compiler import compile_family, kernel_code_sizes, kernel_shapes, startup_families
+from xserv.models.dense import DenseModel
+from xserv.runtime.compiler import compile_family, kernel_code_sizes, startup_families
 from xserv.runtime.errors import CublasError
 from xserv.tensor import Tensor, bfloat16, float8_e4m3fn, float32
 from xserv.testing import poisoned, random_array, rel_error
@@ -151,8 +152,8 @@ def test_scratch_sizes_and_checks():
 
 def test_fp8_models_compile_the_fp8_families_at_start():
     base = {"head_dim": 128, "num_attention_heads": 32, "num_key_value_heads": 8}
-    dense = kernel_shapes(type("Config", (), base))
-    quantized = kernel_shapes(type("Config", (), {**base, "quantization_config": object()}))
+    dense = DenseModel.kernel_shapes(type("Config", (), base))
+    quantized = DenseModel.kernel_shapes(type("Config", (), {**base, "quantization_config": object()}))
     assert "fp8" not in dense and quantized == {**dense, "fp8": 1}
     for target in ("sm_90a", "sm_89", "sm_80@sm_90a"):
         plain = startup_families(target, dense)

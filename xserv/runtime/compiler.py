@@ -201,19 +201,6 @@ def family_startup(family: str) -> tuple[dict[str, int], ...] | None:
     return _declared_startup(path, path.stat().st_mtime_ns)
 
 
-def kernel_shapes(config) -> dict[str, int]:
-    """The shapes the kernels of a model config need (anything with num_attention_heads, num_key_value_heads and
-    head_dim: a ModelConfig): head dim and query heads per kv head (the same on every tensor-parallel rank), and
-    moe=1 for a mixture-of-experts config (one with num_experts > 0: its start-up compiles the moe family), fp8=1 for
-    an FP8-quantized one (a quantization_config: its start-up compiles the gemv_fp8 and fp8 families)."""
-    shapes = {"head_dim": int(config.head_dim), "group": int(config.num_attention_heads // config.num_key_value_heads)}
-    if getattr(config, "num_experts", 0):
-        shapes["moe"] = 1
-    if getattr(config, "quantization_config", None) is not None:
-        shapes["fp8"] = 1
-    return shapes
-
-
 @lru_cache(maxsize=None)
 def _piece(family: str, items: tuple) -> str:
     declared = family_shapes(family)
@@ -487,7 +474,7 @@ def startup_families(target: str, shapes: dict[str, int] | None = None) -> list[
     """What a start-up compiles: the families that compile for the target (families_for) less those the ops launch
     on the other path only (arch.KERNEL_PATHS; on sm_90a attention_prefill, whose v3 and simple kernels then compile
     on first use, when a test or benchmark names them). A family the table does not name is compiled. A family
-    compiled per shape (`// xserv-shapes:`) contributes its piece for the model's `shapes` (kernel_shapes(config));
+    compiled per shape (`// xserv-shapes:`) contributes its piece for the model's `shapes` (Model.kernel_shapes);
     without shapes, or for a shape it has no kernels for, nothing: its pieces compile on first use. A family
     split by another key (gemv's rows and part, sampling's vec) contributes the pieces its `// xserv-startup:` line
     names (family_startup: the entries a model's steps launch), every piece without one."""
@@ -572,7 +559,7 @@ def ensure_compiled(arch: str, progress: bool = True, shapes: dict[str, int] | N
     """Compile every family the ops launch on the target's kernel path (startup_families: on sm_90a all but
     attention_prefill, whose v3 and simple kernels run there only when a test or benchmark asks; elsewhere all but
     the sm_90a-only attention_prefill_sm90), the families compiled per shape as their pieces for the model's
-    `shapes` (kernel_shapes(config); other shapes compile on first use), that are missing from the disk cache (a
+    `shapes` (Model.kernel_shapes; other shapes compile on first use), that are missing from the disk cache (a
     first run takes seconds; later starts load the cubins in milliseconds), on parallel threads, with a progress
     bar when stderr is a terminal. Returns the families and pieces compiled."""
     todo = missing_families(arch, shapes=shapes)
