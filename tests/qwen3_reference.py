@@ -104,7 +104,7 @@ def write_dequantized_twin(folder: Path, out: Path, dtype=None) -> Path:
     import shutil
 
     from xserv.models.checkpoint import CheckpointReader
-    from xserv.models.fp8 import dequantize_blockwise
+    from xserv.fp8_format import dequantize_blockwise
     from xserv.models.random_checkpoint import TOKENIZER_FILES, save_safetensors
     from xserv.models.registry import config_from_dict, model_class
 

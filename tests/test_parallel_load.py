@@ -20,7 +20,7 @@ import pytest
 
 from test_sharding import attention, mlp, moe_block, rmsnorm
 from xserv.models.checkpoint import CheckpointReader
-from xserv.models.fp8 import dequantize_blockwise, quantize_blockwise
+from xserv.fp8_format import dequantize_blockwise, quantize_blockwise
 from xserv.models.random_checkpoint import make_test_model
 from xserv.models.registry import config_from_pretrained, load_model, model_class
 from xserv.parallel import dequantize_shard, load_shard, shard_from_checkpoint, shard_plan, valid_tp_sizes

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from xserv.models.config import preset_dict
-from xserv.models.fp8 import dequantize_blockwise, quantize_blockwise
+from xserv.fp8_format import dequantize_blockwise, quantize_blockwise
 from xserv.models.llama import LlamaConfig, LlamaModel
 from xserv.models.qwen3 import Qwen3Config, Qwen3Model
 from xserv.models.qwen3_moe import Qwen3MoeConfig

@@ -8,7 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from xserv.models.fp8 import quantize_blockwise, scale_shape
+from xserv.fp8_format import quantize_blockwise, scale_shape
 from xserv.ops import gemv_fp8 as F
 from xserv.ops.gemv_fp8 import e4m3_to_float_soft, linear_fp8_gemv, linear_fp8_reference, plan
 from xserv.runtime.compiler import compile_family, kernel_code_sizes

@@ -7,7 +7,7 @@ poisoned outputs, odd and Qwen3-8B shapes, one-step and looping entries, the ent
 import numpy as np
 import pytest
 
-from xserv.models.fp8 import Fp8Weight, dequantize_blockwise, quantize_blockwise
+from xserv.fp8_format import Fp8Weight, dequantize_blockwise, quantize_blockwise
 from xserv.ops import gemv as G
 from xserv.ops.activation import silu_and_mul_reference
 from xserv.ops.gemv import (add_rounded, fp8_row_supported, linear_add, plan, rmsnorm_linear,

@@ -469,8 +469,8 @@ def test_cuda_one_token_fused_combine_replays_in_a_graph_with_new_routings(rng):
 # ---- FP8 experts (a -FP8 checkpoint's: e4m3 with 128 x 128 block scales) -------------------------------------------
 def fp8_experts(rng, gate_up, down):
     """Blockwise-quantized twins of bf16 experts: (e4m3 gate_up, its scales, e4m3 down, its scales), each expert as
-    models/fp8.py's quantize_blockwise writes a checkpoint tensor."""
-    from xserv.models.fp8 import quantize_blockwise
+    xserv/fp8_format.py's quantize_blockwise writes a checkpoint tensor."""
+    from xserv.fp8_format import quantize_blockwise
 
     out = []
     for w in (gate_up, down):
@@ -516,7 +516,7 @@ def test_fp8_experts_are_checked_by_name(rng):
                                            (70, "mid", "store"), (200, "large", "add")])
 def test_cuda_fp8_experts_are_the_dequantized_experts_bit_for_bit(rng, t, size, mode):
     """The _fp8 entries (e4m3 chunks converted to bf16 in shared memory) against the bf16 entries on the dequantized
-    experts (models/fp8.py's rounding), same launches, each into a NaN-poisoned workspace: the same output bits, for
+    experts (fp8_format.py's rounding), same launches, each into a NaN-poisoned workspace: the same output bits, for
     the one-token fused path (gate/up with the routing, down with the combine, the default ring) and each prefill
     tile size; and close to the float reference (a wrong scale block would be far)."""
     from xserv.ops.moe import MoeWorkspace, dequantize_experts, moe_stages

@@ -13,7 +13,7 @@ fp8_dequantize  W e4m3 [N, K] -> bf16 [N, K], NxK: the dequant path's extra pass
 Use --graph: the scratch buffers are made by each input set's first (eager) call, as a model's warm-up does."""
 import numpy as np
 
-from xserv.models.fp8 import quantize_blockwise, scale_shape
+from xserv.fp8_format import quantize_blockwise, scale_shape
 from xserv.tensor import float8_e4m3fn
 from xserv.testing import poisoned, random_array
 

@@ -14,7 +14,7 @@ projection), gemv_fp8_add (o, down: residual += bf16(x @ W^T)), gemv_fp8_rmsnorm
 SiLU-and-mul: out [1, I]). Compare their us with the plain rows above at the same shapes."""
 import numpy as np
 
-from xserv.models.fp8 import quantize_blockwise, scale_shape
+from xserv.fp8_format import quantize_blockwise, scale_shape
 from xserv.testing import poisoned, random_array
 
 from . import OpSpec
@@ -72,7 +72,7 @@ def _fused_inputs(kind):
 
 
 def _fp8(d):
-    from xserv.models.fp8 import Fp8Weight
+    from xserv.fp8_format import Fp8Weight
 
     return Fp8Weight(d["weight"], d["scale_inv"])
 

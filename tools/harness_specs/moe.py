@@ -27,7 +27,7 @@ def _inputs(rng, shape):
 
 def _fp8_inputs(rng, shape):
     """_inputs with the experts quantized blockwise, expert by expert, as a -FP8 checkpoint stores them."""
-    from xserv.models.fp8 import quantize_blockwise
+    from xserv.fp8_format import quantize_blockwise
 
     d = _inputs(rng, shape)
     for name in ("gate_up", "down"):

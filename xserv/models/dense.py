@@ -30,7 +30,8 @@ from ..ops.rope import qk_norm_rope_write_kv, rope_cos_sin_table
 from ..tensor import Tensor, as_dtype, bfloat16, float32
 from .base import KVLayout
 from ..ops.fp8_linear import Fp8Scratch, linear_fp8
-from .fp8 import DEFAULT_BLOCK, E4M3, SCALE_SUFFIX, Fp8Weight, dequantize_for_load, join_fp8_fields, scale_shape
+from ..fp8_format import DEFAULT_BLOCK, E4M3, Fp8Weight, scale_shape
+from .fp8 import SCALE_SUFFIX, dequantize_for_load, join_fp8_fields
 
 # The ops take bf16 activations and weights on both backends (the NumPy references compute in float32 and round
 # where the kernels round), so the CPU model is the reference of the CUDA one step by step.

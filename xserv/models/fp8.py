@@ -1,7 +1,7 @@
 """Fine-grained FP8 checkpoints (Qwen's `-FP8` checkpoints, DeepSeek-V3's format) as a model loads them: the
 `quantization_config` that describes them and the dequantization of what loads in bf16. The format itself (the
-e4m3 type, `Fp8Weight`, the block (de)quantization reference) is xserv/fp8_format.py, below the ops that take it;
-its names are imported here for the model code that loads checkpoints.
+e4m3 type, `Fp8Weight`, the block (de)quantization reference) is xserv/fp8_format.py, below the ops that take it:
+code that needs those names imports them from there.
 
 A quantized linear layer's `*.weight` is float8_e4m3fn and its `*.weight_scale_inv` float32, in blocks of
 `weight_block_size` (xserv/fp8_format.py). Embeddings, norms, `lm_head`, the MoE router (`mlp.gate`) and the
@@ -26,8 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from ..fp8_format import (DEFAULT_BLOCK, E4M3, E4M3_MAX, Fp8Weight, dequantize_blockwise,  # noqa: F401
-                          quantize_blockwise, scale_shape)
+from ..fp8_format import DEFAULT_BLOCK, Fp8Weight, dequantize_blockwise, scale_shape
 
 # The quantization_config keys of an FP8 config.json: the ones xserv reads, and the ones it accepts and ignores
 # (transformers' `dequantize` flag asks for what phase 1 always does).

@@ -32,7 +32,7 @@ from ..ops.rmsnorm import fused_add_rmsnorm
 from ..tensor import Tensor
 from .config import positive_int
 from .dense import DENSE_LAYER_WEIGHTS, QK_NORM_WEIGHTS, DenseModel, Workspace
-from .fp8 import DEFAULT_BLOCK, Fp8Weight
+from ..fp8_format import DEFAULT_BLOCK, Fp8Weight
 from .qwen3 import Qwen3Config, Qwen3Model
 
 # transformers' Qwen3MoeConfig defaults, for the fields a config.json may leave out

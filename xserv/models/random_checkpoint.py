@@ -8,7 +8,7 @@ time, large ones in row chunks, so an 8B model is written with bounded RAM. Each
 (seed, tensor name): the same seed gives the same weights whatever the sharding, and the same bytes whatever the
 number of workers (`workers`: threads writing runs of tensors in parallel at their offsets in the shard files).
 
-Every folder gets the Qwen3 tokenizer (models/presets/tokenizer), whatever the architecture: the Llama presets
+Every folder gets the Qwen3 tokenizer (xserv/presets/tokenizer), whatever the architecture: the Llama presets
 therefore use Qwen3's vocabulary size and special token ids.
 """
 from __future__ import annotations
@@ -34,7 +34,8 @@ from .. import settings
 from ..tensor import as_dtype
 from .checkpoint import INDEX_FILE, NUMPY_TO_SAFETENSORS, SINGLE_FILE
 from .config import DenseConfig, preset_dict, presets_dir
-from .fp8 import DEFAULT_BLOCK, E4M3, Fp8BlockQuantization, quantize_blockwise
+from ..fp8_format import DEFAULT_BLOCK, E4M3, quantize_blockwise
+from .fp8 import Fp8BlockQuantization
 from .registry import config_from_dict, model_class
 
 DEFAULT_SHARD_SIZE = 4 * 10**9  # like HF's save_pretrained: shard above ~4 GB
