@@ -95,7 +95,9 @@ class Sequence:
         self.finish_reason: str | None = None
         self.final_text: str | None = None
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
-        self.stream_buffer: deque[str] | None = None  # text deltas not yet read by a TextStream
+        # text deltas for a caller that steps the engine itself and sets a deque here (the tests' EngineStream,
+        # tests/engine_driver.py); the engine thread behind LLM and the server takes deltas from step()'s results
+        self.stream_buffer: deque[str] | None = None
 
     @property
     def output_ids(self) -> list[int]:
