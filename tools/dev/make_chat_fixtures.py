@@ -1,7 +1,7 @@
 """Render a set of conversations with transformers' apply_chat_template and store the strings as a test fixture.
 
     pip install transformers   # a tool dependency only; no torch needed for templates
-    python -m tools.dev.make_chat_fixtures [--tokenizer models/presets/tokenizer] [--out tests/fixtures/chat_template_cases.json]
+    python -m tools.dev.make_chat_fixtures [--tokenizer xserv/presets/tokenizer] [--out tests/fixtures/chat_template_cases.json]
 
 tests/test_tokenizer.py checks that xserv.tokenizer renders every case to exactly the stored string.
 """
@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     from transformers import AutoTokenizer
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokenizer", default=str(REPO / "models" / "presets" / "tokenizer"))
+    ap.add_argument("--tokenizer", default=str(REPO / "xserv" / "presets" / "tokenizer"))
     ap.add_argument("--out", default=str(REPO / "tests" / "fixtures" / "chat_template_cases.json"))
     args = ap.parse_args(argv)
 
@@ -117,7 +117,7 @@ def main(argv=None) -> int:
     out.write_text(json.dumps({
         "generator": "python -m tools.dev.make_chat_fixtures",
         "transformers_version": transformers.__version__,
-        "tokenizer": "models/presets/tokenizer (Qwen3)",
+        "tokenizer": "xserv/presets/tokenizer (Qwen3)",
         "cases": cases,
         "encodings": encodings,
     }, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")

@@ -3,7 +3,7 @@
 `DenseConfig` holds the fields the engine and the shared layers read (sizes, heads, RoPE, special tokens, context
 length). An architecture subclasses it in its own module (`qwen3.py`, `llama.py`) and states only what differs: its
 HF names, its defaults, the RoPE scalings it accepts and the HF fields it must reject. Presets are config.json files
-in `models/presets/` (`<name>.json`; Qwen3's bare sizes like `0.6b` mean `qwen3-0.6b`), so a random checkpoint and a
+in `xserv/presets/` (`<name>.json`; Qwen3's bare sizes like `0.6b` mean `qwen3-0.6b`), so a random checkpoint and a
 real one go through one code path.
 """
 from __future__ import annotations
@@ -25,19 +25,9 @@ _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp3
 
 
 def presets_dir() -> Path:
-    """The folder holding the preset JSON files and the tokenizer (installed package or repo checkout)."""
-    try:
-        from importlib.resources import files
-
-        p = Path(str(files("xserv.presets")))
-        if (p / "generation_config.json").is_file():
-            return p
-    except (ModuleNotFoundError, TypeError):
-        pass
-    p = Path(__file__).resolve().parents[2] / "models" / "presets"
-    if (p / "generation_config.json").is_file():
-        return p
-    raise FileNotFoundError("xserv presets not found (neither package xserv.presets nor models/presets/ in the repo)")
+    """The folder holding the preset JSON files, generation_config.json and the tokenizer: the package xserv.presets,
+    which ships with the wheel, so a checkout and an install read the same place."""
+    return Path(__file__).resolve().parents[1] / "presets"
 
 
 def preset_dict(name: str) -> dict[str, Any]:
