@@ -7,7 +7,7 @@ checkpoint tensor in host memory.
 exactly the rank's shards in the single-GPU layout at the local sizes. Per checkpoint tensor, `Shard.take` gives a
 view of the mapped file tensor (a column slice is strided); the loader's one host copy of it is shard-sized (cast to
 the weight dtype, or for FP8 dequantized from the scale blocks that cover the shard) and goes into the shard's
-destination rows: on CUDA uploaded the way DenseModel.from_checkpoint uploads (dense.fill_fields, the loop both
+destination rows: on CUDA uploaded the way DenseModel.from_checkpoint uploads (dense_weights.fill_fields, the loop both
 share). The embed / lm_head rows past the vocabulary (ShardPlan.vocab_padding) are zeros. At tp 1 the result is
 from_checkpoint's model, tensor for tensor.
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..models.dense import WEIGHT_DTYPE, fill_fields
+from ..models.dense_weights import WEIGHT_DTYPE, fill_fields
 from ..models.fp8 import dequantize_for_load
 from ..tensor import Tensor, as_dtype
 from .sharding import RankConfig, ShardPlan, check_tp, shard_plan
@@ -64,7 +64,7 @@ def vocab_fields(config) -> tuple[str, ...]:
 
 
 def shard_pieces(plan: ShardPlan, reader, dtype):
-    """(layer, field, destination rows, host array) of each shard of the plan, in file order, for dense.fill_fields:
+    """(layer, field, destination rows, host array) of each shard of the plan, in file order, for fill_fields:
     the view of the mapped file tensor (cast by fill_fields), or for an FP8 shard its dequantized copy."""
     for s in plan.shards:
         arr = s.take(reader.get(s.name))

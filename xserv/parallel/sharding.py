@@ -3,8 +3,9 @@ a tensor-parallel size `tp` and a rank, which part of every checkpoint tensor th
 in the rank's fused / stacked fields, so that a loader reads only its shard from the memory-mapped safetensors files.
 
 The plan is derived from the model class's weight table (`weight_table`, `field_shapes`, `part_rows`: the hooks
-xserv/models/dense.py defines and qwen3_moe.py overrides), so dense Qwen3, Llama and Qwen3-MoE need no code here;
-what a field does under tensor parallelism is one line of FIELD_SPLITS (a field without a line is a ValueError).
+xserv/models/dense_weights.py defines and qwen3_moe.py overrides), so dense Qwen3, Llama and Qwen3-MoE need no
+code here; what a field does under tensor parallelism is one line of FIELD_SPLITS (a field without a line is a
+ValueError).
 The destinations come from the same table built for the rank-local config (`RankConfig.config`: heads, kv heads,
 intermediate and moe_intermediate divided by tp), so a rank's fields keep the single-GPU layout at the local sizes.
 
@@ -47,7 +48,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..models.dense import NORM_FIELDS, layer_prefix
+from ..models.dense_weights import NORM_FIELDS, layer_prefix
 
 COLUMN = "column"  # output rows split: the rank computes its slice of the output features
 ROW = "row"  # input columns split: the rank computes a partial sum of the whole output (all-reduce after)
