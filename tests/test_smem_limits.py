@@ -1,4 +1,4 @@
-"""Dynamic shared memory of every launch, per arch (issue 28: "every GPU from sm_80 to sm_120").
+"""Dynamic shared memory of every launch, per arch: every GPU from sm_80 to sm_120.
 
 The kernels were tuned on sm_90 (227 KB per CTA, 228 KB per SM). A launch asking more than the device's opt-in
 limit is refused (runtime/kernels.py ValueError): on an RTX 4090 a crash, not a slower kernel. These tests compute,
@@ -26,6 +26,8 @@ from xserv.ops.attention import decode as D
 from xserv.ops.attention import prefill as P
 from xserv.runtime.device import DeviceInfo, SM90_SMEM_PER_BLOCK_OPTIN, SM90_SMEM_PER_MULTIPROCESSOR
 
+from tools.dev import kernels
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "smem_sm90_plans.json.gz"
 
@@ -47,7 +49,7 @@ LENS = (1, 100, 512, 4096, 32768, 40960)
 
 def presets() -> dict[str, dict]:
     out = {}
-    for f in sorted((ROOT / "models" / "presets").glob("*.json")):
+    for f in sorted((ROOT / "xserv" / "presets").glob("*.json")):
         c = json.loads(f.read_text())
         if "hidden_size" not in c:
             continue
@@ -183,16 +185,17 @@ def test_decode_fits(arch):
 
 @pytest.mark.parametrize("arch", ARCHES)
 def test_decode_variants_fit_or_refuse(arch):
-    """Every DECODE_KERNELS member either fits the arch or is refused by the planner (a dev variant named outright:
-    v4w16, 135,696 bytes, on the 99 KB arches); none reaches the launch too large."""
+    """Every decode kernel, shipped or dev, either fits the arch or is refused by the planner (a dev variant named
+    outright: v4w16, 135,696 bytes, on the 99 KB arches); none reaches the launch too large."""
     block, sm, sms = ARCHES[arch]
-    for variant, k in D.DECODE_KERNELS.items():
+    for name in kernels.decode_variants():
+        variant, k = kernels.decode(name), kernels.decode_kernel(name)
         for d, g in sorted(k.shapes or {(128, 4), (64, 2)}):
             if k.fits(d, block):
                 assert D.plan_decode(variant, 1, 8, 4096, 16, d, g, sms, block, sm)[0].smem(d) <= block
                 assert k.resident(d, g, sm) >= 1
             else:
-                assert variant == "v4w16" and block < 135696
+                assert name == "v4w16" and block < 135696
                 with pytest.raises(ValueError, match="shared memory"):
                     D.plan_decode(variant, 1, 8, 4096, 16, d, g, sms, block, sm)
 
@@ -219,7 +222,7 @@ def test_prefill_selection_reads_the_device(monkeypatch):
     assert P.select_prefill_kernel("v3", 128, 16).variant == "v3_m2w8_b3_k32"
     assert P.select_prefill_kernel("v3", 64, 16).variant == "v3"
     with pytest.raises(ValueError, match="shared memory"):
-        P.select_prefill_kernel("v3_m2w4_b3", 128, 16, smem_per_block=65536)
+        P.select_prefill_kernel(kernels.prefill("v3_m2w4_b3", 128), 128, 16, smem_per_block=65536)
 
 
 @pytest.mark.parametrize("arch", ARCHES)
