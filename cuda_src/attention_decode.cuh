@@ -142,7 +142,7 @@ __device__ __forceinline__ void combine_splits_if_last(int* counter, int active,
 // shared-memory read of a stage above the wait for it, nor a write into a stage above the reads of its last use.
 // The K/V bytes are marked first in line for eviction from L2: a decode step reads each of them once, and at long
 // contexts the stream (131 MB per layer for a 0.6B-shaped model at 32k) would otherwise push out of L2 what the
-// next kernels need, their code among it (gemv.md, "v12": 0.6B at 32k +2%). One createpolicy per copy site (17 in
+// next kernels need, their code among it (docs/kernels/gemv.md: 0.6B at 32k +2%). One createpolicy per copy site (17 in
 // the v4 kernel's PTX; +0.4 KB of code).
 __device__ __forceinline__ void cp_async16_m(unsigned smem_addr, const void* gptr, bool valid) {
     const int src_size = valid ? 16 : 0;

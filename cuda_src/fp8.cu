@@ -1,4 +1,4 @@
-// FP8 conversions for the M > 8 paths of ops/fp8_linear.py's linear_fp8 (issue 31; launchers and NumPy references in
+// FP8 conversions for the M > 8 paths of ops/fp8_linear.py's linear_fp8 (launchers and NumPy references in
 // xserv/ops/fp8_quant.py):
 //
 //   fp8_quantize_1x128   x bf16 [M, K] -> q e4m3 [M, K] and one float32 scale per (row, 128-column group), the

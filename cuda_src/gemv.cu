@@ -49,12 +49,12 @@
 // Code size: in the decode chain every kernel starts with a cold instruction cache (the kernels alternate, and the
 // weight stream evicts their code from L2), so the code a launch runs through counts. gemv_row has one entry per
 // (prologue, epilogue) the ops use, and the mma kernel one for the plain bf16 -> bf16 projection, with those compiled
-// in (21-38 KB each against 62-170 KB for the generic entries; gemv.md, "v12").
+// in (21-38 KB each against 62-170 KB for the generic entries; docs/kernels/gemv.md).
 //
 // Programmatic dependent launch: the weights do not depend on the previous kernel, so each lane loads its first
 // weights into registers before pdl_wait(); the x staging comes after the wait, pdl_launch_dependents() after it,
 // or (gemv_row's early_trigger, the launcher's choice for small weights) first of all, so that the next kernel's
-// launch is under way while this one runs (docs/kernels/gemv.md, "v13").
+// launch is under way while this one runs (docs/kernels/gemv.md).
 //
 // Requirements (the launcher checks): K % 8 == 0, W and x rows 16-byte aligned (x_stride a multiple of 8 bf16 /
 // 4 fp32 values), dynamic shared memory for the reduction buffers and the staged x.

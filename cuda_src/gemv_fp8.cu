@@ -1,4 +1,4 @@
-// FP8 weight-only skinny GEMM (issue 31; ops/gemv_fp8.py, the M <= 8 path of ops/fp8_linear.py's linear_fp8):
+// FP8 weight-only skinny GEMM (ops/gemv_fp8.py, the M <= 8 path of ops/fp8_linear.py's linear_fp8):
 //   out[m, n] = sum_k x[m, k] * dequant(W)[n, k]      m = 1..8 rows
 // x bf16 [m, K] (row stride x_stride), W float8_e4m3fn [N, K] (1 byte a weight, Qwen's / DeepSeek's -FP8 layout),
 // scale_inv float32 [ceil(N / 128), ceil(K / 128)]: dequant(W)[n, k] = float(W[n, k]) * scale_inv[n / 128][k / 128]

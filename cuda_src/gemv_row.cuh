@@ -239,7 +239,7 @@ __device__ __forceinline__ void fma_step(float (&acc)[kRows], const Step<Fmt>& s
 // bf16, 2048 * split for e4m3; the launcher's choice), so a tile
 // is one load and one FMA step, in one register set: 106-150 registers a thread, 3-4 CTAs per SM, and each CTA's
 // first tile wholly loaded before the wait (the 0.6B's projections and lm_head, the 8B's qkv, o and lm_head at
-// split 4: gemv.md, "v14"). Otherwise a tile loops over load steps, and the first tile's first step has registers
+// split 4: docs/kernels/gemv.md). Otherwise a tile loops over load steps, and the first tile's first step has registers
 // of its own, so that the compiler can issue the loop's loads while that step's FMAs run (about 240 registers,
 // 2 CTAs per SM; one register set there cost the 8B 10% at 2 CTAs per SM).
 template <class Fmt, int prologue, int epilogue, bool FREE_WARPS, bool ONE_STEP>

@@ -1,4 +1,4 @@
-// What a hand-off between dependent steps costs on this GPU (issue 11: a batch-1 decoder layer is a chain of
+// What a hand-off between dependent steps costs on this GPU (a batch-1 decoder layer is a chain of
 // all-to-all dependencies, so a persistent kernel only pays if its grid-wide hand-off is cheaper than a kernel
 // boundary). Two forms of the same tiny dependent step, "CTA b reads what CTA b + 1 wrote in the step before":
 //   sync_chain_step     one kernel per step; the order comes from the stream (or, launched with programmatic

@@ -167,7 +167,7 @@ def step_weight_bytes(model, num_tokens: int, weight_bytes: int | None = None):
 
 def embedding_table_bytes(model) -> int:
     """Bytes of the input embedding table a decode step leaves unread (it reads one row per sequence), for a
-    mixture-of-experts model or a model with FP8 weights (issue 31's roofline: FP8 weight bytes + bf16 lm_head + KV),
+    mixture-of-experts model or a model with FP8 weights (its roofline: FP8 weight bytes + bf16 lm_head + KV),
     when its lm_head is untied; 0 otherwise: a bf16 dense model's limits count every weight, the table included (the
     standing figures' convention, kept), and a tied table is the lm_head, which every step reads."""
     c = model.config

@@ -1,4 +1,4 @@
-"""Linear layers on FP8 block-quantized weights (issue 31): out = x @ dequant(weight, scale_inv)^T.
+"""Linear layers on FP8 block-quantized weights: out = x @ dequant(weight, scale_inv)^T.
 
     linear_fp8(x, weight, scale_inv, out=None, out_dtype=None, scratch=None, path="auto")
 

@@ -11,7 +11,7 @@ Each is, bit for bit in its rounding points, the composition of the unfused ops 
 normalisation, silu_and_mul, linear, the residual add), so the CPU backend runs exactly that composition of the
 NumPy references. Only the order of the fp32 sums differs from cuBLASLt's.
 
-FP8 weights (issue 31): rmsnorm_linear, rmsnorm_linear_silu_mul and linear_add also take an `Fp8Weight` (e4m3
+FP8 weights: rmsnorm_linear, rmsnorm_linear_silu_mul and linear_add also take an `Fp8Weight` (e4m3
 [N, K] with float32 128 x 128 block scales, xserv/fp8_format.py) for one row, the one-token decode step's projections:
 the same prologues and epilogues on the FP8 GEMV (gemv_fp8.cu's gemv_fp8_row_* entries: gemv_row.cuh's one-row
 kernel with the e4m3 format, the weights dequantized in registers). Their references compose the same NumPy
@@ -58,7 +58,7 @@ SMEM_LIMIT = 112 * 1024
 STAGE_BYTES = 72 * 1024
 # The one-row kernel lets the next kernel launch at its very start (gemv.cu's early_trigger) where its weights are at
 # most this many bytes (short kernels: the next one's launch then overlaps them): 0.6B +1.6% at batch 1, while on
-# the 8B's 33-201 MB projections it cost 0.6% (docs/kernels/gemv.md, "v13"). A module attribute so that benchmarks
+# the 8B's 33-201 MB projections it cost 0.6% (docs/kernels/gemv.md). A module attribute so that benchmarks
 # can compare settings.
 EARLY_TRIGGER_BYTES = 16 << 20
 # At most 2 CTAs per SM: enough loads in flight for the bandwidth, and each CTA stages x (once) the fewest times.
@@ -66,7 +66,7 @@ CTAS_PER_SM = 2
 # Where a warp's share of a row is one load step (one_load_step), the one-row kernel's _1step entries fit 3 CTAs per
 # SM with the RMSNorm prologue and 4 with the others (gemv.cu's one_step_ctas_per_sm), and the grid takes up to
 # this many (the split still aims at two tiles per SM): the 0.6B's gate/up projection runs its 384 tiles in one
-# round instead of 1.45, its lm_head on 396 CTAs (gemv.md, "v14"). Module attributes so that benchmarks can compare
+# round instead of 1.45, its lm_head on 396 CTAs (docs/kernels/gemv.md). Module attributes so that benchmarks can compare
 # settings (tools/bench_decode --gemv-set).
 ONE_STEP_CTAS_PER_SM = 3  # the RMSNorm prologue's entries
 ONE_STEP_PLAIN_CTAS_PER_SM = 4  # the others'
@@ -74,14 +74,14 @@ ONE_STEP_PLAIN_CTAS_PER_SM = 4  # the others'
 # and lm_head at K = 4096: split 4, against 2 / 2 / 1 for the looping entries): 8B +1.0% (gemv.md).
 # The one-row kernel takes one split fewer than "every CTA slot gets a tile" asks for where that split would leave
 # a warp's share of K short of one load step and the fewer tiles still fill this share of the slots (0.6B qkv,
-# K = 1024: 256 tiles of whole rows on 264 slots, not 512 of half rows; docs/kernels/gemv.md, "v13"). A module
+# K = 1024: 256 tiles of whole rows on 264 slots, not 512 of half rows; docs/kernels/gemv.md). A module
 # attribute so that benchmarks can compare settings (tools/bench_decode --gemv-set; above 1: never).
 ROW_SHORT_K_FILL = 0.9
 # The FP8 one-row entries (gemv_fp8_row_*) take the same plan with their own load step (2048 values a warp) and these
 # two plan parameters of their own, so that benchmarks can compare them apart from the bf16 kernel's (tools/bench_decode
 # --gemv-set; FP8_PREFER_ONE_STEP 0: the fewest splits that fill the SMs, the looping entries). The early trigger counts the e4m3 bytes: the 8B's o projection (16 MiB) is then triggered early as the
 # bf16 0.6B projections of that size are (a kernel about as long); its qkv (24 MiB) and the rest are not. Unmeasured
-# on a GPU when written (docs/kernels/fp8.md, "v4").
+# on a GPU when written (docs/kernels/fp8.md).
 FP8_EARLY_TRIGGER_BYTES = 16 << 20
 FP8_PREFER_ONE_STEP = True
 _PROLOGUE = {"bf16": 0, "rmsnorm": 1, "silu_mul": 2}

@@ -1,4 +1,4 @@
-"""FP8 weight-only skinny GEMM (cuda_src/gemv_fp8.cu, issue 31; the M <= 8 path of ops/fp8_linear.py's linear_fp8):
+"""FP8 weight-only skinny GEMM (cuda_src/gemv_fp8.cu; the M <= 8 path of ops/fp8_linear.py's linear_fp8):
 
     linear_fp8_gemv(x, weight_fp8, scale_inv)    out = x @ dequant(weight_fp8, scale_inv)^T
 

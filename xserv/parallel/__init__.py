@@ -1,4 +1,4 @@
-"""Tensor parallelism (issue 32): the sharding arithmetic (`sharding.py`: which part of every checkpoint tensor each
+"""Tensor parallelism: the sharding arithmetic (`sharding.py`: which part of every checkpoint tensor each
 rank owns), the shard loader (`load.py`), the collectives (`comm.py`: NCCL on CUDA, shared memory on the CPU) and the
 worker processes (`group.py`: rank 0's TPGroup, the step channel, failure handling). `LLM(tensor_parallel_size=N)`
 uses them; docs/engine.md, "Tensor parallelism", describes the whole."""

@@ -1,4 +1,4 @@
-"""Tensor-parallel weight loading (issue 32; every rank of a TPGroup loads through it): one rank's model from the
+"""Tensor-parallel weight loading (every rank of a TPGroup loads through it): one rank's model from the
 memory-mapped safetensors files, built through the rank's ShardPlan (sharding.py), so a rank never holds a whole
 checkpoint tensor in host memory.
 

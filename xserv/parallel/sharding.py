@@ -1,4 +1,4 @@
-"""Tensor-parallel sharding arithmetic (issue 32, first layer; nothing in the engine uses it yet): for a model config,
+"""Tensor-parallel sharding arithmetic (the loader and the tensor-parallel engine use it): for a model config,
 a tensor-parallel size `tp` and a rank, which part of every checkpoint tensor the rank owns and where that part goes
 in the rank's fused / stacked fields, so that a loader reads only its shard from the memory-mapped safetensors files.
 

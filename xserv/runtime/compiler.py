@@ -579,8 +579,8 @@ def ensure_compiled(arch: str, progress: bool = True, shapes: dict[str, int] | N
 
 def kernel_code_sizes(cubin: bytes) -> dict[str, int]:
     """Bytes of machine code of each kernel entry in a cubin (its `.text.<name>` ELF section). In a chain of short
-    kernels each launch runs its code from a cold instruction cache, so code size is a cost (docs/kernels/gemv.md,
-    "v12"); `python -m tools.kernel_harness sizes` prints these."""
+    kernels each launch runs its code from a cold instruction cache, so code size is a cost (docs/kernels/gemv.md);
+    `python -m tools.kernel_harness sizes` prints these."""
     import struct
 
     if cubin[:4] != b"\x7fELF" or cubin[4] != 2:
