@@ -96,7 +96,7 @@ def test_dev_cache_key_follows_the_production_file_it_includes(tmp_path, monkeyp
     (src / "base.cuh").write_text("#define N 1\n")
     (src / "base.cu").write_text('#include "base.cuh"\nextern "C" __global__ void k() {}\n')
     (src / "dev" / "exp.cu").write_text('#include "../base.cu"\nextern "C" __global__ void k2() {}\n')
-    monkeypatch.setattr(compiler, "kernel_source_dir", lambda: src)
+    monkeypatch.setattr("xserv.runtime.sources.kernel_source_dir", lambda: src)
     monkeypatch.setenv("XSERV_CACHE_DIR", str(tmp_path / "cache"))
     assert compiler.list_families() == ["base"] and compiler.list_dev_families() == ["dev/exp"]
     before = cache_key("dev/exp", "sm_90a", ())
@@ -123,7 +123,7 @@ def test_compile_error_carries_the_nvrtc_log(tmp_path, monkeypatch):
     import xserv.runtime.compiler as compiler
 
     (tmp_path / "broken.cu").write_text('extern "C" __global__ void k() { undefined_thing(); }\n')
-    monkeypatch.setattr(compiler, "kernel_source_dir", lambda: tmp_path)
+    monkeypatch.setattr("xserv.runtime.sources.kernel_source_dir", lambda: tmp_path)
     monkeypatch.setenv("XSERV_CACHE_DIR", str(tmp_path / "cache"))
     with pytest.raises(CompileError, match=r"broken.cu.*undefined_thing"):
         compiler.compile_family("broken", "sm_90a")
@@ -147,7 +147,7 @@ def test_ptx_error_names_file_and_line(tmp_path, monkeypatch):
     import xserv.runtime.compiler as compiler
 
     (tmp_path / "broken.ptx").write_text(BROKEN_PTX)
-    monkeypatch.setattr(compiler, "kernel_source_dir", lambda: tmp_path)
+    monkeypatch.setattr("xserv.runtime.sources.kernel_source_dir", lambda: tmp_path)
     monkeypatch.setenv("XSERV_CACHE_DIR", str(tmp_path / "cache"))
     with pytest.raises(CompileError, match=r"broken\.ptx:9: error: .*no_such_register"):
         compiler.compile_family("broken", "sm_90a")
@@ -162,7 +162,7 @@ def test_a_family_with_both_sources_is_refused(tmp_path, monkeypatch):
 
     (tmp_path / "twice.cu").write_text('extern "C" __global__ void k() {}\n')
     (tmp_path / "twice.ptx").write_text(BROKEN_PTX)
-    monkeypatch.setattr(compiler, "kernel_source_dir", lambda: tmp_path)
+    monkeypatch.setattr("xserv.runtime.sources.kernel_source_dir", lambda: tmp_path)
     with pytest.raises(CompileError, match="both twice.cu and twice.ptx"):
         compiler.compile_family("twice", "sm_90a")
 
@@ -183,7 +183,7 @@ def test_ensure_compiled_fills_the_cache_once(tmp_path, monkeypatch):
     import xserv.runtime.compiler as compiler
 
     monkeypatch.setenv("XSERV_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(compiler, "list_families", lambda: ["fill", "elementwise", "activation"])
+    monkeypatch.setattr("xserv.runtime.sources.list_families", lambda: ["fill", "elementwise", "activation"])
     assert compiler.missing_families("sm_90a") == ["fill", "elementwise", "activation"]
     assert sorted(compiler.ensure_compiled("sm_90a", progress=False)) == ["activation", "elementwise", "fill"]
     assert compiler.missing_families("sm_90a") == [] and compiler.ensure_compiled("sm_90a") == []
@@ -194,7 +194,7 @@ def test_compile_families_raises_after_running_all(tmp_path, monkeypatch):
 
     (tmp_path / "good.cu").write_text('extern "C" __global__ void k() {}\n')
     (tmp_path / "bad.cu").write_text('extern "C" __global__ void k() { nope(); }\n')
-    monkeypatch.setattr(compiler, "kernel_source_dir", lambda: tmp_path)
+    monkeypatch.setattr("xserv.runtime.sources.kernel_source_dir", lambda: tmp_path)
     monkeypatch.setenv("XSERV_CACHE_DIR", str(tmp_path / "cache"))
     done = []
     with pytest.raises(CompileError, match="bad.cu"):
@@ -210,7 +210,7 @@ def test_harness_compile_names_the_family_and_arch_that_fail(tmp_path, monkeypat
 
     (tmp_path / "good.cu").write_text('extern "C" __global__ void k() {}\n')
     (tmp_path / "bad.cu").write_text('extern "C" __global__ void k() { nope(); }\n')
-    monkeypatch.setattr(compiler, "kernel_source_dir", lambda: tmp_path)
+    monkeypatch.setattr("xserv.runtime.sources.kernel_source_dir", lambda: tmp_path)
     monkeypatch.setenv("XSERV_CACHE_DIR", str(tmp_path / "cache"))
     assert main(["compile", "--arch", "sm_80,sm_120a", "--fast"]) == 1
     out = capsys.readouterr().out

@@ -238,7 +238,7 @@ extern "C" __global__ void k_every(float* p) { p[0] = 3.f; }
 def test_pieces_compile_and_cache_separately(tmp_path, monkeypatch):
     (tmp_path / "tiny.cu").write_text(TINY)
     (tmp_path / "plain.cu").write_text('extern "C" __global__ void k(float* p) { p[0] = 0.f; }\n')
-    monkeypatch.setattr(compiler, "kernel_source_dir", lambda: tmp_path)
+    monkeypatch.setattr("xserv.runtime.sources.kernel_source_dir", lambda: tmp_path)
     monkeypatch.setenv("XSERV_CACHE_DIR", str(tmp_path / "cache"))
     assert set(kernel_code_sizes(compiler.compile_family("tiny", "sm_90a"))) == {"k_d64_g1", "k_d128_g2", "k_every"}
     assert set(kernel_code_sizes(compiler.compile_family("tiny:d128_g2", "sm_90a"))) == {"k_d128_g2", "k_every"}
@@ -255,7 +255,7 @@ def test_pieces_compile_and_cache_separately(tmp_path, monkeypatch):
 
 
 def test_startup_line_names_pieces_of_the_other_keys(tmp_path, monkeypatch):
-    monkeypatch.setattr(compiler, "kernel_source_dir", lambda: tmp_path)
+    monkeypatch.setattr("xserv.runtime.sources.kernel_source_dir", lambda: tmp_path)
     (tmp_path / "split.cu").write_text("// xserv-shapes: rows=1,8 part=0,1\n// xserv-startup: m1_p0 m8_p1 (why)\n")
     (tmp_path / "whole.cu").write_text("// xserv-shapes: vec=0,1\n")
     assert compiler.startup_families("sm_90a") == ["split:m1_p0", "split:m8_p1", "whole:v0", "whole:v1"]
