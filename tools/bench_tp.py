@@ -9,7 +9,7 @@ import numpy as np
 
 
 def allreduce_rank(rank, uid, hidden, calls, q):
-    from xserv.parallel.group import _bind_device
+    from xserv.parallel.worker import _bind_device
     _bind_device(rank)
     from xserv.parallel.comm import NcclCommunicator
     from xserv.runtime import get_device, synchronize

@@ -30,7 +30,7 @@ def _partials(seed: int, world: int, shape):
 
 def _rank_main(rank: int, world: int, uid: bytes, what: str, q) -> None:
     try:
-        from xserv.parallel.group import _bind_device
+        from xserv.parallel.worker import _bind_device
 
         _bind_device(rank)
         from xserv.parallel.comm import NcclCommunicator

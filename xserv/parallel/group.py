@@ -3,16 +3,9 @@ manager, sampler, and its own shard of the model); ranks 1..tp-1 are worker proc
 per GPU (on the CPU backend, one per rank), each running `worker_main`: bind its GPU, join the communicator, load
 its shard (`load_shard`), then repeat rank 0's runner step by step.
 
-Messaging. Rank 0 -> workers: one shared-memory segment (`StepChannel`) holds the latest message: a small pickled
-header (the command, its integer arguments, each array's dtype / shape / offset) and the arrays' raw bytes (token
-ids, positions, slot mapping, block tables, a decode graph's metadata image): NumPy arrays copied in, never pickled
-tensors. Rank 0 writes a message once every worker has taken the previous one (their ack counters), bumps the
-sequence number and posts each worker's wake-up semaphore; a worker spins on the sequence number for a while after
-each message (CUDA; a decode step's next message comes within milliseconds) and otherwise sleeps on its semaphore. (A
-semaphore, not a multiprocessing Event: an Event's set() waits for its sleepers to wake, so a worker killed while it
-slept in wait() made rank 0's next set() block for good, before any failure check.) Workers -> rank 0:
-one Pipe each, for replies ("ok" with a value) and a failure ("error" with the phase and the exception); read only
-by rank 0's watchdog thread, which routes replies to `call()`.
+Messaging. Rank 0 -> workers: one shared-memory segment, the `StepChannel` (channel.py). Workers -> rank 0: one Pipe
+each, for replies ("ok" with a value) and a failure ("error" with the phase and the exception); read only by rank 0's
+watchdog thread, which routes replies to `call()`. The workers' side is worker.py.
 
 Failure. The watchdog also waits on every worker's process sentinel. A worker that ends while the group is open
 (killed, an exception while loading or stepping, out of memory) marks the group failed with one WorkerFailed naming
@@ -28,20 +21,17 @@ from __future__ import annotations
 import atexit
 import multiprocessing.util  # noqa: F401 - its exit hook first registered, so ours (closing the groups) runs first
 import os
-import pickle
 import queue
 import signal
 import threading
 import time
-import traceback
 import weakref
 
-import numpy as np
-
+from .channel import StepChannel, _wait_message, new_wakeup  # noqa: F401 - tests and tools reach them here
 from .comm import ShmCommunicator
+# worker_main is looked up in this module when the workers are spawned: a test swaps it here for a faulty one
+from .worker import worker_main
 
-CHANNEL_HEADER = 4096  # int64 fields: seq, header bytes, abort; the acks at 64-byte strides from byte 64
-_ALIGN = 64
 _WORKER_SPIN_S = {"cuda": 0.05, "cpu": 0.0}  # a worker polls the sequence number this long before sleeping
 JOIN_TIMEOUT_S = 10.0
 
@@ -59,74 +49,6 @@ def _describe_exit(code: int | None) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exit code {code}"
-
-
-class StepChannel:
-    """Rank 0's messages to the workers (module doc). Layout of the segment: header fields, then the message."""
-
-    def __init__(self, shm, world_size: int):
-        self.shm = shm
-        buf = shm.buf
-        self._fields = np.ndarray((3,), np.int64, buf, 0)  # seq, header length, abort
-        self._acks = np.ndarray((world_size,), np.int64, buf, 64, (64,))
-        self._data = np.ndarray((shm.size - CHANNEL_HEADER,), np.uint8, buf, CHANNEL_HEADER)
-        self.world_size = world_size
-
-    @staticmethod
-    def segment_bytes(max_message: int) -> int:
-        return CHANNEL_HEADER + max_message
-
-    @property
-    def seq(self) -> int:
-        return int(self._fields[0])
-
-    @property
-    def aborted(self) -> bool:
-        return bool(self._fields[2])
-
-    def abort(self) -> None:
-        self._fields[2] = 1
-
-    def write(self, command: str, args: dict, arrays: dict[str, np.ndarray], wait_acks) -> None:
-        """Rank 0: wait until every worker took the last message (`wait_acks(seq)`), then write this one."""
-        seq = self.seq
-        wait_acks(seq)
-        specs, offset = [], 0
-        for name, a in arrays.items():
-            a = np.ascontiguousarray(a)
-            specs.append((name, a.dtype.str, a.shape, offset))
-            offset += -(-a.nbytes // _ALIGN) * _ALIGN
-        header = pickle.dumps((command, args, specs), protocol=pickle.HIGHEST_PROTOCOL)
-        start = -(-len(header) // _ALIGN) * _ALIGN
-        if start + offset > self._data.shape[0]:
-            raise RuntimeError(f"a tensor-parallel step message of {start + offset} bytes does not fit the "
-                               f"{self._data.shape[0]}-byte channel")
-        self._data[:len(header)] = np.frombuffer(header, np.uint8)
-        for (name, _, _, off), a in zip(specs, arrays.values()):
-            a = np.ascontiguousarray(a)
-            self._data[start + off:start + off + a.nbytes] = a.reshape(-1).view(np.uint8)
-        self._fields[1] = len(header)
-        self._fields[0] = seq + 1  # last: a worker that sees the new number reads a complete message
-
-    def read(self, rank: int) -> tuple[str, dict, dict[str, np.ndarray]]:
-        """A worker: the current message, its arrays copied out; then the ack (rank 0 may overwrite it after)."""
-        n = int(self._fields[1])
-        command, args, specs = pickle.loads(self._data[:n].tobytes())
-        start = -(-n // _ALIGN) * _ALIGN
-        arrays = {}
-        for name, dtype, shape, off in specs:
-            dt = np.dtype(dtype)
-            count = int(np.prod(shape, dtype=np.int64))
-            arrays[name] = self._data[start + off:start + off + count * dt.itemsize].view(dt).reshape(shape).copy()
-        self._acks[rank] = self.seq
-        return command, args, arrays
-
-    def acked(self, seq: int) -> bool:
-        return bool(self._acks[1:].min() >= seq) if self.world_size > 1 else True
-
-    def close(self) -> None:
-        self._fields = self._acks = self._data = None
-        self.shm.close()
 
 
 _OPEN_GROUPS: "weakref.WeakSet[TPGroup]" = weakref.WeakSet()
@@ -417,134 +339,6 @@ class TPGroup:
         end = time.monotonic() + timeout
         while not self._channel.acked(seq) and time.monotonic() < end:
             time.sleep(1e-3)
-
-
-# ---- the worker process -------------------------------------------------------------------------------------------
-def _bind_device(rank: int) -> None:
-    """Make GPU `rank` this process's xserv device (the runtime context is created on first use with device 0)."""
-    from .. import runtime
-
-    if runtime._runtime is None:
-        runtime._runtime = runtime.Runtime(rank)
-
-
-def _worker_watchdog(channel: StepChannel, parent_pid: int) -> None:
-    """Exit this worker at once when rank 0 raised the abort flag or died (a collective may be blocked on the GPU
-    or in shared memory: no cleanup is waited for; rank 0 unlinks the shared memory)."""
-    while True:
-        time.sleep(0.1)
-        if channel.aborted or os.getppid() != parent_pid:
-            os._exit(3)
-
-
-def worker_main(rank: int, spec: dict, conn, wake) -> None:
-    """Rank `rank` (>= 1): bind the GPU, join the communicator, load the shard, then follow rank 0's messages."""
-    from multiprocessing import shared_memory
-
-    phase = "starting"
-    try:
-        shm = shared_memory.SharedMemory(name=spec["channel"])
-        channel = StepChannel(shm, spec["tp_size"])
-        threading.Thread(target=_worker_watchdog, args=(channel, spec["parent_pid"]), daemon=True).start()
-        device, tp = spec["device"], spec["tp_size"]
-        from ..models.registry import config_from_pretrained, model_class
-        from .sharding import rank_config
-
-        config = config_from_pretrained(spec["folder"])
-        rc = rank_config(config, tp, rank, model_class(config))
-        phase = "joining the communicator"
-        if device == "cuda":
-            _bind_device(rank)
-            from .comm import NcclCommunicator
-
-            comm = NcclCommunicator(spec["comm"]["unique_id"], rank, tp, rc.vocab_part, rc.config.vocab_size)
-        else:
-            comm = ShmCommunicator(spec["comm"]["name"], rank, tp, rc.vocab_part, rc.config.vocab_size)
-        phase = "loading its shard"
-        from .load import load_shard
-
-        model = load_shard(spec["folder"], tp, rank, device, max_positions=spec["max_positions"], config=config,
-                           dtype=spec["dtype"])
-        model.comm = comm
-        conn.send(("ok", model.weight_bytes()))
-        phase = "setting up"
-        state = {"model": model, "workspace": None, "runner": None, "rc": rc}
-        seen = 0  # the channel's first message is number 1 (it may already be there: rank 0 does not wait for us)
-        spin_s = spec["spin_s"]
-        while True:
-            seen = _wait_message(channel, wake, seen, spin_s)
-            command, args, arrays = channel.read(rank)
-            if command == "exit":
-                break
-            reply = _handle(state, command, args, arrays)
-            if reply is not None:
-                conn.send(("ok", reply))
-        runner = state["runner"]
-        if runner is not None:
-            runner.close()
-        comm.close()
-        conn.send(("ok", "exited"))
-    except BaseException as e:  # noqa: BLE001 - every failure is reported to rank 0, then the process ends
-        try:
-            last = traceback.extract_tb(e.__traceback__)[-1]
-            where = f" ({os.path.basename(last.filename)}:{last.lineno})"
-        except Exception:
-            where = ""
-        try:
-            conn.send(("error", f"{type(e).__name__} while {phase}: {e}{where}"))
-        except Exception:
-            pass
-        os._exit(1)
-    os._exit(0)
-
-
-def new_wakeup(ctx):
-    """A worker's wake-up semaphore: rank 0 posts it after each message (release: sem_post, which never waits, even
-    when the worker died inside acquire); the worker sleeps on it between messages (_wait_message)."""
-    return ctx.Semaphore(0)
-
-
-def _wait_message(channel: StepChannel, wake, seen: int, spin_s: float) -> int:
-    """A worker: the number of the next message after `seen` (spinning for spin_s, then sleeping on `wake`)."""
-    end = time.monotonic() + spin_s
-    while True:
-        seq = channel.seq
-        if seq > seen:
-            return seq
-        if time.monotonic() < end:
-            continue
-        if wake.acquire(timeout=0.5):
-            while wake.acquire(False):  # every post so far was made after its message's number was written
-                pass
-
-
-def _handle(state: dict, command: str, args: dict, arrays: dict):
-    """Setup commands (with a reply) and step commands (the runner's `follow`)."""
-    model = state["model"]
-    if command == "prepare":  # the workspace, then the KV tokens this rank's memory allows (CUDA)
-        state["workspace"] = model.make_workspace(args["max_tokens"], args["max_logits"])
-        if model.device != "cuda":
-            return 0
-        from ..engine.kv_cache import KVCache, KVCacheSpec, kv_cache_dtype
-
-        spec = KVCacheSpec(*model.kv_layout, args["block_size"])
-        dtype = kv_cache_dtype(args.get("kv_cache_dtype", "auto"), model.dtype)
-        return KVCache.capacity_tokens(spec, dtype, args["memory_fraction"])
-    if command == "runner":
-        from ..engine.kv_cache import KVCache, KVCacheSpec, kv_cache_dtype
-        from ..engine.model_runner import ModelRunner
-
-        spec = KVCacheSpec(*model.kv_layout, args["block_size"])
-        dtype = kv_cache_dtype(args.get("kv_cache_dtype", "auto"), model.dtype)
-        kv = KVCache.create(spec, model.device, dtype, num_tokens=args["num_tokens"])
-        runner = ModelRunner(model, kv, max_num_batched_tokens=args["max_num_batched_tokens"],
-                             max_num_seqs=args["max_num_seqs"], max_model_len=args["max_model_len"],
-                             workspace=state["workspace"])
-        runner.token_offset = state["rc"].vocab[0]
-        state["runner"] = runner
-        return kv.num_blocks
-    state["runner"].follow(command, args, arrays)
-    return None
 
 
 __all__ = ["StepChannel", "TPGroup", "WorkerFailed", "worker_main"]
