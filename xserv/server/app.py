@@ -14,8 +14,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .chat_endpoint import ChatEndpoint
+from .context import ServerContext
 from .metrics import CONTENT_TYPE
-from .openai_api import ChatEndpoint, CompletionEndpoint, Endpoint, ServerContext
+from .openai_api import CompletionEndpoint, Endpoint
 from .options import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_REQUEST_BYTES
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body, validation_error
 

@@ -185,7 +185,7 @@ def _run(args, uvicorn, sockets, llm, model_name: str) -> int:
     from ..generation_config import sampling_defaults
     from .app import create_app
     from .async_engine import AsyncEngine
-    from .openai_api import ServerContext
+    from .context import ServerContext
     from .uvicorn_server import DrainingServer, log_config
 
     defaults = sampling_defaults(llm.folder)
