@@ -104,8 +104,9 @@ class ServerProcess:
 
 
 async def stream_text(client: httpx.AsyncClient, url: str, body: dict, drop_after: int | None = None):
-    """(joined text, finish_reason, chunks) of one streamed completion; stop reading after `drop_after` chunks."""
-    parts, finish, n = [], None, 0
+    """(joined text, finish_reason, its chunks' choices) of one streamed completion; stop reading after `drop_after`
+    chunks (then the text and finish_reason are None)."""
+    parts, finish, choices = [], None, []
     async with client.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as r:
         assert r.status_code == 200, await r.aread()
         async for line in r.aiter_lines():
@@ -118,7 +119,7 @@ async def stream_text(client: httpx.AsyncClient, url: str, body: dict, drop_afte
             choice = chunk["choices"][0]
             parts.append(choice["text"])
             finish = choice["finish_reason"] or finish
-            n += 1
-            if drop_after is not None and n >= drop_after:
-                return None, None, n
-    return "".join(parts), finish, n
+            choices.append(choice)
+            if drop_after is not None and len(choices) >= drop_after:
+                return None, None, choices
+    return "".join(parts), finish, choices

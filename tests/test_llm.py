@@ -4,6 +4,7 @@ import logging
 import numpy as np
 import pytest
 
+from batch_shape import assert_same_run
 from qwen3_reference import rel_err_rows, tiny_model_dir  # noqa: F401
 from xserv import LLM, SamplingParams
 
@@ -20,9 +21,9 @@ def test_generate_prompt_forms(llm):
     assert len(one) == 1 and one[0].prompt == "Hello" and one[0].text and len(one[0].token_ids) == 16
     assert one[0].prompt_token_ids == llm.tokenizer.encode("Hello")
     many = llm.generate(["Hello", "The sky is"], GREEDY)
-    assert many[0].token_ids == one[0].token_ids
+    assert_same_run(many[0], one[0], GREEDY, model=llm)  # beside another prompt: a batch shape apart
     ids = llm.generate([llm.tokenizer.encode("Hello")], GREEDY)
-    assert ids[0].token_ids == one[0].token_ids and ids[0].prompt is None
+    assert ids[0].token_ids == one[0].token_ids and ids[0].prompt is None  # the same shapes: the same bits
     per_prompt = llm.generate(["Hello", "Hi"], [GREEDY, SamplingParams(temperature=0.0, max_tokens=3)])
     assert [len(o.token_ids) for o in per_prompt] == [16, 3]
 
