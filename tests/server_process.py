@@ -123,3 +123,17 @@ async def stream_text(client: httpx.AsyncClient, url: str, body: dict, drop_afte
             if drop_after is not None and len(choices) >= drop_after:
                 return None, None, choices
     return "".join(parts), finish, choices
+
+
+def stream_message(chunks) -> dict:
+    """The message a client builds from a stream as OpenAI's SDK does (ChatCompletionStreamState): each field is the
+    first delta's value, strings joined to it; a field stays null until a delta gives it a string."""
+    msg = {}
+    for c in chunks:
+        for ch in c["choices"]:
+            for key, value in ch["delta"].items():
+                if isinstance(value, str) and isinstance(msg.get(key), str):
+                    msg[key] += value
+                elif msg.get(key) is None:
+                    msg[key] = value
+    return msg

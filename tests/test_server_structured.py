@@ -12,7 +12,7 @@ httpx = pytest.importorskip("httpx")
 jsonschema = pytest.importorskip("jsonschema")
 
 from qwen3_reference import tiny_model_dir  # noqa: E402,F401
-from server_process import ServerProcess, http, skip_unless_installed, openai_client  # noqa: E402
+from server_process import ServerProcess, http, openai_client, skip_unless_installed, stream_message  # noqa: E402
 
 skip_unless_installed("fastapi", "uvicorn", "openai", "llguidance")
 
@@ -210,20 +210,6 @@ def test_thinking_token_budget_on_the_real_model(client):
         jsonschema.validate(json.loads(c.message.content), schema)
 
 
-def _stream_message(chunks) -> dict:
-    """The message a client builds from a stream's deltas, as OpenAI's SDK does: a field is its first value, later
-    strings joined to it; null until a delta gives a string."""
-    msg = {}
-    for chunk in chunks:
-        for ch in chunk["choices"]:
-            for key, value in ch["delta"].items():
-                if isinstance(value, str) and isinstance(msg.get(key), str):
-                    msg[key] += value
-                elif msg.get(key) is None:
-                    msg[key] = value
-    return msg
-
-
 def test_max_tokens_spent_while_thinking_on_the_real_model(server):
     """max_tokens runs out inside the think block (the constraint, which binds the answer after </think>, never
     starts): HTTP 200 in strict JSON, finish_reason "length", reasoning_content the thinking so far, content null
@@ -238,7 +224,7 @@ def test_max_tokens_spent_while_thinking_on_the_real_model(server):
             out = _strict_body(http().post(server.url + "/v1/chat/completions", json=body, timeout=120))
             if stream:
                 finish = [ch["finish_reason"] for c in out for ch in c["choices"] if ch["finish_reason"]]
-                messages = [_stream_message([{"choices": [ch for ch in c["choices"] if ch["index"] == i]}
+                messages = [stream_message([{"choices": [ch for ch in c["choices"] if ch["index"] == i]}
                                              for c in out]) for i in range(2)]
             else:
                 finish = [c["finish_reason"] for c in out["choices"]]

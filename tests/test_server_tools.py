@@ -10,7 +10,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from server_process import ROOT  # noqa: E402
+from server_process import ROOT, stream_message  # noqa: E402
 
 TOKENIZER = ROOT.parent / "shared" / "qwen3-tokenizer"
 if not (TOKENIZER / "tokenizer.json").is_file():
@@ -178,20 +178,6 @@ def test_reasoning_split_whole_and_streamed(app):
     reasoning, content, calls, finish, _ = joined(chat(app, THINK + CALL_1, stream=True, pieces=2, tools=[WEATHER]))
     assert reasoning == "\nThe user wants the weather.\n" and content == "" and finish == "tool_calls"
     assert [n for _, n, _ in calls.values()] == ["get_weather"]
-
-
-def stream_message(chunks) -> dict:
-    """The message a client builds from a stream as OpenAI's SDK does (ChatCompletionStreamState): each field is the
-    first delta's value, strings joined to it; a field stays null until a delta gives it a string."""
-    msg = {}
-    for c in chunks:
-        for ch in c["choices"]:
-            for key, value in ch["delta"].items():
-                if isinstance(value, str) and isinstance(msg.get(key), str):
-                    msg[key] += value
-                elif msg.get(key) is None:
-                    msg[key] = value
-    return msg
 
 
 @pytest.mark.parametrize("constraint", [{}, {"response_format": {"type": "json_object"}},
