@@ -9,7 +9,6 @@ and `_mlp` / `_post_attention_fused` (its sparse MLP block).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
@@ -19,22 +18,10 @@ from ..ops.rope import rope_cos_sin_table
 from ..tensor import Tensor
 from .base import KVLayout
 from .dense_forward import DenseForward, Workspace
-from .dense_weights import DENSE_LAYER_WEIGHTS, QK_NORM_WEIGHTS, DenseCheckpoint
+from .dense_weights import DENSE_LAYER_WEIGHTS, QK_NORM_WEIGHTS, DenseCheckpoint, DenseLayer
 
 # what the architectures (qwen3.py, llama.py, qwen3_moe.py) import from here: the model, its tables and workspace
 __all__ = ["DENSE_LAYER_WEIGHTS", "QK_NORM_WEIGHTS", "DenseLayer", "DenseModel", "Workspace"]
-
-
-@dataclass
-class DenseLayer:
-    input_norm: Tensor  # [H]
-    qkv: Tensor  # [q_size + 2 * kv_size, H]: q_proj, k_proj, v_proj rows
-    o_proj: Tensor  # [H, q_size]
-    post_norm: Tensor  # [H]
-    gate_up: Tensor  # [2 * I, H]: gate_proj rows then up_proj rows
-    down: Tensor  # [H, I]
-    q_norm: Tensor | None = None  # [D] (QK_NORM architectures only)
-    k_norm: Tensor | None = None  # [D]
 
 
 class DenseModel(DenseCheckpoint, DenseForward):

@@ -27,7 +27,7 @@ from ..ops.rope import qk_norm_rope_write_kv
 from ..tensor import Tensor, float32
 
 if TYPE_CHECKING:
-    from .dense import DenseLayer
+    from .dense_weights import DenseLayer
 
 # The residual stream between layers stays in float32: rounding it to bf16 twice per layer (as transformers does
 # in bf16) put the 8B-shaped model's logits 6e-2 (relative L2) away from transformers' float32 logits.

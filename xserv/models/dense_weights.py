@@ -9,16 +9,12 @@ whose layers differ (qwen3_moe.py) overrides. fill_fields is also the loop of th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..fp8_format import DEFAULT_BLOCK, E4M3, scale_shape
 from ..tensor import Tensor, as_dtype, bfloat16
 from .fp8 import SCALE_SUFFIX, dequantize_for_load, join_fp8_fields
-
-if TYPE_CHECKING:
-    from .dense import DenseModel
 
 # The ops take bf16 activations and weights on both backends (the NumPy references compute in float32 and round
 # where the kernels round), so the CPU model is the reference of the CUDA one step by step.
@@ -154,6 +150,19 @@ def fill_fields(pieces, count: int, shapes: dict[str, tuple[int, ...]], num_laye
     return model_fields, layer_fields
 
 
+@dataclass
+class DenseLayer:
+    """One decoder layer's weights as loaded (the fields LAYER_WEIGHTS fills; fused where the kernels take them fused)."""
+    input_norm: Tensor  # [H]
+    qkv: Tensor  # [q_size + 2 * kv_size, H]: q_proj, k_proj, v_proj rows
+    o_proj: Tensor  # [H, q_size]
+    post_norm: Tensor  # [H]
+    gate_up: Tensor  # [2 * I, H]: gate_proj rows then up_proj rows
+    down: Tensor  # [H, I]
+    q_norm: Tensor | None = None  # [D] (QK_NORM architectures only)
+    k_norm: Tensor | None = None  # [D]
+
+
 class DenseCheckpoint:
     """The checkpoint classmethods of DenseModel: the weight table, validation, loading, the FP8 fields kept."""
 
@@ -199,7 +208,7 @@ class DenseCheckpoint:
 
     @classmethod
     def from_checkpoint(cls, config, reader, device: str = "cuda", progress: bool = True,
-                        max_positions: int | None = None, dtype=None) -> "DenseModel":
+                        max_positions: int | None = None, dtype=None) -> "DenseCheckpoint":
         """Upload a checkpoint into `dtype` tensors (default: WEIGHT_DTYPE[device]; other float dtypes in the file
         are cast one tensor at a time on the host). Fused tensors are allocated once and filled part by part in
         place; on CUDA every tensor goes from the memory-mapped file straight to device memory. FP8 weights
@@ -280,7 +289,7 @@ class DenseCheckpoint:
 
     @classmethod
     def from_fields(cls, config, device: str, model_fields: dict[str, Tensor], layer_fields: list[dict[str, Tensor]],
-                    max_positions: int | None = None) -> "DenseModel":
+                    max_positions: int | None = None) -> "DenseCheckpoint":
         """The model of loaded field tensors (fill_fields' result): lm_head is the embedding when there is no
         lm_head field (tied embeddings); CPU weights are frozen."""
         embed = model_fields["embed"]
