@@ -12,8 +12,8 @@ cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
 # uv pinned: the resolution is deterministic only for one resolver.
 uv_version=0.13.10
-tests=(tests/test_llm.py tests/test_structured.py tests/test_server.py tests/test_server_structured.py
-       tests/test_server_tools.py tests/test_tokenizer.py tests/test_checkpoint.py tests/test_compile_all.py
+tests=(tests/engine/test_llm.py tests/engine/test_structured.py tests/server/test_server.py tests/server/test_server_structured.py
+       tests/server/test_server_tools.py tests/test_tokenizer.py tests/models/test_checkpoint.py tests/runtime/test_compile_all.py
        tests/test_progress.py)
 glibc_228_llguidance=1.6.1
 
@@ -63,5 +63,5 @@ pytest=("$py" -m pytest -q -p no:cacheprovider -n auto --dist loadfile --no-load
 "${pytest[@]}" "${tests[@]}"
 "${uv[@]}" pip install -q --python "$py" "llguidance==$glibc_228_llguidance"
 echo "lowest: structured output with llguidance $glibc_228_llguidance"
-"${pytest[@]}" tests/test_structured.py tests/test_server_structured.py
+"${pytest[@]}" tests/engine/test_structured.py tests/server/test_server_structured.py
 echo "lowest: passed in $((SECONDS - t0)) s"

@@ -7,7 +7,7 @@ One process per rank (spawn), each on GPU `rank`, joined through NCCL as the eng
 every rank's partials from the same seed, so each one computes the NumPy reference itself; the results come back to
 the parent, which checks they are the same bits on every rank. `check` also covers all_reduce_add (the kernel's
 residual-add epilogue, allreduce_oneshot_add_bf16) against ipc.reference_sum_add, eager and in a CUDA graph
-interleaved with plain all-reduces. tests/test_ipc_allreduce.py runs `check`.
+interleaved with plain all-reduces. tests/parallel/test_ipc_allreduce.py runs `check`.
 """
 from __future__ import annotations
 

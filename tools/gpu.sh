@@ -139,7 +139,7 @@ make_model() {
 summary() { echo "=== summary ($SECONDS s in)"; python3 - "$@"; }
 
 stage_suite() {
-  local alone=tests/test_llm_threads.py::test_cuda_memory_comes_back_after_close group path files limit
+  local alone=tests/engine/test_llm_threads.py::test_cuda_memory_comes_back_after_close group path files limit
   [ $# -gt 0 ] || set -- attention attention-fp8 ops models
   files() {
     case $1 in
@@ -370,8 +370,8 @@ stage_tp() {
   steps=" ${*:-tests ipc 8b 32b throughput} "
   want() { [[ "$steps" == *" $1 "* ]]; }
   nvidia-smi topo -m 2>&1 | head -3
-  want tests && step tp-tests 240 15 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_ipc_allreduce.py \
-    tests/test_tp_engine.py tests/test_tp_fused.py
+  want tests && step tp-tests 240 15 python3 -m pytest -m gpu -q -p no:cacheprovider tests/parallel/test_ipc_allreduce.py \
+    tests/parallel/test_tp_engine.py tests/parallel/test_tp_fused.py
   want ipc && step tp-ipc-check 150 10 python3 -m tools.check_ipc_allreduce check
   want ipc && step tp-ipc-latency 150 10 python3 -m tools.check_ipc_allreduce bench
   want 8b && make_model 8b && bench+=(8b)

@@ -1,6 +1,6 @@
 """The FP8 (e4m3) KV cache ops: the float -> e4m3 conversion (soft form against ml_dtypes), the quantizing KV write,
 decode and prefill over an FP8 cache (NumPy on the CPU; the CUDA kernels against the NumPy path on a GPU), and the
-argument checks. Model-level checks: tests/test_fp8_kv_model.py."""
+argument checks. Model-level checks: tests/models/test_fp8_kv_model.py."""
 import math
 
 import numpy as np

@@ -2,7 +2,7 @@
 the reference against float64 dequantize-then-multiply (partial 128-blocks), the kernel's bit-manipulation e4m3 ->
 float conversion re-implemented in NumPy over all 256 codes against ml_dtypes (what catches a wrong sm_80 path),
 the launch plan, argument errors, and the family compiling for the five CI arches (also in
-tests/test_compile_all.py, with the rest). On a GPU: fresh random inputs, poisoned outputs, odd and Qwen3-8B shapes,
+tests/runtime/test_compile_all.py, with the rest). On a GPU: fresh random inputs, poisoned outputs, odd and Qwen3-8B shapes,
 and the hardware conversion bit-identical to the soft one."""
 import ml_dtypes
 import numpy as np

@@ -6,7 +6,7 @@ handle per kernel name), and cuLaunchKernel / cuLaunchKernelEx replaced by no-op
 reaches a GPU; everything above the driver (op checks, Tensor allocation, argument packing) is xserv's own code.
 
     python -m tools.bench_runtime --only host      # the timings (tools/bench_runtime.py)
-    tests/test_eager_fast_paths.py                 # the ops' fast paths against their checked paths
+    tests/runtime/test_eager_fast_paths.py                 # the ops' fast paths against their checked paths
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ benchmarks compare (gemv.FP8_EARLY_TRIGGER_BYTES, gemv.FP8_PREFER_ONE_STEP, mode
 Settings a user may set are environment variables (xserv/settings.py), not attributes.
 
     python -m tools.dev.with_setting xserv.ops.gemv.FP8_EARLY_TRIGGER_BYTES=0 -- xserv bench latency --model DIR
-    python -m tools.dev.with_setting xserv.engine.model_runner.FINE_KV_MAX_BATCH=0 -- pytest -q tests/test_engine.py
+    python -m tools.dev.with_setting xserv.engine.model_runner.FINE_KV_MAX_BATCH=0 -- pytest -q tests/engine/test_engine.py
 
 Each setting is MODULE.ATTRIBUTE=VALUE with an existing attribute; VALUE is converted to that attribute's type.
 """

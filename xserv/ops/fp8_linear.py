@@ -23,7 +23,7 @@ The dispatch rule (choose_path; docs/kernels/fp8.md says why):
 `path` forces one ("gemv" takes M <= 8 only): tests run both large-M paths on one GPU; benchmarks compare them.
 XSERV_FP8_ACTIVATIONS=bf16 (w8a8_enabled) makes the rule weight-only on every arch (the GEMV up to 8 rows, "dequant"
 above): no activation rounding (on a random-weight 0.6B-shaped checkpoint the W8A8 logits are ~1.4e-1 mean relative
-from the float32 dequantized run, weight-only 1.8e-2; tests/test_fp8_tp_parity_gpu.py), at the bf16 GEMM's speed.
+from the float32 dequantized run, weight-only 1.8e-2; tests/parallel/test_fp8_tp_parity_gpu.py), at the bf16 GEMM's speed.
 
 Scratch: the large-M paths need device buffers: "cublas_fp8" the quantized x and its scales (and the weight's scales
 copied at a 16-byte row stride when ceil(K / 128) % 4 != 0 or scale_inv is not 16-byte aligned), "dequant" the bf16

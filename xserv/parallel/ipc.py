@@ -30,7 +30,7 @@ ENV = settings.TP_ALLREDUCE.name  # "auto" (default): the IPC kernel for small m
 ENV_MAX_BYTES = settings.TP_IPC_MAX_BYTES.name  # the largest message (bytes) the IPC kernel takes
 # [8, 4096] or [6, 5120] bf16: decode steps of up to 8 rows at the 8B / 32B widths
 IPC_MAX_BYTES = settings.TP_IPC_MAX_BYTES.default
-# cuda_src/allreduce.cu's constants (tests/test_ipc_allreduce.py reads them back from the source)
+# cuda_src/allreduce.cu's constants (tests/parallel/test_ipc_allreduce.py reads them back from the source)
 MAX_WORLD = 8
 MAX_BLOCKS = 32
 DATA_OFFSET = 4096

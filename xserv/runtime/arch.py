@@ -164,7 +164,7 @@ def target_from_env(compute_capability: tuple[int, int], gpu_name: str, environ=
 # wait) is compiled per arch and switched by the launch (pdl_enabled). An op without a kernel for a path leaves the
 # path out, and routes() raises naming the op: no such op today. The launchers dispatch through it where the kernel
 # differs (attention_prefill's default variant); a start-up compiles exactly the families of the device's path
-# (compiler.ensure_compiled); tests/test_arch.py checks it against the sources and the attention tables.
+# (compiler.ensure_compiled); tests/runtime/test_arch.py checks it against the sources and the attention tables.
 PORTABLE, HOPPER = KernelPath.PORTABLE, KernelPath.HOPPER
 
 

@@ -7,7 +7,7 @@ development kernels: compiled only when asked for by name, never by list_familie
 The cache key covers everything that changes the binary: the family's source and every header it includes
 (followed recursively), the options, the target and the compiler's version (NVRTC for .cu; for .ptx nvJitLink's,
 or the driver's where its JIT linker assembles).  Compiling needs no GPU, so CI compiles every family for every
-arch it supports (tests/test_compile_all.py).
+arch it supports (tests/runtime/test_compile_all.py).
 
 Targets (runtime/arch.py): "sm_90a" compiles for that arch; "sm_80@sm_90a" (XSERV_ARCH=sm_80 on an H100) compiles
 the source as for sm_80 (NVRTC to compute_80 PTX; a PTX family's sm_80 form) and assembles that PTX for sm_90a.

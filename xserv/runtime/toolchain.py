@@ -115,7 +115,7 @@ _import_lock = threading.Lock()
 def _cuda_core():
     """cuda.core's Device, Program, ProgramOptions, imported on first use (0.4 s: PTX only) under a lock: compile
     threads that reach it together would otherwise see a partly initialised module (an ImportError, seen in
-    tests/test_compile_all.py once several families assembled PTX at once)."""
+    tests/runtime/test_compile_all.py once several families assembled PTX at once)."""
     with _import_lock:
         from cuda.core import Device, Program, ProgramOptions
 

@@ -245,7 +245,7 @@ def plan_decode(variant: str | DecodeKernel, num_seqs: int, num_kv_heads: int, m
     DeviceInfo): a kernel whose CTA asks more than smem_per_block is not planned (the production v4: its 8-warp CTAs
     are skipped, then v2 runs; a variant named outright raises ValueError), and the per-SM total sizes the resident
     CTAs. Every production kernel fits every arch from sm_80 on (v4w8, the largest, asks 70,160 bytes;
-    tests/test_smem_limits.py). Cached: an eager call pays the search once per shape (it took 100-200 us of host
+    tests/runtime/test_smem_limits.py). Cached: an eager call pays the search once per shape (it took 100-200 us of host
     time at 1 x 32k-128k, more than the kernel)."""
     k = variant if isinstance(variant, DecodeKernel) else DECODE_KERNELS.get(variant)
     if k is None:

@@ -4,7 +4,7 @@ CPU: the layout constants agree with the kernel source, the environment settings
 (and that the communicator routes the others to NCCL), the blocks' split of a message, and the kernel's push /
 flag / epoch protocol simulated step by step in NumPy over the same layout, under random interleavings of ranks and
 blocks, many calls: every call's sum is right on every rank, and the same protocol with one data half instead of
-two fails (so the simulation can tell). The kernel compiles for every CI arch in tests/test_compile_all.py.
+two fails (so the simulation can tell). The kernel compiles for every CI arch in tests/runtime/test_compile_all.py.
 On 2 GPUs (marked gpu): tools/check_ipc_allreduce.py against NumPy and NCCL, eager and inside a CUDA graph, the same
 bits on both ranks (and its residual-add epilogue, all_reduce_add); the TP=2 model's logits with it against
 NCCL-only.
@@ -21,7 +21,7 @@ from xserv.parallel.ipc import (BLOCKS, MAX_BLOCKS, MAX_WORLD, THREADS, IpcAllRe
                                 max_bytes_from_env, mode_from_env, reference_sum, use_ipc)
 from xserv.tensor import bfloat16
 
-SOURCE = Path(__file__).resolve().parents[1] / "cuda_src" / "allreduce.cu"
+SOURCE = Path(__file__).resolve().parents[2] / "cuda_src" / "allreduce.cu"
 
 
 def test_layout_constants_match_the_kernel():

@@ -2,7 +2,7 @@
 random-weight model: its logits are noise, so only the constraint can make an answer valid. One server for the
 module. Thinking is switched off in chat requests (a noise model that enters a think block rarely leaves it), except
 where logit_bias walks it through an empty one. The grammar side of reasoning-first, the request checks and the
-400s are in tests/test_server_tools.py (in process, scripted engine)."""
+400s are in tests/server/test_server_tools.py (in process, scripted engine)."""
 import json
 import re
 

@@ -6,7 +6,7 @@ On the CPU (CI): the reference; ShmCommunicator.all_reduce_add over 2 spawned ra
 fused one-token path (run directly: the CPU never picks it) against its unfused path on the same ranks, bit for bit
 (the same rounding points: the bf16 sum of the partials added into the fp32 residual); which models and
 communicators let fused_forward_ok pick it. On 2 GPUs the kernel is checked by tools/check_ipc_allreduce.py
-(tests/test_ipc_allreduce.py) and the model's fused path at TP=2 by tests/test_tp_engine.py (decode steps are one
+(tests/parallel/test_ipc_allreduce.py) and the model's fused path at TP=2 by tests/parallel/test_tp_engine.py (decode steps are one
 token: fused_forward_ok picks it wherever the IPC all-reduce is on)."""
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Kernel paths by architecture (issue 28), on the CPU: the compile target a device gets (XSERV_ARCH included), the
 per-op table against the families the runtime compiles, PTX families per arch, PDL off below sm_90, and no arch guard
-that compiles a kernel to nothing. Compiling every family for every arch: tests/test_compile_all.py."""
+that compiles a kernel to nothing. Compiling every family for every arch: tests/runtime/test_compile_all.py."""
 import re
 
 import pytest

@@ -13,7 +13,7 @@ from xserv.models.llama import LlamaConfig, LlamaModel
 from xserv.models.qwen3 import Qwen3Config, Qwen3Model
 from xserv.models.random_checkpoint import bundled_tiny_model, make_test_model, parse_size
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

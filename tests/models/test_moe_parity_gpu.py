@@ -16,7 +16,7 @@ position with transformers bf16's own error printed beside it, docs/parity.md. I
 bar used here.)
 
 Batch invariance: 64 different greedy requests in one batch, each against its run alone, token for token up to the
-first near tie of the alone run (NEAR_TIE nats between its two best tokens, as tests/test_server_gpu.py): on the GPU
+first near tie of the alone run (NEAR_TIE nats between its two best tokens, as tests/server/test_server_gpu.py): on the GPU
 a request's rows depend slightly on the batch around it (GEMV at one row, cuBLASLt above, the grouped expert GEMMs'
 tiles), which may flip a near tie but nothing else.
 """
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.gpu
 PROMPT_LEN = 1500
 PEER_FACTOR = 1.5
 FLOOR = 1e-2
-NEAR_TIE = 0.1  # nats between the alone run's best and second-best token (tests/test_server_gpu.py)
+NEAR_TIE = 0.1  # nats between the alone run's best and second-best token (tests/server/test_server_gpu.py)
 BASE = {"hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 16,
         "num_key_value_heads": 2, "head_dim": 128, "num_experts": 16, "num_experts_per_tok": 4,
         "moe_intermediate_size": 256, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],

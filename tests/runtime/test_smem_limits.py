@@ -28,7 +28,7 @@ from xserv.runtime.device import DeviceInfo, SM90_SMEM_PER_BLOCK_OPTIN, SM90_SME
 
 from tools.dev import kernels
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "tests" / "fixtures" / "smem_sm90_plans.json.gz"
 
 # (per-CTA opt-in, per SM, SMs): CUDA's cudaDevAttrMaxSharedMemoryPerBlockOptin / ...PerMultiprocessor

@@ -68,7 +68,8 @@ def _logits_in_process(folder, env_arch: str | None, tmp_path: Path) -> dict:
     if env_arch:
         env["XSERV_ARCH"] = env_arch
     out = tmp_path / f"logits-{env_arch or 'native'}.json"
-    tests = str(Path(__file__).parent)
+    tests = str(Path(__file__).parents[1])  # the shared test helpers (qwen3_reference) live there
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [tests, env.get("PYTHONPATH")]))
     subprocess.run([sys.executable, __file__, str(folder), str(out)], check=True, env=env, cwd=tests, timeout=900)
     return json.loads(out.read_text())
 

@@ -3,7 +3,7 @@
 Each test takes xserv's logits at every position of a 1,500-token prompt (`llm.logits`) and compares them, as
 relative L2 error per position, with transformers float32; transformers' own bf16 run of the same weights is the
 peer, its error printed beside and part of the bound (PEER_FACTOR x the peer's, or the bar, whichever is larger; the
-MoE parity test's rule, tests/test_moe_parity_gpu.py, since routing near-ties make a few positions differ in any bf16
+MoE parity test's rule, tests/models/test_moe_parity_gpu.py, since routing near-ties make a few positions differ in any bf16
 run).
 
 FP8: random checkpoints in Qwen's -FP8 layout (a 0.6B-shaped dense one, 4 layers; a MoE one, loaded with

@@ -5,7 +5,7 @@ options, what a start-up compiles, that every kernel a launcher can pick is inst
 from the sources' `#if XSERV_PIECE(D, Q)` / `#if XSERV_GEMV_PIECE(M, P)` / `#if XSERV_SAMPLE_PIECE(V)` blocks) and
 in exactly one, and that the GEMV entries a Qwen3 step launches are in start-up pieces; one real NVRTC compile of a
 tiny family with a shapes line. The pieces of the shipped families are compiled for sm_90a in
-tests/test_compile_all.py."""
+tests/runtime/test_compile_all.py."""
 import dataclasses
 import re
 

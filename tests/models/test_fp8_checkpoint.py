@@ -31,7 +31,7 @@ from qwen3_reference import write_dequantized_twin
 BF16 = np.dtype(ml_dtypes.bfloat16)
 # Qwen3-8B-FP8's quantization_config (/work/shared/qwen3-configs/qwen3-8b-fp8.json)
 QWEN_FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
-SHARED_FP8_CONFIG = Path(__file__).resolve().parents[2] / "shared" / "qwen3-configs" / "qwen3-8b-fp8.json"
+SHARED_FP8_CONFIG = Path(__file__).resolve().parents[3] / "shared" / "qwen3-configs" / "qwen3-8b-fp8.json"
 BLOCK = 4  # KV-cache block size of the forwards below
 
 
