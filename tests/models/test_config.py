@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from xserv.models.config import PRESET_NAMES, preset_dict, presets_dir
+from xserv.models.config import HYBRID_PRESETS, PRESET_NAMES, preset_dict, presets_dir
 from xserv.models.llama import LlamaConfig, LlamaModel
 from xserv.models.qwen3 import Qwen3Config, Qwen3Model
 from xserv.models.registry import ARCHITECTURES, config_from_dict, config_from_pretrained, model_class
@@ -17,7 +17,7 @@ def num_parameters(config):
     return sum(math.prod(s) for s in shapes_of(config).values())
 
 
-@pytest.mark.parametrize("name", PRESET_NAMES)
+@pytest.mark.parametrize("name", [n for n in PRESET_NAMES if n not in HYBRID_PRESETS])  # (tests/models/test_qwen3_5_model.py)
 def test_presets_load(name):
     c = config_from_dict(preset_dict(name))
     assert isinstance(c, LlamaConfig if name.startswith("llama3") else Qwen3Config)
@@ -255,7 +255,7 @@ def test_engine_config_from_the_command_line():
 FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
 
 
-@pytest.mark.parametrize("name", PRESET_NAMES)
+@pytest.mark.parametrize("name", [n for n in PRESET_NAMES if n not in HYBRID_PRESETS])  # (FP8 hybrids: not yet)
 def test_every_preset_takes_an_fp8_quantization_config(name):
     d = {**preset_dict(name), "quantization_config": FP8}
     c = config_from_dict(d)

@@ -18,6 +18,7 @@ class SeqChunk:
     start_pos: int
     block_table: list[int]
     logits: str = "last"  # "last", "all" or "none"
+    state_slot: int = -1  # the sequence's row of the per-sequence state (models with recurrent layers); -1: none
 
 
 @dataclass
@@ -38,6 +39,9 @@ class Batch:
     # The token feedback of decode graphs (ops.embedding's feed): row t's input is feed[0][feed[1][t]] where
     # feed[1][t] >= 0, the previous step's sampled token still on the device; None: input_ids as they are.
     feed: tuple[Tensor, Tensor] | None = None
+    # int32 [B]: each sequence's row of the per-sequence state pools (engine/state_cache.py); None when the batch's
+    # sequences have none (a model without recurrent layers)
+    state_slots: Tensor | None = None
 
 
 def build_host_arrays(chunks: list[SeqChunk], block_size: int) -> dict:
@@ -75,6 +79,9 @@ def build_host_arrays(chunks: list[SeqChunk], block_size: int) -> dict:
         offset += len(pos)
     cu = np.zeros(len(chunks) + 1, np.int32)
     cu[1:] = np.cumsum(q_lens)
+    state_slots = np.array([c.state_slot for c in chunks], np.int32)
+    if np.any(state_slots >= 0) and not np.all(state_slots >= 0):
+        raise ValueError("either every sequence of a batch has a state slot or none has")
     return dict(
         input_ids=np.concatenate(input_ids).astype(np.int32),
         positions=np.concatenate(positions).astype(np.int32),
@@ -88,6 +95,7 @@ def build_host_arrays(chunks: list[SeqChunk], block_size: int) -> dict:
         num_seqs=len(chunks),
         max_q_len=int(q_lens.max()),
         max_kv_len=int(kv_lens.max()),
+        state_slots=state_slots if len(state_slots) and state_slots[0] >= 0 else None,
     )
 
 
@@ -118,4 +126,5 @@ def batch_from_arrays(h: dict, device: str) -> Batch:
         max_kv_len=h["max_kv_len"],
         logits_rows=rows,
         logits_per_seq=h["logits_per_seq"],
+        state_slots=None if h.get("state_slots") is None else up(h["state_slots"]),
     )

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -34,6 +35,9 @@ from .model_runner import ModelRunner
 from .sampler import Sampler
 from .scheduler import Scheduler
 from .sequence import FINISHED, RUNNING, RequestOutput, Sequence  # noqa: F401 (RequestOutput: the library's)
+from .state_cache import StateCache, slot_bytes
+
+log = logging.getLogger("xserv")
 
 
 def choice_params(params) -> list:
@@ -95,11 +99,19 @@ class LLMEngine:
         and the same runner, and captures the same graphs."""
         device, mc = model.device, model.config
         max_len = min(config.max_model_len or context_len, context_len)
+        layout = tuple(getattr(model, "state_layout", ()))
+        if layout:
+            if group is not None:
+                raise ValueError("tensor parallelism is not supported yet for models with recurrent layers "
+                                 "(hybrid Gated DeltaNet models): use tensor_parallel_size 1")
+            config = _fit_state_slots(config, layout, device)
         batched = config.batched_tokens(device)
         workspace = model.make_workspace(batched, config.max_num_seqs)
         sampler = Sampler(mc.vocab_size, config.max_num_seqs, device, config.seed)
         spec = KVCacheSpec(*model.kv_layout, config.block_size)
         kv_dtype = kv_cache_dtype(config.kv_cache_dtype, model.dtype)
+        # the state slots first: on CUDA the KV pool takes a share of what memory is left after them
+        state = StateCache(layout, config.max_num_seqs, device) if layout else None
         others = [] if group is None else group.call(
             "prepare", max_tokens=batched, max_logits=config.max_num_seqs, block_size=config.block_size,
             memory_fraction=config.gpu_memory_fraction, kv_cache_dtype=config.kv_cache_dtype)
@@ -110,6 +122,7 @@ class LLMEngine:
             kv_tokens = min([KVCache.capacity_tokens(spec, kv_dtype, config.gpu_memory_fraction), *others])
         kv_cache = KVCache.create(spec, device, kv_dtype, num_tokens=kv_tokens,
                                   memory_fraction=config.gpu_memory_fraction)
+        kv_cache.state = state
         max_model_len = min(max_len, kv_cache.num_tokens)
         runner = ModelRunner(model, kv_cache, max_num_batched_tokens=batched,
                              max_num_seqs=config.max_num_seqs, max_model_len=max_model_len, workspace=workspace)
@@ -413,3 +426,34 @@ class LLMEngine:
         finally:
             self.blocks.free(table)
 
+
+# A model with per-sequence state: its slots take at most this share of the memory the caches may use (the rest
+# is the KV pool of its attention layers), so that long contexts keep room.
+STATE_MEMORY_SHARE = 0.5
+
+
+def _fit_state_slots(config: EngineConfig, layout, device: str) -> EngineConfig:
+    """The engine config for a model with per-sequence state (engine/state_cache.py). Concurrency is bounded by state
+    slots as much as by KV blocks: each running sequence owns one slot (a 27B hybrid's is ~147 MiB), so on CUDA
+    max_num_seqs is lowered, with a notice, to the slots that fit in STATE_MEMORY_SHARE of gpu_memory_fraction of
+    the free memory. Prefix caching is turned off (a cached prefix would need the state after its last token)."""
+    changes = {}
+    if config.enable_prefix_caching:
+        log.info("prefix caching is off for this model: its recurrent layers' state is not cached yet")
+        changes["enable_prefix_caching"] = False
+    if device == "cuda":
+        from ..runtime import get_runtime
+
+        runtime = get_runtime()
+        free, _total = runtime.device.memory_info()
+        free += runtime.allocator.stats.bytes_cached
+        per_slot = slot_bytes(layout)
+        fit = int(free * config.gpu_memory_fraction * STATE_MEMORY_SHARE) // per_slot - 1  # one scratch slot
+        if fit < 1:
+            raise ValueError(f"not enough device memory for one sequence's recurrent state ({per_slot / 2**20:.1f} "
+                             f"MiB a sequence, {free / 2**30:.2f} GiB free)")
+        if fit < config.max_num_seqs:
+            log.info("max_num_seqs lowered from %d to %d: each sequence's recurrent state takes %.1f MiB",
+                     config.max_num_seqs, fit, per_slot / 2**20)
+            changes["max_num_seqs"] = fit
+    return config.replace(**changes) if changes else config

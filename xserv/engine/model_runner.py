@@ -32,7 +32,8 @@ FINE_KV_MAX_BATCH = 16
 # (five small copies and their gaps took ~10 us of GPU time per step): these rows of max_bs entries, then the block
 # table [max_bs, bucket width]. token_index: where a step launched ahead takes each row's input token from in
 # ModelRunner.feed_src (-1: input_ids), read by the graph's first kernel (ops.embedding's token feedback).
-_GRAPH_INPUTS = ("input_ids", "positions", "kv_lens", "slot_mapping", "token_index")
+# state_slots: each row's per-sequence state row (models with recurrent layers; padding rows: the scratch slot).
+_GRAPH_INPUTS = ("input_ids", "positions", "kv_lens", "slot_mapping", "token_index", "state_slots")
 _PAD = {"input_ids": 0, "positions": 0, "kv_lens": 1, "slot_mapping": -1, "token_index": -1}  # rows n..bucket
 # Prefill graphs: one sequence's chunk of up to EngineConfig.prefill_graph_tokens tokens, padded to the next bucket
 # of a doubling ladder from PREFILL_GRAPH_START. Eager, such a step pays ~25 us of host time per launch x ~400
@@ -40,8 +41,9 @@ _PAD = {"input_ids": 0, "positions": 0, "kv_lens": 1, "slot_mapping": -1, "token
 # default largest bucket and the ladder: docs/engine.md ("Prefill graphs").
 PREFILL_GRAPH_START = 16
 # The prefill graphs' metadata lives in one int32 device buffer, uploaded with one copy per step:
-# [cu_seqlens_q (2), kv_lens (1), logits row (1), input_ids (T), positions (T), slot_mapping (T), block table]
-_PF_CU, _PF_KV, _PF_LOGIT, _PF_IDS = 0, 2, 3, 4
+# [cu_seqlens_q (2), kv_lens (1), logits row (1), state slot (1), input_ids (T), positions (T), slot_mapping (T),
+#  block table]
+_PF_CU, _PF_KV, _PF_LOGIT, _PF_STATE, _PF_IDS = 0, 2, 3, 4, 5
 
 
 def prefill_token_buckets(max_tokens: int) -> list[int]:
@@ -78,6 +80,9 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.block_size = kv_cache.block_size
+        # the per-sequence state of a model with recurrent layers (engine/state_cache.py): a sequence's row is its
+        # scheduler slot; padding rows and one-off forwards use the scratch row
+        self.state = getattr(kv_cache, "state", None)
         self.logits_chunk = logits_chunk
         self.workspace = workspace or model.make_workspace(max(max_num_batched_tokens, max_num_seqs), max_num_seqs)
         self.graphs: dict[tuple[int, int], object] = {}  # (batch-size bucket, max_kv_len bucket) -> graph
@@ -124,8 +129,13 @@ class ModelRunner:
         for seq, n in scheduled:
             start = seq.num_computed
             last = start + n == seq.num_tokens
-            chunks.append(SeqChunk(seq.token_ids[start:start + n], start, seq.block_table, "last" if last else "none"))
+            chunks.append(SeqChunk(seq.token_ids[start:start + n], start, seq.block_table, "last" if last else "none",
+                                   self._state_slot(seq.slot)))
         return self.forward(chunks)
+
+    def _state_slot(self, slot: int) -> int:
+        """The state row of a sequence in scheduler slot `slot` (-1: the model keeps no per-sequence state)."""
+        return -1 if self.state is None else slot
 
     def can_replay(self, scheduled, ahead: int = 0) -> bool:
         """A pure decode step that a captured graph covers (batch size and context length): every row computes its
@@ -162,7 +172,8 @@ class ModelRunner:
         out = np.empty((len(token_ids), self.model.config.vocab_size), np.float32)
         for start in range(0, len(token_ids), chunk):
             piece = token_ids[start:start + chunk]
-            h = build_host_arrays([SeqChunk(piece, start, block_table, "all")], self.block_size)
+            scratch = -1 if self.state is None else self.state.scratch_slot
+            h = build_host_arrays([SeqChunk(piece, start, block_table, "all", scratch)], self.block_size)
             out[start:start + len(piece)] = self.forward_arrays(h, own_workspace=False).numpy()
         return out
 
@@ -230,7 +241,8 @@ class ModelRunner:
                     kv_lens=g["kv_lens"][:bs], block_tables=g["block_tables"][:bs],
                     slot_mapping=g["slot_mapping"][:bs], logits_indices=None, num_tokens=bs, num_seqs=bs,
                     max_q_len=1, max_kv_len=max_kv_len,
-                    feed=None if self.feed_src is None else (self.feed_src, g["token_index"][:bs]))
+                    feed=None if self.feed_src is None else (self.feed_src, g["token_index"][:bs]),
+                    state_slots=None if self.state is None else g["state_slots"][:bs])
 
                 def step(batch=batch):
                     if broadcast is not None:
@@ -273,6 +285,7 @@ class ModelRunner:
         host = self._meta_fields(self._meta_host[max_kv_len], max_kv_len)
         for name, value in _PAD.items():
             host[name][n:bs] = value
+        host["state_slots"][n:bs] = 0 if self.state is None else self.state.scratch_slot
         host["block_tables"][n:bs] = 0
         if n == 0:
             self._upload_meta(bs, max_kv_len)
@@ -303,6 +316,7 @@ class ModelRunner:
             st["token_index"][:n] = token_index
         st["positions"][:n] = positions
         st["kv_lens"][:n] = positions + 1
+        st["state_slots"][:n] = slots
         bsz = self.block_size
         st["slot_mapping"][:n] = self._tables[slots, positions // bsz] * bsz + positions % bsz
         st["block_tables"][:n] = self._tables[slots, :st["block_tables"].shape[1]]
@@ -343,13 +357,15 @@ class ModelRunner:
                 cu_seqlens_q=meta[_PF_CU:_PF_CU + 2], kv_lens=meta[_PF_KV:_PF_KV + 1],
                 block_tables=meta[self._pf_table:].view(1, width),
                 slot_mapping=meta[self._pf_slot:self._pf_slot + tokens], logits_indices=meta[_PF_LOGIT:_PF_LOGIT + 1],
-                num_tokens=tokens, num_seqs=1, max_q_len=tokens, max_kv_len=self.max_model_len)
+                num_tokens=tokens, num_seqs=1, max_q_len=tokens, max_kv_len=self.max_model_len,
+                state_slots=None if self.state is None else meta[_PF_STATE:_PF_STATE + 1])
 
             def step(batch=batch):
                 self.model.forward(batch, self.kv_cache, self.workspace)
 
             # warm-up inputs: a one-token chunk whose K/V goes nowhere (slot -1) and which reads block 0
-            self._stage_prefill(tokens, [0], 0, [0], slots=np.full(1, -1, np.int32))
+            self._stage_prefill(tokens, [0], 0, [0], slots=np.full(1, -1, np.int32),
+                                state_slot=0 if self.state is None else self.state.scratch_slot)
             step()  # warm-up outside capture: compiles kernels, lets cuBLAS pick its algorithms
             if self.device == "cuda":
                 from ..runtime import synchronize
@@ -360,15 +376,15 @@ class ModelRunner:
         self._prefill_bucket_of = np.array([min(b for b in sizes if b >= n) for n in range(tmax + 1)])
         return sorted(self.prefill_graphs)
 
-    def _stage_prefill(self, tokens: int, token_ids, start: int, block_table, slots=None) -> None:
-        """Upload the metadata of a chunk of len(token_ids) tokens at positions start.. into the bucket-`tokens`
-        layout of the prefill graphs' buffer (one copy)."""
+    def _stage_prefill(self, tokens: int, token_ids, start: int, block_table, slots=None, state_slot: int = 0) -> None:
+        """Upload the metadata of a chunk of len(token_ids) tokens at positions start.. (state row `state_slot`) into
+        the bucket-`tokens` layout of the prefill graphs' buffer (one copy)."""
         n = len(token_ids)
         kv_len = start + n
         bsz = self.block_size
         num_blocks = -(-kv_len // bsz)
         h = self._pf_host
-        h[_PF_CU], h[_PF_CU + 1], h[_PF_KV], h[_PF_LOGIT] = 0, n, kv_len, n - 1
+        h[_PF_CU], h[_PF_CU + 1], h[_PF_KV], h[_PF_LOGIT], h[_PF_STATE] = 0, n, kv_len, n - 1, state_slot
         ids, pos, slot, table = _PF_IDS, self._pf_pos, self._pf_slot, self._pf_table
         h[ids:ids + n] = token_ids
         h[ids + n:ids + tokens] = 0
@@ -387,7 +403,8 @@ class ModelRunner:
     def _replay_prefill(self, seq, n: int) -> Tensor:
         tokens = int(self._prefill_bucket_of[n])
         start = seq.num_computed
-        end = self._stage_prefill(tokens, seq.token_ids[start:start + n], start, seq.block_table)
+        end = self._stage_prefill(tokens, seq.token_ids[start:start + n], start, seq.block_table,
+                                  state_slot=max(self._state_slot(seq.slot), 0))
         if self.group is not None:
             self.group.send("prefill", {"tokens": tokens}, {"meta": self._pf_host[:end]})
         self.prefill_graphs[tokens].replay()

@@ -17,6 +17,15 @@ class KVLayout(NamedTuple):
     head_dim: int
 
 
+class StatePool(NamedTuple):
+    """Per-sequence state a model keeps besides the paged KV cache (xserv/engine/state_cache.py): `layers` tensors
+    of `shape` and `dtype` for every sequence (a hybrid model's GDN layers: the conv window and the SSM state)."""
+    name: str
+    layers: int
+    shape: tuple[int, ...]
+    dtype: Any
+
+
 @runtime_checkable
 class ModelConfig(Protocol):
     """The fields of a config that code outside the model reads."""
@@ -45,6 +54,10 @@ class CausalLM(Protocol):
     device: str  # "cuda" or "cpu"
     dtype: Any  # the weights' and the KV cache's element type (NumPy dtype, bf16 today)
     kv_layout: KVLayout
+    # Per-sequence state pools (empty for a model whose every layer keeps paged KV). A model with state gets them as
+    # `kv_cache.state` (a StateCache: `kv_cache.state[name][layer]`) and a batch's `state_slots`; prefix caching is
+    # off for it (a cached prefix would need the state at its end).
+    state_layout: tuple[StatePool, ...]
 
     @classmethod
     def weight_table(cls, config) -> list: ...  # every checkpoint tensor: HF name, shape, where it goes
@@ -62,7 +75,8 @@ class CausalLM(Protocol):
     def make_workspace(self, max_tokens: int, max_logits: int) -> Any: ...
 
     def forward(self, batch, kv_cache, workspace=None) -> Any:
-        """batch: xserv.engine.batch.Batch (packed tokens, positions, block tables, slot mapping, logits rows);
+        """batch: xserv.engine.batch.Batch (packed tokens, positions, block tables, slot mapping, state slots,
+        logits rows);
         kv_cache: per layer `k[i]`, `v[i]` pools laid out as `kv_layout` says. Returns float32 logits
         [rows, vocab_size] (a view into the workspace)."""
         ...

@@ -182,12 +182,13 @@ class CheckpointReader:
 
     # ---- checks -------------------------------------------------------------------------------------------
     def validate(self, expected: dict[str, tuple[int, ...]],
-                 dtypes: dict[str, tuple[np.dtype, ...]] | None = None) -> None:
+                 dtypes: dict[str, tuple[np.dtype, ...]] | None = None, ignored_prefixes: tuple[str, ...] = ()) -> None:
         """Raise one ValueError listing every missing, unexpected, wrongly-shaped and (with `dtypes`: name ->
-        accepted dtypes) wrongly-typed tensor."""
+        accepted dtypes) wrongly-typed tensor. Tensors named with one of `ignored_prefixes` (parts of a checkpoint
+        the model does not read, such as a vision tower) are not unexpected."""
         problems = []
         missing = [n for n in expected if n not in self._tensors]
-        unexpected = [n for n in self._tensors if n not in expected]
+        unexpected = [n for n in self._tensors if n not in expected and not n.startswith(ignored_prefixes)]
         wrong = [(n, tuple(expected[n]), self._tensors[n].shape) for n in expected
                  if n in self._tensors and self._tensors[n].shape != tuple(expected[n])]
         bad_types = [(n, self._tensors[n].dtype, accepted) for n, accepted in (dtypes or {}).items()

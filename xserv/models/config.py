@@ -19,8 +19,11 @@ from .fp8 import Fp8BlockQuantization
 SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
 QWEN3_SIZES = ("0.6b", "1.7b", "4b", "8b", "14b", "32b")
 QWEN3_MOE_SIZES = ("30b-a3b", "235b-a22b")
+# the hybrid Gated DeltaNet models (xserv/models/qwen3_5.py): the real sizes, and a tiny one with their head shapes
+HYBRID_PRESETS = ("qwen3.5-tiny", "qwen3.5-0.8b", "qwen3.5-2b", "qwen3.5-4b", "qwen3.5-9b", "qwen3.5-27b", "qwen3.6-27b",
+                  "qwen3.8-27b")
 PRESET_NAMES = (("tiny",) + QWEN3_SIZES + ("llama3-tiny", "llama3-1b", "llama3-8b") + ("moe-tiny",)
-                + QWEN3_MOE_SIZES)
+                + QWEN3_MOE_SIZES + HYBRID_PRESETS)
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 
 
@@ -32,7 +35,8 @@ def presets_dir() -> Path:
 
 def preset_dict(name: str) -> dict[str, Any]:
     """The raw config.json dict of a preset: 'tiny', '0.6b' ... '32b' (Qwen3; a 'qwen3-' prefix is accepted),
-    'moe-tiny', '30b-a3b', '235b-a22b' (Qwen3-MoE), 'llama3-tiny', 'llama3-1b', 'llama3-8b'."""
+    'moe-tiny', '30b-a3b', '235b-a22b' (Qwen3-MoE), 'llama3-tiny', 'llama3-1b', 'llama3-8b', and the hybrids
+    'qwen3.5-tiny', 'qwen3.5-0.8b' ... 'qwen3.6-27b', 'qwen3.8-27b'."""
     key = name.lower()
     bare = key.removeprefix("qwen3-")
     if bare in ("tiny", "moe-tiny") or bare in QWEN3_SIZES + QWEN3_MOE_SIZES:  # bare names are Qwen3's

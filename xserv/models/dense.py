@@ -33,6 +33,7 @@ class DenseModel(DenseCheckpoint, DenseForward):
     # The projections an FP8 checkpoint's weights may stay FP8 in (they go through _project / linear_fp8); any other
     # quantized field (the MoE experts) is dequantized at load.
     FP8_FIELDS: ClassVar[tuple[str, ...]] = ("qkv", "o_proj", "gate_up", "down")
+    state_layout: ClassVar[tuple] = ()  # every layer keeps paged KV: no per-sequence state
 
     def __init__(self, config, device: str, embed: Tensor, layers: list[DenseLayer], final_norm: Tensor,
                  lm_head: Tensor, max_positions: int | None = None):

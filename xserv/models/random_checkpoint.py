@@ -289,8 +289,13 @@ def random_weight_entries(config: DenseConfig, seed: int = 0, dtype: str = "bflo
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     dt = as_dtype(dtype)
     entries = []
-    for w in model_class(config).weight_table(config):
-        if w.is_norm:
+    cls = model_class(config)
+    extra = cls.extra_tensors(config) if hasattr(cls, "extra_tensors") else []
+    for w in cls.weight_table(config) + extra:
+        if hasattr(cls, "random_init"):  # the model's own initialisation (zero-centred norms, recurrent gates, ...)
+            mean, std = cls.random_init(w, config, perturb_norms)
+            fill = _normal_fill(seed, w.name, w.shape, std, mean, dt)
+        elif w.is_norm:
             fill = _normal_fill(seed, w.name, w.shape, 0.1, 1.0, dt) if perturb_norms else _ones_fill(w.shape, dt)
         else:
             fill = _normal_fill(seed, w.name, w.shape, config.initializer_range, 0.0, dt)
@@ -315,8 +320,17 @@ def fp8_quantization_config(config: DenseConfig, block: tuple[int, int] = DEFAUL
     return d
 
 
+def preset_file(config: DenseConfig, kind: str) -> Path:
+    """The bundled file (or folder) of `kind` ("tokenizer", "generation_config") a random checkpoint of config's
+    architecture gets: its model class's own (e.g. the hybrids' Qwen3.5 tokenizer), else Qwen3's."""
+    cls = model_class(config)
+    own = {"tokenizer": getattr(cls, "TOKENIZER_PRESET", None),
+           "generation_config": getattr(cls, "GENERATION_CONFIG_PRESET", None)}[kind]
+    return presets_dir() / (own or {"tokenizer": "tokenizer", "generation_config": "generation_config.json"}[kind])
+
+
 def generation_config_dict(config: DenseConfig) -> dict:
-    d = json.loads((presets_dir() / "generation_config.json").read_text())
+    d = json.loads(preset_file(config, "generation_config").read_text())
     if config.bos_token_id is not None:
         d["bos_token_id"] = config.bos_token_id
     return d
@@ -369,7 +383,8 @@ def make_test_model(preset: str | DenseConfig, out_dir, seed: int = 0, *, dtype:
     entries = random_weight_entries(config, int(seed), dtype, perturb_norms)
     total = sum(e.nbytes for e in entries)
     # the weights, the tokenizer, and a MiB for the headers and small JSON files
-    need = total + sum((presets_dir() / "tokenizer" / name).stat().st_size for name in TOKENIZER_FILES) + 2**20
+    tokenizer = preset_file(config, "tokenizer")
+    need = total + sum((tokenizer / name).stat().st_size for name in TOKENIZER_FILES) + 2**20
     free = free_bytes(out.parent)
     if free < need:
         raise ValueError(f"not enough free space for {out}: the checkpoint takes {need / 1e9:.2f} GB ({need} bytes), "
@@ -384,7 +399,7 @@ def make_test_model(preset: str | DenseConfig, out_dir, seed: int = 0, *, dtype:
         (tmp / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
         (tmp / "generation_config.json").write_text(json.dumps(generation_config_dict(config), indent=2) + "\n")
         for name in TOKENIZER_FILES:
-            shutil.copyfile(presets_dir() / "tokenizer" / name, tmp / name)
+            shutil.copyfile(tokenizer / name, tmp / name)
         from ..progress import progress_bar
 
         bar = progress_bar(total, f"writing {out.name}", unit="B", unit_scale=True, unit_divisor=1024,

@@ -10,12 +10,16 @@ from .config import DenseConfig, config_json_path, read_config_json
 from .dense import DenseModel
 from .llama import LlamaConfig, LlamaModel
 from .qwen3 import Qwen3Config, Qwen3Model
+from .qwen3_5 import HybridModel, Qwen3_5Config, Qwen3_5TextConfig, Qwen3NextConfig
 from .qwen3_moe import Qwen3MoeConfig, Qwen3MoeModel
 
 ARCHITECTURES: dict[str, tuple[type[DenseConfig], type[DenseModel]]] = {
     "Qwen3ForCausalLM": (Qwen3Config, Qwen3Model),
     "LlamaForCausalLM": (LlamaConfig, LlamaModel),
     "Qwen3MoeForCausalLM": (Qwen3MoeConfig, Qwen3MoeModel),
+    "Qwen3_5ForConditionalGeneration": (Qwen3_5Config, HybridModel),
+    "Qwen3_5ForCausalLM": (Qwen3_5TextConfig, HybridModel),
+    "Qwen3NextForCausalLM": (Qwen3NextConfig, HybridModel),
 }
 
 
