@@ -1,5 +1,6 @@
 """A chat answer's text split into its parts: the reasoning (`<think>...</think>`), the content, and the tool calls
-(`<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks, Qwen3's and Hermes' format).
+(`<tool_call>...</tool_call>` blocks: Qwen3's and Hermes' JSON form by default, or the form `parse_call` reads, such
+as the Qwen3-Coder XML form of xserv/tool_calls/).
 
 `ChatOutputParser` takes the text in pieces as it is generated (`push`) and returns the parts that are decided;
 `finish()` returns the rest. Whole answers go through the same machine (`parse_chat_output`), so a streamed answer's
@@ -8,15 +9,17 @@ parts, joined, always equal the whole answer's. Pure Python (no server, no engin
 - Reasoning (when on): an answer that starts with `<think>` (or whose prompt already opened it:
   `in_reasoning=True`) is reasoning up to `</think>`; an answer that ends before `</think>` is all reasoning. The
   tags are never part of either; the newlines the model puts after `</think>` are dropped from the content.
-- Tool calls (when on): each `<tool_call>...</tool_call>` block whose inside is a JSON object with a string `name`
-  and an object `arguments` becomes a call (arguments as compact JSON text); a block that is not (bad JSON, no
-  name, cut off by the end of the answer) stays in the content as the model wrote it. Whitespace around the
-  blocks is dropped; text before and between them is content.
+- Tool calls (when on): each `<tool_call>...</tool_call>` block whose inside `parse_call` reads as a call becomes
+  one (arguments as JSON text); the default, parse_tool_call, takes a JSON object with a string `name` and an
+  object `arguments`. A block that is not a call (bad JSON, no name, cut off by the end of the answer) stays in
+  the content as the model wrote it. Whitespace around the blocks is dropped; text before and between them is
+  content.
 - Text that might be the start of a tag (`<tool` at the end of a piece) is held back until the next piece decides.
 """
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 
 THINK_START, THINK_END = "<think>", "</think>"
@@ -64,8 +67,10 @@ def parse_tool_call(block: str) -> ToolCall | None:
 
 
 class ChatOutputParser:
-    def __init__(self, *, reasoning: bool = False, in_reasoning: bool = False, tools: bool = False):
+    def __init__(self, *, reasoning: bool = False, in_reasoning: bool = False, tools: bool = False,
+                 parse_call: Callable[[str], ToolCall | None] = parse_tool_call):
         self.tools = tools
+        self.parse_call = parse_call
         self.mode = "reasoning" if in_reasoning else ("start" if reasoning else "content")
         self.buf = ""
         self.content_started = not (reasoning or in_reasoning)  # after </think>: drop the newlines first
@@ -121,7 +126,7 @@ class ChatOutputParser:
                     return out
                 block, self.buf = self.buf[:end], self.buf[end + len(TOOL_END):]
                 self.mode = "content"
-                call = parse_tool_call(block)
+                call = self.parse_call(block)
                 if call is None:
                     self._content(out, self.call_space + TOOL_START + block + TOOL_END)
                 else:

@@ -14,6 +14,12 @@ from typing import Any
 _SPECIAL_TOKEN_ATTRIBUTES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # Names a message's reasoning may come under; templates read `reasoning_content` (transformers aliases them too).
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# Content parts that carry an input a text-only model cannot take, by part type (OpenAI's and Hugging Face's names)
+# -> the input. Templates of vision models turn image parts into placeholder tokens (Qwen3.5's writes
+# <|vision_start|><|image_pad|><|vision_end|>), which without the image encoder would be a prompt about nothing.
+_MEDIA_PART_TYPES = {"image_url": "image", "image": "image", "input_image": "image", "video": "video",
+                     "video_url": "video", "input_audio": "audio", "audio": "audio", "audio_url": "audio",
+                     "file": "file", "input_file": "file"}
 
 
 def _read_json(path: Path) -> dict:
@@ -40,6 +46,30 @@ def _ids(value) -> list[int]:
     if isinstance(value, (list, tuple)):
         return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
     return []
+
+
+def media_input(part) -> str | None:
+    """"image", "video", "audio" or "file" for a message content part that carries that input (by its `type`, or by
+    the bare "image"/"image_url"/"video" key that Hugging Face templates also accept), else None."""
+    if not isinstance(part, Mapping):
+        return None
+    kind = _MEDIA_PART_TYPES.get(part.get("type")) if isinstance(part.get("type"), str) else None
+    if kind is None:
+        kind = next((_MEDIA_PART_TYPES[k] for k in ("image", "image_url", "video") if k in part), None)
+    return kind
+
+
+def check_text_only(messages) -> None:
+    """ValueError naming the first content part that is an image (video, audio, file): xserv serves text only."""
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, Mapping) else None
+        if not isinstance(content, (list, tuple)):
+            continue
+        for j, part in enumerate(content):
+            kind = media_input(part)
+            if kind is not None:
+                raise ValueError(f"{kind} input is not supported (messages[{i}].content[{j}] has type "
+                                 f"{part.get('type', kind)!r}): xserv serves text-only models")
 
 
 # ---- chat template ----------------------------------------------------------------------------------------------
@@ -130,6 +160,7 @@ def render_chat_template(template: str, messages: list, *, add_generation_prompt
     """Render a Hugging Face chat template as transformers' apply_chat_template(tokenize=False) does."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError("a chat needs at least one message (a list of {'role': ..., 'content': ...} dicts)")
+    check_text_only(messages)
     chat = []
     for m in messages:
         if not isinstance(m, Mapping):
@@ -164,13 +195,17 @@ class Tokenizer:
             if content is not None:
                 self.special_tokens[attr] = content
         eos: list[int] = []
-        for src in ((generation_config or {}).get("eos_token_id"), (model_config or {}).get("eos_token_id")):
+        model_config = model_config or {}
+        # a multimodal checkpoint (Qwen3.5's) keeps the language model's ids under text_config
+        text_config = model_config.get("text_config") if isinstance(model_config.get("text_config"), dict) else {}
+        for src in ((generation_config or {}).get("eos_token_id"),
+                    model_config.get("eos_token_id", text_config.get("eos_token_id"))):
             eos += _ids(src)
         eos_text = self.special_tokens.get("eos_token")
         if eos_text is not None and tokenizer.token_to_id(eos_text) is not None:
             eos.append(tokenizer.token_to_id(eos_text))
         self.eos_token_ids: list[int] = list(dict.fromkeys(eos))
-        bos = (generation_config or {}).get("bos_token_id", (model_config or {}).get("bos_token_id"))
+        bos = (generation_config or {}).get("bos_token_id", model_config.get("bos_token_id"))
         self.bos_token_id: int | None = bos if isinstance(bos, int) else None
         pad = (generation_config or {}).get("pad_token_id")
         if pad is None and "pad_token" in self.special_tokens:

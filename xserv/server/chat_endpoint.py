@@ -7,18 +7,21 @@ import uuid
 
 from ..chat_output import THINK_END, THINK_START, ChatOutputParser, Part
 from ..structured import StructuredOutput, free_answer
-from .chat_request import chat_prompt, enable_thinking_of, prompt_ids_of
+from ..tool_calls import call_parser, tool_call_format
+from ..tool_calls.xml_grammar import xml_call_grammar
+from .chat_request import chat_prompt, check_content, enable_thinking_of, prompt_ids_of
 from .constraints import THINK_TOKENS, TOOL_TOKENS, has_tokens, reasoning_first
 from .logprobs import chat_logprobs
 from .openai_api import Endpoint
-from .protocol import UNSUPPORTED_CHAT, APIError
+from .protocol import UNSUPPORTED_CHAT, APIError, NamedToolChoice
 from .tools import check_tool_choice, tool_call_constraint
 
 
 class ChatEndpoint(Endpoint):
     """Chat answers are split by ChatOutputParser (xserv/chat_output.py): `<think>` text -> reasoning_content (when
     thinking is on and the template knows <think>), `<tool_call>` blocks -> tool_calls (when tools are given and
-    tool_choice is not "none"), the rest -> content. Streams hold back text that may be the start of a tag; the
+    tool_choice is not "none"; in the form the chat template teaches, JSON or XML: xserv/tool_calls/), the rest ->
+    content. Streams hold back text that may be the start of a tag; the
     logprobs of held-back tokens go out with the next delta. An answer that ends inside its think block (max_tokens
     spent while thinking) has content null, not "": there is no answer, only reasoning_content; with thinking on,
     a stream's opening delta has content null too, so that its deltas add up to the same message."""
@@ -28,29 +31,43 @@ class ChatEndpoint(Endpoint):
 
     def check_request(self):
         req = self.req
+        check_content(req.messages)
         self.parse_tools = bool(req.tools) and req.tool_choice != "none"
         self.parallel = req.parallel_tool_calls is not False
         check_tool_choice(req.tools, req.tool_choice)
         super().check_request()
-        tool = tool_call_constraint(req.tools, req.tool_choice, self.parallel,
-                                    tag_tokens=has_tokens(self.ctx.tokenizer, TOOL_TOKENS))
-        if tool is not None:
+        template = getattr(self.ctx.tokenizer, "chat_template", None) or ""
+        self.tool_format = tool_call_format(template)
+        self.parse_call = call_parser(self.tool_format, {t.function.name: t.function.parameters
+                                                         for t in req.tools or []})
+        if req.tool_choice is not None and req.tool_choice not in ("auto", "none"):
             label = "'required'" if req.tool_choice == "required" else "naming a function"
             if self.structured is not None:
                 raise APIError(400, f"tool_choice {label} and {self.structured_param} both constrain the answer: "
                                     f"give one of them", self.structured_param, "invalid_value")
             try:
-                self.structured = StructuredOutput.lark(tool["grammar"])
+                self.structured = StructuredOutput.lark(self._tool_grammar())
             except ValueError as e:  # a tool's parameters are not a schema llguidance can compile
                 raise APIError(400, f"tools: the parameters of the tool_choice {label} do not compile: {e}",
                                "tools", "invalid_value") from None
             self.structured_param = "tool_choice"
-        template = getattr(self.ctx.tokenizer, "chat_template", None) or ""
         self.reasoning = THINK_START in template and enable_thinking_of(req)
         self.in_reasoning = False
         self.parsers: dict[int, ChatOutputParser] = {}
         self.pending_logprobs: dict[int, list] = {}
         self.num_calls: dict[int, int] = {}
+
+    def _tool_grammar(self) -> str:
+        """The grammar of tool_choice "required" or a named function, in the template's form of tool calls."""
+        req = self.req
+        tag_tokens = has_tokens(self.ctx.tokenizer, TOOL_TOKENS)
+        if self.tool_format == "json":
+            return tool_call_constraint(req.tools, req.tool_choice, self.parallel, tag_tokens=tag_tokens)["grammar"]
+        chosen = list(req.tools)
+        if isinstance(req.tool_choice, NamedToolChoice):
+            chosen = [t for t in chosen if t.function.name == req.tool_choice.function.name]
+        return xml_call_grammar([(t.function.name, t.function.parameters) for t in chosen], tag_tokens=tag_tokens,
+                                parallel=self.parallel and not isinstance(req.tool_choice, NamedToolChoice))
 
     async def prompt(self):
         text = chat_prompt(self.ctx, self.req)
@@ -89,7 +106,8 @@ class ChatEndpoint(Endpoint):
         return chat_logprobs(self.ctx.tokenizer, entries, self.req.top_logprobs or 0) if self.req.logprobs else None
 
     def _parser(self) -> ChatOutputParser:
-        return ChatOutputParser(reasoning=self.reasoning, in_reasoning=self.in_reasoning, tools=self.parse_tools)
+        return ChatOutputParser(reasoning=self.reasoning, in_reasoning=self.in_reasoning, tools=self.parse_tools,
+                                parse_call=self.parse_call)
 
     def _tool_call(self, index: int, part: Part) -> dict | None:
         """The call's OpenAI form, or None for a call past the first when parallel_tool_calls is false."""

@@ -2,26 +2,66 @@
 one SamplingParams per choice (the model's generation_config.json defaults for the fields a request leaves out)."""
 from __future__ import annotations
 
+import json
+
 from ..sampling import SamplingParams
 from ..structured import StructuredOutput
+from ..tokenizer import media_input
+from ..tool_calls import tool_call_format
 from .context import ServerContext
-from .protocol import MAX_STOP_STRINGS, APIError, ChatCompletionRequest
+from .protocol import MAX_STOP_STRINGS, APIError, ChatCompletionRequest, OtherPart
 
 # SamplingParams fields a request may leave to the model's generation_config.json defaults
 _DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
               "frequency_penalty")
 
 
-def template_message(m) -> dict:
-    """A request message as chat templates expect it (transformers' format: content always a string)."""
+def check_content(messages) -> None:
+    """400s for content parts that are not text: an image (video, audio, file) by name, as every model here is
+    served text-only, and a part of a type no API has."""
+    for i, m in enumerate(messages):
+        for j, part in enumerate(m.content if isinstance(m.content, list) else []):
+            if not isinstance(part, OtherPart):
+                continue
+            where = f"messages[{i}].content[{j}]"
+            kind = media_input(part.model_dump())
+            if kind is not None:
+                raise APIError(400, f"{kind} input is not supported: {where} has type {part.type!r} (this server "
+                                    f"runs text-only models)", where, "unsupported_content")
+            if part.type == "text":
+                raise APIError(400, f"{where}.text must be a string", f"{where}.text", "invalid_value")
+            raise APIError(400, f"{where}: unknown content part type {part.type!r} (text is supported)", where,
+                           "invalid_value")
+
+
+def _arguments(text: str, where: str, as_object: bool):
+    """A history call's arguments for the template: the client's JSON text as it is (Qwen3's JSON-form template
+    writes a string unchanged), or the object it encodes (the XML-form templates iterate over its items)."""
+    if not as_object:
+        return text
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise APIError(400, f"{where}.function.arguments must be the JSON text of an object", where,
+                       "invalid_value")
+    return value
+
+
+def template_message(m, index: int = 0, tool_format: str = "json") -> dict:
+    """A request message as chat templates expect it (transformers' format: content always a string). tool_format:
+    the template's form of tool calls (xserv/tool_calls/)."""
     out = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
     if m.name is not None:
         out["name"] = m.name
     if m.tool_calls:
-        # arguments stay the JSON text the client sent (Qwen3's template writes a string as it is, a dict as JSON)
         out["tool_calls"] = [{"id": c.id, "type": "function",
-                              "function": {"name": c.function.name, "arguments": c.function.arguments}}
-                             for c in m.tool_calls]
+                              "function": {"name": c.function.name,
+                                           "arguments": _arguments(c.function.arguments,
+                                                                   f"messages[{index}].tool_calls[{k}]",
+                                                                   tool_format == "xml")}}
+                             for k, c in enumerate(m.tool_calls)]
     if m.tool_call_id is not None:
         out["tool_call_id"] = m.tool_call_id
     if m.reasoning_content is not None:
@@ -39,7 +79,8 @@ def enable_thinking_of(req: ChatCompletionRequest) -> bool:
 
 
 def chat_prompt(ctx: ServerContext, req: ChatCompletionRequest) -> str:
-    messages = [template_message(m) for m in req.messages]
+    tool_format = tool_call_format(getattr(ctx.tokenizer, "chat_template", None))
+    messages = [template_message(m, i, tool_format) for i, m in enumerate(req.messages)]
     kwargs = dict(req.chat_template_kwargs or {})
     kwargs.pop("enable_thinking", None)
     kwargs.pop("tools", None)

@@ -79,6 +79,13 @@ class TextPart(_Body):
     text: str
 
 
+class OtherPart(_Body):
+    """A content part that is not text (image_url, input_audio, file, ...): kept so that the chat endpoint can refuse
+    it by name (chat_request.check_content) instead of a validation error about the text part it is not."""
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: str
+
+
 class FunctionCall(_Body):
     name: str
     arguments: str  # JSON text, as OpenAI sends it back
@@ -93,7 +100,7 @@ class ToolCallIn(_Body):
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | OtherPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # assistant turns
     tool_call_id: str | None = None  # tool turns
@@ -104,7 +111,7 @@ class ChatMessage(_Body):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, TextPart))
 
 
 class FunctionDef(_Body):
