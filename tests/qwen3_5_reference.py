@@ -152,7 +152,8 @@ class TextConfig:
         factor = rope.get("partial_rotary_factor", t.get("partial_rotary_factor", 0.25))
         self.rotary_dim = int(self.hd * factor)
         self.nk, self.nv = t["linear_num_key_heads"], t["linear_num_value_heads"]
-        self.dk, self.dv, self.conv_k = t["linear_key_head_dim"], t["linear_value_head_dim"], t["linear_conv_kernel_dim"]
+        self.dk, self.dv = t["linear_key_head_dim"], t["linear_value_head_dim"]
+        self.conv_k = t["linear_conv_kernel_dim"]
         if self.nv % self.nk:
             raise ValueError(f"linear_num_value_heads {self.nv} is not a multiple of linear_num_key_heads {self.nk}")
         self.key_dim, self.value_dim = self.nk * self.dk, self.nv * self.dv
@@ -419,21 +420,25 @@ class HybridReference:
         for w, st in zip(self.layers, states):
             h = r(zero_centred_rms_norm(x, w["in_norm"], c.eps))
             if w["kind"] == LINEAR_ATTENTION:
-                mixed, st = self._gdn(h, w, st, gdn_form)
+                mixed, st = self.gdn(h, w, st, gdn_form)
             else:
-                mixed, st = self._attention(h, w, st, positions)
+                mixed, st = self.attention(h, w, st, positions)
             new_states.append(st)
             x = r(x + mixed)
             h = r(zero_centred_rms_norm(x, w["post_norm"], c.eps))
-            x = r(x + (self._moe(h, w["moe"]) if "moe" in w else self._mlp(h, *w["mlp"])))
+            x = r(x + (self.moe(h, w["moe"]) if "moe" in w else self.mlp(h, *w["mlp"])))
         x = r(zero_centred_rms_norm(x, self.final_norm, c.eps))
         return r(x @ self.head.T), new_states
 
-    def _mlp(self, x, gate, up, down):
+    # The layer pieces, public so that a test can compare one layer at a time: x is a layer's normed input [T, H],
+    # w = self.layers[i] (weights as loaded, un-grouped), st that layer's entry of a states list.
+
+    def mlp(self, x, gate, up, down):
+        """down(silu(gate(x)) * up(x))."""
         r = self.r
         return r(r(r(silu(r(x @ gate.T))) * r(x @ up.T)) @ down.T)
 
-    def _moe(self, x, w):
+    def moe(self, x, w):
         """Softmax over all experts, top-k, renormalised (Qwen3-Next: if norm_topk_prob), plus the gated shared
         expert (ARCHITECTURE 5)."""
         c, r = self.cfg, self.r
@@ -444,12 +449,14 @@ class HybridReference:
             weights = probs[t, top] / (probs[t, top].sum() if c.norm_topk else 1.0)
             acc = np.zeros(x.shape[1])
             for e, wt in sorted(zip(top, weights)):  # transformers adds the experts in index order
-                acc = r(acc + r(self._mlp(x[t:t + 1], *w["experts"][e])[0] * wt))
+                acc = r(acc + r(self.mlp(x[t:t + 1], *w["experts"][e])[0] * wt))
             out[t] = acc
-        shared = r(r(sigmoid(r(x @ w["shared_gate"].T))) * self._mlp(x, *w["shared"]))
+        shared = r(r(sigmoid(r(x @ w["shared_gate"].T))) * self.mlp(x, *w["shared"]))
         return r(out + shared)
 
-    def _attention(self, x, w, st, positions):
+    def attention(self, x, w, st, positions):
+        """Gated softmax attention (ARCHITECTURE 4) at absolute `positions`, after the cached k/v of st.
+        Returns (mixer output [T, H], the new state)."""
         c, r = self.cfg, self.r
         t = x.shape[0]
         qg = r(x @ w["q"].T).reshape(t, c.nh, 2 * c.hd)  # per head: hd query entries, then hd gate entries
@@ -472,7 +479,9 @@ class HybridReference:
         o = r(out.reshape(t, c.nh * c.hd) * r(sigmoid(gate)))
         return r(o @ w["o"].T), {"k": keys, "v": values}
 
-    def _gdn(self, x, w, st, form):
+    def gdn(self, x, w, st, form="recurrent"):
+        """Gated DeltaNet (ARCHITECTURE 3.2) from st's conv window and SSM state. Returns (mixer output [T, H],
+        the new state)."""
         c, r = self.cfg, self.r
         t = x.shape[0]
         qkv, z = r(x @ w["qkv"].T), r(x @ w["z"].T).reshape(t, c.nv, c.dv)
@@ -634,7 +643,7 @@ def write_random_folder(folder, config: dict | None = None, layout: str = "qwen3
             out[m + "shared_expert_gate.weight"] = mw["shared_gate"]
         else:
             if "mlp" not in lw:
-                raise ValueError(f"layer {i} has a dense MLP in layout {layout} but the config has no intermediate_size")
+                raise ValueError(f"layer {i} of layout {layout} is dense but the config has no intermediate_size")
             for n, arr in zip(("gate_proj", "up_proj", "down_proj"), lw["mlp"]):
                 out[f"{m}{n}.weight"] = arr
     if extras:
