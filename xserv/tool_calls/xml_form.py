@@ -18,8 +18,9 @@ one newline is taken off each end, then the parameter's schema decides (`value_k
   one of the schema's types; otherwise the raw text stays, so that a value the model got wrong reaches the client
   as it was written instead of disappearing.
 
-Lenient where a model is often sloppy: a missing `</parameter>` ends at the next `<parameter=` or at the end,
-a missing `</function>` at the end of the block. Anything else (text outside the tags, no `<function=`) is not a
+Lenient where a model is often sloppy: a value with no `</parameter>` after it in the block ends at the next
+`<parameter=` or at the end, a missing `</function>` at the end of the block. (A value followed by a closer runs
+to it, `<parameter=` inside included: the grammar lets a string hold that text, and what it allows must parse.) Anything else (text outside the tags, no `<function=`) is not a
 call: the block then stays in the content as the model wrote it (xserv/chat_output.py).
 """
 from __future__ import annotations
@@ -80,7 +81,7 @@ def _type_of(value) -> str:
         return "number"
     if isinstance(value, str):
         return "string"
-    return "array" if isinstance(value, list) else "object"
+    return "array" if isinstance(value, (list, tuple)) else "object"
 
 
 def param_schema(parameters, name: str):

@@ -45,6 +45,12 @@ def _literal(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
+def _check_name(what: str, name) -> None:
+    """The form writes names between `=` and `>` on one line: a name with `>`, `<` or a newline cannot be written."""
+    if not isinstance(name, str) or not name or any(c in name for c in "<>\n"):
+        raise ValueError(f"{what} name {name!r} cannot be written in the XML tool-call form")
+
+
 def _value_rule(rule: str, schema, defs: dict) -> tuple[str, list[str]]:
     """(what follows `<parameter=P>\\n` in a parameter's rule, extra rules) for a parameter's schema."""
     if value_kind(schema) == "string":
@@ -69,6 +75,7 @@ def _function_rules(rule: str, name: str, parameters) -> list[str]:
     defs = {k: parameters[k] for k in ("$defs", "definitions") if isinstance(parameters.get(k), Mapping)}
     rules, seq = [], []
     for i, key in enumerate(props):
+        _check_name("parameter", key)
         prule = f"{rule}_{i}"
         value, extra = _value_rule(prule, param_schema(parameters, key), defs)
         rules.append(f'{prule}: {_literal(f"<parameter={key}>" + chr(10))} {value}')
@@ -85,8 +92,7 @@ def xml_call_grammar(tools: Sequence[tuple[str, dict | None]], *, parallel: bool
     if not tools:
         raise ValueError("a tool-call grammar needs at least one tool")
     for name, _ in tools:
-        if not name or any(c in name for c in "<>\n"):
-            raise ValueError(f"tool name {name!r} cannot be written in the XML tool-call form")
+        _check_name("tool", name)
     open_, close = ("<tool_call>", "</tool_call>") if tag_tokens else ('"<tool_call>"', '"</tool_call>"')
     lines = ['start: call ("\\n" call)*' if parallel else "start: call",
              f'call: {open_} "\\n" ({" | ".join(f"f{i}" for i in range(len(tools)))}) "\\n" {close}']
