@@ -27,7 +27,7 @@ import numpy as np
 from ..runtime import kernel
 from ..tensor import Tensor, bfloat16, float32, int32
 from ._checks import check_tensor, output, same_device
-from ._launch import cdiv, check_alias, check_eps
+from ._launch import aligned, cdiv, check_alias, check_eps
 
 CONV_KERNEL = 4  # the CUDA conv is written for K = 4 (every Qwen3.5 / Qwen3-Next config); the reference takes any K
 HEAD_DIM = 128  # the CUDA delta rule and gated norm are written for dk = dv = 128; the references take any
@@ -204,8 +204,9 @@ def causal_conv1d_silu(proj: Tensor, weight: Tensor, conv_state: Tensor, cu_seql
         return out
     if taps != CONV_KERNEL:
         raise ValueError(f"weight: the CUDA conv has K = {CONV_KERNEL} taps, got {taps}")
-    if conv_dim % 2 or proj.shape[1] % 2:
-        raise ValueError(f"conv_dim ({conv_dim}) and proj's row length ({proj.shape[1]}) must be even (bf16 pairs)")
+    if conv_dim % 2 or proj.shape[1] % 2 or not aligned(proj, conv_state, out, nbytes=4):
+        raise ValueError(f"conv_dim ({conv_dim}) and proj's row length ({proj.shape[1]}) must be even and proj, "
+                         f"conv_state, out 4-byte aligned (bf16 pairs)")
     if batch and max_q_len:
         grid = (cdiv(conv_dim // 2, 128), batch, cdiv(max_q_len, _CONV_TOKENS))
         kernel("gdn", "causal_conv1d_silu_k4")(grid, 128, proj, weight, conv_state, cu_seqlens, kv_lens, state_slots,
@@ -243,6 +244,8 @@ def gated_delta_rule(u: Tensor, proj: Tensor, A_log: Tensor, dt_bias: Tensor, ss
         return out
     if dk != HEAD_DIM or dv != HEAD_DIM:
         raise ValueError(f"head_k_dim / head_v_dim: the CUDA delta rule is for {HEAD_DIM}, got {dk} / {dv}")
+    if not aligned(u, out, nbytes=16) or not aligned(ssm_state, nbytes=16):
+        raise ValueError("u, out and ssm_state must be 16-byte aligned (vector accesses)")
     if not batch or not max_q_len:
         return out
     args = (u, proj, A_log, dt_bias, ssm_state, cu_seqlens, kv_lens, state_slots, out, np.int32(nk), np.int32(nv),
@@ -255,10 +258,11 @@ def gated_delta_rule(u: Tensor, proj: Tensor, A_log: Tensor, dt_bias: Tensor, ss
 
 
 def _chunked_smem() -> int:
-    """Dynamic shared memory of gdn_chunked_d128 (its layout in gdn.cu, ChunkSmem)."""
-    bf16_tiles = (3 * CHUNK * HEAD_DIM  # q, k, k*beta*exp(gamma) (bf16, row-major, padded rows below)
-                  + 2 * CHUNK * CHUNK)  # A = (q k^T masked), T (the inverse)
-    return 0 + bf16_tiles  # placeholder: replaced by the kernel's layout size
+    """Dynamic shared memory of gdn_chunked_d128: its ChunkSmem (gdn.cu), member by member (the kernel traps if
+    launched with less)."""
+    sk, sc, sv = HEAD_DIM + 8, CHUNK + 8, _BV + 8  # padded row strides, elements
+    bf16_elems = 2 * CHUNK * sk + 2 * CHUNK * sc + 3 * CHUNK * sv + HEAD_DIM * sv  # q, k | a, t | vr, vp, vd | s
+    return 2 * bf16_elems + 4 * (CHUNK * (CHUNK + 1) + 4 * CHUNK)  # + fp32 L and four per-row vectors
 
 
 def gated_rmsnorm_silu(o: Tensor, proj: Tensor, norm_weight: Tensor, eps: float, *, z_col: int, num_v_heads: int,
@@ -283,9 +287,9 @@ def gated_rmsnorm_silu(o: Tensor, proj: Tensor, norm_weight: Tensor, eps: float,
         return out
     if dv != HEAD_DIM:
         raise ValueError(f"head_v_dim: the CUDA gated norm is for {HEAD_DIM}, got {dv}")
-    if z_col % 8 or proj.shape[1] % 8:
-        raise ValueError(f"z_col ({z_col}) and proj's row length ({proj.shape[1]}) must be multiples of 8 (16-byte "
-                         f"rows of z)")
+    if z_col % 4 or proj.shape[1] % 4 or not aligned(o, proj, norm_weight, out, nbytes=8):
+        raise ValueError(f"z_col ({z_col}) and proj's row length ({proj.shape[1]}) must be multiples of 4 and o, proj, "
+                         f"norm_weight, out 8-byte aligned (8-byte accesses)")
     heads = rows * nv
     if heads:
         kernel("gdn", "gated_rmsnorm_silu_d128")(cdiv(heads, 8), 256, o, proj, norm_weight, out, np.int32(nv),

@@ -223,6 +223,8 @@ KERNEL_PATHS: dict[str, dict[KernelPath, tuple[Route, ...]]] = {
     "all_reduce (tensor parallelism, bf16 messages <= 64 KB)": {
         p: (r,) for p, r in _both(Route("allreduce", "one-shot over CUDA IPC peer memory: push, release/acquire flags, "
                                         "rank-order sum (NCCL for larger messages)")).items()},
+    "causal_conv1d_silu, gated_delta_rule, gated_rmsnorm_silu (Gated DeltaNet)": {p: (r,) for p, r in _both(Route(
+        "gdn", "conv; recurrent delta rule (decode); chunked WY form on mma.sync (prefill); gated norm")).items()},
     "fill (benchmarks)": {p: (r,) for p, r in _both(Route("fill", "fill_f32")).items()},
 }
 
