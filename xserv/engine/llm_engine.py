@@ -69,7 +69,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
-        self.vocab_size = runner.model.config.vocab_size
+        self.vocab_size = logits_width(runner.model)
         device = runner.device
         self.blocks = BlockManager(self.kv_cache.num_blocks, self.kv_cache.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs=config.max_num_seqs,
@@ -106,8 +106,11 @@ class LLMEngine:
                                  "(hybrid Gated DeltaNet models): use tensor_parallel_size 1")
             config = _fit_state_slots(config, layout, device)
         batched = config.batched_tokens(device)
+        tokens = getattr(tokenizer, "vocab_size", None)
+        if hasattr(model, "limit_logits") and tokens is not None and tokens < mc.vocab_size:
+            model.limit_logits(tokens)  # the head's padding rows past the tokenizer's tokens are never sampled
         workspace = model.make_workspace(batched, config.max_num_seqs)
-        sampler = Sampler(mc.vocab_size, config.max_num_seqs, device, config.seed)
+        sampler = Sampler(logits_width(model), config.max_num_seqs, device, config.seed)
         spec = KVCacheSpec(*model.kv_layout, config.block_size)
         kv_dtype = kv_cache_dtype(config.kv_cache_dtype, model.dtype)
         # the state slots first: on CUDA the KV pool takes a share of what memory is left after them
@@ -425,6 +428,11 @@ class LLMEngine:
             return self.runner.logits(token_ids, table)
         finally:
             self.blocks.free(table)
+
+
+def logits_width(model) -> int:
+    """The width of the model's logits: its vocabulary, or the tokenizer's part of it (limit_logits)."""
+    return getattr(model, "logits_width", model.config.vocab_size)
 
 
 # A model with per-sequence state: its slots take at most this share of the memory the caches may use (the rest

@@ -169,7 +169,7 @@ class ModelRunner:
         """Logits at every position of one sequence, prefilled `chunk` tokens at a time through the paged cache
         into the blocks of `block_table` (lent by the caller)."""
         chunk = chunk or self.logits_chunk
-        out = np.empty((len(token_ids), self.model.config.vocab_size), np.float32)
+        out = np.empty((len(token_ids), getattr(self.model, "logits_width", self.model.config.vocab_size)), np.float32)
         for start in range(0, len(token_ids), chunk):
             piece = token_ids[start:start + chunk]
             scratch = -1 if self.state is None else self.state.scratch_slot

@@ -19,7 +19,7 @@ from typing import ClassVar
 import numpy as np
 
 from ..ops.activation import silu_and_mul
-from ..ops.attention import attention_decode_rope, attention_prefill
+from ..ops.attention import attention_decode_rope, attention_output_gate, attention_prefill
 from ..ops.embedding import embedding
 from ..ops.gdn import causal_conv1d_silu, gated_delta_rule, gated_rmsnorm_silu
 from ..ops.rmsnorm import fused_add_rmsnorm
@@ -33,11 +33,19 @@ from .qwen3_5_config import FULL_ATTENTION, HybridConfig, Qwen3_5Config, Qwen3_5
 __all__ = ["HybridModel", "Qwen3_5Config", "Qwen3_5TextConfig", "Qwen3NextConfig"]
 
 
+def state_layout(c: HybridConfig) -> tuple[StatePool, ...]:
+    """Each GDN layer's per-sequence state: the last K-1 conv inputs (bf16 [K-1, conv_dim]) and the SSM state
+    (float32 [nv, dk, dv])."""
+    n = len(c.gdn_layers)
+    return (StatePool("conv", n, (c.linear_conv_kernel_dim - 1, c.conv_dim), bfloat16),
+            StatePool("ssm", n, (c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim), float32))
+
+
 class HybridWorkspace:
     """Activation buffers for up to `max_tokens` packed tokens and `max_logits` logit rows (a step allocates
     nothing: what a CUDA graph needs)."""
 
-    def __init__(self, c: HybridConfig, max_tokens: int, max_logits: int, device: str, dtype):
+    def __init__(self, c: HybridConfig, max_tokens: int, max_logits: int, device: str, dtype, logits_width: int):
         self.max_tokens, self.max_logits = max_tokens, max_logits
 
         def buf(cols, dt=dtype, rows=max_tokens):
@@ -55,7 +63,7 @@ class HybridWorkspace:
         self.gate_up = buf(2 * c.intermediate_size)
         self.act = buf(c.intermediate_size)
         self.gathered = buf(c.hidden_size, rows=max_logits)
-        self.logits = buf(c.vocab_size, float32, rows=max_logits)
+        self.logits = buf(logits_width, float32, rows=max_logits)
 
     def fits(self, num_tokens: int, num_logits: int) -> bool:
         return num_tokens <= self.max_tokens and num_logits <= self.max_logits
@@ -78,6 +86,7 @@ class HybridModel(DenseForward):
         self.eps = float(config.rms_norm_eps)
         self.scale = float(config.head_dim) ** -0.5
         self.max_positions = int(max_positions or config.context_length)
+        self.logits_width = config.vocab_size  # limit_logits: the tokenizer's tokens only
         self.fused_gemv = True
         self.comm = None
         self._fp8 = False
@@ -96,11 +105,16 @@ class HybridModel(DenseForward):
 
     @property
     def state_layout(self) -> tuple[StatePool, ...]:
-        c = self.config
-        n = len(c.gdn_layers)
-        return (StatePool("conv", n, (c.linear_conv_kernel_dim - 1, c.conv_dim), bfloat16),
-                StatePool("ssm", n, (c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim),
-                          float32))
+        return state_layout(self.config)
+
+    def limit_logits(self, num_tokens: int) -> int:
+        """Compute logits for the first `num_tokens` ids only (the tokenizer's: these checkpoints pad the head to
+        248,320 rows past its 248,077 tokens), so that a padding row is never sampled. Returns the new width."""
+        if not 0 < num_tokens <= self.config.vocab_size:
+            raise ValueError(f"num_tokens must be in 1..{self.config.vocab_size}, got {num_tokens}")
+        self.lm_head = self.lm_head[:num_tokens]
+        self.logits_width = num_tokens
+        return num_tokens
 
     @classmethod
     def kernel_shapes(cls, config, tp_size: int = 1) -> dict[str, int]:
@@ -160,7 +174,7 @@ class HybridModel(DenseForward):
 
     # ---- forward ------------------------------------------------------------------------------------------------
     def make_workspace(self, max_tokens: int, max_logits: int) -> HybridWorkspace:
-        return HybridWorkspace(self.config, max_tokens, max_logits, self.device, self.dtype)
+        return HybridWorkspace(self.config, max_tokens, max_logits, self.device, self.dtype, self.logits_width)
 
     def forward(self, batch, kv_cache, workspace: HybridWorkspace | None = None) -> Tensor:
         """Logits float32 [rows, vocab] for the rows batch.logits_indices names (every row if None)."""
@@ -225,7 +239,5 @@ class HybridModel(DenseForward):
                                   kv_cache.k[j], kv_cache.v[j], batch.slot_mapping)
             attention_prefill(qkvg3, kv_cache.k[j], kv_cache.v[j], batch.cu_seqlens_q, batch.kv_lens,
                               batch.block_tables, self.scale, batch.max_q_len, out=attn3, num_q_heads=hq)
-        from ..ops.attention import output_gate
-
-        output_gate(attn3, qkvg3, out=attn3)
+        attention_output_gate(attn3, qkvg3, hq, hkv, out=attn3)
         self._project(ws.attn[:t], layer.o_proj, out)

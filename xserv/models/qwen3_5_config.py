@@ -126,6 +126,8 @@ class HybridConfig(DenseConfig):
                                  f"supported yet (xserv runs its dense-MLP models)")
         # the base parser checks the architecture against ARCHITECTURE / MODEL_TYPE of the outer dict
         flat = {**text, "architectures": outer.get("architectures"), "model_type": cls.MODEL_TYPE}
+        if outer.get("quantization_config") is not None:  # a multimodal release quantizes at the top level
+            flat["quantization_config"] = outer["quantization_config"]
         if flat["architectures"] is None:
             flat.pop("architectures")
         rp = text.get("rope_parameters") if isinstance(text.get("rope_parameters"), dict) else {}
