@@ -26,7 +26,7 @@ using namespace xserv::decode;
 // The 4-warp v4 kernel with the scores and the values on tensor cores (decode_split_v4's MMA branch; decode.py's
 // has_fp8_mma: every 4-warp launch it serves takes it): attention_decode_fp8_v4_d128_g{G}_s2_mma, head_dim 128 (one
 // 16-key block a warp and stage: 8 keys a lane and stage at every group size, G <= 8). The CUDA-core loop read K/V
-// at ~55% of copy bandwidth at large batches (docs/kernels/attention.md, "FP8 KV cache on tensor cores").
+// at ~55% of copy bandwidth at large batches (docs/kernels/history/attention.md, "FP8 KV cache on tensor cores").
 #define XSERV_V4_MMA_ENTRY(FMT, D, G) XSERV_V4_MMA_ENTRY_(FMT, D, G)
 #define XSERV_V4_MMA_ENTRY_(FMT, D, G)                                                                           \
     extern "C" __global__ void __launch_bounds__(128, XSERV_V4_MINB(G))                                          \

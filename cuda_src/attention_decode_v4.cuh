@@ -16,8 +16,9 @@
 // after the arguments; the format's policy in attention_decode.cuh): grid (num_splits, Hkv * R, num_seqs) (R: query-head
 // subgroups, below), block 128 (4 warps; _w8: 256, for grids of at most 2 CTAs per SM), dynamic shared memory
 // STAGES * 16 KB per 4 warps (the ring) + kV4TabCap * 4 (page table) + 16 + kV4RowBytes (the fused rows). STAGES = 2
-// ships (measured best on an H200: docs/kernels/attention.md, "v4 decode"; and on an H100 for the few-sequence plans
-// of about 2 CTAs per SM, where a third stage was 1-3% slower: "few sequences"); 3 and 4 stages are in cuda_src/dev/.
+// ships (measured best on an H200: docs/kernels/history/attention.md, "v4 decode"; and on an H100 for the
+// few-sequence plans of about 2 CTAs per SM, where a third stage was 1-3% slower: "Decode for few sequences"); 3 and
+// 4 stages are in cuda_src/dev/.
 //   Key layout as v2: D/8 lanes share a key (one chunk of 8 elements of its K and V row each: 16 bytes in bf16, 8 in
 //   e4m3), 32/(D/8) keys side by side, U such steps per stage (KV::kUnrollV4: kV4Unroll in bf16; e4m3 twice that
 //   where registers allow, the same ring bytes), warps interleaved over the split's keys. Each lane cp.asyncs exactly the chunks
@@ -779,8 +780,8 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS_OF(typename KV::T), KV kv =
 // Wide CTAs: the same kernel with W warps (W * 32 threads, a ring of W warps' stages), 16 / W CTAs per SM (the 4-warp
 // kernel's register budget). The plan (plan_decode in xserv/ops/attention/decode.py) runs the 8-warp form where its
 // grid is one wave of them (at most 2 per SM: few sequences, at any context): the same splits, each CTA's keys in
-// half the stages, twice the bytes in flight per SM. Measured on an H200 (docs/kernels/attention.md, "Wide CTAs"):
-// plain 1 x 32k 60% -> 89% of copy bandwidth; batch-1 steps +0.4% to +2.0%.
+// half the stages, twice the bytes in flight per SM. Measured on an H200 (docs/kernels/history/attention.md, "Wide
+// CTAs"): plain 1 x 32k 60% -> 89% of copy bandwidth; batch-1 steps +0.4% to +2.0%.
 #define XSERV_V4_WIDE_ENTRY(FMT, D, G, S, W) XSERV_V4_WIDE_ENTRY_(FMT, D, G, S, W)
 #define XSERV_V4_WIDE_ENTRY_(FMT, D, G, S, W)                                                                    \
     extern "C" __global__ void __launch_bounds__(W * 32, 16 / W)                                                 \
@@ -798,7 +799,7 @@ __device__ void decode_split_v4(XSERV_DECODE_V4_ARGS_OF(typename KV::T), KV kv =
 // The 8-warp kernel compiled LEAN (_w8_lean): what the fused op launches where the plan runs v4w8 with at most
 // kV4FastCombine splits (contexts up to ~16 x 64 keys at batch 1). Each launch of the decode chain starts with a cold
 // instruction cache, so the code a launch runs through counts: 62.6 KB against 77.1 KB (G = 2), +1% at batch 1
-// (docs/kernels/attention.md, "A lean fused entry").
+// (docs/kernels/history/attention.md, "A lean fused entry").
 #define XSERV_V4_LEAN_ENTRY(FMT, D, G) XSERV_V4_LEAN_ENTRY_(FMT, D, G)
 #define XSERV_V4_LEAN_ENTRY_(FMT, D, G)                                                                          \
     extern "C" __global__ void __launch_bounds__(256, 2)                                                         \

@@ -1,6 +1,6 @@
 // v4 prefill: FlashAttention on Hopper's warpgroup MMA (wgmma.mma_async), sm_90a only. Same arguments, grid
 // and semantics as the v3 kernel in attention_prefill.cu (paged K/V, packed variable-length query chunks, causal
-// offset kv_len - q_len, GQA by index); notes and measurements in docs/kernels/attention.md ("v4 prefill").
+// offset kv_len - q_len, GQA by index); notes and measurements in docs/kernels/history/attention.md ("v4 prefill").
 //
 // Why: mma.sync (v3) issues one 16x8x16 product per warp instruction and feeds it through registers via ldmatrix;
 // on H100/H200 that path tops out near half the tensor-core rate. wgmma lets a warpgroup (4 warps, 128 threads)

@@ -82,7 +82,7 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
 // The ordering comes from one acquire-release atomic of thread 0 between two CTA barriers (the pattern of
 // cooperative groups' grid sync), not from a __threadfence in every thread: the first barrier orders the CTA's
 // writes before thread 0's release (release is cumulative), the second orders thread 0's acquire of the other
-// CTAs' writes before every thread's reads (docs/kernels/attention.md, "short-context tail").
+// CTAs' writes before every thread's reads (docs/kernels/history/attention.md, "Short-context tail").
 __device__ __forceinline__ bool last_to_arrive(int* counter, int total, int& last) {
     __syncthreads();
     if (threadIdx.x == 0) {

@@ -41,9 +41,9 @@
 // the issue rate at H100/H200 FP8 bandwidth; at m = 8 eight FMAs a weight plus the conversion bring the CUDA cores
 // near their issue limit (~12 instructions a weight against ~9 available at 3.35 TB/s of weights on an H100): a
 // tensor-core (mma.sync, e4m3 -> bf16 in registers) variant is the next step there if the numbers say so.
-// Measured (v1, NVIDIA H100 80GB HBM3, graph-timed, % of copy bandwidth 2836 GB/s): m = 1 at Qwen3-8B's qkv / o /
-// gate_up / down 61% / 56% / 89% / 78%; m = 8 (gate_up, down) 36% / 26%; the soft conversion much slower at m = 8
-// (docs/kernels/gemv.md, "FP8 weight-only").
+// The measured shares of copy bandwidth at m = 1 and 8 (where m = 8 falls short: the CUDA cores' issue rate, so on
+// sm_90 and later 8 rows go to cuBLASLt's FP8 GEMM) and the soft conversion's cost are in docs/kernels/gemv.md,
+// "FP8 weight-only".
 //
 // xserv-shapes: fp8=1 (compiled as the piece gemv_fp8:f1 at the start of an FP8-quantized model only; others never load it)
 #include "e4m3.cuh"

@@ -16,7 +16,8 @@
 //                      residual stream). A fixed order, so results never depend on timing: the routing's atomics
 //                      only choose which row of a tile an entry takes, and rows of a tile are independent.
 //   moe_gemm_down_one_* one token: the down GEMM with the combine folded in (the CTA that stores a row block's last
-//                      expert rows combines that block; docs/kernels/moe.md v4), bit-identical to down + combine.
+//                      expert rows combines that block; docs/kernels/moe.md, "Launches"), bit-identical to down +
+//                      combine.
 //
 // The grouped GEMMs (mma.sync m16n8k16, cp.async ring, ldmatrix; every arch from sm_80) put the weights on the mma's
 // M side and the tokens on its N side (8 per n-tile): a decode step with a handful of tokens per expert still
@@ -633,7 +634,7 @@ __device__ __forceinline__ void finish_row_block(const bf16* y, const Combine& c
     // Each storing thread's own fence first (the threadfence-reduction order). Under the PTX memory model the
     // barrier and the acq_rel atomic below already suffice (the split GEMV, argmax and decode attention rely on
     // that alone); the fence makes the order hold without relying on the model's cumulativity, for the cost of
-    // waiting for the stores' acknowledgement (about one L2 round trip on the tail; moe.md v4 counts it).
+    // waiting for the stores' acknowledgement (about one L2 round trip on the tail; docs/kernels/history/moe.md).
     __threadfence();
     if (!xserv::last_to_arrive(comb.counters + blockIdx.x, tiles, last)) return;
     const int c0 = blockIdx.x * VECS;  // the block's first column group; N % 8 == 0 (ops/moe.py checks)

@@ -1,6 +1,6 @@
 // The mixture-of-experts grouped GEMMs of prefill-sized steps on Hopper's warpgroup MMA (wgmma.mma_async), sm_90a
 // only: moe_wg_gate_up_{mid,large} and moe_wg_down_{mid,large}, drop-in twins of moe.cu's moe_gemm_*_{mid,large}
-// (same arguments, grid, token tiles and outputs; bf16 experts; docs/kernels/moe.md "wgmma").
+// (same arguments, grid, token tiles and outputs; bf16 experts; docs/kernels/moe.md, "Launches").
 //
 // Why: moe.cu's mma.sync tiles ran the 2,048-token prefill's expert GEMMs at 17-26% of the cuBLAS bf16 rate on an
 // H100 (one 16x8x16 product per warp instruction, both operands through ldmatrix and registers). wgmma lets a
@@ -17,7 +17,7 @@
 //   the MMA    warpgroup wg owns MB blocks of 64 weight rows (A, from the ring) x all TILE tokens (B, from the ring):
 //              per chunk 4 k16 steps per block, then commit and wait; the barrier at the next chunk frees the
 //              stage. (Measured slower and dropped: 256 weight rows a CTA, and products running on over the next
-//              barrier with one more stage; docs/kernels/moe.md "wgmma".)
+//              barrier with one more stage; docs/kernels/history/moe.md, v7.)
 //   gate/up    the CTA's weight rows alternate in groups of 8: rows 16q..16q+7 are gate rows row0 + 8q.., rows
 //              16q+8..16q+15 the same up rows. A thread's accumulators hold D rows g and g + 8 of its warp's 16 (the
 //              mma C-fragment layout): a gate value and its up value, which the epilogue pairs as moe.cu does:

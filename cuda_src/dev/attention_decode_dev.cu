@@ -1,7 +1,7 @@
 // Development kernels of the decode family (not shipped: compiled only on request by the tests marked `dev`,
 // tools/bench_attention.py and the kernel harness, which name them through tools/dev/kernels.py). Built on the
 // production file, whose helpers and kernel templates it includes rather than copies; measured in
-// docs/kernels/attention.md ("v3 decode", "v4 decode").
+// docs/kernels/history/attention.md ("v3 decode", "v4 decode").
 //   v3: tensor-core decode (mma.sync), per-lane cp.async staging; never the default (v4 is faster everywhere).
 //   v4 experiments: the production template with 3 / 4 ring stages and with 16-warp CTAs.
 #include "../attention_decode.cu"
@@ -265,7 +265,7 @@ XSERV_DECODE_V3_STAGES(128, 8)
 // v4 experiments, the production templates of attention_decode.cu at other shapes, for the benchmark's (head_dim,
 // group) shapes only: 3 and 4 ring stages (XSERV_DECODE_V4_KERNEL; 2 ship), and 16-warp CTAs
 // (XSERV_DECODE_V4_WIDE_KERNEL; the 8-warp ones ship): one split per kv head of a short context with no split combine
-// lost (docs/kernels/attention.md, "Wide CTAs for short contexts").
+// lost (docs/kernels/history/attention.md, "Wide CTAs for short contexts").
 // =================================================================================================================
 #define XSERV_DECODE_V4_EXPERIMENTS(D, G)          \
     XSERV_DECODE_V4_KERNEL(D, G, 3)                \

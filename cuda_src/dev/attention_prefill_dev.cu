@@ -1,6 +1,6 @@
 // Development kernels of the prefill family (not shipped: compiled only on request by the tests marked `dev`,
 // tools/bench_attention.py and the kernel harness). Built on the production file, whose helpers and kernels it
-// includes; measured in docs/kernels/attention.md ("v2 prefill", "v3 prefill").
+// includes; measured in docs/kernels/history/attention.md ("v2 prefill", "v3 prefill").
 //   v2 (fa2): FlashAttention-2 on mma.sync, the baseline v3 was tuned from.
 //   v3: the tuning points that do not ship (the production file has the best one per head_dim).
 #include "../attention_prefill.cu"

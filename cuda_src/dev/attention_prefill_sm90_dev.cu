@@ -1,7 +1,7 @@
 // Development kernels of the sm_90a prefill family (not shipped: compiled only on request by the tests marked `dev`,
 // tools/bench_attention.py and the kernel harness, which name them through tools/dev/kernels.py): the v4 / v5 tuning
 // points that lost (production has the measured best per head_dim), instantiated from the production templates it
-// includes, so the dev kernels are the shipped code at other tile shapes. Measured in docs/kernels/attention.md
+// includes, so the dev kernels are the shipped code at other tile shapes. Measured in docs/kernels/history/attention.md
 // ("v4 prefill", "v5 prefill").
 // xserv-arch: sm_90a (wgmma, setmaxnreg, TMA, as the production file it includes)
 #include "../attention_prefill_sm90.cu"

@@ -48,7 +48,7 @@ SCHEMAS = [
                      "items": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 1},
                                "minItems": 2, "maxItems": 2}}}),
 ]
-# Ten more: the same shapes with other bounds and enums (the issue's 20 schemas for the GPU run).
+# Ten more: the same shapes with other bounds and enums (the GPU run's 20 schemas).
 SCHEMAS += [
     _obj({"id": {"type": "integer", "minimum": 100, "maximum": 120}, "code": {"type": "string", "pattern": "^[A-F]{2}$"}}),
     {"type": "array", "items": {"enum": ["x", "y", "z"]}, "minItems": 3, "maxItems": 3},
@@ -313,7 +313,7 @@ def test_chat_thinking_token_budget(llm):
 
 @pytest.mark.gpu
 def test_structured_on_gpu(tiny_model_dir):  # noqa: F811
-    """The issue's run on the GPU: 20 schemas x XSERV_STRUCTURED_ANSWERS (200) answers at temperature 1 and 0,
+    """The whole check on the GPU: 20 schemas x XSERV_STRUCTURED_ANSWERS (200) answers at temperature 1 and 0,
     regex and Lark, batched with unconstrained requests that stay byte-identical; decode steps launched ahead
     with constrained rows (the masks computed after the previous step is booked)."""
     from xserv.llm import LLM

@@ -342,7 +342,7 @@ def test_fp8_weights_count_their_bytes_and_parameters(fp8_folders, name):
 
 
 def test_fp8_decode_roofline_leaves_the_embedding_table_out(fp8_folders):
-    """Issue 31's batch-1 roofline: FP8 weight bytes + the bf16 lm_head + K/V; an untied input embedding table is
+    """The FP8 batch-1 roofline: FP8 weight bytes + the bf16 lm_head + K/V; an untied input embedding table is
     read one row a token, so it is left out (a bf16 dense model's convention still counts it)."""
     from xserv.bench.common import decode_weight_bytes, embedding_table_bytes
 

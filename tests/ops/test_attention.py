@@ -255,7 +255,7 @@ def test_v4_plan_few_sequences():
                         if n >= 20000 and sms == 132:  # (other SM counts can be unlucky for 8 x 8 pairs)
                             per_sm = -(-ctas // sms) * chunk  # keys on the busiest SM
                             assert per_sm <= 1.15 * b * hkv * n / sms + 256, (sms, b, hkv, n, splits)
-    # the measured points (H100, docs/kernels/attention.md "few sequences")
+    # the measured points (H100, docs/kernels/history/attention.md, "Decode for few sequences")
     assert D.plan_decode("v4", 1, 8, 32768, 16, 128, 4, 132) == (D.DECODE_KERNELS["v4w8"], 32, 1024)
     assert D.plan_decode("v4", 1, 8, 512, 16, 128, 4, 132) == (D.DECODE_KERNELS["v4w8"], 8, 64)
     assert D.plan_decode("v4", 64, 8, 4096, 16, 128, 4, 132) == (D.DECODE_KERNELS["v4"], 1, 4096)

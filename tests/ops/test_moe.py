@@ -358,7 +358,7 @@ def test_float32_out_is_the_residual_add_contract(rng):
                                   .astype(bfloat16).astype(np.float32))
 
 
-# ---- the one-token down GEMM with the combine folded in (moe_gemm_down_one_*; docs/kernels/moe.md v4) ----------------
+# ---- the one-token down GEMM with the combine folded in (moe_gemm_down_one_*; docs/kernels/moe.md, "Launches") ---
 ONE_TOKEN_SHAPES = [  # experts, k, hidden, inter
     (32, 8, 2048, 768),  # Qwen3-30B-A3B's width, top-8 and 64 row blocks (fewer experts: faster inputs)
     (16, 4, 136, 200),  # a last row block of 8 columns (136 = 4 x 32 + 8); K tails

@@ -1,4 +1,4 @@
-"""Kernel paths by architecture (issue 28), on the CPU: the compile target a device gets (XSERV_ARCH included), the
+"""Kernel paths by architecture, on the CPU: the compile target a device gets (XSERV_ARCH included), the
 per-op table against the families the runtime compiles, PTX families per arch, PDL off below sm_90, and no arch guard
 that compiles a kernel to nothing. Compiling every family for every arch: tests/runtime/test_compile_all.py."""
 import re

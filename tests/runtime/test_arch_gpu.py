@@ -1,4 +1,4 @@
-"""Kernel paths on the GPU (issue 28): the device's target follows XSERV_ARCH, the portable path forced on a newer GPU
+"""Kernel paths on the GPU: the device's target follows XSERV_ARCH, the portable path forced on a newer GPU
 (XSERV_ARCH=sm_80 on an H100) compiles and runs, launches no PDL, and gives the model's logits the native path gives.
 The whole GPU suite is the other half: run it once natively and once with XSERV_ARCH=sm_80 (docs/runtime.md)."""
 import json

@@ -56,7 +56,8 @@ def test_ptx_family_ships_its_kernels():
 def test_decode_chain_gemv_entries_stay_small():
     """kernel_code_sizes reads each entry's machine code from the cubin. The GEMV entries of the decode chain carry
     only their own prologue and epilogue: one generic entry (62 KB) cost 3-4% of a batch-1 step, each launch running
-    its code from a cold instruction cache (docs/kernels/gemv.md, "v12")."""
+    its code from a cold instruction cache (docs/kernels/gemv.md, "Decisions"; the measurement in
+    docs/kernels/history/gemv.md, "code size")."""
     sizes = {}
     for name in ("gemv:m1_p0", "gemv:m8_p0", "gemv:m8_p1"):  # the start-up's pieces of gemv
         sizes.update(kernel_code_sizes(compile_family(name, "sm_90a")))

@@ -48,7 +48,8 @@ def _v5(d: int, warpgroups: int, keys: int, stages: int) -> PrefillKernel:
                    family=PREFILL_SM90_FAMILY)
 
 
-# variant -> head_dim -> kernel, as prefill.PREFILL_KERNELS (docs/kernels/attention.md, "v2 prefill" to "v5 prefill")
+# variant -> head_dim -> kernel, as prefill.PREFILL_KERNELS (docs/kernels/history/attention.md, "v2 prefill" to
+# "v5 prefill")
 DEV_PREFILL: dict[str, dict[int, PrefillKernel]] = P._table([
     *(_fa2(d, w) for d in HEAD_DIMS for w in (4, 8)),
     *(_v3(128, t) for t in ("m2w4_b2", "m2w4_b3", "m2w4_b3_k32", "m1w4q_b3", "m1w8q_b3")),
@@ -82,7 +83,7 @@ class DevDecodeKernel(DecodeKernel):
 
 
 EXPERIMENT_SHAPES = frozenset({(128, 4), (128, 2), (64, 2)})  # the v4 experiments' (head_dim, group): the bench's
-# docs/kernels/attention.md, "v3 decode", "v4 decode", "Wide CTAs for short contexts"
+# docs/kernels/history/attention.md, "v3 decode", "v4 decode", "Wide CTAs for short contexts"
 DEV_DECODE: dict[str, DecodeKernel] = {k.variant: k for k in (
     DevDecodeKernel("v3", 3, DECODE_FAMILY),
     DevDecodeKernel("v3s3", 3, DECODE_FAMILY, stages=3),

@@ -4,7 +4,7 @@ Shapes MxNxK, K % 16 == 0. `--variant soft` runs the bit-manipulation e4m3 conve
 entries), the default the hardware one on sm_89+.
 
 bytes_moved: the FP8 weight (N * K bytes), its scales, x and out: `bench gemv_fp8` prints % of copy bandwidth on
-those bytes (the issue-31 goal: >= 85%; v1 on an H100: 56-89% at one row, 26-36% at eight). Eager timing is mostly
+those bytes (the goal: >= 85%; docs/kernels/gemv.md, "FP8 weight-only", has the H100 figures). Eager timing is mostly
 host time at these sizes: use --graph.
 
 The fused one-token entries (gemv_fp8.cu's gemv_fp8_row_*: ops/gemv.py's ops on an Fp8Weight) are ops of their own,

@@ -1,5 +1,5 @@
 """Batched sampling (xserv.ops.sampling). Shapes: BATCHxVOCAB. Three workloads: greedy rows (vs argmax's cost),
-temperature 0.6 / top-k 20 / top-p 0.95 (Qwen3's recommendation; the issue's target), and temperature 1.0 alone
+temperature 0.6 / top-k 20 / top-p 0.95 (Qwen3's recommendation, the workload to beat), and temperature 1.0 alone
 (the kernel's second, global-memory draw pass); and the Qwen3 workload with every row masked by a token bitmask
 keeping ~1% of the vocabulary (structured output: the mask's cost next to the unmasked one). Compared token by token with the NumPy reference; a mismatch
 rate up to 1% is allowed for float near-ties of the Gumbel-perturbed maxima (seen: 0 on separated logits)."""

@@ -179,7 +179,7 @@ def embedding_table_bytes(model) -> int:
 def decode_weight_bytes(model, num_seqs: int, weight_bytes: int | None = None):
     """Weight bytes a decode step of num_seqs sequences reads: a dense model's every weight; a mixture-of-experts
     model's attention and router weights, the experts its sequences touch (uniform routing), norms and lm_head (the
-    issue's definition: the embedding table left out, embedding_table_bytes)."""
+    embedding table left out: a step reads one row of it a token; embedding_table_bytes)."""
     return step_weight_bytes(model, num_seqs, weight_bytes) - embedding_table_bytes(model)
 
 

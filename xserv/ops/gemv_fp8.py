@@ -13,8 +13,8 @@ to each 16-weight partial sum instead (gemv_fp8.cu, "the block scale and the rou
 the fp32 roundings differ at about 1e-7 relative.
 
 The family is compiled per model as its one piece gemv_fp8:f1 (`// xserv-shapes: fp8=1`): a start-up compiles it
-for FP8-quantized models only (the model class's kernel_shapes). v1 on an NVIDIA H100 80GB HBM3, graph-timed: m = 1
-at 56-89% of copy bandwidth on Qwen3-8B's projections, m = 8 at 26-36% (docs/kernels/gemv.md, "FP8 weight-only").
+for FP8-quantized models only (the model class's kernel_shapes). Its measured share of copy bandwidth at 1 and 8 rows
+is in docs/kernels/gemv.md, "FP8 weight-only".
 """
 from __future__ import annotations
 
