@@ -17,7 +17,7 @@
 //   the MMA    warpgroup wg owns MB blocks of 64 weight rows (A, from the ring) x all TILE tokens (B, from the ring):
 //              per chunk 4 k16 steps per block, then commit and wait; the barrier at the next chunk frees the
 //              stage. (Measured slower and dropped: 256 weight rows a CTA, and products running on over the next
-//              barrier with one more stage; docs/kernels/history/moe.md, v7.)
+//              barrier with one more stage: docs/kernels/history/moe.md, "the grouped GEMMs on wgmma".)
 //   gate/up    the CTA's weight rows alternate in groups of 8: rows 16q..16q+7 are gate rows row0 + 8q.., rows
 //              16q+8..16q+15 the same up rows. A thread's accumulators hold D rows g and g + 8 of its warp's 16 (the
 //              mma C-fragment layout): a gate value and its up value, which the epilogue pairs as moe.cu does:
