@@ -46,3 +46,29 @@ def test_cpu_backend_runs_without_the_gpu_only_packages(tiny_model_dir):  # noqa
     """)
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
+
+
+def test_wheel_carries_every_package_and_preset_file():
+    """Every folder of xserv/ with an __init__.py is a listed package, and every file under xserv/presets/ (the
+    bundled tokenizers and presets) matches a package-data pattern: red when a new package or tokenizer folder
+    would be left out of a non-editable install."""
+    import fnmatch
+
+    tomllib = pytest.importorskip("tomllib", reason="Python 3.11's TOML reader")
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    packages = set(setuptools["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "xserv").rglob("__init__.py")
+             if "__pycache__" not in p.parts}
+    assert found <= packages, f"packages missing from pyproject.toml: {sorted(found - packages)}"
+    presets = ROOT / "xserv" / "presets"
+    patterns = setuptools["package-data"]["xserv.presets"]
+    data = [p.relative_to(presets).as_posix() for p in presets.rglob("*")
+            if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".py"]
+    assert "tokenizer_qwen3_5/tokenizer.json" in data and "tokenizer/tokenizer.json" in data
+
+    def matches(path, pattern):  # setuptools' glob: a * stays inside one folder (fnmatch's would cross "/")
+        parts, pat = path.split("/"), pattern.split("/")
+        return len(parts) == len(pat) and all(fnmatch.fnmatch(a, b) for a, b in zip(parts, pat))
+
+    left_out = [f for f in data if not any(matches(f, pat) for pat in patterns)]
+    assert not left_out, f"files under xserv/presets that the wheel would leave out: {left_out}"

@@ -5,6 +5,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from qwen3_reference import tiny_model_dir  # noqa: F401
 from xserv.models.config import presets_dir
 from xserv.tokenizer import IncrementalDetokenizer, Tokenizer, render_chat_template
 
@@ -196,3 +197,117 @@ def test_streaming_decodes_a_short_window(tok, monkeypatch):
     monkeypatch.undo()
     assert text == tok.decode(ids) and len(ids) > 400
     assert max(lengths) <= 2 + 2 * IncrementalDetokenizer.MAX_PENDING  # the pending tail plus one token of context
+
+
+# ---- the bundled Qwen3.5 / Qwen3.6 tokenizer (xserv/presets/tokenizer_qwen3_5) ----------------------------------
+QWEN3_5 = presets_dir() / "tokenizer_qwen3_5"
+# ARCHITECTURE.md section 11 / tokenizer README: the ids the engine and the serving side rely on
+QWEN3_5_IDS = {"<|endoftext|>": 248044, "<|im_start|>": 248045, "<|im_end|>": 248046, "<tool_call>": 248058,
+               "</tool_call>": 248059, "<tool_response>": 248066, "</tool_response>": 248067, "<think>": 248068,
+               "</think>": 248069, "<|image_pad|>": 248056}
+
+
+@pytest.fixture(scope="module")
+def tok35():
+    return Tokenizer.from_folder(QWEN3_5)
+
+
+def test_qwen3_5_special_tokens(tok35):
+    """Every added token of tokenizer_config.json has its id in tokenizer.json (the two files agree), each is one
+    token when it appears in text, and the ids the engine stops on and the parsers look for are the documented."""
+    decoder = tok35.config["added_tokens_decoder"]
+    assert len(decoder) == 33 and tok35.vocab_size == 248044 + 33
+    for token_id, entry in decoder.items():
+        assert tok35.token_to_id(entry["content"]) == int(token_id)
+        assert tok35.encode("a" + entry["content"] + "b")[1:-1] == [int(token_id)]
+    assert {t: tok35.token_to_id(t) for t in QWEN3_5_IDS} == QWEN3_5_IDS
+    assert tok35.eos_token == "<|im_end|>" and tok35.pad_token_id == 248044
+
+
+def test_qwen3_5_encodes_as_its_source_does(tok35):
+    """The example of the tiktoken package the ranks come from (its README's ids), and a round trip of the texts the
+    Qwen3 tests use."""
+    assert tok35.encode("Hello! 毕老师！1 + 1 = 2 ĠÑĤÐ²ÑĬÑĢ") == [
+        9419, 0, 220, 97169, 97621, 6115, 16, 478, 220, 16, 283, 220, 17, 9551, 254, 68933, 128, 97, 91914, 28495,
+        68933, 128, 105, 68933, 128, 95]
+    for text in TEXTS:
+        ids = tok35.encode(text)
+        assert tok35.decode(ids) == text and "".join(_stream(tok35, ids)) == text
+
+
+def test_qwen3_5_no_bos_and_its_end_of_sequence_ids(tok35, tmp_path):
+    """No BOS: a chat prompt's first token is <|im_start|>, special tokens added or not. End of sequence: the
+    tokenizer's <|im_end|>, and the config's <|endoftext|> where a multimodal config.json keeps it (text_config)."""
+    prompt = tok35.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert tok35.encode(prompt)[0] == tok35.encode(prompt, add_special_tokens=True)[0] == 248045
+    assert tok35.bos_token_id is None and tok35.eos_token_ids == [248046]
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(QWEN3_5 / f, tmp_path / f)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": {
+        "eos_token_id": 248044}}))
+    assert Tokenizer.from_folder(tmp_path).eos_token_ids == [248044, 248046]
+
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather <now> & 'later'",
+                                                 "parameters": {"type": "object", "properties": {
+                                                     "city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_qwen3_5_chat_template(tok35):
+    """Thinking on by default (the generation prompt opens <think>, as one token); off gives the empty block; tools
+    listed one JSON object a line (HTML characters unescaped) with the XML call format shown; the system prompt
+    after them; a history call written in the XML form (a string raw, other values JSON)."""
+    user = [{"role": "user", "content": "hi"}]
+    on = tok35.apply_chat_template(user)
+    assert on == tok35.apply_chat_template(user, enable_thinking=True)
+    assert on.endswith("<|im_start|>assistant\n<think>\n") and tok35.encode(on)[-2:] == [248068, 198]
+    assert tok35.apply_chat_template(user, enable_thinking=False).endswith(
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    system = [{"role": "system", "content": "Be brief."}] + user
+    prompt = tok35.apply_chat_template(system, tools=[WEATHER_TOOL])
+    listed = prompt.split("<tools>\n", 1)[1].split("\n</tools>", 1)[0]
+    assert [json.loads(line) for line in listed.split("\n")] == [WEATHER_TOOL]
+    assert "Weather <now> & 'later'" in listed and "<function=example_function_name>" in prompt
+    assert prompt.index("</tools>") < prompt.index("Be brief.") < prompt.index("<|im_end|>")
+    history = user + [{"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}}]},
+        {"role": "tool", "content": "sunny"}]
+    rendered = tok35.apply_chat_template(history)
+    assert ("<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n<parameter=days>\n2\n"
+            "</parameter>\n</function>\n</tool_call><|im_end|>") in rendered
+    assert "<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>" in rendered
+
+
+def test_qwen3_5_history_thinking(tok35):
+    """Reasoning of turns before the last user query is dropped, unless preserve_thinking (the Qwen3.6 template's
+    switch, and the reason the bundled template is that one)."""
+    chat = [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1", "reasoning_content": "r1"},
+            {"role": "user", "content": "q2"}]
+    assert "r1" not in tok35.apply_chat_template(chat)
+    assert "<think>\nr1\n</think>\n\na1" in tok35.apply_chat_template(chat, preserve_thinking=True)
+
+
+@pytest.mark.parametrize("part, kind", [
+    ({"type": "image_url", "image_url": {"url": "http://x/a.png"}}, "image"),
+    ({"type": "image", "image": "a.png"}, "image"),
+    ({"image": "a.png"}, "image"),  # Hugging Face's bare key
+    ({"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}, "audio"),
+    ({"type": "video", "video": "v.mp4"}, "video"),
+])
+@pytest.mark.parametrize("folder", ["tokenizer", "tokenizer_qwen3_5"])
+def test_media_parts_are_refused_before_the_template(folder, part, kind):
+    """The Qwen3.5 template would write image placeholders (and Qwen3's fails on a part without text): a ValueError
+    naming the input and its place instead, for every tokenizer."""
+    t = Tokenizer.from_folder(presets_dir() / folder)
+    messages = [{"role": "user", "content": [{"type": "text", "text": "look"}, part]}]
+    with pytest.raises(ValueError, match=rf"^{kind} input is not supported \(messages\[0\]\.content\[1\]"):
+        t.apply_chat_template(messages)
+    assert "look" in t.apply_chat_template([{"role": "user", "content": "look"}])
+
+
+def test_llm_chat_refuses_an_image(tiny_model_dir):  # noqa: F811
+    from xserv import LLM
+
+    with LLM(tiny_model_dir, device="cpu") as llm:
+        with pytest.raises(ValueError, match="image input is not supported"):
+            llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}])
