@@ -26,8 +26,10 @@ namespace {
 
 constexpr int kWarps = 4;
 
-// KV: the cache's format (KvChunksBf16, KvChunksE4m3: attention_decode.cuh), kv its scales.
-template <int D, int G, class KV = KvChunksBf16>
+// KV: the cache's format (KvChunksBf16, KvChunksE4m3: attention_decode.cuh), kv its scales. R: query-head subgroups
+// (head_dim 256, whose G * 16 registers of query and accumulator allow at most 8 heads a CTA): grid row blockIdx.y =
+// kv_head * R + r runs the G heads [kv_head * G * R + r * G, + G); R CTAs read the same K/V (the second from L2).
+template <int D, int G, class KV = KvChunksBf16, int R = 1>
 __device__ void decode_split(XSERV_DECODE_ARGS_OF(typename KV::T), KV kv = KV()) {
     using Chunk = typename KV::Chunk;
     constexpr int kUnroll = KV::template kUnrollV2<G>;  // keys per lane and step, all loaded before the first use
@@ -39,18 +41,18 @@ __device__ void decode_split(XSERV_DECODE_ARGS_OF(typename KV::T), KV kv = KV())
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int c = lane % LPK, sub = lane / LPK;
-    const int s = blockIdx.z, kv_head = blockIdx.y, split = blockIdx.x;
+    const int s = blockIdx.z, kv_head = blockIdx.y / R, split = blockIdx.x;
+    const int h0 = kv_head * (G * R) + (blockIdx.y % R) * G;
     const int kv_len = kv_lens[s];
     const int start = split * chunk_len;
     if (start >= kv_len) {
         // kv_len == 0 (a padding row of a captured batch): a defined zero output instead of garbage
         if (kv_len == 0 && num_splits == 1)
             for (int idx = threadIdx.x; idx < G * D; idx += kWarps * 32)
-                out[((long long)s * num_q_heads + kv_head * G) * D + idx] = __float2bfloat16(0.f);
+                out[((long long)s * num_q_heads + h0) * D + idx] = __float2bfloat16(0.f);
         return;
     }
     const int end = min(start + chunk_len, kv_len);
-    const int h0 = kv_head * G;
     const int* table = block_tables + (long long)s * max_blocks_per_seq;
     kv.load(kv_head);  // the kv head's scales (e4m3; bf16: nothing)
     const float q_mul = kv.q_scale(scale_log2);
@@ -156,6 +158,17 @@ __device__ void decode_split(XSERV_DECODE_ARGS_OF(typename KV::T), KV kv = KV())
 
 }  // namespace
 
+// attention_decode[_fp8]_d{D}_g{G} of R subgroups of G / R heads (grid rows Hkv * R): attention_decode_d256.cu.
+#define XSERV_V2_SUBGROUPS_ENTRY(FMT, D, G, R) XSERV_V2_SUBGROUPS_ENTRY_(FMT, D, G, R)
+#define XSERV_V2_SUBGROUPS_ENTRY_(FMT, D, G, R)                                                                  \
+    extern "C" __global__ void __launch_bounds__(128) XSERV_PASTE(XSERV_KV_PREFIX_##FMT, d##D##_g##G)(          \
+        XSERV_DECODE_ARGS_OF(XSERV_KV_T_##FMT) XSERV_KV_SCALE_ARGS_##FMT) {                                     \
+        decode_split<D, G / R, decltype(XSERV_KV_POLICY_##FMT), R>(XSERV_DECODE_PASS, XSERV_KV_POLICY_##FMT);   \
+    }
+
+// The entries of the shapes of head dim 64 and 128 (attention_decode_d256.cu, which defines XSERV_V2_BODY_ONLY,
+// has its own).
+#ifndef XSERV_V2_BODY_ONLY
 #define XSERV_V2_ENTRY(FMT, D, G) XSERV_V2_ENTRY_(FMT, D, G)
 #define XSERV_V2_ENTRY_(FMT, D, G)                                                                               \
     extern "C" __global__ void __launch_bounds__(128) XSERV_PASTE(XSERV_KV_PREFIX_##FMT, d##D##_g##G)(          \
@@ -211,3 +224,4 @@ XSERV_V2_ENTRY(XSERV_KV_FMT, 128, 7)
 #if XSERV_PIECE(128, 8)
 XSERV_V2_ENTRY(XSERV_KV_FMT, 128, 8)
 #endif
+#endif  // XSERV_V2_BODY_ONLY

@@ -71,6 +71,9 @@ extern "C" __global__ void __launch_bounds__(128) attention_prefill_simple_d64(X
 extern "C" __global__ void __launch_bounds__(128) attention_prefill_simple_d128(XSERV_PREFILL_ARGS) {
     prefill_simple<128>(XSERV_PREFILL_PASS);
 }
+extern "C" __global__ void __launch_bounds__(128) attention_prefill_simple_d256(XSERV_PREFILL_ARGS) {
+    prefill_simple<256>(XSERV_PREFILL_PASS);
+}
 
 // ------------------------------------------------------------------------------------------------------------
 // v3: FlashAttention-2 on mma.sync, tuned for latency (docs/kernels/attention.md, "v3 prefill"); the prefill of
@@ -402,3 +405,6 @@ XSERV_PREFILL_V3(64, 1, 8, true, q, 3, 64, )    // m1w8q_b3
 // d128 where a block may have at most 99 KB of shared memory (sm_86, sm_89, sm_120: m2w8_b3 asks 128 KB): 32-key
 // tiles, 96 KB (ops/attention/prefill.py fit_v3 picks it from the device's limits)
 XSERV_PREFILL_V3(128, 2, 8, false, , 3, 32, _k32)  // m2w8_b3_k32
+// d256 (Qwen3.5's gated attention), every arch (sm_90a too: the wgmma kernels stop at 128): one m-tile a warp (its
+// O accumulators alone are 128 registers), Q re-read from shared memory, 32-key tiles: 96 KB, within 99 KB arches.
+XSERV_PREFILL_V3(256, 1, 4, false, , 3, 32, _k32)  // m1w4_b3_k32

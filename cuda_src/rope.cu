@@ -250,7 +250,10 @@ struct KvE4m3 {
 };
 
 // kv: the cache's element format (KvBf16: nothing; KvE4m3: this layer's scales).
-template <int D, bool NORM, int STEPS, class KV = KvBf16>
+// ROT < D (partial RoPE, Qwen3.5's gated attention): only elements [0, ROT) of a q/k row rotate, as pairs (i, i + ROT/2)
+// with cos_sin [max_pos, ROT] (rope.cuh, rope_partial); the rest pass through (normalised). gate_heads (read where
+// ROT < D): heads a token's row carries after its v heads (the output gate's, qkvg), skipped: never read or written.
+template <int D, bool NORM, int STEPS, class KV = KvBf16, int ROT = D>
 __device__ __forceinline__ void qk_rope_write_kv_rows(__nv_bfloat16* qkv, const __nv_bfloat16* __restrict__ q_weight,
                                                       const __nv_bfloat16* __restrict__ k_weight,
                                                       const int* __restrict__ positions,
@@ -259,7 +262,7 @@ __device__ __forceinline__ void qk_rope_write_kv_rows(__nv_bfloat16* qkv, const 
                                                       typename KV::T* __restrict__ v_cache,
                                                       const int* __restrict__ slot_mapping, int num_tokens,
                                                       int num_q_heads, int num_kv_heads, int max_pos, float eps,
-                                                      KV kv = KV()) {
+                                                      KV kv = KV(), int gate_heads = 0) {
     constexpr int LPR = D / 16;    // lanes per row
     constexpr int RPW = 32 / LPR;  // rows a warp holds at a time
     const int lane = threadIdx.x & 31, t = lane % LPR, grp = lane / LPR;
@@ -274,6 +277,7 @@ __device__ __forceinline__ void qk_rope_write_kv_rows(__nv_bfloat16* qkv, const 
     xserv::pdl_launch_dependents();  // the attention kernel may start its prologue (it waits for this grid)
     uint4 raw_lo[STEPS], raw_hi[STEPS];
     int head[STEPS], pos[STEPS], slot[STEPS];
+    long long at[STEPS];  // the row's first element in qkv (ROT < D: past the gate heads of earlier tokens)
 #pragma unroll
     for (int k = 0; k < STEPS; ++k) {
         const long long row = warp_first + k * RPW + grp;
@@ -281,11 +285,13 @@ __device__ __forceinline__ void qk_rope_write_kv_rows(__nv_bfloat16* qkv, const 
         head[k] = -1;  // no row
         pos[k] = 0;
         slot[k] = -1;
+        at[k] = 0;
         if (row < rows) {
             const long long token = row / all_heads;
             head[k] = (int)(row - token * all_heads);
-            raw_lo[k] = *reinterpret_cast<const uint4*>(qkv + row * D + 8 * t);
-            raw_hi[k] = *reinterpret_cast<const uint4*>(qkv + row * D + D / 2 + 8 * t);
+            at[k] = ROT < D ? (token * (all_heads + gate_heads) + head[k]) * D : row * D;
+            raw_lo[k] = *reinterpret_cast<const uint4*>(qkv + at[k] + 8 * t);
+            raw_hi[k] = *reinterpret_cast<const uint4*>(qkv + at[k] + D / 2 + 8 * t);
             if (head[k] < qk_heads) pos[k] = positions[token];
             if (head[k] >= num_q_heads) slot[k] = slot_mapping[token];
         }
@@ -299,12 +305,20 @@ __device__ __forceinline__ void qk_rope_write_kv_rows(__nv_bfloat16* qkv, const 
         xserv::bf16x8_to_float(raw_hi[k], hi);
         // every lane takes part in the norm's shuffles; v rows and missing rows discard the result
         if constexpr (NORM) row_rmsnorm16<D>(lo, hi, is_q, w, eps);
-        if (is_qk) {
+        if constexpr (ROT < D) {  // every lane takes part in the pair exchange (a shuffle); v rows discard it
             float cv[8], sv[8];
-            rope_apply(lo, hi, load_cos_sin<D>(cos_sin, pos[k], max_pos, t, cv, sv), cv, sv);
+            const bool in_range = load_cos_sin_partial<D, ROT>(cos_sin, pos[k], max_pos, t, cv, sv);
+            rope_partial<D, ROT>(lo, hi, in_range, t, cv, sv);
+        }
+        if (is_qk) {
+            if constexpr (ROT == D) {
+                float cv[8], sv[8];
+                rope_apply(lo, hi, load_cos_sin<D>(cos_sin, pos[k], max_pos, t, cv, sv), cv, sv);
+            }
             const uint4 out_lo = float8_to_bf16_bits(lo), out_hi = float8_to_bf16_bits(hi);
-            *reinterpret_cast<uint4*>(qkv + row * D + 8 * t) = out_lo;
-            *reinterpret_cast<uint4*>(qkv + row * D + D / 2 + 8 * t) = out_hi;
+            const long long base = ROT < D ? at[k] : row * D;
+            *reinterpret_cast<uint4*>(qkv + base + 8 * t) = out_lo;
+            *reinterpret_cast<uint4*>(qkv + base + D / 2 + 8 * t) = out_hi;
             if (slot[k] >= 0) {
                 typename KV::T* dst = k_cache + ((long long)slot[k] * num_kv_heads + (head[k] - num_q_heads)) * D;
                 kv.template store_k<D>(dst, t, out_lo, out_hi, head[k] - num_q_heads);
@@ -350,6 +364,21 @@ XSERV_QK_ROPE_WRITE_KV(128, 1)
 #undef XSERV_QK_NORM_ROPE_WRITE_KV
 #undef XSERV_QK_ROPE_WRITE_KV
 
+// Qwen3.5's gated attention (head_dim 256, partial RoPE on the first ROT dims, the packed qkvg with gate_heads trailing
+// gate heads per token, left untouched): qk_norm_rope_write_kv_d256_r64_s1, the arguments above then gate_heads;
+// cos_sin: [max_pos, ROT] fp32 (ROT / 2 frequencies).
+#define XSERV_QK_NORM_ROPE_WRITE_KV_PARTIAL(D, ROT, STEPS)                                                          \
+    extern "C" __global__ void qk_norm_rope_write_kv_d##D##_r##ROT##_s##STEPS(                                     \
+        __nv_bfloat16* qkv, const __nv_bfloat16* q_weight, const __nv_bfloat16* k_weight, const int* positions,      \
+        const float* cos_sin, __nv_bfloat16* k_cache, __nv_bfloat16* v_cache, const int* slot_mapping,               \
+        int num_tokens, int num_q_heads, int num_kv_heads, int max_pos, float eps, int gate_heads) {                 \
+        qk_rope_write_kv_rows<D, true, STEPS, KvBf16, ROT>(qkv, q_weight, k_weight, positions, cos_sin, k_cache,     \
+                                                           v_cache, slot_mapping, num_tokens, num_q_heads,           \
+                                                           num_kv_heads, max_pos, eps, KvBf16(), gate_heads);        \
+    }
+XSERV_QK_NORM_ROPE_WRITE_KV_PARTIAL(256, 64, 1)
+#undef XSERV_QK_NORM_ROPE_WRITE_KV_PARTIAL
+
 // FP8 KV cache (docs/kernels/attention.md, "FP8 KV cache"): the same kernels writing an e4m3 cache (KvE4m3), one launch
 // instead of qk_norm_rope + write_kv_fp8; k_cache, v_cache: [num_blocks * block_size, num_kv_heads, D] e4m3 codes,
 // 8-byte aligned; k_scale, v_scale: [num_kv_heads] float32 (this layer's). Arguments otherwise as above.
@@ -378,3 +407,17 @@ XSERV_QK_ROPE_WRITE_KV_FP8(64, 1)
 XSERV_QK_ROPE_WRITE_KV_FP8(128, 1)
 #undef XSERV_QK_NORM_ROPE_WRITE_KV_FP8
 #undef XSERV_QK_ROPE_WRITE_KV_FP8
+// The gated-attention kernel above writing an e4m3 cache: the FP8 arguments (scales last) then gate_heads.
+#define XSERV_QK_NORM_ROPE_WRITE_KV_PARTIAL_FP8(D, ROT, STEPS)                                                      \
+    extern "C" __global__ void qk_norm_rope_write_kv_fp8_d##D##_r##ROT##_s##STEPS(                                 \
+        __nv_bfloat16* qkv, const __nv_bfloat16* q_weight, const __nv_bfloat16* k_weight, const int* positions,      \
+        const float* cos_sin, unsigned char* k_cache, unsigned char* v_cache, const int* slot_mapping,               \
+        int num_tokens, int num_q_heads, int num_kv_heads, int max_pos, float eps, const float* k_scale,             \
+        const float* v_scale, int gate_heads) {                                                                      \
+        qk_rope_write_kv_rows<D, true, STEPS, KvE4m3, ROT>(qkv, q_weight, k_weight, positions, cos_sin, k_cache,     \
+                                                           v_cache, slot_mapping, num_tokens, num_q_heads,           \
+                                                           num_kv_heads, max_pos, eps, KvE4m3{k_scale, v_scale},     \
+                                                           gate_heads);                                              \
+    }
+XSERV_QK_NORM_ROPE_WRITE_KV_PARTIAL_FP8(256, 64, 1)
+#undef XSERV_QK_NORM_ROPE_WRITE_KV_PARTIAL_FP8

@@ -2,7 +2,7 @@
 // reuses, so that both round at the same points and give the same bits: Qwen3's q/k head RMSNorm and rotate-half
 // RoPE of one head row held in the "16-byte" layout below.
 //
-// Layout: a head row of D values (D = 64 or 128) is held by LPR = D/16 lanes; lane t (t = lane % LPR) holds
+// Layout: a head row of D values (D = 64, 128 or 256) is held by LPR = D/16 lanes; lane t (t = lane % LPR) holds
 // lo = elements [8t, 8t+8) and hi = [D/2 + 8t, D/2 + 8t + 8), so each rotate-half pair (i, i + D/2) stays in one lane.
 // The LPR lanes of a row must be consecutive and start at a multiple of LPR (the norm's shuffles are xor's of
 // distance < LPR); several lanes may hold the same row (attention_decode.cu: the key's D/8 lanes hold it twice).
@@ -121,6 +121,48 @@ __device__ __forceinline__ void rope_apply(float (&lo)[8], float (&hi)[8], bool 
     } else {
 #pragma unroll
         for (int e = 0; e < 8; ++e) lo[e] = hi[e] = xserv::quiet_nan();
+    }
+}
+
+// Partial RoPE (Qwen3.5's gated attention: D = 256, ROT = 64): only elements [0, ROT) rotate, rotate-half within that
+// slice, pairs (i, i + ROT/2) with cos_sin [max_pos, ROT] (cos of the ROT/2 frequencies, then their sin). In the layout
+// above those elements are the lo chunks of lanes t < ROT/8, and pair partners sit in lanes t and t ^ (ROT/16) (the
+// same row's lanes). load_cos_sin_partial gives lane t's 8 cos / sin values (frequencies 8 (t % (ROT/16)) + e; lanes
+// t >= ROT/8 read nothing), false for a position outside the table (nothing read).
+template <int D, int ROT>
+__device__ __forceinline__ bool load_cos_sin_partial(const float* __restrict__ cos_sin, int pos, int max_pos, int t,
+                                                     float (&cv)[8], float (&sv)[8]) {
+    static_assert(ROT % 16 == 0 && ROT < D && ROT / 2 <= D / 2, "the rotary slice lies in the lo chunks");
+    if (pos < 0 || pos >= max_pos) return false;
+    if (t < ROT / 8) {
+        const float4* cs = reinterpret_cast<const float4*>(cos_sin + (long long)pos * ROT);
+        const int f = t % (ROT / 16);
+        const float4 c0 = __ldg(cs + 2 * f), c1 = __ldg(cs + 2 * f + 1);
+        const float4 s0 = __ldg(cs + ROT / 8 + 2 * f), s1 = __ldg(cs + ROT / 8 + 2 * f + 1);
+        cv[0] = c0.x; cv[1] = c0.y; cv[2] = c0.z; cv[3] = c0.w; cv[4] = c1.x; cv[5] = c1.y; cv[6] = c1.z; cv[7] = c1.w;
+        sv[0] = s0.x; sv[1] = s0.y; sv[2] = s0.z; sv[3] = s0.w; sv[4] = s1.x; sv[5] = s1.y; sv[6] = s1.z; sv[7] = s1.w;
+    }
+    return true;
+}
+
+// The rotation of lane t's part of the slice (rope_apply's expressions: first half x c - partner s, second half
+// x c + partner s), or NaN in all of the row's values where the position was outside the table. Every lane of the
+// warp must call it (a full-mask shuffle fetches the partner's lo chunk).
+template <int D, int ROT>
+__device__ __forceinline__ void rope_partial(float (&lo)[8], float (&hi)[8], bool in_range, int t,
+                                             const float (&cv)[8], const float (&sv)[8]) {
+    float partner[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) partner[e] = __shfl_xor_sync(0xffffffffu, lo[e], ROT / 16);
+    if (!in_range) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) lo[e] = hi[e] = xserv::quiet_nan();
+    } else if (t < ROT / 16) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) lo[e] = lo[e] * cv[e] - partner[e] * sv[e];
+    } else if (t < ROT / 8) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) lo[e] = lo[e] * cv[e] + partner[e] * sv[e];
     }
 }
 

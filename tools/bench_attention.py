@@ -24,6 +24,7 @@ PREFILL = [  # (label, B, HQ, HKV, LQ, LKV, D, causal)
     ("causal 1x32/8hx4096 d128 gqa", 1, 32, 8, 4096, 4096, 128, True),
     ("noncausal 1x8hx4096x8192 d128", 1, 8, 8, 4096, 8192, 128, False),
     ("causal 1x16/8hx2048 d64", 1, 16, 8, 2048, 2048, 64, True),
+    ("causal 1x24/4hx4096 d256 gqa", 1, 24, 4, 4096, 4096, 256, True),  # Qwen3.5-27B's gated attention layers
 ]
 DECODE = [  # (label, B, HQ, HKV, LKV, D, block)
     ("decode 64x4096 32/8 bs16", 64, 32, 8, 4096, 128, 16),
@@ -37,6 +38,11 @@ DECODE = [  # (label, B, HQ, HKV, LKV, D, block)
     ("decode 1x4096 32/4 bs16", 1, 32, 4, 4096, 128, 16),
     ("decode 1x512 32/8 bs16", 1, 32, 8, 512, 128, 16),
     ("decode 1x4096 32/8 bs16", 1, 32, 8, 4096, 128, 16),
+    # head_dim 256 (Qwen3.5-27B: 24 q / 4 kv heads, G = 6), batch 1 and 64 at 512 and 4k keys
+    ("decode 1x512 24/4 d256 bs16", 1, 24, 4, 512, 256, 16),
+    ("decode 1x4096 24/4 d256 bs16", 1, 24, 4, 4096, 256, 16),
+    ("decode 64x512 24/4 d256 bs16", 64, 24, 4, 512, 256, 16),
+    ("decode 64x4096 24/4 d256 bs16", 64, 24, 4, 4096, 256, 16),
 ]
 
 

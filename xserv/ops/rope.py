@@ -2,6 +2,12 @@
 Llama 3 scaling, as Hugging Face transformers computes them), and RoPE applied in place to the q and k heads of the
 packed QKV, with the q/k head-RMSNorm fused in (Qwen3: qk_norm_rope) or without it (Llama: qk_rope).
 
+Partial RoPE (Qwen3.5's gated attention, head_dim 256): only the first rotary_dim = cos_sin.shape[1] values of a head
+rotate (rotate-half within that slice, pairs (i, i + rotary_dim/2)); the table is rope_cos_sin_table(rotary_dim, ...)
+(rotary_dim/2 frequencies theta^(-2i/rotary_dim), as transformers computes them). qk_norm_rope_write_kv and
+attention_decode_rope take it for head_dim 256 (PARTIAL_ROTARY), on the packed qkv or the gated qkvg
+[T, 2 Hq + 2 Hkv, D] whose trailing Hq gate heads they leave untouched.
+
 For a head vector v of D values at position p, with c_i = cos_sin[p, i], s_i = cos_sin[p, D/2 + i], i < D/2:
     out[i] = v[i] c_i - v[i + D/2] s_i,    out[i + D/2] = v[i + D/2] c_i + v[i] s_i.
 Positions live on the device, so the CUDA launcher cannot check them: a position outside [0, max_pos) makes the
@@ -26,6 +32,9 @@ from .rmsnorm import HEAD_DIMS, head_rmsnorm_reference
 _BLOCK = 256  # 8 warps
 _ROWS_PER_WARP = 2  # kRowsPerWarp in rope.cu (warp-per-row kernels)
 _FUSED_STEPS = 1  # qk_norm_rope_write_kv: row groups of 32 / (D / 16) rows per warp (its kernels' _s suffix)
+# head_dim -> the rotary_dim its partial-RoPE kernels are compiled for (rope.cu: qk_norm_rope_write_kv_d256_r64_s1;
+# head norms only). These head dims take the gated qkvg as well.
+PARTIAL_ROTARY = {256: 64}
 
 
 # ---- the table ---------------------------------------------------------------------------------------------------
@@ -132,16 +141,18 @@ def rope_cos_sin_table(head_dim: int, max_positions: int, theta: float, rope_sca
 
 # ---- references --------------------------------------------------------------------------------------------------
 def rope_reference(x: np.ndarray, positions: np.ndarray, cos_sin: np.ndarray) -> np.ndarray:
-    """x [T, H, D] -> float32 [T, H, D]."""
+    """x [T, H, D] -> float32 [T, H, D]; cos_sin [max_pos, R] with R <= D rotates the first R values of each head
+    (partial RoPE), the rest pass through."""
     positions = np.asarray(positions).astype(np.int64)
     if positions.size and (positions.min() < 0 or positions.max() >= cos_sin.shape[0]):
         raise ValueError(f"positions: values must lie in [0, {cos_sin.shape[0]}), got [{positions.min()}, {positions.max()}]")
-    half = x.shape[-1] // 2
-    table = cos_sin.astype(np.float32)[positions][:, None, :]  # [T, 1, D]
+    rotary = cos_sin.shape[1]
+    half = rotary // 2
+    table = cos_sin.astype(np.float32)[positions][:, None, :]  # [T, 1, R]
     c, s = table[..., :half], table[..., half:]
     xf = x.astype(np.float32)
-    lo, hi = xf[..., :half], xf[..., half:]
-    return np.concatenate([lo * c - hi * s, hi * c + lo * s], axis=-1)
+    lo, hi = xf[..., :half], xf[..., half:rotary]
+    return np.concatenate([lo * c - hi * s, hi * c + lo * s, xf[..., rotary:]], axis=-1)
 
 
 def qk_rope_reference(qkv: np.ndarray, positions: np.ndarray, cos_sin: np.ndarray, num_q_heads: int,
@@ -169,12 +180,13 @@ def qk_norm_rope_write_kv_reference(qkv: np.ndarray, q_weight: np.ndarray | None
                                     slot_mapping: np.ndarray, k_scale: np.ndarray | None = None,
                                     v_scale: np.ndarray | None = None) -> np.ndarray:
     """The composition qk_norm_rope (or qk_rope when both weights are None), then write_kv_packed: returns the new
-    packed qkv and writes k_cache / v_cache in place (an FP8 cache, with k_scale / v_scale: quantized)."""
+    packed qkv and writes k_cache / v_cache in place (an FP8 cache, with k_scale / v_scale: quantized). A gated qkvg
+    (heads past Hq + 2 Hkv: the output gate's) keeps those heads as they are."""
     if q_weight is None:
         out = qk_rope_reference(qkv, positions, cos_sin, num_q_heads, num_kv_heads)
     else:
         out = qk_norm_rope_reference(qkv, q_weight, k_weight, positions, cos_sin, num_q_heads, num_kv_heads, eps)
-    k, v = out[:, num_q_heads:num_q_heads + num_kv_heads], out[:, num_q_heads + num_kv_heads:]
+    k, v = out[:, num_q_heads:num_q_heads + num_kv_heads], out[:, num_q_heads + num_kv_heads:num_q_heads + 2 * num_kv_heads]
     if k_scale is None:
         write_kv_reference(k, v, k_cache, v_cache, slot_mapping)
     else:
@@ -188,11 +200,11 @@ def _check_head_dim(name: str, head_dim: int) -> None:
         raise ValueError(f"{name}: head_dim {head_dim} is not supported (supported: {HEAD_DIMS})")
 
 
-def _check_positions_table(positions: Tensor, cos_sin: Tensor, num_tokens: int, head_dim: int) -> None:
+def _check_positions_table(positions: Tensor, cos_sin: Tensor, num_tokens: int, rotary_dim: int) -> None:
     check_tensor("positions", positions, dtype=int32, shape=(num_tokens,))
     check_tensor("cos_sin", cos_sin, dtype=float32, ndim=2)
-    if cos_sin.shape[1] != head_dim:
-        raise ValueError(f"cos_sin: shape {list(cos_sin.shape)}, expected [max_positions, {head_dim}]")
+    if cos_sin.shape[1] != rotary_dim:
+        raise ValueError(f"cos_sin: shape {list(cos_sin.shape)}, expected [max_positions, {rotary_dim}]")
     check_int32_range("cos_sin", cos_sin.shape[0])
 
 
@@ -223,20 +235,25 @@ def rope(x: Tensor, positions: Tensor, cos_sin: Tensor, out: Tensor | None = Non
     return out
 
 
-def check_packed_qkv(qkv: Tensor, positions: Tensor, cos_sin: Tensor, num_q_heads: int, num_kv_heads: int) -> int:
+def check_packed_qkv(qkv: Tensor, positions: Tensor, cos_sin: Tensor, num_q_heads: int, num_kv_heads: int,
+                     partial: bool = False) -> int:
     """Checks shared by the ops that take the packed qkv with positions (qk_rope, qk_norm_rope, attention_decode_rope);
-    returns head_dim."""
+    returns head_dim. partial=True (qk_norm_rope_write_kv, attention_decode_rope) also admits the head dims of
+    PARTIAL_ROTARY, whose cos_sin is [max_pos, rotary_dim] and whose qkv may be the gated qkvg [T, 2 Hq + 2 Hkv, D]."""
     check_tensor("qkv", qkv, dtype=bfloat16, ndim=3)
     num_tokens, all_heads, head_dim = qkv.shape
     for name, value in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
             raise ValueError(f"{name}: expected a positive int, got {value!r}")
-    if all_heads != num_q_heads + 2 * num_kv_heads:
+    gated = partial and head_dim in PARTIAL_ROTARY
+    if all_heads != num_q_heads + 2 * num_kv_heads and not (gated and all_heads == 2 * num_q_heads + 2 * num_kv_heads):
         raise ValueError(f"qkv: {all_heads} heads, expected num_q_heads + 2 * num_kv_heads = "
-                         f"{num_q_heads + 2 * num_kv_heads}")
-    _check_head_dim("qkv", head_dim)
+                         f"{num_q_heads + 2 * num_kv_heads}" + (f" (or {2 * num_q_heads + 2 * num_kv_heads} with "
+                                                                f"the gate heads)" if gated else ""))
+    if not gated:
+        _check_head_dim("qkv", head_dim)
     check_int32_range("qkv", all_heads)
-    _check_positions_table(positions, cos_sin, num_tokens, head_dim)
+    _check_positions_table(positions, cos_sin, num_tokens, PARTIAL_ROTARY[head_dim] if gated else head_dim)
     return head_dim
 
 
@@ -314,9 +331,15 @@ def qk_norm_rope_write_kv(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor
     qkv, cos_sin and the caches must be 16-byte aligned (the kernel's accesses are 16 bytes wide).
     pdl=True launches it with programmatic dependent launch (the kernel waits before reading qkv). Returns qkv.
     An FP8 cache (float8_e4m3fn, with this layer's k_scale / v_scale float32 [Hkv]): the same one launch, its cache
-    store quantizing as write_kv_fp8 does (the bits of qk_norm_rope / qk_rope then write_kv_packed quantizing)."""
-    head_dim = check_packed_qkv(qkv, positions, cos_sin, num_q_heads, num_kv_heads)
+    store quantizing as write_kv_fp8 does (the bits of qk_norm_rope / qk_rope then write_kv_packed quantizing).
+    Head dims of PARTIAL_ROTARY (256: Qwen3.5's gated attention; head norms required): cos_sin [max_pos, rotary_dim]
+    (rope_cos_sin_table(rotary_dim, ...)) rotates the first rotary_dim values of each q/k head; qkv may be the gated
+    qkvg [T, 2 Hq + 2 Hkv, D] (q | k | v | gate heads), whose gate heads are neither read nor written."""
+    head_dim = check_packed_qkv(qkv, positions, cos_sin, num_q_heads, num_kv_heads, partial=True)
     norm = check_head_norms(q_weight, k_weight, head_dim)
+    rotary_dim = PARTIAL_ROTARY.get(head_dim)
+    if rotary_dim is not None and not norm:
+        raise ValueError(f"q_weight, k_weight: head_dim {head_dim} (partial RoPE) has kernels with the head norms only")
     eps32 = check_eps(eps)
     _, _, cache_kv_heads, cache_head_dim = check_cache(k_cache, v_cache, k_scale, v_scale)
     if (cache_kv_heads, cache_head_dim) != (num_kv_heads, head_dim):
@@ -341,7 +364,7 @@ def qk_norm_rope_write_kv(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor
         return qkv
     check_aligned("qkv", qkv)
     check_aligned("cos_sin", cos_sin)
-    rows = num_tokens * (num_q_heads + 2 * num_kv_heads)
+    rows = num_tokens * (num_q_heads + 2 * num_kv_heads)  # gate heads are not visited
     check_int32_range("qkv", num_tokens)
     grid = cdiv(rows, _FUSED_STEPS * (32 // (head_dim // 16)) * _BLOCK // 32)
     tail = (k_cache, v_cache, slot_mapping, np.int32(num_tokens), np.int32(num_q_heads), np.int32(num_kv_heads),
@@ -349,7 +372,11 @@ def qk_norm_rope_write_kv(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor
     fp8 = is_fp8(k_cache)  # the same kernel with the quantizing store (rope.cu, KvE4m3): scales after the arguments
     scales = (k_scale, v_scale) if fp8 else ()
     suffix = "_fp8" if fp8 else ""
-    if norm:
+    if rotary_dim is not None:
+        gate_heads = np.int32(qkv.shape[1] - num_q_heads - 2 * num_kv_heads)
+        kernel("rope", f"qk_norm_rope_write_kv{suffix}_d{head_dim}_r{rotary_dim}_s{_FUSED_STEPS}")(
+            grid, _BLOCK, qkv, q_weight, k_weight, positions, cos_sin, *tail, eps32, *scales, gate_heads, pdl=pdl)
+    elif norm:
         kernel("rope", f"qk_norm_rope_write_kv{suffix}_d{head_dim}_s{_FUSED_STEPS}")(
             grid, _BLOCK, qkv, q_weight, k_weight, positions, cos_sin, *tail, eps32, *scales, pdl=pdl)
     else:

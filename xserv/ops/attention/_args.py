@@ -4,8 +4,12 @@ from __future__ import annotations
 from ...tensor import Tensor, bfloat16, float8_e4m3fn, float32, int32
 from .._checks import check_aligned, check_tensor
 
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128)  # every attention kernel family has these (Qwen3, Llama)
 MAX_GQA_GROUP = 8  # kernels are instantiated for Hq / Hkv = 1..8 (Qwen3 uses 1, 2, 4, 5, 8)
+# Qwen3.5's gated attention: head_dim 256 with these groups only (8:2, 16:4, 24:4, 16:2, 32:2 heads), on the portable
+# kernels (v3 prefill, the v2 decode of attention_decode_d256.cu), partial RoPE and the gated qkvg (ops/rope.py).
+GATED_HEAD_DIMS = {256: (4, 6, 8, 16)}
+ALL_HEAD_DIMS = HEAD_DIMS + tuple(GATED_HEAD_DIMS)
 
 
 def check_cache(k_cache: Tensor, v_cache: Tensor, k_scale: Tensor | None = None,
@@ -22,8 +26,8 @@ def check_cache(k_cache: Tensor, v_cache: Tensor, k_scale: Tensor | None = None,
     elif k_scale is not None or v_scale is not None:
         raise ValueError(f"k_scale / v_scale: given for a {k_cache.dtype} cache; only an FP8 cache takes scales")
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(f"k_cache: head_dim {head_dim} not supported; expected one of {HEAD_DIMS}")
+    if head_dim not in ALL_HEAD_DIMS:
+        raise ValueError(f"k_cache: head_dim {head_dim} not supported; expected one of {ALL_HEAD_DIMS}")
     if block_size < 1 or num_kv_heads < 1:
         raise ValueError(f"k_cache: shape {list(k_cache.shape)} has an empty block or no kv heads")
     check_aligned("k_cache", k_cache)
@@ -32,20 +36,28 @@ def check_cache(k_cache: Tensor, v_cache: Tensor, k_scale: Tensor | None = None,
 
 
 def query_heads(q: Tensor, num_q_heads: int | None, num_kv_heads: int, head_dim: int) -> int:
-    """Hq, given q [T, Hq, D] or the packed qkv [T, Hq + 2 Hkv, D] with num_q_heads."""
+    """Hq, given q [T, Hq, D] or the packed qkv [T, Hq + 2 Hkv, D] with num_q_heads (head_dim 256: also the gated
+    qkvg [T, 2 Hq + 2 Hkv, D], whose trailing Hq heads are the output gate's)."""
     check_tensor("q", q, dtype=bfloat16, ndim=3)
     if q.shape[2] != head_dim:
         raise ValueError(f"q: head_dim {q.shape[2]} does not match the cache's {head_dim}")
     heads = q.shape[1]
     if num_q_heads is None:
         num_q_heads = heads
-    elif heads not in (num_q_heads, num_q_heads + 2 * num_kv_heads):
+    elif heads not in (num_q_heads, num_q_heads + 2 * num_kv_heads) and not (
+            head_dim in GATED_HEAD_DIMS and heads == 2 * num_q_heads + 2 * num_kv_heads):
         raise ValueError(f"q: {heads} heads is neither num_q_heads={num_q_heads} nor the packed "
-                         f"num_q_heads + 2 * num_kv_heads = {num_q_heads + 2 * num_kv_heads}")
+                         f"num_q_heads + 2 * num_kv_heads = {num_q_heads + 2 * num_kv_heads}"
+                         + (" nor the gated 2 * (num_q_heads + num_kv_heads)" if head_dim in GATED_HEAD_DIMS else ""))
     if num_q_heads < 1 or num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads {num_q_heads} is not a positive multiple of num_kv_heads {num_kv_heads}")
-    if num_q_heads // num_kv_heads > MAX_GQA_GROUP:
-        raise ValueError(f"num_q_heads / num_kv_heads = {num_q_heads // num_kv_heads} > {MAX_GQA_GROUP} is not supported")
+    group = num_q_heads // num_kv_heads
+    if head_dim in GATED_HEAD_DIMS:
+        if group not in GATED_HEAD_DIMS[head_dim]:
+            raise ValueError(f"num_q_heads / num_kv_heads = {group} is not supported at head_dim {head_dim} "
+                             f"(supported: {GATED_HEAD_DIMS[head_dim]})")
+    elif group > MAX_GQA_GROUP:
+        raise ValueError(f"num_q_heads / num_kv_heads = {group} > {MAX_GQA_GROUP} is not supported")
     check_aligned("q", q)
     return num_q_heads
 

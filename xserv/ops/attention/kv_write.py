@@ -8,7 +8,7 @@ import numpy as np
 from ...runtime import kernel
 from ...tensor import Tensor, bfloat16, int32
 from .._checks import check_aligned, check_tensor, same_device
-from ._args import check_cache, is_fp8
+from ._args import GATED_HEAD_DIMS, check_cache, is_fp8
 from .fp8_kv import launch_write_kv_fp8, write_kv_fp8_reference
 from .reference import write_kv_reference
 
@@ -62,9 +62,12 @@ def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mappin
 
 def write_kv_packed(qkv: Tensor, num_q_heads: int, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
                     k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> None:
-    """write_kv with K = qkv heads [Hq, Hq + Hkv) and V = heads [Hq + Hkv, Hq + 2 Hkv) of qkv [T, Hq + 2 Hkv, D]."""
+    """write_kv with K = qkv heads [Hq, Hq + Hkv) and V = heads [Hq + Hkv, Hq + 2 Hkv) of qkv [T, Hq + 2 Hkv, D]
+    (head_dim 256: or of the gated qkvg [T, 2 Hq + 2 Hkv, D], whose trailing gate heads are not read)."""
     _, _, num_kv_heads, head_dim = check_cache(k_cache, v_cache, k_scale, v_scale)
     total = num_q_heads + 2 * num_kv_heads
+    if head_dim in GATED_HEAD_DIMS and qkv.ndim == 3 and qkv.shape[1] == total + num_q_heads:
+        total += num_q_heads
     check_tensor("qkv", qkv, dtype=bfloat16, shape=(None, total, head_dim))
     num_tokens = qkv.shape[0]
     check_tensor("slot_mapping", slot_mapping, dtype=int32, shape=(num_tokens,))
@@ -73,7 +76,8 @@ def write_kv_packed(qkv: Tensor, num_q_heads: int, k_cache: Tensor, v_cache: Ten
         return
     if device == "cpu":
         a = qkv.array
-        _write_reference(a[:, num_q_heads:num_q_heads + num_kv_heads], a[:, num_q_heads + num_kv_heads:], k_cache,
+        _write_reference(a[:, num_q_heads:num_q_heads + num_kv_heads],
+                         a[:, num_q_heads + num_kv_heads:num_q_heads + 2 * num_kv_heads], k_cache,
                          v_cache, slot_mapping, k_scale, v_scale)
         return
     check_aligned("qkv", qkv)

@@ -104,8 +104,9 @@ def _table(kernels) -> dict[str, dict[int, PrefillKernel]]:
 
 # variant -> head_dim -> kernel: the shipped kernels (cuda_src/attention_prefill*.cu).
 PREFILL_KERNELS = _table([
-    _simple(64), _simple(128),
+    _simple(64), _simple(128), _simple(256),
     _v3(128, "m2w8_b3"), _v3(64, "m1w8q_b3"),
+    _v3(256, "m1w4_b3_k32"),  # Qwen3.5's gated attention, on every arch (96 KB: fits sm_86 / sm_89 / sm_120)
     _v3(128, "m2w8_b3_k32", variant="v3_m2w8_b3_k32"),  # d128 where m2w8_b3 does not fit (99 KB arches)
     _v4(128, 2, 128), _v4(64, 3, 128),
     _v5(128, 2, 128, 3), _v5(64, 2, 128, 3),
@@ -117,10 +118,14 @@ def prefill_variants(head_dim: int) -> list[str]:
     return [v for v, by_dim in PREFILL_KERNELS.items() if head_dim in by_dim]
 
 
-def default_prefill_variant() -> str:
+def default_prefill_variant(head_dim: int | None = None) -> str:
     """The device's kernel path's variant (runtime/arch.py KERNEL_PATHS): v5 on the hopper path (v4 where the block size
-    rules out the TMA; see select_prefill_kernel), v3 on the portable one."""
-    return default_variant("attention_prefill", get_device().arch)
+    rules out the TMA; see select_prefill_kernel), v3 on the portable one; v3 on every path for a head_dim the path's
+    variant has no kernel for (256: the wgmma kernels are sized for head dims up to 128)."""
+    variant = default_variant("attention_prefill", get_device().arch)
+    if head_dim is not None and head_dim not in PREFILL_KERNELS.get(variant, {}):
+        return "v3"
+    return variant
 
 
 # The shipped v3 kernels by their measured speed (H200, d128 causal: m2w8_b3 229 TFLOP/s, m2w8_b3_k32 201;
@@ -200,7 +205,7 @@ def attention_prefill(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q:
                       use_tma: bool = True, k_scale: Tensor | None = None, v_scale: Tensor | None = None,
                       kv_scratch: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Causal attention of packed query chunks against the paged cache (which already holds their K/V).
-    q [T, Hq, D] (or packed qkv with num_q_heads), cu_seqlens_q int32 [B+1], kv_lens int32 [B] (>= q_len),
+    q [T, Hq, D] (or packed qkv with num_q_heads; head_dim 256: also the gated qkvg [T, 2 Hq + 2 Hkv, D]), cu_seqlens_q int32 [B+1], kv_lens int32 [B] (>= q_len),
     block_tables int32 [B, max_blocks]; max_q_len >= every q_len (sizes the grid) -> out bf16 [T, Hq, D].
     causal=False (every query sees all kv_len keys) exists for benchmarks against non-causal peers.
     variant: a PREFILL_KERNELS name (default: default_prefill_variant()) or a PrefillKernel (a development kernel of
@@ -230,7 +235,7 @@ def attention_prefill(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q:
                 num_q_heads, causal=causal, k_scale=None if k_scale is None else k_scale.array,
                 v_scale=None if v_scale is None else v_scale.array).astype(bfloat16)
         return out
-    k = select_prefill_kernel(variant or default_prefill_variant(), head_dim, block_size, use_tma)
+    k = select_prefill_kernel(variant or default_prefill_variant(head_dim), head_dim, block_size, use_tma)
     if k.causal_only and not causal:
         raise ValueError(f"variant: the {k.variant} prefill kernel is causal only")
     if num_tokens == 0 or num_seqs == 0 or max_q_len == 0:
