@@ -138,7 +138,7 @@ class _Request:
 
 
 class LLM:
-    """A model (Qwen3 or Llama 3, see xserv.models.registry) ready to generate.
+    """A model (Qwen3, Qwen3-MoE, the Qwen3.5 hybrids or Llama 3: xserv.models.registry) ready to generate.
 
     model: a local Hugging Face folder or a hub id. device: "cuda", "cpu", or None (cuda when a GPU exists).
     max_model_len: the longest sequence (prompt + output); default the model's max_position_embeddings, capped by
