@@ -22,6 +22,7 @@ from ..ops.activation import silu_and_mul
 from ..ops.attention import attention_decode_rope, attention_output_gate, attention_prefill
 from ..ops.embedding import embedding
 from ..ops.gdn import causal_conv1d_silu, gated_delta_rule, gated_rmsnorm_silu
+from ..ops.gemv import gemv_supported, linear_add, rmsnorm_linear, rmsnorm_linear_silu_mul
 from ..ops.rmsnorm import fused_add_rmsnorm
 from ..ops.rope import qk_norm_rope_write_kv, rope_cos_sin_table
 from ..tensor import Tensor, bfloat16, float32
@@ -73,7 +74,9 @@ class HybridModel(DenseForward):
     """Implements xserv.models.base.CausalLM for the hybrid decoders. DenseForward supplies the projection
     (`_project`: GEMV or cuBLASLt by shape) and the unfused MLP."""
 
-    FUSED_MAX_TOKENS: ClassVar[int] = 0  # no fused one-token path yet: every forward runs the ops below
+    # Up to this many tokens a CUDA forward takes the fused GEMV path (the dense decoder's measured choice: one row;
+    # docs/kernels/gemv.md).
+    FUSED_MAX_TOKENS: ClassVar[int] = 1
     TOKENIZER_PRESET: ClassVar[str] = "tokenizer_qwen3_5"
     GENERATION_CONFIG_PRESET: ClassVar[str] = "generation_config_qwen3_5.json"
 
@@ -176,8 +179,18 @@ class HybridModel(DenseForward):
     def make_workspace(self, max_tokens: int, max_logits: int) -> HybridWorkspace:
         return HybridWorkspace(self.config, max_tokens, max_logits, self.device, self.dtype, self.logits_width)
 
+    def fused_forward_ok(self, num_tokens: int, num_logits: int) -> bool:
+        """Does a CUDA forward of this many tokens take the fused GEMV path (the one-token decode step: each
+        projection a GEMV kernel with the RMSNorm before it or the residual add after it folded in, as the dense
+        decoder's; xserv/ops/gemv.py)?"""
+        c = self.config
+        return (self.device == "cuda" and self.fused_gemv and num_tokens <= self.FUSED_MAX_TOKENS
+                and all(gemv_supported(num_tokens, k) for k in (c.hidden_size, c.q_size, c.value_dim,
+                                                                 c.intermediate_size))
+                and gemv_supported(num_logits, c.hidden_size))
+
     def forward(self, batch, kv_cache, workspace: HybridWorkspace | None = None) -> Tensor:
-        """Logits float32 [rows, vocab] for the rows batch.logits_indices names (every row if None)."""
+        """Logits float32 [rows, logits_width] for the rows batch.logits_indices names (every row if None)."""
         if batch.state_slots is None:
             raise ValueError("a hybrid model's batch needs state_slots (the engine's per-sequence state rows)")
         state = getattr(kv_cache, "state", None)
@@ -187,6 +200,8 @@ class HybridModel(DenseForward):
         n = t if batch.logits_indices is None else batch.logits_indices.shape[0]
         if workspace is None or not workspace.fits(t, n):
             workspace = self.make_workspace(t, n)
+        if self.fused_forward_ok(t, n):
+            return self._forward_fused(batch, kv_cache, state, workspace, t, n)
         ws = workspace
         residual, normed, hidden = ws.residual[:t], ws.normed[:t], ws.hidden[:t]
         embedding(batch.input_ids, self.embed, out=hidden, feed=batch.feed)
@@ -194,9 +209,12 @@ class HybridModel(DenseForward):
         for i, layer in enumerate(self.layers):
             fused_add_rmsnorm(hidden, residual, layer.input_norm, self.eps, out=normed)
             if self.config.layer_types[i] == FULL_ATTENTION:
-                self._attention_block(self.ordinal[i], layer, batch, kv_cache, ws, normed, hidden)
+                qkvg = self._project(normed, layer.qkvg, ws.qkvg[:t])
+                mixed, out_proj = self._attention(self.ordinal[i], layer, batch, kv_cache, ws, qkvg), layer.o_proj
             else:
-                self._gdn_block(self.ordinal[i], layer, batch, state, ws, normed, hidden)
+                proj = self._project(normed, layer.in_proj, ws.proj[:t])
+                mixed, out_proj = self._gated_delta(self.ordinal[i], layer, batch, state, ws, proj), layer.out_proj
+            self._project(mixed, out_proj, hidden)
             fused_add_rmsnorm(hidden, residual, layer.post_norm, self.eps, out=normed)
             self._mlp(i, layer, ws, normed, hidden, ws.gate_up[:t], ws.act[:t])
         fused_add_rmsnorm(hidden, residual, self.final_norm, self.eps, out=normed)
@@ -206,11 +224,29 @@ class HybridModel(DenseForward):
             embedding(batch.logits_indices, normed, out=rows)
         return self._project(rows, self.lm_head, ws.logits[:n])
 
-    def _gdn_block(self, j: int, layer, batch, state, ws: HybridWorkspace, normed: Tensor, out: Tensor) -> None:
-        """GDN layer j (its ordinal among GDN layers) on the normalised rows: out bf16 [t, H]."""
+    def _forward_fused(self, batch, kv_cache, state, ws: HybridWorkspace, t: int, n: int) -> Tensor:
+        """The one-token step with the norms and residual adds inside the projections' GEMV kernels (the same
+        rounding points as `forward`'s ops): per layer, the normed input projection, the mixer, the output projection
+        added into the float32 residual, the normed gate/up projection with SiLU-and-mul, the down projection added."""
+        residual = ws.residual[:t]
+        embedding(batch.input_ids, self.embed, out=residual, feed=batch.feed)  # the float32 stream, exactly
+        for i, layer in enumerate(self.layers):
+            if self.config.layer_types[i] == FULL_ATTENTION:
+                qkvg = rmsnorm_linear(residual, layer.input_norm, self.eps, layer.qkvg, out=ws.qkvg[:t])
+                linear_add(self._attention(self.ordinal[i], layer, batch, kv_cache, ws, qkvg), layer.o_proj, residual)
+            else:
+                proj = rmsnorm_linear(residual, layer.input_norm, self.eps, layer.in_proj, out=ws.proj[:t])
+                linear_add(self._gated_delta(self.ordinal[i], layer, batch, state, ws, proj), layer.out_proj, residual)
+            act = rmsnorm_linear_silu_mul(residual, layer.post_norm, self.eps, layer.gate_up, out=ws.act[:t])
+            linear_add(act, layer.down, residual)
+        return rmsnorm_linear(residual, self.final_norm, self.eps, self.lm_head, out=ws.logits[:n],
+                              rows=batch.logits_indices)
+
+    def _gated_delta(self, j: int, layer, batch, state, ws: HybridWorkspace, proj: Tensor) -> Tensor:
+        """GDN layer j (its ordinal among GDN layers: its state pools) from its fused projection [t, qkv|z|b|a] to
+        the gated norm's output bf16 [t, value_dim] (before out_proj)."""
         c, t = self.config, batch.num_tokens
         nv, dv = c.linear_num_value_heads, c.linear_value_head_dim
-        proj = self._project(normed, layer.in_proj, ws.proj[:t])
         meta = (batch.cu_seqlens_q, batch.kv_lens, batch.state_slots)
         u = causal_conv1d_silu(proj, layer.conv, state["conv"][j], *meta, conv_dim=c.conv_dim,
                                max_q_len=batch.max_q_len, out=ws.conv_out[:t])
@@ -218,16 +254,16 @@ class HybridModel(DenseForward):
                              num_k_heads=c.linear_num_key_heads, num_v_heads=nv, head_k_dim=c.linear_key_head_dim,
                              head_v_dim=dv, ba_col=c.conv_dim + c.value_dim, max_q_len=batch.max_q_len,
                              out=ws.delta_out[:t])
-        y = gated_rmsnorm_silu(o, proj, layer.norm, self.eps, z_col=c.conv_dim, num_v_heads=nv, head_v_dim=dv,
-                               out=ws.gated[:t])
-        self._project(y, layer.out_proj, out)
+        return gated_rmsnorm_silu(o, proj, layer.norm, self.eps, z_col=c.conv_dim, num_v_heads=nv, head_v_dim=dv,
+                                  out=ws.gated[:t])
 
-    def _attention_block(self, j: int, layer, batch, kv_cache, ws: HybridWorkspace, normed: Tensor,
-                         out: Tensor) -> None:
-        """Attention layer j (its ordinal among attention layers, its KV pool) on the normalised rows."""
+    def _attention(self, j: int, layer, batch, kv_cache, ws: HybridWorkspace, qkvg: Tensor) -> Tensor:
+        """Attention layer j (its ordinal among attention layers: its KV pool) from its fused projection
+        [t, q|k|v|gate] to the gated attention output bf16 [t, q_size] (before o_proj). Decode batches: q/k norm,
+        partial RoPE, the KV write and attention in one kernel; prefill: the norm/RoPE/KV-write kernel, then paged
+        attention."""
         c, t = self.config, batch.num_tokens
         hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        qkvg = self._project(normed, layer.qkvg, ws.qkvg[:t])
         qkvg3 = qkvg.view(t, 2 * hq + 2 * hkv, d)
         attn3 = ws.attn[:t].view(t, hq, d)
         if batch.max_q_len == 1:
@@ -240,4 +276,4 @@ class HybridModel(DenseForward):
             attention_prefill(qkvg3, kv_cache.k[j], kv_cache.v[j], batch.cu_seqlens_q, batch.kv_lens,
                               batch.block_tables, self.scale, batch.max_q_len, out=attn3, num_q_heads=hq)
         attention_output_gate(attn3, qkvg3, hq, hkv, out=attn3)
-        self._project(ws.attn[:t], layer.o_proj, out)
+        return ws.attn[:t]
