@@ -171,7 +171,8 @@ def embedding_table_bytes(model) -> int:
     when its lm_head is untied; 0 otherwise: a bf16 dense model's limits count every weight, the table included (the
     standing figures' convention, kept), and a tied table is the lm_head, which every step reads."""
     c = model.config
-    if (moe_experts(model) is None and not getattr(model, "has_fp8_weights", False)) or c.tie_word_embeddings:
+    counted = moe_experts(model) is None and not getattr(model, "has_fp8_weights", False) and not state_bytes(model)
+    if counted or c.tie_word_embeddings:
         return 0
     return 2 * c.vocab_size * c.hidden_size  # bf16, as prefill_flops counts parameters
 
@@ -208,9 +209,18 @@ def active_parameters(model, weight_bytes: int | None = None) -> int:
 
 
 def kv_bytes_per_token(config, element_bytes: int = 2) -> int:
-    """K and V of one token in every layer: element_bytes 2 for the bf16 cache, 1 for kv_cache_dtype fp8_e4m3 (its
-    per-head scales are a few bytes a layer, left out)."""
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * element_bytes
+    """K and V of one token in every attention layer (a hybrid model's GDN layers keep none): element_bytes 2 for
+    the bf16 cache, 1 for kv_cache_dtype fp8_e4m3 (its per-head scales are a few bytes a layer, left out)."""
+    layers = len(getattr(config, "attention_layers", range(config.num_hidden_layers)))
+    return 2 * layers * config.num_key_value_heads * config.head_dim * element_bytes
+
+
+def state_bytes(model) -> int:
+    """One sequence's recurrent state (a hybrid model's conv windows and SSM states; 0 for others), which a decode
+    step reads and writes once."""
+    from ..engine.state_cache import slot_bytes
+
+    return slot_bytes(getattr(model, "state_layout", ()))
 
 
 def kv_element_bytes(llm) -> int:
@@ -226,8 +236,20 @@ def prefill_flops(model, prompt_lens, weight_bytes: int | None = None) -> float:
     params = active_parameters(model, weight_bytes)
     layer_params = params - embed * (1 if c.tie_word_embeddings else 2)
     prompts = np.asarray(prompt_lens, np.float64)
-    attn_flops = 2 * 2 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * np.sum(prompts**2) / 2
-    return 2 * layer_params * prompts.sum() + 2 * embed * len(prompts) + attn_flops
+    attention_layers = len(getattr(c, "attention_layers", range(c.num_hidden_layers)))
+    attn_flops = 2 * 2 * attention_layers * c.num_attention_heads * c.head_dim * np.sum(prompts**2) / 2
+    return 2 * layer_params * prompts.sum() + 2 * embed * len(prompts) + attn_flops + gdn_flops(c, prompts.sum())
+
+
+def gdn_flops(c, tokens: float, chunk: int = 64) -> float:
+    """FLOPs of the chunked gated delta rule over `tokens` (0 for a model without GDN layers): per token, value head
+    and GDN layer, the chunk-local products (q k^T and its product with the values, 2 chunk (dk + dv) multiply-adds)
+    and the state products (W S, q S, the state update: 3 dk dv; the triangular solve is of lower order)."""
+    layers = len(getattr(c, "gdn_layers", ()))
+    if not layers:
+        return 0.0
+    dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
+    return 2.0 * tokens * layers * c.linear_num_value_heads * (chunk * (dk + dv) + 3 * dk * dv)
 
 
 def moe_summary(model, weight_bytes: int | None = None) -> dict | None:
@@ -297,13 +319,14 @@ def batch1_limits(model, prompt_len: int, output_len: int, ceilings: dict, kv_el
     convention, kept); a model with FP8 weights leaves the table out as below. A mixture-of-experts step reads the attention and router weights, its k routed experts per
     sparse layer, the norms and lm_head, and one row of the embedding table: the table is left out
     (decode_weight_bytes), and the roofline counting it as the dense ones do is reported beside
-    (decode_limit_tokens_per_s_with_embedding)."""
+    (decode_limit_tokens_per_s_with_embedding). A hybrid model's step also reads and writes its recurrent state once
+    (state_bytes), and leaves its untied embedding table out like the MoE models."""
     c = model.config
     weight_bytes = all_weight_bytes(model)
     kv = kv_bytes_per_token(c, kv_element_bytes)
     steps = max(output_len - 1, 1)
     mean_context = prompt_len + (steps + 1) / 2  # step j (1..steps) reads the K/V of prompt + j tokens
-    step_bytes = decode_weight_bytes(model, 1, weight_bytes) + kv * mean_context
+    step_bytes = decode_weight_bytes(model, 1, weight_bytes) + kv * mean_context + 2 * state_bytes(model)
     extra = {}
     embed_bytes = embedding_table_bytes(model)
     if embed_bytes:

@@ -320,6 +320,22 @@ def fp8_quantization_config(config: DenseConfig, block: tuple[int, int] = DEFAUL
     return d
 
 
+# config.json fields that stay at the top level of a config that nests its text model (`text_config`)
+_OUTER_FIELDS = ("architectures", "model_type", "tie_word_embeddings", "quantization_config", "vision_config")
+
+
+def _apply_overrides(d: dict, overrides: dict) -> None:
+    """Apply config.json overrides in place; for a config nesting its text model, the text fields go into
+    `text_config`. A new num_hidden_layers drops a layer_types list of another length (the model's schedule rule,
+    e.g. every fourth layer full attention, then rebuilds it)."""
+    text = d.get("text_config") if isinstance(d.get("text_config"), dict) else d
+    for key, value in overrides.items():
+        (d if key in _OUTER_FIELDS or text is d else text)[key] = value
+    types = text.get("layer_types")
+    if isinstance(types, list) and len(types) != text.get("num_hidden_layers", len(types)):
+        del text["layer_types"]
+
+
 def preset_file(config: DenseConfig, kind: str) -> Path:
     """The bundled file (or folder) of `kind` ("tokenizer", "generation_config") a random checkpoint of config's
     architecture gets: its model class's own (e.g. the hybrids' Qwen3.5 tokenizer), else Qwen3's."""
@@ -366,7 +382,7 @@ def make_test_model(preset: str | DenseConfig, out_dir, seed: int = 0, *, dtype:
         d = preset.to_dict()
     else:
         d = preset_dict(preset)
-    d.update(overrides or {})
+    _apply_overrides(d, overrides or {})
     d["torch_dtype"] = dtype
     d.pop("dtype", None)
     config = config_from_dict(d)
