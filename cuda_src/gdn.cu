@@ -413,35 +413,45 @@ extern "C" __global__ void __launch_bounds__(128, 2) gdn_chunked_d128(
                 for (int hf = 0; hf < 2; ++hf)
                     *reinterpret_cast<unsigned*>(&sm.s[(32 * warp + 16 * mt + g + 8 * hf) * kSV + 8 * nt + cq]) =
                         xserv::pack_bf16x2(st[mt][nt][2 * hf], st[mt][nt][2 * hf + 1]);
-        // q, k rows: warp w takes rows w, w+4, ...; lane l elements 4l .. 4l+3; norms by warp reduction
-        for (int i = warp; i < kC; i += 4) {
-            float q4[4] = {0.f, 0.f, 0.f, 0.f}, k4[4] = {0.f, 0.f, 0.f, 0.f};
+        // gates: one thread per row
+        if (tid < kC) {
             float beta = 0.f, gl = 0.f;
+            if (tid < len) gates(proj + (size_t)(r0 + cs + tid) * P, A_log, dt_bias, nv, ba_col, h, beta, gl);
+            sm.beta[tid] = beta;
+            sm.gam[tid] = gl;
+        }
+        // q, k rows: warp w takes rows w, w+4, ..., lane l elements 4l .. 4l+3. Every row's loads are issued before the
+        // first norm (a warp reduction) waits on them: one memory latency per chunk, not one per row.
+        uint2 qr[kC / 4], kr[kC / 4];
+#pragma unroll
+        for (int j = 0; j < kC / 4; ++j) {
+            const int i = warp + 4 * j;
+            qr[j] = kr[j] = make_uint2(0u, 0u);
             if (i < len) {
                 const __nv_bfloat16* row = u + (size_t)(r0 + cs + i) * conv_dim;
-                const uint2 qr = reinterpret_cast<const uint2*>(row + kh * kD)[lane];
-                const uint2 kr = reinterpret_cast<const uint2*>(row + nk * kD + kh * kD)[lane];
-                const float2 qa = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&qr.x));
-                const float2 qb = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&qr.y));
-                const float2 ka = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&kr.x));
-                const float2 kb = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&kr.y));
-                q4[0] = qa.x; q4[1] = qa.y; q4[2] = qb.x; q4[3] = qb.y;
-                k4[0] = ka.x; k4[1] = ka.y; k4[2] = kb.x; k4[3] = kb.y;
-                gates(proj + (size_t)(r0 + cs + i) * P, A_log, dt_bias, nv, ba_col, h, beta, gl);
+                qr[j] = reinterpret_cast<const uint2*>(row + kh * kD)[lane];
+                kr[j] = reinterpret_cast<const uint2*>(row + nk * kD + kh * kD)[lane];
             }
-            float qq = 0.f, kk = 0.f;
+        }
 #pragma unroll
-            for (int e = 0; e < 4; ++e) { qq = fmaf(q4[e], q4[e], qq); kk = fmaf(k4[e], k4[e], kk); }
+        for (int j = 0; j < kC / 4; ++j) {
+            const int i = warp + 4 * j;
+            const float2 qa = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&qr[j].x));
+            const float2 qb = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&qr[j].y));
+            const float2 ka = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&kr[j].x));
+            const float2 kb = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&kr[j].y));
+            const float qq = qa.x * qa.x + qa.y * qa.y + qb.x * qb.x + qb.y * qb.y;
+            const float kk = ka.x * ka.x + ka.y * ka.y + kb.x * kb.x + kb.y * kb.y;
             const float rq = rsqrtf(xserv::warp_sum(qq) + kL2Eps) * scale, rk = rsqrtf(xserv::warp_sum(kk) + kL2Eps);
             uint2 qo, ko;
-            qo.x = xserv::pack_bf16x2(q4[0] * rq, q4[1] * rq); qo.y = xserv::pack_bf16x2(q4[2] * rq, q4[3] * rq);
-            ko.x = xserv::pack_bf16x2(k4[0] * rk, k4[1] * rk); ko.y = xserv::pack_bf16x2(k4[2] * rk, k4[3] * rk);
+            qo.x = xserv::pack_bf16x2(qa.x * rq, qa.y * rq); qo.y = xserv::pack_bf16x2(qb.x * rq, qb.y * rq);
+            ko.x = xserv::pack_bf16x2(ka.x * rk, ka.y * rk); ko.y = xserv::pack_bf16x2(kb.x * rk, kb.y * rk);
             *reinterpret_cast<uint2*>(&sm.q[i * kSK + 4 * lane]) = qo;
             *reinterpret_cast<uint2*>(&sm.k[i * kSK + 4 * lane]) = ko;
-            if (lane == 0) { sm.beta[i] = beta; sm.gam[i] = gl; }
         }
         // v of the CTA's 32 columns: 64 rows x 4 sixteen-byte pieces
-        for (int e = tid; e < kC * 4; e += blockDim.x) {
+#pragma unroll
+        for (int e = tid; e < kC * 4; e += 128) {
             const int i = e >> 2, piece = e & 3;
             uint4 v = make_uint4(0u, 0u, 0u, 0u);
             if (i < len)
