@@ -296,8 +296,8 @@ def test_qwen3_5_history_thinking(tok35):
 ])
 @pytest.mark.parametrize("folder", ["tokenizer", "tokenizer_qwen3_5"])
 def test_media_parts_are_refused_before_the_template(folder, part, kind):
-    """The Qwen3.5 template would write image placeholders (and Qwen3's fails on a part without text): a ValueError
-    naming the input and its place instead, for every tokenizer."""
+    """The Qwen3.5 template would write image placeholders for a model without its image encoder, and Qwen3's
+    cannot render a part list at all: a ValueError naming the input and its place instead, for every tokenizer."""
     t = Tokenizer.from_folder(presets_dir() / folder)
     messages = [{"role": "user", "content": [{"type": "text", "text": "look"}, part]}]
     with pytest.raises(ValueError, match=rf"^{kind} input is not supported \(messages\[0\]\.content\[1\]"):

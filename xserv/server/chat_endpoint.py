@@ -21,8 +21,8 @@ class ChatEndpoint(Endpoint):
     """Chat answers are split by ChatOutputParser (xserv/chat_output.py): `<think>` text -> reasoning_content (when
     thinking is on and the template knows <think>), `<tool_call>` blocks -> tool_calls (when tools are given and
     tool_choice is not "none"; in the form the chat template teaches, JSON or XML: xserv/tool_calls/), the rest ->
-    content. Streams hold back text that may be the start of a tag; the
-    logprobs of held-back tokens go out with the next delta. An answer that ends inside its think block (max_tokens
+    content. Streams hold back text that may be the start of a tag; the logprobs of held-back tokens go out with
+    the next delta. An answer that ends inside its think block (max_tokens
     spent while thinking) has content null, not "": there is no answer, only reasoning_content; with thinking on,
     a stream's opening delta has content null too, so that its deltas add up to the same message."""
     object_name, chunk_object, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl"
