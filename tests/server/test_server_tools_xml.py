@@ -257,3 +257,16 @@ def test_stream_message_of_an_xml_answer(app):
     chunks = chat(app, THOUGHT + CALL_2, stream=True, pieces=4, tools=[TIME])
     msg = stream_message(chunks)
     assert msg["content"] is None and msg["reasoning_content"] == REASONING
+
+
+def test_thinking_budget_then_the_xml_call(app, matcher):
+    """thinking_token_budget N with tool_choice "required": at most N reasoning tokens in the block the prompt
+    opened, then only the XML calls."""
+    from xserv.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_folder(QWEN3_5)
+    assert len(tok.encode(" a" * 5)) == 5  # the reasoning below counts one token per " a"
+    chat(app, " a a</think>\n\n" + CALL_2, tools=[TIME], tool_choice="required", thinking_token_budget=2)
+    s = last_constraint(app)
+    assert matcher(s, " a a</think>\n\n" + CALL_2) and matcher(s, "</think>\n\n" + CALL_2)
+    assert not matcher(s, " a a a</think>\n\n" + CALL_2) and not matcher(s, " a</think>\n\nSunny.")
