@@ -147,7 +147,8 @@ def test_refs_and_unlisted_parameters():
     ("<function=f>\n<parameter=a>\nx\n</parameter>\n", ("f", {"a": "x"})),  # no </function>
     ("<function=f>\n<parameter=a>\nx\n<parameter=b>\ny\n</function>", ("f", {"a": "x", "b": "y"})),  # no closers
     # a string may hold "<parameter=" (the grammar lets it): a value ends at its closer when one follows
-    ("<function=f>\n<parameter=a>\nx\n<parameter=b>\ny\n</parameter>\n</function>", ("f", {"a": "x\n<parameter=b>\ny"})),
+    ("<function=f>\n<parameter=a>\nx\n<parameter=b>\ny\n</parameter>\n</function>",
+     ("f", {"a": "x\n<parameter=b>\ny"})),
     ("<function=f><parameter=a>x</parameter></function>", ("f", {"a": "x"})),  # no newlines at all
     ('{"name": "f", "arguments": {}}', None),  # the JSON form is not this one
     ("<function=f>\nhello\n</function>", None),  # text outside the parameters
@@ -182,7 +183,7 @@ def test_streamed_parts_equal_the_whole_at_every_split(tok):
         assert got == whole, cut
 
 
-# ---- the grammar ------------------------------------------------------------------------------------------------------
+# ---- the grammar ----------------------------------------------------------------------------------------------------
 def _accepts(grammar_tok, tok, grammar: str, text: str) -> bool:
     from xserv.structured import GrammarConstraint, StructuredOutput
 

@@ -206,7 +206,7 @@ def test_openai_client_xml_tool_loop(app):
     asyncio.run(asyncio.wait_for(go(), 30))
 
 
-# ---- image input ------------------------------------------------------------------------------------------------------
+# ---- image input ----------------------------------------------------------------------------------------------------
 IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
 
 

@@ -20,8 +20,9 @@ one newline is taken off each end, then the parameter's schema decides (`value_k
 
 Lenient where a model is often sloppy: a value with no `</parameter>` after it in the block ends at the next
 `<parameter=` or at the end, a missing `</function>` at the end of the block. (A value followed by a closer runs
-to it, `<parameter=` inside included: the grammar lets a string hold that text, and what it allows must parse.) Anything else (text outside the tags, no `<function=`) is not a
-call: the block then stays in the content as the model wrote it (xserv/chat_output.py).
+to it, `<parameter=` inside included: the grammar lets a string hold that text, and what it allows must parse.)
+Anything else (text outside the tags, no `<function=`) is not a call: the block then stays in the content as the
+model wrote it (xserv/chat_output.py).
 """
 from __future__ import annotations
 
