@@ -278,6 +278,20 @@ def test_qwen3_5_chat_template(tok35):
     assert "<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>" in rendered
 
 
+def test_qwen3_5_history_calls_with_openai_json_arguments(tok35):
+    """A history call whose arguments are OpenAI's JSON text renders as the same call given as an object (the XML
+    template iterates over the object's items); text that is not a JSON object is a ValueError naming the call."""
+    def history(arguments):
+        return [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}]},
+            {"role": "tool", "content": "ok"}]
+
+    args = {"city": "Oslo", "days": 2, "opts": {"a": [1, None]}}
+    assert tok35.apply_chat_template(history(json.dumps(args))) == tok35.apply_chat_template(history(args))
+    with pytest.raises(ValueError, match=r"messages\[1\]\.tool_calls\[0\]: arguments must be the JSON text"):
+        tok35.apply_chat_template(history("[1, 2]"))
+
+
 def test_qwen3_5_history_thinking(tok35):
     """Reasoning of turns before the last user query is dropped, unless preserve_thinking (the Qwen3.6 template's
     switch, and the reason the bundled template is that one)."""

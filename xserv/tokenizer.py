@@ -11,6 +11,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from .tool_calls import decode_history_arguments, tool_call_format
+
 _SPECIAL_TOKEN_ATTRIBUTES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # Names a message's reasoning may come under; templates read `reasoning_content` (transformers aliases them too).
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -249,9 +251,13 @@ class Tokenizer:
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = True, enable_thinking: bool = True,
                             tools=None, **kwargs) -> str:
-        """The prompt text for a chat: the folder's chat template rendered as transformers renders it."""
+        """The prompt text for a chat: the folder's chat template rendered as transformers renders it. A template of
+        the XML tool-call form iterates over a history call's arguments: arguments given as OpenAI's JSON text are
+        decoded for it first (xserv/tool_calls/)."""
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat_template (tokenizer_config.json); use plain prompts")
+        if tool_call_format(self.chat_template) == "xml" and isinstance(messages, (list, tuple)):
+            messages = decode_history_arguments(messages)
         return render_chat_template(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
                                     tools=tools, special_tokens=self.special_tokens,
                                     enable_thinking=enable_thinking, **kwargs)

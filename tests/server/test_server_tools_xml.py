@@ -131,8 +131,8 @@ def test_thinking_off_and_history(app):
     assert CALL_1 + "<|im_end|>" in prompt and "<tool_response>\n21 C\n</tool_response>" in prompt
     messages[1]["tool_calls"][0]["function"]["arguments"] = "[1, 2]"
     status, out = post(app, "/v1/chat/completions", {"messages": messages, "tools": [WEATHER]}, "x")
-    assert status == 400 and out["error"]["param"] == "messages[1].tool_calls[0]", out
-    assert "JSON text of an object" in out["error"]["message"]
+    assert status == 400 and out["error"]["param"] == "messages", out
+    assert "messages[1].tool_calls[0]: arguments must be the JSON text of an object" in out["error"]["message"]
 
 
 @pytest.fixture(scope="module")

@@ -2,12 +2,9 @@
 one SamplingParams per choice (the model's generation_config.json defaults for the fields a request leaves out)."""
 from __future__ import annotations
 
-import json
-
 from ..sampling import SamplingParams
 from ..structured import StructuredOutput
 from ..tokenizer import media_input
-from ..tool_calls import tool_call_format
 from .context import ServerContext
 from .protocol import MAX_STOP_STRINGS, APIError, ChatCompletionRequest, OtherPart
 
@@ -34,34 +31,17 @@ def check_content(messages) -> None:
                            "invalid_value")
 
 
-def _arguments(text: str, where: str, as_object: bool):
-    """A history call's arguments for the template: the client's JSON text as it is (Qwen3's JSON-form template
-    writes a string unchanged), or the object it encodes (the XML-form templates iterate over its items)."""
-    if not as_object:
-        return text
-    try:
-        value = json.loads(text)
-    except ValueError:
-        value = None
-    if not isinstance(value, dict):
-        raise APIError(400, f"{where}.function.arguments must be the JSON text of an object", where,
-                       "invalid_value")
-    return value
-
-
-def template_message(m, index: int = 0, tool_format: str = "json") -> dict:
-    """A request message as chat templates expect it (transformers' format: content always a string). tool_format:
-    the template's form of tool calls (xserv/tool_calls/)."""
+def template_message(m) -> dict:
+    """A request message as chat templates expect it (transformers' format: content always a string)."""
     out = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
     if m.name is not None:
         out["name"] = m.name
     if m.tool_calls:
+        # arguments stay the JSON text the client sent: Qwen3's template writes a string as it is, and for a template
+        # of the XML form the tokenizer decodes it to the object that template iterates over
         out["tool_calls"] = [{"id": c.id, "type": "function",
-                              "function": {"name": c.function.name,
-                                           "arguments": _arguments(c.function.arguments,
-                                                                   f"messages[{index}].tool_calls[{k}]",
-                                                                   tool_format == "xml")}}
-                             for k, c in enumerate(m.tool_calls)]
+                              "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                             for c in m.tool_calls]
     if m.tool_call_id is not None:
         out["tool_call_id"] = m.tool_call_id
     if m.reasoning_content is not None:
@@ -79,8 +59,7 @@ def enable_thinking_of(req: ChatCompletionRequest) -> bool:
 
 
 def chat_prompt(ctx: ServerContext, req: ChatCompletionRequest) -> str:
-    tool_format = tool_call_format(getattr(ctx.tokenizer, "chat_template", None))
-    messages = [template_message(m, i, tool_format) for i, m in enumerate(req.messages)]
+    messages = [template_message(m) for m in req.messages]
     kwargs = dict(req.chat_template_kwargs or {})
     kwargs.pop("enable_thinking", None)
     kwargs.pop("tools", None)

@@ -11,6 +11,7 @@ never from the model's name, so a fine-tune or a new size with the same template
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 
 from ..chat_output import ToolCall, parse_tool_call
@@ -35,3 +36,35 @@ def call_parser(form: str, schemas: Mapping[str, dict | None] | None = None) -> 
 
         return XMLCallParser(schemas or {})
     raise ValueError(f"tool-call format must be one of {', '.join(FORMATS)}, got {form!r}")
+
+
+def decode_history_arguments(messages: list) -> list:
+    """`messages` with each assistant call's `arguments` given as JSON text (OpenAI's way) decoded to the object, as
+    the XML-form templates need (they iterate over its items); ValueError naming the call when the text is not
+    the JSON of an object. Messages without such calls are passed through as they are."""
+    out = []
+    for i, m in enumerate(messages):
+        calls = m.get("tool_calls") if isinstance(m, Mapping) else None
+        if not isinstance(calls, (list, tuple)) or not any(_text_arguments(c) for c in calls):
+            out.append(m)
+            continue
+        decoded = []
+        for k, call in enumerate(calls):
+            if _text_arguments(call):
+                fn = call["function"] if "function" in call else call
+                try:
+                    args = json.loads(fn["arguments"])
+                except ValueError:
+                    args = None
+                if not isinstance(args, dict):
+                    raise ValueError(f"messages[{i}].tool_calls[{k}]: arguments must be the JSON text of an object")
+                fn = {**fn, "arguments": args}
+                call = {**call, "function": fn} if "function" in call else fn
+            decoded.append(call)
+        out.append({**m, "tool_calls": decoded})
+    return out
+
+
+def _text_arguments(call) -> bool:
+    fn = call.get("function", call) if isinstance(call, Mapping) else None
+    return isinstance(fn, Mapping) and isinstance(fn.get("arguments"), str)
