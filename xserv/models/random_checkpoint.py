@@ -20,10 +20,8 @@ import math
 import os
 import re
 import shutil
-import struct
 import tempfile
 import zlib
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from statistics import NormalDist
 from pathlib import Path
 from typing import Callable, Iterable
@@ -32,16 +30,15 @@ import numpy as np
 
 from .. import settings
 from ..tensor import as_dtype
-from .checkpoint import INDEX_FILE, NUMPY_TO_SAFETENSORS, SINGLE_FILE
+from .checkpoint import INDEX_FILE, SINGLE_FILE
 from .config import DenseConfig, preset_dict, presets_dir
 from ..fp8_format import DEFAULT_BLOCK, E4M3, quantize_blockwise
 from .fp8 import Fp8BlockQuantization
 from .registry import config_from_dict, model_class
+from .safetensors_writer import (DEFAULT_SHARD_SIZE, TensorEntry, default_workers, parse_size,  # noqa: F401
+                                 save_safetensors, write_sharded)
 
-DEFAULT_SHARD_SIZE = 4 * 10**9  # like HF's save_pretrained: shard above ~4 GB
 CHUNK_ELEMENTS = 1 << 24  # rows of at most this many elements are generated at once (64 MB of float32)
-JOB_BYTES = 256 * 2**20  # a worker's unit: a run of consecutive tensors of one shard of about this size
-PARALLEL_FROM_BYTES = 2**30  # workers=None: one worker below this size, else one per core (at most one per job)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 MARKER_FILE = "xserv_random.json"  # what made the folder; its presence marks a folder make_test_model may replace
 _SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
@@ -50,159 +47,6 @@ _OWN_FILES = frozenset({"config.json", "generation_config.json", MARKER_FILE, SI
 _DTYPES = {"bfloat16", "float16", "float32"}
 
 
-def parse_size(size) -> int:
-    """Bytes from an int or a string like '4GB' (10**9), '2GiB' (2**30), '500MB', '123'."""
-    if isinstance(size, (int, np.integer)):
-        n = int(size)
-    else:
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(?:([KMGT])(i?)B?|B)?\s*", str(size), re.IGNORECASE)
-        if not m:
-            raise ValueError(f"cannot parse size {size!r}; use e.g. 4GB, 500MB, 2GiB or a byte count")
-        power = " KMGT".index(m.group(2).upper()) if m.group(2) else 0
-        n = int(float(m.group(1)) * (1024 if m.group(3) else 1000) ** power)
-    if n < 1:
-        raise ValueError(f"size must be positive, got {size!r}")
-    return n
-
-
-# ---- safetensors writing ----------------------------------------------------------------------------------------
-class _Entry:
-    __slots__ = ("name", "dtype", "shape", "fill")
-
-    def __init__(self, name: str, dtype: np.dtype, shape: tuple[int, ...], fill: Callable):
-        self.name, self.dtype, self.shape, self.fill = name, np.dtype(dtype), tuple(shape), fill
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-
-def _header_bytes(entries: list[_Entry], metadata: dict | None) -> bytes:
-    header: dict = {"__metadata__": metadata} if metadata else {}
-    offset = 0
-    for e in entries:
-        header[e.name] = {"dtype": NUMPY_TO_SAFETENSORS[e.dtype], "shape": list(e.shape),
-                          "data_offsets": [offset, offset + e.nbytes]}
-        offset += e.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # keep the data section 8-byte aligned, as the safetensors library does
-    return struct.pack("<Q", len(raw)) + raw
-
-
-def _write_file(path: Path, entries: list[_Entry], progress=None, metadata=None) -> None:
-    with open(path, "wb") as f:
-        f.write(_header_bytes(entries, metadata))
-        for e in entries:
-            before = f.tell()
-            for chunk in e.fill():
-                chunk = np.ascontiguousarray(chunk, dtype=e.dtype)
-                f.write(memoryview(chunk.reshape(-1).view(np.uint8)))
-                if progress is not None:
-                    progress.update(chunk.nbytes)
-            if f.tell() - before != e.nbytes:
-                raise RuntimeError(f"internal error: wrote {f.tell() - before} bytes for {e.name}, expected {e.nbytes}")
-
-
-def _write_run(path: str, offset: int, entries: list[_Entry]) -> int:
-    """Write consecutive tensors' bytes into an existing file from `offset` on (a worker's job). Returns the bytes
-    written."""
-    fd = os.open(path, os.O_WRONLY)
-    try:
-        pos = offset
-        for e in entries:
-            start = pos
-            for chunk in e.fill():
-                data = memoryview(np.ascontiguousarray(chunk, dtype=e.dtype).reshape(-1).view(np.uint8))
-                while data:
-                    n = os.pwrite(fd, data, pos)
-                    data, pos = data[n:], pos + n
-            if pos - start != e.nbytes:
-                raise RuntimeError(f"internal error: wrote {pos - start} bytes for {e.name}, expected {e.nbytes}")
-    finally:
-        os.close(fd)
-    return pos - offset
-
-
-def _write_files_parallel(files: list[tuple[Path, list[_Entry]]], metadata, workers: int, progress=None) -> None:
-    """The files `_write_file` writes, with their tensors generated by `workers` threads: each file gets its header
-    and its full size first, then runs of about JOB_BYTES of consecutive tensors are written in place. Threads, not
-    processes: drawing the indices, the table lookup and pwrite release the GIL (16 threads wrote 2.2 GB/s into
-    /dev/shm on a 16-core H100 host, as fast as 16 forked processes, 7x one thread), and a thread needs no fork
-    beside other threads nor a fresh interpreter."""
-    jobs = []
-    for path, entries in files:
-        header = _header_bytes(entries, metadata)
-        with open(path, "wb") as f:
-            f.write(header)
-            f.truncate(len(header) + sum(e.nbytes for e in entries))
-        offset, run, size = len(header), [], 0
-        for e in entries:
-            run.append(e)
-            size += e.nbytes
-            if size >= JOB_BYTES:
-                jobs.append((str(path), offset, run))
-                offset, run, size = offset + size, [], 0
-        if run:
-            jobs.append((str(path), offset, run))
-    with ThreadPoolExecutor(max_workers=min(workers, len(jobs)), thread_name_prefix="xserv-writer") as pool:
-        pending = {pool.submit(_write_run, *job) for job in jobs}
-        try:
-            while pending:
-                done, pending = wait(pending, return_when=FIRST_EXCEPTION)
-                for future in done:
-                    written = future.result()  # a worker's error is raised here
-                    if progress is not None:
-                        progress.update(written)
-        except BaseException:
-            pool.shutdown(wait=True, cancel_futures=True)  # the jobs not started are dropped
-            raise
-
-
-def default_workers(total_bytes: int) -> int:
-    """workers=None: 1 below PARALLEL_FROM_BYTES, else the usable cores."""
-    if total_bytes < PARALLEL_FROM_BYTES:
-        return 1
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def save_safetensors(path, tensors: dict[str, np.ndarray], metadata: dict | None = None) -> Path:
-    """Write NumPy arrays to one safetensors file (any dtype the format has, bf16 via ml_dtypes)."""
-    path = Path(path)
-    entries = [_Entry(n, a.dtype, a.shape, (lambda a=a: [a])) for n, a in tensors.items()]
-    _write_file(path, entries, metadata=metadata or {"format": "pt"})
-    return path
-
-
-def write_sharded(folder, entries: list[_Entry], shard_size: int, progress=None, workers: int = 1) -> list[Path]:
-    """`model.safetensors`, or `model-0000i-of-0000n.safetensors` + `model.safetensors.index.json` when the total
-    exceeds shard_size (tensors are never split; a shard holds at least one tensor). workers > 1: the tensors are
-    generated and written by that many threads (the same bytes)."""
-    folder = Path(folder)
-    shards: list[list[_Entry]] = [[]]
-    size = 0
-    for e in entries:
-        if shards[-1] and size + e.nbytes > shard_size:
-            shards.append([])
-            size = 0
-        shards[-1].append(e)
-        size += e.nbytes
-    meta = {"format": "pt"}
-    n = len(shards)
-    names = [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    if workers > 1:
-        _write_files_parallel([(folder / name, shard) for name, shard in zip(names, shards)], meta, workers, progress)
-    else:
-        for name, shard in zip(names, shards):
-            _write_file(folder / name, shard, progress, meta)
-    if n == 1:
-        return [folder / SINGLE_FILE]
-    index = {"metadata": {"total_size": sum(e.nbytes for e in entries)},
-             "weight_map": {e.name: name for name, shard in zip(names, shards) for e in shard}}
-    (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    return [folder / name for name in names]
-
-
-# ---- random weights ---------------------------------------------------------------------------------------
 def _rng_for(seed: int, name: str) -> np.random.Generator:
     return np.random.default_rng([seed, zlib.crc32(name.encode())])
 
@@ -281,7 +125,7 @@ class _Fp8Pair:
 
 
 def random_weight_entries(config: DenseConfig, seed: int = 0, dtype: str = "bfloat16",
-                          perturb_norms: bool = True) -> list[_Entry]:
+                          perturb_norms: bool = True) -> list[TensorEntry]:
     """The tensors of a random checkpoint of config's architecture, in weight-table order, not yet generated. With
     an FP8 quantization_config, each quantized weight is its float draws quantized blockwise (e4m3, then its
     `*.weight_scale_inv` float32 scales), as in Qwen's -FP8 checkpoints."""
@@ -301,10 +145,10 @@ def random_weight_entries(config: DenseConfig, seed: int = 0, dtype: str = "bflo
             fill = _normal_fill(seed, w.name, w.shape, config.initializer_range, 0.0, dt)
         if w.quantized:
             pair = _Fp8Pair(fill, w.block)
-            entries += [_Entry(w.name, E4M3, w.shape, pair.weight_fill),
-                        _Entry(w.scale_name, np.float32, w.scale_shape, pair.scale_fill)]
+            entries += [TensorEntry(w.name, E4M3, w.shape, pair.weight_fill),
+                        TensorEntry(w.scale_name, np.float32, w.scale_shape, pair.scale_fill)]
         else:
-            entries.append(_Entry(w.name, dt, w.shape, fill))
+            entries.append(TensorEntry(w.name, dt, w.shape, fill))
     return entries
 
 
