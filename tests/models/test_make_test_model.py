@@ -252,9 +252,10 @@ def test_workers_write_the_same_bytes(tmp_path, monkeypatch):
     """Three workers, runs of about 256 kB of tensors each over several shards: the same files, byte for byte, as
     one."""
     import xserv.models.random_checkpoint as rc
+    import xserv.models.safetensors_writer as sw
     from xserv.models.make_test_model import main
 
-    monkeypatch.setattr(rc, "JOB_BYTES", 2**18)
+    monkeypatch.setattr(sw, "JOB_BYTES", 2**18)
     kw = dict(seed=5, shard_size="1MB", overrides={"num_hidden_layers": 2})
     one = make_test_model("moe-tiny", tmp_path / "one", workers=1, progress=False, **kw)
     assert main(["--preset", "moe-tiny", "--out", str(tmp_path / "three"), "--seed", "5", "--shard-size", "1MB",
@@ -275,9 +276,10 @@ def test_fp8_workers_write_the_same_bytes(tmp_path, monkeypatch):
     """--fp8 with four workers and runs of about 16 kB (a quantized weight and its scales often in different
     runs, so a scale entry is drawn again instead of taken from its weight's): the bytes of one worker."""
     import xserv.models.random_checkpoint as rc
+    import xserv.models.safetensors_writer as sw
     from xserv.models.make_test_model import main
 
-    monkeypatch.setattr(rc, "JOB_BYTES", 2**14)
+    monkeypatch.setattr(sw, "JOB_BYTES", 2**14)
     one = make_test_model("moe-tiny", tmp_path / "one", seed=6, workers=1, progress=False, fp8=True,
                           shard_size="2MB", overrides={"num_hidden_layers": 2})
     assert main(["--preset", "moe-tiny", "--out", str(tmp_path / "four"), "--seed", "6", "--layers", "2", "--fp8",
