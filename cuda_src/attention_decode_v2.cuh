@@ -42,17 +42,18 @@ __device__ void decode_split(XSERV_DECODE_ARGS_OF(typename KV::T), KV kv = KV())
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int c = lane % LPK, sub = lane / LPK;
     const int s = blockIdx.z, kv_head = blockIdx.y / R, split = blockIdx.x;
-    const int h0 = kv_head * (G * R) + (blockIdx.y % R) * G;
     const int kv_len = kv_lens[s];
     const int start = split * chunk_len;
     if (start >= kv_len) {
         // kv_len == 0 (a padding row of a captured batch): a defined zero output instead of garbage
         if (kv_len == 0 && num_splits == 1)
             for (int idx = threadIdx.x; idx < G * D; idx += kWarps * 32)
-                out[((long long)s * num_q_heads + h0) * D + idx] = __float2bfloat16(0.f);
+                out[((long long)s * num_q_heads + kv_head * (G * R) + (blockIdx.y % R) * G) * D + idx] =
+                    __float2bfloat16(0.f);
         return;
     }
     const int end = min(start + chunk_len, kv_len);
+    const int h0 = kv_head * (G * R) + (blockIdx.y % R) * G;
     const int* table = block_tables + (long long)s * max_blocks_per_seq;
     kv.load(kv_head);  // the kv head's scales (e4m3; bf16: nothing)
     const float q_mul = kv.q_scale(scale_log2);

@@ -1,14 +1,17 @@
 """Decode throughput of xserv on the GPU: tokens per second at batch 1 (and other batch sizes if asked).
 
-    python -m tools.bench_decode --model DIR [--context 512 --steps 256 --batch-sizes 1,8,32]
-                                 [--attention fused,pair] [--decode-kernels v4,v4s4] [--rounds 2]
-                                 [--decode-splits plan,32,47,64] [--gemv-rule cublas,small]
-                                 [--gemv-set ONE_STEP_PLAIN_CTAS_PER_SM=3,4]
+    python -m tools.bench_decode --model DIR [--context 512 --steps 256 --batch-sizes 1,8,32] [--rounds 2]
+                                 [--gemv-rule cublas,small] [--gemv-set ONE_STEP_PLAIN_CTAS_PER_SM=3,4]
                                  [--tokens 32]
 
 Times the engine's decode steps after the prefill (CUDA graphs unless --no-cuda-graphs), greedy sampling on the
 device, host loop included: what a user of `xserv chat` sees. Prints the device name, tok/s and the weight bytes
 read per second (the memory-bandwidth bound of batch-1 decode).
+
+The decode attention runs as shipped: the A/B forms of its kernels and split plans are the dev registry's
+(tools/dev/kernels.py) and are timed by the op benchmarks, which hand the op its variant instead of setting module
+attributes: tools/bench_attention.py --decode-variants v4,v2,v4w4,v4s4 and tools/dev/sweep_decode_plan.py (forced
+split counts, with and without the fused QK-norm/RoPE entry).
 """
 from __future__ import annotations
 
@@ -43,16 +46,6 @@ def main(argv=None) -> int:
     ap.add_argument("--no-cuda-graphs", action="store_true")
     ap.add_argument("--unfused", action="store_true",
                     help="small batches through the unfused ops (cuBLASLt + separate norm/activation/add kernels)")
-    ap.add_argument("--attention", default="fused",
-                    help="comma list of fused/pair: decode attention with QK-norm/RoPE/KV write folded in, or the "
-                         "two kernels (model.fused_attention), timed one after the other")
-    ap.add_argument("--decode-kernels", default="",
-                    help="comma list of decode-attention kernels, shipped or dev (tools.dev.kernels."
-                         "decode_variants(), e.g. v4,v4s4) the model runs, timed one after the other in this process "
-                         "(default: the shipped)")
-    ap.add_argument("--decode-splits", default="plan",
-                    help="comma list of split counts forced on the v4 decode-attention plan (plan: the shipped "
-                         "v4_plan), timed one after the other: a plan experiment in the model's chain")
     ap.add_argument("--gemv-rule", default="shipped",
                     help="comma list of rules for the projections of 2..16-row steps: shipped "
                          "(xserv.ops.gemv.MMA_PREFERRED) or a name in MMA_RULES here (cublas, alone, small), timed one "
@@ -70,10 +63,7 @@ def main(argv=None) -> int:
 
     from xserv import LLM, SamplingParams
     from xserv.ops import gemv
-    from xserv.ops.attention import decode
     from xserv.runtime import get_device, synchronize
-
-    from tools.dev import kernels as dev_kernels
 
     setting, _, values = args.gemv_set.partition("=")
     if setting and not isinstance(getattr(gemv, setting, None), (int, float)):
@@ -97,42 +87,22 @@ def main(argv=None) -> int:
     print(f"device: {get_device().name}")
     print(f"model: {args.model} ({weight_bytes / 1e9:.2f} GB of weights, loaded in {llm.timings['weights_s']:.1f}s, LLM ready in {load:.1f}s), context "
           f"{args.context}, {args.steps} steps, cuda graphs {'off' if args.no_cuda_graphs else 'on'}")
-    print(f"{'batch':>6}{'ms/step':>10}{'tok/s':>12}{'tok/s/seq':>12}{'weights GB/s':>14}{'attention':>11}"
-          f"{'kernel':>8}{'splits':>7}{'gemv':>8}{'set':>10}")
+    print(f"{'batch':>6}{'ms/step':>10}{'tok/s':>12}{'tok/s/seq':>12}{'weights GB/s':>14}{'gemv':>8}{'set':>10}")
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=0.0, max_tokens=args.warmup + args.steps + 1, ignore_eos=True)
     eng = llm.engine
-    kernels = [k for k in args.decode_kernels.split(",") if k] or [decode.DEFAULT_DECODE]
-    for k in kernels:
-        if k not in dev_kernels.decode_variants():
-            ap.error(f"--decode-kernels: unknown kernel {k!r}; known: {', '.join(dev_kernels.decode_variants())}")
-    modes = args.attention.split(",")
-    for a in modes:
-        if a not in ("fused", "pair"):
-            ap.error(f"--attention: unknown mode {a!r}; expected fused or pair")
-    try:
-        split_list = [None if x == "plan" else int(x) for x in args.decode_splits.split(",")]
-    except ValueError:
-        ap.error(f"--decode-splits: expected a comma list of integers or 'plan', got {args.decode_splits!r}")
-    shipped_plan, forced = decode.plan_decode, None
-    decode.plan_decode = lambda *a: _forced_plan(shipped_plan, forced, *a)
     rules = {"shipped": gemv.MMA_PREFERRED, **MMA_RULES}
     for r in args.gemv_rule.split(","):
         if r not in rules:
             ap.error(f"--gemv-rule: unknown rule {r!r}; expected one of {', '.join(rules)}")
-    runs = [(k, a, sp, r, f, bs) for _ in range(args.rounds) for k in kernels for a in modes for sp in split_list
-            for r in args.gemv_rule.split(",") for f in set_values for bs in sizes]
+    runs = [(r, f, bs) for _ in range(args.rounds) for r in args.gemv_rule.split(",") for f in set_values
+            for bs in sizes]
     probe = np.random.default_rng(1).integers(0, 150000, args.context).tolist()
     first_tokens = None
-    for kernel, mode, splits, rule, set_value, bs in runs:
-        fused = mode == "fused"
-        model = llm.model
+    for rule, set_value, bs in runs:
         current = getattr(gemv, setting) if setting else None
-        variant = dev_kernels.decode(kernel)  # a shipped name as it is, a dev one as its DecodeKernel
-        wanted = (fused, variant, splits, rules[rule], set_value)  # the decode graphs hold these: capture them again
-        if wanted != (model.fused_attention, decode.DEFAULT_DECODE, forced, gemv.MMA_PREFERRED, current):
-            model.fused_attention, forced = fused, splits
-            decode.DEFAULT_DECODE = variant
+        wanted = (rules[rule], set_value)  # the decode graphs hold these: capture them again
+        if wanted != (gemv.MMA_PREFERRED, current):
             gemv.MMA_PREFERRED = rules[rule]
             if setting:
                 setattr(gemv, setting, set_value)
@@ -162,24 +132,8 @@ def main(argv=None) -> int:
                                                          f"DIFFER from the first at {_first_diff(tokens, first_tokens)}")
         shown = "" if set_value is None else set_value
         print(f"{bs:>6}{dt * 1e3:>10.3f}{bs / dt:>12.1f}{1 / dt:>12.1f}{weight_bytes / dt / 1e9:>14.1f}"
-              f"{mode:>11}{kernel:>8}{splits or 'plan':>7}{rule:>8}{shown:>10}{same}")
+              f"{rule:>8}{shown:>10}{same}")
     return 0
-
-
-def _forced_plan(shipped, splits, variant, num_seqs, num_kv_heads, max_kv_len, block_size, head_dim, group, sms,
-                 *device_smem):
-    """The shipped plan_decode, with `splits` forced on a v4-generation plan (chunk a multiple of 64 keys, as
-    v4_plan makes them) where its pages fit the kernel's shared page table; None: the shipped plan. device_smem:
-    plan_decode's shared-memory arguments, passed through."""
-    from xserv.ops.attention import decode
-
-    k, n, chunk = shipped(variant, num_seqs, num_kv_heads, max_kv_len, block_size, head_dim, group, sms, *device_smem)
-    if splits is None or k.generation != 4:
-        return k, n, chunk
-    forced_chunk = -(-(-(-max_kv_len // splits)) // 64) * 64
-    if -(-forced_chunk // block_size) + 1 > decode.V4_TABLE_CAP:
-        return k, n, chunk
-    return k, -(-max_kv_len // forced_chunk), forced_chunk
 
 
 def _first_diff(a: list[int], b: list[int]) -> int:

@@ -17,6 +17,7 @@ from xserv.tensor import Tensor, bfloat16
 from xserv.testing import paged_kv_from_dense, poisoned, random_array, rel_error
 
 TOL = 1e-2
+V4W4 = K.DEV_DECODE["v4w4"]  # v4's 4-warp CTAs at every grid (the dev registry's A/B form)
 # Long contexts: zero-mean data, the error of the worst output row (row_error), and a tolerance that a misplaced KV page or a 2% softmax-scale error exceeds (both
 # are planted below, on the CPU path and in the GPU kernels' inputs, to show it). Measured error of the kernels:
 # docs/kernels/attention.md ("Tests").
@@ -84,7 +85,7 @@ def run_decode(case, max_kv_len, device="cuda", variant=None, tables=None, scale
     out = poisoned((case["q"].shape[0], hq, case["q"].shape[2]), bfloat16, device)
     A.attention_decode(t["q"], t["k_cache"], t["v_cache"], t["kv_lens"], t["block_tables"],
                        case["scale"] if scale is None else scale, max_kv_len=max_kv_len, out=out, num_q_heads=hq,
-                       variant=variant)
+                       variant=K.decode(variant))
     return out.numpy()
 
 
@@ -243,8 +244,7 @@ def test_v4_plan_few_sequences():
                         ctas = b * hkv * splits
                         assert chunk % 64 == 0, (b, hkv, n, block)
                         assert k.variant == ("v4w8" if ctas <= 2 * sms else "v4"), (sms, b, hkv, n, block)
-                        assert D.plan_decode("v4w4", b, hkv, n, block, 128, 4, sms) == (D.DECODE_KERNELS["v4w4"],
-                                                                                          splits, chunk)
+                        assert D.plan_decode(V4W4, b, hkv, n, block, 128, 4, sms) == (V4W4, splits, chunk)
                         assert (splits - 1) * chunk < n <= splits * chunk  # every split holds keys
                         assert splits <= D.V4_MAX_SPLITS and -(-chunk // block) + 1 <= D.V4_TABLE_CAP
                         most = b * hkv * min(D.V4_MAX_SPLITS, -(-n // 64))  # CTAs with 64-key splits
@@ -299,7 +299,7 @@ def test_v4_plan_subgroups():
         for b, n in ((1, 16384), (1, 32768), (4, 8192), (64, 4096)):  # splits of 1024+ keys, or too many CTAs
             assert D.plan_decode("v4", b, 8, n, 16, 128, group, 132)[0] is narrow, (b, n)
         assert narrow.name(128, group) == f"attention_decode_v4_d128_g{group}_s2"
-        assert D.plan_decode("v4w4", 1, 8, 32768, 16, 128, group, 132)[0] is D.DECODE_KERNELS["v4w4"]
+        assert D.plan_decode(V4W4, 1, 8, 32768, 16, 128, group, 132)[0] is V4W4
     assert D.plan_decode("v4", 1, 8, 8192, 16, 128, 8, 132)[1:] == (16, 512)  # a measured point
     assert D.plan_decode("v4", 1, 8, 8192, 16, 64, 8, 132)[0].subgroups == 2  # head_dim 64 as well
     assert D.plan_decode("v4", 1, 8, 512, 16, 64, 5, 132)[0].subgroups == 5
@@ -396,8 +396,8 @@ def test_launch_tables_name_instantiated_kernels():
                 assert k.smem <= 227 * 1024 and k.rows % (64 if k.tma != "none" else 4) == 0
     assert not set(A.PREFILL_KERNELS) & set(K.DEV_PREFILL)
     assert not set(A.DECODE_KERNELS) & set(K.DEV_DECODE)
-    for variant, k in K.DEV_DECODE.items():
-        assert k.dev and k.variant == variant and not k.has_fp8, variant
+    for variant, k in K.DEV_DECODE.items():  # v4w4: the production 4-warp kernel at every grid (an A/B form)
+        assert (k.dev or variant == "v4w4") and k.variant == variant and k.has_fp8 == (variant == "v4w4"), variant
         for d, g in k.shapes or {(d, g) for d in A.HEAD_DIMS for g in range(1, A.MAX_GQA_GROUP + 1)}:
             assert k.name(d, g) in _kernel_names(k.family), (variant, k.name(d, g))
     for variant, k in A.DECODE_KERNELS.items():
@@ -430,7 +430,7 @@ def test_fp8_cache_instantiates_every_production_decode_kernel():
     assert ({"attention_decode_" + n[len("attention_decode_fp8_"):] for n in fp8 - mma}
             == bf16 - {"attention_decode_combine"})
     for variant, k in A.DECODE_KERNELS.items():
-        assert k.has_fp8 == (variant in ("v4", "v4w4", "v4w8", "v2")), variant
+        assert k.has_fp8 == (variant in ("v4", "v4w8", "v2")), variant
         if not k.has_fp8:
             continue
         for d, g in k.shapes or {(d, g) for d in A.HEAD_DIMS for g in range(1, A.MAX_GQA_GROUP + 1)}:
@@ -544,7 +544,7 @@ def run_decode_rope(c, device="cuda", variant=None, max_kv_len=None):
     out = poisoned((len(c["kv_lens"]), c["hq"], c["qkv"].shape[2]), bfloat16, device)
     got = A.attention_decode_rope(qkv, *w, to(c["pos"]), to(c["cos_sin"]), c["hq"], ROPE_EPS, kc, vc,
                                   to(c["slots"]), to(c["kv_lens"]), to(c["tables"]), c["scale"],
-                                  max_kv_len or max(int(c["kv_lens"].max()), 1), out=out, variant=variant)
+                                  max_kv_len or max(int(c["kv_lens"].max()), 1), out=out, variant=K.decode(variant))
     assert got is out
     return out.numpy(), kc.numpy(), vc.numpy(), qkv.numpy()
 
@@ -559,7 +559,7 @@ def run_rope_then_decode(c, variant=None, max_kv_len=None):
                           ROPE_EPS, kc, vc, Tensor.from_numpy(c["slots"]))
     out = poisoned((len(c["kv_lens"]), c["hq"], c["qkv"].shape[2]), bfloat16)
     A.attention_decode(qkv, kc, vc, Tensor.from_numpy(c["kv_lens"]), Tensor.from_numpy(c["tables"]), c["scale"],
-                       max_kv_len or max(int(c["kv_lens"].max()), 1), out=out, num_q_heads=c["hq"], variant=variant)
+                       max_kv_len or max(int(c["kv_lens"].max()), 1), out=out, num_q_heads=c["hq"], variant=K.decode(variant))
     return out.numpy(), kc.numpy(), vc.numpy()
 
 
@@ -772,7 +772,7 @@ def _graph_replays(rng, variant, hq=16, hkv=4):
 
     def step():
         A.attention_decode(t["q"], t["k_cache"], t["v_cache"], t["kv_lens"], t["block_tables"], case["scale"],
-                           max_kv_len=8192, out=out, variant=variant)
+                           max_kv_len=8192, out=out, variant=K.decode(variant))
 
     step()
     first = out.numpy()

@@ -400,7 +400,7 @@ def _plan_of(c, variant):
     from xserv.runtime import get_device
 
     hq, (_, bs, hkv, d) = c["hq"], c["k_cache"].shape
-    return D.plan_decode(variant, len(c["kv_lens"]), hkv, int(c["kv_lens"].max()), bs, d, hq // hkv,
+    return D.plan_decode(K.decode(variant), len(c["kv_lens"]), hkv, int(c["kv_lens"].max()), bs, d, hq // hkv,
                          get_device().multiprocessor_count)
 
 
@@ -430,7 +430,7 @@ def test_decode_fp8_plans_cuda_match_numpy(variant, batch, context, hq, hkv, d):
 
     def run(v_scale):
         return A.attention_decode(t["q"], t["k_cache"], t["v_cache"], t["kv_lens"], t["tables"], c["scale"],
-                                  max(lens), out=out, num_q_heads=hq, variant=variant, k_scale=t["k_scale"],
+                                  max(lens), out=out, num_q_heads=hq, variant=K.decode(variant), k_scale=t["k_scale"],
                                   v_scale=v_scale).numpy()
 
     mx, mean = errors(run(t["v_scale"]), ref)
@@ -469,7 +469,7 @@ def test_decode_fp8_mma_cuda_matches_numpy(monkeypatch, variant, lens, hq, hkv):
         monkeypatch.setattr(D, "has_fp8_mma", has_mma if mma else lambda *shape: False)
         out = poisoned((len(lens), hq, 128), bfloat16)
         return A.attention_decode(t["q"], t["k_cache"], t["v_cache"], t["kv_lens"], t["tables"], c["scale"],
-                                  max(lens), out=out, num_q_heads=hq, variant=variant, k_scale=t["k_scale"],
+                                  max(lens), out=out, num_q_heads=hq, variant=K.decode(variant), k_scale=t["k_scale"],
                                   v_scale=v_scale).numpy()
 
     got = run(t["v_scale"], True)
@@ -527,12 +527,12 @@ def _decode_rope_fp8(c, fused, norm, variant=None, device="cuda"):
     if fused:
         A.attention_decode_rope(t["q"], qw, kw, to(c["positions"]), to(c["cos_sin"]), hq, 1e-6, t["k_cache"],
                                 t["v_cache"], to(c["slots"]), t["kv_lens"], t["tables"], c["scale"], max_kv, out=out,
-                                variant=variant, k_scale=t["k_scale"], v_scale=t["v_scale"])
+                                variant=K.decode(variant), k_scale=t["k_scale"], v_scale=t["v_scale"])
     else:
         qk_norm_rope_write_kv(t["q"], qw, kw, to(c["positions"]), to(c["cos_sin"]), hq, hkv, 1e-6, t["k_cache"],
                               t["v_cache"], to(c["slots"]), k_scale=t["k_scale"], v_scale=t["v_scale"])
         A.attention_decode(t["q"], t["k_cache"], t["v_cache"], t["kv_lens"], t["tables"], c["scale"], max_kv,
-                           out=out, num_q_heads=hq, variant=variant, k_scale=t["k_scale"], v_scale=t["v_scale"])
+                           out=out, num_q_heads=hq, variant=K.decode(variant), k_scale=t["k_scale"], v_scale=t["v_scale"])
     return (out.numpy(), t["k_cache"].numpy().view(np.uint8), t["v_cache"].numpy().view(np.uint8), t["q"].numpy())
 
 
@@ -595,7 +595,7 @@ def test_fp8_cache_takes_the_production_variants_only():
     t = tensors(c, "cpu")
     for variant in ("v4", "v4w4", "v2"):
         out = A.attention_decode(t["q"], t["k_cache"], t["v_cache"], t["kv_lens"], t["tables"], c["scale"], 40,
-                                 num_q_heads=16, variant=variant, k_scale=t["k_scale"], v_scale=t["v_scale"])
+                                 num_q_heads=16, variant=K.decode(variant), k_scale=t["k_scale"], v_scale=t["v_scale"])
         assert np.all(np.isfinite(out.numpy().astype(np.float32)))
     to = lambda a: Tensor.from_numpy(a, "cpu")  # noqa: E731
     for variant in (K.decode("v3"), K.decode("v4s3"), K.decode("v4w16")):

@@ -90,6 +90,9 @@ DEV_DECODE: dict[str, DecodeKernel] = {k.variant: k for k in (
     DevDecodeKernel("v4s3", 4, DECODE_FAMILY, stages=3, shapes=EXPERIMENT_SHAPES),
     DevDecodeKernel("v4s4", 4, DECODE_FAMILY, stages=4, shapes=EXPERIMENT_SHAPES),
     DevDecodeKernel("v4w16", 4, DECODE_FAMILY, suffix="_w16", shapes=EXPERIMENT_SHAPES, warps=16),
+    # the shipped v4 kernel with its 4-warp CTAs at every grid (the plan's 8-warp ones off): an A/B form of v4 whose
+    # kernels are the production family's (its FP8 forms included)
+    DecodeKernel("v4w4", 4, "attention_decode"),
 )}
 
 

@@ -274,7 +274,8 @@ SPECS = [
         kernels=_PREFILL_KERNELS,
         make_inputs=_prefill_inputs, run=_prefill_run, reference=_prefill_reference, tolerance=1e-2,
         check_shapes=[(1, 4, 4, 1, 1, 64), (3, 8, 2, 65, 65, 128), (2, 8, 2, 63, 1000, 64, 32),
-                      (1, 16, 2, 200, 700, 128, 256), (1, 8, 8, 1000, 1000, 128)],
+                      (1, 16, 2, 200, 700, 128, 256), (1, 8, 8, 1000, 1000, 128),
+                      (2, 24, 4, 70, 300, 256)],  # head_dim 256 (Qwen3.5's gated attention: v3 on every arch)
         bench_shapes=[(1, 32, 32, 4096, 4096, 128), (1, 32, 8, 4096, 4096, 128), (4, 32, 8, 1024, 1024, 128, 256)],
         bytes_moved=_prefill_bytes, flops=_prefill_flops, torch_peer=_prefill_torch,
         shape_help="BxHQxHKVxLQxLKVxD[xBLOCK]"),
@@ -291,9 +292,10 @@ SPECS = [
         name="attention_decode", family="attention_decode",
         kernels=("attention_decode_v4_d128_g4_s2", "attention_decode_v4_d128_g4_s2_w8"),
         make_inputs=_decode_inputs, run=_decode_run, reference=_decode_reference, tolerance=1e-2,
-        check_shapes=[(1, 4, 4, 1, 64), (5, 32, 8, 1000, 128), (3, 16, 2, 4097, 64, 256), (1, 40, 8, 32768, 128)],
+        check_shapes=[(1, 4, 4, 1, 64), (5, 32, 8, 1000, 128), (3, 16, 2, 4097, 64, 256), (1, 40, 8, 32768, 128),
+                      (3, 24, 4, 1000, 256), (2, 32, 2, 3000, 256)],  # head_dim 256: v2's body, G = 6 and 16
         bench_shapes=[(64, 32, 8, 4096, 128), (1, 32, 8, 32768, 128), (1, 32, 8, 131072, 128),
-                      (64, 32, 8, 4096, 128, 256)],
+                      (64, 32, 8, 4096, 128, 256), (64, 24, 4, 4096, 256)],
         bytes_moved=_decode_bytes, torch_peer=_decode_torch, shape_help="BxHQxHKVxLKVxD[xBLOCK]"),
     OpSpec(
         name="attention_decode_rope", family="attention_decode",

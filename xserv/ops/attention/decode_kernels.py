@@ -121,7 +121,6 @@ _LEAN_SHAPES = frozenset({(128, g, 1) for g in (1, 2, 3, 4)} | {(128, 1, 5), (12
 # gives the same bits).
 DECODE_KERNELS = {k.variant: k for k in (
     DecodeKernel("v4", 4, "attention_decode", wide="v4w8"),
-    DecodeKernel("v4w4", 4, "attention_decode"),  # v4 with 4-warp CTAs at every grid (for A/B runs)
     DecodeKernel("v4w8", 4, "attention_decode", suffix="_w8", shapes=_WIDE_SHAPES, warps=8, lean=_LEAN_SHAPES),
     DecodeKernel("v2", 2, "attention_decode_v2"),
 )}
@@ -131,7 +130,7 @@ DEFAULT_DECODE = "v4"
 # this form took the 8B-FP8 + FP8-KV offline workload from 9,573 to 10,593 output tok/s on an H100
 # (docs/kernels/attention.md, "FP8 KV cache on tensor cores"). The other FP8 kernels keep the CUDA-core loop.
 # The families whose bodies attention_decode_fp8.cu instantiates for an e4m3 cache (KvChunksE4m3), and that piece's
-# family: every production kernel (v4, v4w4, v4w8 and its subgroups and lean entries; v2), none of the dev ones.
+# family: every production kernel (v4, v4w8 and its subgroups and lean entries; v2), none of the dev ones.
 _FP8_BODIES = frozenset({"attention_decode", "attention_decode_v2"})
 FP8_FAMILY = "attention_decode_fp8"
 
@@ -151,8 +150,10 @@ def _mma_form(k: DecodeKernel) -> DecodeKernel:
 
 def has_fp8_mma(k: DecodeKernel, head_dim: int, group: int) -> bool:
     """Does k have an FP8-cache tensor-core form for this shape (attention_decode_fp8.cu's _mma entries, which an FP8
-    launch takes): the 4-warp v4 kernel on whole groups of at most 8, head_dim 128."""
-    return k.variant in ("v4", "v4w4") and k.subgroups == 1 and head_dim == 128 and group <= 8
+    launch takes): the 4-warp v4 kernel (v4 where its plan keeps 4 warps, and the dev registry's v4w4) on whole groups
+    of at most 8, head_dim 128."""
+    return (k.family == "attention_decode" and k.warps == 4 and not k.suffix and k.stages == 2
+            and k.subgroups == 1 and head_dim == 128 and group <= 8)
 
 
 def lean_entry(k: DecodeKernel, head_dim: int, group: int, splits: int) -> bool:
