@@ -485,3 +485,18 @@ def test_bench_serve_url_with_a_bad_port_is_a_usage_error(cli, monkeypatch, url)
     code, _, err = cli("bench", "serve", "--url", url, "--num-prompts", "1")
     assert code == 2 and "argument --url:" in err, err
     assert "Traceback" not in err, err
+
+
+def test_chat_with_a_hybrid_shows_the_reasoning_the_template_opened(cli, tmp_path):
+    """Qwen3.5's template opens `<think>` in the prompt: the answer starts inside the reasoning, and the chat shows
+    the opening tag before it (as a Qwen3 answer shows its own); without thinking the template closes the block
+    itself and nothing is added."""
+    from xserv.models.random_checkpoint import make_test_model
+
+    folder = str(make_test_model("qwen3.5-tiny", tmp_path / "hybrid"))
+    code, out, err = cli("chat", "--model", folder, "--device", "cpu", "--max-tokens", "2", stdin="hi\n/exit\n")
+    assert code == 0 and "Traceback" not in err, err
+    assert out.split(">>> ")[1].startswith("<think>\n"), out
+    code, out, err = cli("chat", "--model", folder, "--device", "cpu", "--max-tokens", "2", "--no-enable-thinking",
+                         stdin="hi\n/exit\n")
+    assert code == 0 and not out.split(">>> ")[1].startswith("<think>"), out

@@ -265,6 +265,9 @@ def cmd_chat(args) -> int:
             print(f"xserv: {cli_words(str(e), getattr(args, 'option_flags', {}))} (/reset starts over)")
             continue
         answer, interrupted, start = [], False, time.perf_counter()
+        if prompt.rstrip().endswith("<think>"):  # the template opened the reasoning (Qwen3.5's thinking mode): show it
+            answer.append("<think>\n")
+            sys.stdout.write(answer[0])
         try:
             for delta in stream:
                 answer.append(delta)
