@@ -15,7 +15,8 @@ logits by 1e-2 or more. With FLA's kernels or TF32 active (kernel_report() print
 failure message says so.
 bf16: the reference with bf16_points=True is a model of transformers' bf16 noise, not a copy of it: its mean error
 against float64 within a factor BF16_MODEL_FACTOR of transformers bf16's own (on the CPU, same folders: 2.24e-2 vs
-2.25e-2, 2.07e-2 vs 2.08e-2, 3.97e-2 vs 3.98e-2, 3.28e-2 vs 3.54e-2 in CASES order). Means only: a MoE routing near-tie flips experts at a few positions in any bf16 run.
+2.25e-2, 2.07e-2 vs 2.08e-2, 3.97e-2 vs 3.98e-2, 3.28e-2 vs 3.54e-2 in CASES order). Means only: a MoE routing
+near-tie flips experts at a few positions in any bf16 run.
 xserv: like tests/models/test_moe_parity_gpu.py, max and mean error against the float64 reference at most
 PEER_FACTOR x transformers bf16's own, each at least FLOOR.
 """
