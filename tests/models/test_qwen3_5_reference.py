@@ -297,9 +297,10 @@ def test_head_is_tied_by_the_outer_config(folders, tmp_path, rng):
     tied = HybridReference(outer_tied)
     assert tied.head is tied.embed
     assert rel(tied.forward(ids)[0], untied.forward(ids)[0]) > 0.1
-    inner_only = _with_config(tmp_path / "t", lambda c: (c.update(tie_word_embeddings=False),
-                                                         c["text_config"].update(tie_word_embeddings=True)))
-    assert HybridReference(inner_only).head is not HybridReference(inner_only).embed
+    inner_only = HybridReference(_with_config(tmp_path / "t", lambda c: (
+        c.update(tie_word_embeddings=False), c["text_config"].update(tie_word_embeddings=True))))
+    np.testing.assert_array_equal(inner_only.head, untied.head)  # same seed and config as folders["qwen3_5"]
+    np.testing.assert_array_equal(inner_only.forward(ids)[0], untied.forward(ids)[0])
     bare = write_random_folder(tmp_path / "bare", dict(TINY_TEXT_CONFIG, num_experts=0, tie_word_embeddings=True),
                                "qwen3_5", seed=11)
     assert "lm_head.weight" not in ref.SafetensorsFolder(bare)
@@ -359,16 +360,19 @@ def test_bf16_round_is_round_to_nearest_even():
 
 
 def test_bf16_points_round_but_stay_close(folders, rng):
-    """bf16_points=True: weights are bf16 values, and the logits move off float64 by bf16 roundings (each
-    relative 2^-9; through 4 layers of random weights a few percent per position), neither not at all nor grossly
-    (a rounding put where a float32 value is meant to stay, e.g. the SSM state, makes it tens of percent)."""
+    """bf16_points=True: weights are bf16 values, and the logits move off float64 by bf16 roundings (each relative
+    2^-9 at most), on average as much as transformers' own bf16 run moves on such random folders (mean relative
+    error per position 2.1e-2 to 4e-2, measured with transformers 5.17 on the CPU: tests/models/
+    test_qwen3_5_parity_gpu.py), so between 1e-3 (it rounds) and 0.1 (no gross error). This cannot tell one
+    misplaced rounding from another (rounding g or the SSM state too moves the mean here by under 10%): the GPU
+    test holds the model to transformers' bf16 run for that."""
     ids = rng.integers(0, 256, 40)
     exact = HybridReference(folders["qwen3_5"]).forward(ids)[0]
     rounded_model = HybridReference(folders["qwen3_5"], bf16_points=True)
     w = rounded_model.layers[0]["qkv"]
     np.testing.assert_array_equal(w, bf16_round(w))
     err = np.linalg.norm(rounded_model.forward(ids)[0] - exact, axis=-1) / np.linalg.norm(exact, axis=-1)
-    assert 1e-4 < err.max() < 0.15, err.max()
+    assert 1e-3 < err.mean() < 0.1, err.mean()
 
 
 def test_bf16_tensors_are_read(tmp_path):
