@@ -399,10 +399,12 @@ class HybridReference:
                 if kind == LINEAR_ATTENTION else
                 {"k": np.zeros((0, c.nkv, c.hd)), "v": np.zeros((0, c.nkv, c.hd))} for kind in c.layer_types]
 
-    def forward(self, token_ids, states=None, gdn_form: str = "recurrent") -> tuple[np.ndarray, list[dict]]:
+    def forward(self, token_ids, states=None, gdn_form: str = "recurrent",
+                hidden: list | None = None) -> tuple[np.ndarray, list[dict]]:
         """Logits [T, vocab] for every position of token_ids and the per-layer states after the last one. states:
         what an earlier call returned (not modified), None for a fresh sequence. gdn_form: "recurrent" (token by
-        token, ARCHITECTURE 3.2) or "chunked" (3.3)."""
+        token, ARCHITECTURE 3.2) or "chunked" (3.3). hidden: a list that receives the residual stream [T, H] after
+        each layer, then after the final norm (for finding the first layer where another implementation departs)."""
         if gdn_form not in ("recurrent", "chunked"):
             raise ValueError(f"gdn_form must be 'recurrent' or 'chunked', got {gdn_form!r}")
         c, r = self.cfg, self.r
@@ -429,7 +431,11 @@ class HybridReference:
             x = r(x + mixed)
             h = r(zero_centred_rms_norm(x, w["post_norm"], c.eps))
             x = r(x + (self.moe(h, w["moe"]) if "moe" in w else self.mlp(h, *w["mlp"])))
+            if hidden is not None:
+                hidden.append(x)
         x = r(zero_centred_rms_norm(x, self.final_norm, c.eps))
+        if hidden is not None:
+            hidden.append(x)
         return r(x @ self.head.T), new_states
 
     # The layer pieces, public so that a test can compare one layer at a time: x is a layer's normed input [T, H],

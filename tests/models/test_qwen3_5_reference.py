@@ -11,6 +11,7 @@ The layouts are the same numbers in other places, so the same arithmetic: 1e-12 
 """
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -393,3 +394,31 @@ def test_bad_input_names_the_problem(folders, tmp_path):
         ref.SafetensorsFolder(folders["qwen3_5_text"]).get("model.layers.0.mlp.nothing.weight")
     with pytest.raises(ValueError, match="layout"):
         write_random_folder(tmp_path / "x", None, "llama")
+
+
+def test_hidden_states_are_the_residual_stream(dense_ref, rng):
+    """hidden receives each layer's output, then the final norm's, whose product with the head is the logits."""
+    hidden = []
+    logits, _ = dense_ref.forward(rng.integers(0, 256, 7), hidden=hidden)
+    assert len(hidden) == dense_ref.cfg.n_layers + 1 and hidden[0].shape == (7, dense_ref.cfg.hidden)
+    np.testing.assert_allclose(hidden[-1] @ dense_ref.head.T, logits, rtol=1e-12)
+
+
+SHARED_CONFIGS = Path(__file__).resolve().parents[2].parent / "shared" / "qwen3.5" / "configs"
+
+
+@pytest.mark.skipif(not SHARED_CONFIGS.is_dir(), reason="no ../shared/qwen3.5/configs beside the checkout")
+@pytest.mark.parametrize("name", sorted(p.name for p in SHARED_CONFIGS.glob("*.json")) if SHARED_CONFIGS.is_dir()
+                         else [])
+def test_reads_the_released_configs(name):
+    """Every config of ../shared/qwen3.5/configs: full attention on layers 3, 7, 11, ... (listed or by interval),
+    RoPE on 64 of 256 dims, each key head serving whole value heads, MoE on every layer of the MoE models and on
+    none of the dense ones, the head tied by the outer flag."""
+    outer = json.loads((SHARED_CONFIGS / name).read_text())
+    c = TextConfig(outer)
+    assert [i for i, t in enumerate(c.layer_types) if t == FULL_ATTENTION] == list(range(3, c.n_layers, 4))
+    assert (c.hd, c.rotary_dim) == (256, 64)
+    assert c.nv % c.nk == 0 and c.conv_dim == 2 * c.nk * c.dk + c.nv * c.dv
+    moe = "num_experts" in outer.get("text_config", outer)
+    assert c.moe_layers == (set(range(c.n_layers)) if moe else set())
+    assert c.tie == outer.get("tie_word_embeddings", False)
