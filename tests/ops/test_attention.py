@@ -330,11 +330,12 @@ def test_fast_div():
 
 
 def _source(family: str) -> str:
-    """A family's source with the decode bodies it includes inlined (attention_decode_v4.cuh / _v2.cuh: the bodies,
-    constants and entries the bf16 files share with attention_decode_fp8.cu)."""
+    """A family's source with the bodies it includes inlined (attention_decode_v4.cuh / _v2.cuh: the bodies,
+    constants and entries the bf16 files share with attention_decode_fp8.cu; attention_prefill.cuh: the prefill
+    templates of attention_prefill.cu and attention_prefill_d256.cu)."""
     src = (kernel_source_dir() / f"{family}.cu").read_text()
-    return re.sub(r'^#include "(attention_decode_v\d\.cuh)"$', lambda m: (kernel_source_dir() / m.group(1)).read_text(),
-                  src, flags=re.M)
+    return re.sub(r'^#include "(attention_decode_v\d\.cuh|attention_prefill\.cuh)"$',
+                  lambda m: (kernel_source_dir() / m.group(1)).read_text(), src, flags=re.M)
 
 
 # The decode entry macros of attention_decode_v4.cuh / _v2.cuh -> the name after the format's prefix
@@ -462,7 +463,7 @@ def test_host_mirrors_match_device_constants():
     for d, s, n in re.findall(r"#define XSERV_V3_MINB_(\d+)_(\d) (\d+)", v3):
         assert K.v3_min_blocks(int(d), int(s)) == int(n)
     # the shared-memory sizes: every kernel that takes dynamic shared memory checks it gets enough (require_smem)
-    for family in ("attention_prefill", "attention_prefill_sm90", "attention_decode"):
+    for family in ("attention_prefill", "attention_prefill_d256", "attention_prefill_sm90", "attention_decode"):
         assert "require_dynamic_smem(" in _source(family), family
 
 

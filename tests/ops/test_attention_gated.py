@@ -189,7 +189,8 @@ def test_errors_name_the_argument(rng):
 
 def test_plan_and_pieces():
     """Head dim 256 plans v2 (whatever production variant is asked), a group of 16 as 2 subgroups; the kernels load
-    from attention_decode_d256's pieces, which a start-up of a head-dim-256 model compiles (and only that)."""
+    from attention_decode_d256's and attention_prefill_d256's pieces, which a start-up of a head-dim-256 model
+    compiles on either path (and a head-dim-128 one does not)."""
     for variant in ("v4", "v4w8", "v2"):
         for g, r in D.D256_SUBGROUPS.items():
             k, splits, chunk = D.plan_decode(variant, 64, 4, 4096, 16, D256, g, 132)
@@ -197,12 +198,12 @@ def test_plan_and_pieces():
             assert splits * chunk >= 4096 and (splits - 1) * chunk < 4096
     assert D._module("attention_decode_v2", D256, 6) == "attention_decode_d256:d256_g6_k0"
     assert D._module(D.FP8_FAMILY, D256, 16, True) == "attention_decode_d256:d256_g16_k1"
-    for fp8 in (0, 1):
-        pieces = [n for n in startup_families("sm_90a", {"head_dim": D256, "group": 6, "kvfp8": fp8})
-                  if n.startswith("attention_decode")]
-        assert pieces == [f"attention_decode_d256:d256_g6_k{fp8}"]
-    assert not any(n.startswith("attention_decode_d256") for n in startup_families("sm_90a", {"head_dim": 128,
-                                                                                              "group": 4}))
+    for target in ("sm_90a", "sm_80@sm_90a"):
+        for fp8 in (0, 1):
+            pieces = [n for n in startup_families(target, {"head_dim": D256, "group": 6, "kvfp8": fp8})
+                      if n.startswith("attention") and ":" in n]
+            assert pieces == [f"attention_decode_d256:d256_g6_k{fp8}", "attention_prefill_d256:d256"], target
+        assert not any("d256" in n for n in startup_families(target, {"head_dim": 128, "group": 4}))
 
 
 def test_kernels_exist():
@@ -221,11 +222,13 @@ def test_kernels_exist():
     for fp8 in ("", "_fp8"):
         assert re.search(rf"qk_norm_rope_write_kv{fp8}_d##D##_r##ROT##_s##STEPS", rope)
     assert re.search(rf"^XSERV_QK_NORM_ROPE_WRITE_KV_PARTIAL(_FP8)?\({D256}, {ROT}, {R._FUSED_STEPS}\)", rope, re.M)
-    v3 = re.findall(r"^XSERV_PREFILL_V3\((\d+), (\d+), (\d+), (\w+), (\w*), (\d+), (\d+), (\w*)\)",
-                    (src / "attention_prefill.cu").read_text(), re.M)
-    names = {f"attention_prefill_v3_d{d}_m{mt}w{w}{qs}_b{nb}{ks}" for d, mt, w, _, qs, nb, _, ks in v3}
-    assert A.PREFILL_KERNELS["v3"][D256].name in names
-    assert "attention_prefill_simple_d256" in (src / "attention_prefill.cu").read_text()
+    prefill = (src / "attention_prefill_d256.cu").read_text()
+    v3 = re.findall(r"^XSERV_PREFILL_V3\((\d+), (\d+), (\d+), (\w+), (\w*), (\d+), (\d+), (\w*)\)", prefill, re.M)
+    assert {f"attention_prefill_v3_d{d}_m{mt}w{w}{qs}_b{nb}{ks}" for d, mt, w, _, qs, nb, _, ks in v3} == {
+        A.PREFILL_KERNELS["v3"][D256].name}
+    assert A.PREFILL_KERNELS["simple"][D256].name in prefill
+    assert {A.PREFILL_KERNELS[v][D256].family for v in ("v3", "simple")} == {"attention_prefill_d256"}
+    assert "d256" not in (src / "attention_prefill.cu").read_text()  # Qwen3 models never compile it
     assert "attention_output_gate_bf16" in (src / "attention_gate.cu").read_text()
 
 

@@ -15,6 +15,7 @@ import numpy as np
 
 from ...runtime import get_device, get_runtime, kernel
 from ...runtime.arch import KernelPath, arch_path, default_variant
+from ...runtime.compiler import piece
 from ...runtime.device import CTA_SMEM_RESERVED, SM90_SMEM_PER_BLOCK_OPTIN, SM90_SMEM_PER_MULTIPROCESSOR
 from ...runtime.tma import kv_cache_tensor_map
 from ...tensor import Tensor, bfloat16, int32
@@ -63,8 +64,14 @@ class PrefillKernel:
         return (q_tiles, num_q_heads, num_seqs) if self.q_tiles_first else (num_q_heads, num_seqs, q_tiles)
 
 
+def _family(d):
+    """Where the portable kernels of head_dim d live: head_dim 256 (Qwen3.5) in its own family, compiled per shape
+    (attention_prefill_d256.cu), so that models of other head dims never compile it."""
+    return "attention_prefill_d256" if d == 256 else "attention_prefill"
+
+
 def _simple(d):
-    return PrefillKernel("simple", d, "attention_prefill", f"attention_prefill_simple_d{d}", rows=4, threads=128,
+    return PrefillKernel("simple", d, _family(d), f"attention_prefill_simple_d{d}", rows=4, threads=128,
                          smem=0, q_tiles_first=True, causal_only=True)
 
 
@@ -75,7 +82,7 @@ def _v3(d, tag, variant="v3"):
     """tag "m{m-tiles per warp}w{warps}[q]_b{ldmatrix ring}[_k32]" (q: Q fragments kept in registers)."""
     mt, warps, keys = int(tag[1]), int(tag[3]), 32 if tag.endswith("_k32") else 64
     rows = 16 * mt * warps
-    return PrefillKernel(variant, d, "attention_prefill", f"attention_prefill_v3_d{d}_{tag}", rows=rows,
+    return PrefillKernel(variant, d, _family(d), f"attention_prefill_v3_d{d}_{tag}", rows=rows,
                          threads=32 * warps, smem=(rows + 4 * keys) * d * 2, keys=keys)
 
 
@@ -106,7 +113,7 @@ def _table(kernels) -> dict[str, dict[int, PrefillKernel]]:
 PREFILL_KERNELS = _table([
     _simple(64), _simple(128), _simple(256),
     _v3(128, "m2w8_b3"), _v3(64, "m1w8q_b3"),
-    _v3(256, "m1w4_b3_k32"),  # Qwen3.5's gated attention, on every arch (96 KB: fits sm_86 / sm_89 / sm_120)
+    _v3(256, "m1w4_b3_k32"),  # Qwen3.5's gated attention, every arch (96 KB: fits sm_86 / sm_89 / sm_120; _family)
     _v3(128, "m2w8_b3_k32", variant="v3_m2w8_b3_k32"),  # d128 where m2w8_b3 does not fit (99 KB arches)
     _v4(128, 2, 128), _v4(64, 3, 128),
     _v5(128, 2, 128, 3), _v5(64, 2, 128, 3),
@@ -252,5 +259,6 @@ def attention_prefill(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q:
         runtime = get_runtime()
         args += [0, 0] if rows is None else [kv_cache_tensor_map(runtime, c.ptr, c.shape, rows)
                                              for c in (k_cache, v_cache)]
-    kernel(k.family, k.name)(k.grid(num_q_heads, num_seqs, max_q_len), (k.threads, 1, 1), *args, smem=k.smem)
+    kernel(piece(k.family, head_dim=head_dim), k.name)(k.grid(num_q_heads, num_seqs, max_q_len), (k.threads, 1, 1),
+                                                      *args, smem=k.smem)
     return out
