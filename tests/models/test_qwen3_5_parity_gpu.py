@@ -7,16 +7,16 @@ loads the architecture) against the reference, with transformers bf16 as the bar
 
 Bars. float32: every position's relative L2 error at most F32_BAR. Measured on these folders and prompts with
 transformers 5.17 float32 on the CPU (torch 2.13, no flash-linear-attention / causal-conv1d; no GPU run yet): max
-8.3e-6 (qwen3_5), 1.4e-5 (qwen3_5_text), 1.9e-5 (qwen3_next_moe), 3.3e-5 (qwen3_5_moe), means 1.3e-6 to 2.3e-6, one
-pass and decode path alike. A float32 run drifts from float64 by float32 roundings (2^-24 relative each, through
-4 layers and a 300-step recurrence), so 1e-4 leaves room for cuBLAS's and the GPU's own summation orders, while
-anything semantic (a gate on the wrong rows, the wrong value-head sharing, a decay order, a missing (1 + w)) moves
-logits by 1e-2 or more. With FLA's kernels or TF32 active (kernel_report() prints which), 1e-4 may not hold: the
-failure message says so.
+8.3e-6 (qwen3_5), 1.4e-5 (qwen3_5_text), 4.3e-6 (qwen3_5_real_heads), 1.9e-5 (qwen3_next_moe), 3.3e-5
+(qwen3_5_moe), means 1.3e-6 to 2.3e-6, one pass and decode path alike. A float32 run drifts from float64 by float32
+roundings (2^-24 relative each, through 4 layers and a 300-step recurrence), so 1e-4 leaves room for cuBLAS's and
+the GPU's own summation orders, while anything semantic (a gate on the wrong rows, the wrong value-head sharing, a
+decay order, a missing (1 + w)) moves logits by 1e-2 or more. With FLA's kernels or TF32 active (kernel_report()
+prints which), 1e-4 may not hold: the failure message says so.
 bf16: the reference with bf16_points=True is a model of transformers' bf16 noise, not a copy of it: its mean error
-against float64 within a factor BF16_MODEL_FACTOR of transformers bf16's own (on the CPU, same folders: 2.24e-2 vs
-2.25e-2, 2.07e-2 vs 2.08e-2, 3.97e-2 vs 3.98e-2, 3.28e-2 vs 3.54e-2 in CASES order). Means only: a MoE routing
-near-tie flips experts at a few positions in any bf16 run.
+against float64 within a factor BF16_MODEL_FACTOR of transformers bf16's own (on the CPU, same folders, CASES order:
+2.24e-2 vs 2.25e-2, 2.07e-2 vs 2.08e-2, 1.79e-2 vs 1.80e-2, 3.97e-2 vs 3.98e-2, 3.28e-2 vs 3.54e-2). Means only: a
+MoE routing near-tie flips experts at a few positions in any bf16 run.
 xserv: like tests/models/test_moe_parity_gpu.py, max and mean error against the float64 reference at most
 PEER_FACTOR x transformers bf16's own, each at least FLOOR.
 """
@@ -40,11 +40,17 @@ FLOOR = 1e-2
 
 _DENSE = {**TINY_TEXT_CONFIG, "num_experts": 0, "vocab_size": 248320, "tie_word_embeddings": True}
 _MOE = {**TINY_TEXT_CONFIG, **TINY_MOE_FIELDS, "tie_word_embeddings": False}
+# Qwen3.5's own head sizes (attention heads of 256 with RoPE on 64, GDN heads of 128, its mrope sections and theta)
+_REAL_HEADS = {**_DENSE, "num_attention_heads": 8, "head_dim": 256, "linear_key_head_dim": 128,
+               "linear_value_head_dim": 128,
+               "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+                                   "mrope_section": [11, 11, 10], "mrope_interleaved": True}}
 # name -> (layout, text config, expert tensors): Qwen3.5's real vocabulary for the Qwen3.5 layouts (tied, as the
 # small Qwen3.5 models), Qwen3-Next's for Qwen3-Next (untied, per-expert tensors as released).
 CASES = {
     "qwen3_5": ("qwen3_5", _DENSE, "fused"),
     "qwen3_5_text": ("qwen3_5_text", _DENSE, "fused"),
+    "qwen3_5_real_heads": ("qwen3_5", _REAL_HEADS, "fused"),
     "qwen3_next_moe": ("qwen3_next", {**_MOE, "vocab_size": 151936}, "per_expert"),
     "qwen3_5_moe": ("qwen3_5_moe", {**_MOE, "vocab_size": 248320}, "fused"),
 }
