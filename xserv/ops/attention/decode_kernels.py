@@ -140,6 +140,10 @@ FP8_FAMILY = "attention_decode_fp8"
 D256_FAMILY = "attention_decode_d256"
 D256_HEAD_DIMS = (256,)
 D256_SUBGROUPS = {4: 1, 6: 1, 8: 1, 16: 2}
+# Its splits may be as short as 64 keys (v2's 256 at d64 / d128): a key is 1 KB of K and V here, and a warp streams
+# one key a step (32 lanes a row), 4 in flight, so a 256-key split is 16 dependent load rounds per warp; at batch 1
+# the shorter splits put more CTAs on the SMs.
+D256_MIN_CHUNK = 64
 
 
 @functools.lru_cache(maxsize=None)

@@ -8,7 +8,7 @@ import dataclasses
 import functools
 
 from ...runtime.device import CTA_SMEM_RESERVED, SM90_SMEM_PER_BLOCK_OPTIN, SM90_SMEM_PER_MULTIPROCESSOR
-from .decode_kernels import (D256_HEAD_DIMS, D256_SUBGROUPS, DECODE_KERNELS, DEFAULT_DECODE, MAX_SUBGROUPS, SUBGROUP_MAX_CHUNK,
+from .decode_kernels import (D256_HEAD_DIMS, D256_MIN_CHUNK, D256_SUBGROUPS, DECODE_KERNELS, DEFAULT_DECODE, MAX_SUBGROUPS, SUBGROUP_MAX_CHUNK,
                              V2_CTAS_PER_SM, V4_CTA_COST_KEYS, V4_MAX_SPLITS, V4_TABLE_CAP, DecodeKernel)
 
 
@@ -20,15 +20,15 @@ def fast_div(d: int) -> tuple[int, int]:
 
 def decode_plan(num_seqs: int, num_kv_heads: int, max_kv_len: int, multiprocessor_count: int,
                 ctas_per_sm: int = V2_CTAS_PER_SM, balance: bool = False,
-                max_chunk: int | None = None) -> tuple[int, int]:
+                max_chunk: int | None = None, min_chunk: int = 256) -> tuple[int, int]:
     """(num_splits, chunk_len): split-KV grid over (sequence x kv head x split), chunk_len a multiple of 64, each
-    split at least 256 keys. v2 (balance=False): enough CTAs for ~`ctas_per_sm` per multiprocessor. v3/v4
+    split at least min_chunk keys (a multiple of 64; head_dim 256 takes 64: D256_MIN_CHUNK). v2 (balance=False): enough CTAs for ~`ctas_per_sm` per multiprocessor. v3/v4
     (balance=True, ctas_per_sm = CTAs resident per SM): the split count whose grid fills the last wave of resident
     CTAs best (within 3% of the best fill, the fewest splits). max_chunk (balance=True): no split longer than this
     (v4's page table), as far as 256 splits allow."""
     max_kv_len = max(int(max_kv_len), 1)
     pairs = max(num_seqs * num_kv_heads, 1)
-    limit = max(1, min(-(-max_kv_len // 256), 256))
+    limit = max(1, min(-(-max_kv_len // min_chunk), 256))
     lowest = 1 if max_chunk is None else max(1, min(limit, -(-max_kv_len // max_chunk)))
 
     def shape(splits: int) -> tuple[int, int]:
@@ -108,7 +108,7 @@ def plan_decode(variant: str | DecodeKernel, num_seqs: int, num_kv_heads: int, m
             raise ValueError(f"variant: {variant} has no head_dim {head_dim} kernels (the production v2 body only)")
         k = dataclasses.replace(DECODE_KERNELS["v2"], subgroups=D256_SUBGROUPS[group])
         splits, chunk = decode_plan(num_seqs, num_kv_heads * k.subgroups, max_kv_len, multiprocessor_count,
-                                    k.resident(head_dim, group))
+                                    k.resident(head_dim, group), min_chunk=D256_MIN_CHUNK)
         return k, splits, chunk
     if k.shapes is not None and (head_dim, group) not in k.shapes:
         raise ValueError(f"variant: {variant} is compiled for (head_dim, group) in {sorted(k.shapes)} only, "
