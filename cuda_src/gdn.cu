@@ -63,7 +63,8 @@ extern "C" __global__ void __launch_bounds__(128) causal_conv1d_silu_k4(
 #pragma unroll
     for (int j = 0; j < 3; ++j) {
         if (t0 > 0) {
-            x[j] = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(proj + (size_t)(r0 + t0 - 3 + j) * P + c));
+            x[j] = __bfloat1622float2(
+                *reinterpret_cast<const __nv_bfloat162*>(proj + (size_t)(r0 + t0 - 3 + j) * P + c));
         } else if (start > 0) {
             x[j] = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(window + (size_t)j * conv_dim));
         } else {
@@ -155,8 +156,10 @@ extern "C" __global__ void __launch_bounds__(256, 2) gdn_recurrent_d128(
             const float ki = ks[i], qi = qs[i];
             kq = fmaf(ki, qi, kq);
             s[j].x *= decay; s[j].y *= decay; s[j].z *= decay; s[j].w *= decay;
-            m.x = fmaf(s[j].x, ki, m.x); m.y = fmaf(s[j].y, ki, m.y); m.z = fmaf(s[j].z, ki, m.z); m.w = fmaf(s[j].w, ki, m.w);
-            p.x = fmaf(s[j].x, qi, p.x); p.y = fmaf(s[j].y, qi, p.y); p.z = fmaf(s[j].z, qi, p.z); p.w = fmaf(s[j].w, qi, p.w);
+            m.x = fmaf(s[j].x, ki, m.x); m.y = fmaf(s[j].y, ki, m.y);
+            m.z = fmaf(s[j].z, ki, m.z); m.w = fmaf(s[j].w, ki, m.w);
+            p.x = fmaf(s[j].x, qi, p.x); p.y = fmaf(s[j].y, qi, p.y);
+            p.z = fmaf(s[j].z, qi, p.z); p.w = fmaf(s[j].w, qi, p.w);
         }
         red[0][warp][lane] = m;
         red[1][warp][lane] = p;
@@ -170,7 +173,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) gdn_recurrent_d128(
             p.x += pw.x; p.y += pw.y; p.z += pw.z; p.w += pw.w;
             kq += red_kq[w];
         }
-        const float4 d = make_float4(beta * (v01.x - m.x), beta * (v01.y - m.y), beta * (v23.x - m.z), beta * (v23.y - m.w));
+        const float4 d = make_float4(beta * (v01.x - m.x), beta * (v01.y - m.y), beta * (v23.x - m.z),
+                                     beta * (v23.y - m.w));
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
             const float ki = ks[16 * warp + j];
@@ -269,7 +273,8 @@ __device__ __forceinline__ void gram(float (&acc)[8][4], const __nv_bfloat16* x,
 }
 
 // acc[16 rows m0..][32 columns] = X[m0.., :128] S (X = q or k tile, S the bf16 state copy [128][32]).
-__device__ __forceinline__ void times_state(float (&acc)[4][4], const __nv_bfloat16* x, const __nv_bfloat16* s, int m0) {
+__device__ __forceinline__ void times_state(float (&acc)[4][4], const __nv_bfloat16* x, const __nv_bfloat16* s,
+                                            int m0) {
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
 #pragma unroll

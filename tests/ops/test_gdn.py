@@ -7,7 +7,7 @@ import pytest
 from xserv.ops import gdn
 from xserv.ops.gdn import (causal_conv1d_silu, causal_conv1d_silu_reference, gated_delta_rule,
                            gated_delta_rule_reference, gated_rmsnorm_silu, gated_rmsnorm_silu_reference)
-from xserv.tensor import Tensor, bfloat16, float32, int32
+from xserv.tensor import Tensor, bfloat16, float32
 from xserv.testing import poisoned, random_array, rel_error
 
 EPS = 1e-6

@@ -1,8 +1,8 @@
 """Gated DeltaNet family (xserv/ops/gdn.py).
 
 gdn_prefill   BATCHxQ_LENxNVxNK: B fresh sequences of Q_LEN tokens each, dk = dv = 128 (27B: NV 48, NK 16); the chunked
-              kernel from Q_LEN 17 on. Peer: fla's chunk_gated_delta_rule (gates, L2 norm and sigmoid in its kernels, final
-              state written), where `fla` imports.
+              kernel from Q_LEN 17 on. Peer: fla's chunk_gated_delta_rule (gates, L2 norm and sigmoid in its kernels,
+              final state written), where `fla` imports.
 gdn_decode    BATCHxNVxNK: one token for each of B continuing sequences (the recurrent kernel). bytes_moved counts the
               state read and written once. Peer: fla's fused_recurrent_gated_delta_rule (final state out of place).
 conv1d_silu   TOKENSxSEQSxCONV_DIM: SEQS continuing sequences of TOKENS / SEQS tokens each.
@@ -169,9 +169,11 @@ SPECS = [
         name="gdn_prefill", family="gdn", kernels=("gdn_chunked_d128", "gdn_recurrent_d128"),
         make_inputs=_prefill_inputs, run=_run_rule, reference=_ref_rule, tolerance=1.5e-2,
         check_shapes=[(2, 100, 4, 2), (1, 200, 6, 2), (3, 17, 4, 4)],
-        bench_shapes=[(1, 2048, 48, 16), (1, 8192, 48, 16), (1, 32768, 48, 16), (8, 2048, 48, 16)],
+        bench_shapes=[(1, 2048, 48, 16), (1, 8192, 48, 16), (1, 32768, 48, 16), (8, 2048, 48, 16), (16, 16, 48, 16),
+                      (16, 17, 48, 16)],
         bytes_moved=lambda s: _rule_bytes(s[0], s[0] * s[1], s[2], s[3]),
-        # per token and head, the WY form's products: K K^T, Q K^T, T R, A V' (64 x 128 each), K S, Q S, K^T V' (128 x 128)
+        # per token and head, the WY form's products: K K^T, Q K^T, T R, A V' (64 x 128 each), K S, Q S, K^T V'
+        # (128 x 128)
         flops=lambda s: 2 * s[0] * s[1] * s[2] * (2 * 64 * D + 2 * D * D + 2 * 64 * D + D * D),
         torch_peer=_fla_prefill, shape_help="BATCHxQ_LENxNVxNK",
     ),
