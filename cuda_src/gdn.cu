@@ -8,6 +8,7 @@
 // state lives at state_slots[b] and is updated in place. dk = dv = 128 for the delta rule and the norm.
 // Storage bf16 (activations, conv window), fp32 (SSM state); all arithmetic fp32 (tensor-core products: bf16 inputs,
 // fp32 accumulators).
+// xserv-shapes: gdn=1 (compiled at the start of a hybrid model only; others never load it)
 #include "mma.cuh"
 #include "norm.cuh"
 

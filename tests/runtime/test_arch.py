@@ -99,7 +99,10 @@ def test_hopper_only_families_are_declared_and_refused_elsewhere():
 
 
 # families compiled at start-up only for a model that needs them (moe=1, fp8=1) or an FP8 KV cache (kvfp8=1)
-MODEL_ONLY = {"moe", "moe_sm90", "gemv_fp8", "fp8", "attention_decode_fp8"}
+# families a start-up compiles only for models that need them: MoE, FP8 weights, an FP8 KV cache, and the hybrid
+# models' (head_dim 256 attention, Gated DeltaNet)
+HYBRID_ONLY = {"attention_decode_d256", "attention_prefill_d256", "gdn"}
+MODEL_ONLY = {"moe", "moe_sm90", "gemv_fp8", "fp8", "attention_decode_fp8"} | HYBRID_ONLY
 
 
 def test_kernel_paths_name_what_the_runtime_compiles():
@@ -122,7 +125,9 @@ def test_kernel_paths_name_what_the_runtime_compiles():
             assert with_key == families_of(path) - (MODEL_ONLY - families), key
         both = {name.partition(":")[0] for name in startup_families(target, {**shapes, "moe": 1, "fp8": 1,
                                                                               "kvfp8": 1})}
-        assert both == families_of(path)
+        assert both == families_of(path) - HYBRID_ONLY
+        hybrid = {name.partition(":")[0] for name in startup_families(target, {"head_dim": 256, "group": 4, "gdn": 1})}
+        assert hybrid & MODEL_ONLY == HYBRID_ONLY and "attention_decode" not in hybrid  # (head_dim 128's pieces)
     assert set(list_families()) - startup("sm_90a") == {"attention_prefill"} | MODEL_ONLY  # v3, simple: on request
     assert set(list_families()) - startup("sm_80@sm_90a") == {"attention_prefill_sm90"} | MODEL_ONLY
     for op, by_path in KERNEL_PATHS.items():
@@ -134,7 +139,8 @@ def test_kernel_paths_name_what_the_runtime_compiles():
         assert default_variant("attention_decode, attention_decode_rope", target) == "v4"
     for path in KernelPath:  # the variants named are shipped kernels of the family named
         prefill = KERNEL_PATHS["attention_prefill"][path][0]
-        assert all(k.family == prefill.family for k in PREFILL_KERNELS[prefill.variant].values())
+        # (head_dim 256 has its own family on every path: "attention at head_dim 256")
+        assert all(k.family == prefill.family for d, k in PREFILL_KERNELS[prefill.variant].items() if d != 256)
         decode = KERNEL_PATHS["attention_decode, attention_decode_rope"][path][0]
         assert DECODE_KERNELS[decode.variant].family == decode.family
 

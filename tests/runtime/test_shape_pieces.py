@@ -123,7 +123,7 @@ def launched_decode_kernels(head_dim: int, group: int) -> dict[str, set[str]]:
     """family -> every kernel the decode launchers can launch for a model of this shape (production variants), on a
     bf16 cache (the kernels' families) and on an FP8 one (D.FP8_FAMILY: their e4m3 names)."""
     out = {}
-    for variant in ("v4", "v4w4", "v4w8", "v2"):
+    for variant in ("v4", "v4w8", "v2"):
         k = D.DECODE_KERNELS[variant]
         kernels = []
         if k.shapes is None or (head_dim, group) in k.shapes:

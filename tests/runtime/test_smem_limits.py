@@ -235,13 +235,22 @@ def test_moe_fits(arch):
 
 
 def test_no_other_launch_asks_dynamic_shared_memory():
-    """The audit covers every launch with dynamic shared memory: gemv, attention decode / prefill, moe. The others
+    """The audit covers every launch with dynamic shared memory: gemv, attention decode / prefill, moe, the chunked
+    delta rule (test_gdn_chunked_fits_every_arch). The others
     (sampling, argmax, rmsnorm, rope, embedding, ...) launch with smem=0 (static shared memory only, checked against
     48 KB by the compiler on every arch)."""
-    audited = {"gemv.py", "decode.py", "prefill.py", "moe.py"}
+    audited = {"gemv.py", "decode.py", "decode_plan.py", "decode_kernels.py", "prefill.py", "moe.py", "gdn.py"}
     for f in (ROOT / "xserv" / "ops").rglob("*.py"):
         if f.name not in audited:
             assert not re.search(r"\bsmem\s*=\s*(?!0\b)", f.read_text()), f
+
+
+def test_gdn_chunked_fits_every_arch():
+    """The chunked delta rule asks one fixed size (its tiles do not depend on the model): at most the smallest
+    per-block opt-in limit of the archs CI compiles for (sm_89 / sm_120's 99 KB)."""
+    from xserv.ops import gdn
+
+    assert gdn._chunked_smem() <= min(block for block, _, _ in ARCHES.values())
 
 
 def smem_table() -> dict[str, dict[str, int]]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..runtime import kernel
+from ..runtime.sources import piece
 from ..tensor import Tensor, bfloat16, float32, int32
 from ._checks import check_tensor, output, same_device
 from ._launch import aligned, cdiv, check_alias, check_eps
@@ -34,6 +35,7 @@ HEAD_DIM = 128  # the CUDA delta rule and gated norm are written for dk = dv = 1
 L2_EPS = 1e-6
 RECURRENT_MAX_Q_LEN = 16  # steps whose longest sequence has at most this many new tokens run the recurrent kernel
 CHUNK = 64
+_FAMILY = piece("gdn", gdn=1)  # the family's one piece: compiled at a hybrid model's start only (cuda_src/gdn.cu)
 _CONV_TOKENS = 64  # tokens per CTA of the conv kernel
 _BV = 32  # value columns per CTA of the chunked kernel
 
@@ -209,7 +211,7 @@ def causal_conv1d_silu(proj: Tensor, weight: Tensor, conv_state: Tensor, cu_seql
                          f"conv_state, out 4-byte aligned (bf16 pairs)")
     if batch and max_q_len:
         grid = (cdiv(conv_dim // 2, 128), batch, cdiv(max_q_len, _CONV_TOKENS))
-        kernel("gdn", "causal_conv1d_silu_k4")(grid, 128, proj, weight, conv_state, cu_seqlens, kv_lens, state_slots,
+        kernel(_FAMILY, "causal_conv1d_silu_k4")(grid, 128, proj, weight, conv_state, cu_seqlens, kv_lens, state_slots,
                                                out, np.int32(conv_dim), np.int32(proj.shape[1]))
     return out
 
@@ -251,9 +253,9 @@ def gated_delta_rule(u: Tensor, proj: Tensor, A_log: Tensor, dt_bias: Tensor, ss
     args = (u, proj, A_log, dt_bias, ssm_state, cu_seqlens, kv_lens, state_slots, out, np.int32(nk), np.int32(nv),
             np.int32(proj.shape[1]), np.int32(ba_col))
     if max_q_len <= RECURRENT_MAX_Q_LEN:
-        kernel("gdn", "gdn_recurrent_d128")((nv, batch), 256, *args)
+        kernel(_FAMILY, "gdn_recurrent_d128")((nv, batch), 256, *args)
     else:
-        kernel("gdn", "gdn_chunked_d128")((HEAD_DIM // _BV, nv, batch), 128, *args, smem=_chunked_smem())
+        kernel(_FAMILY, "gdn_chunked_d128")((HEAD_DIM // _BV, nv, batch), 128, *args, smem=_chunked_smem())
     return out
 
 
@@ -292,6 +294,6 @@ def gated_rmsnorm_silu(o: Tensor, proj: Tensor, norm_weight: Tensor, eps: float,
                          f"norm_weight, out 8-byte aligned (8-byte accesses)")
     heads = rows * nv
     if heads:
-        kernel("gdn", "gated_rmsnorm_silu_d128")(cdiv(heads, 8), 256, o, proj, norm_weight, out, np.int32(nv),
+        kernel(_FAMILY, "gated_rmsnorm_silu_d128")(cdiv(heads, 8), 256, o, proj, norm_weight, out, np.int32(nv),
                                                  np.int32(proj.shape[1]), np.int32(z_col), np.int64(heads), eps32)
     return out

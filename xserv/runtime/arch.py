@@ -223,6 +223,12 @@ KERNEL_PATHS: dict[str, dict[KernelPath, tuple[Route, ...]]] = {
     "all_reduce (tensor parallelism, bf16 messages <= 64 KB)": {
         p: (r,) for p, r in _both(Route("allreduce", "one-shot over CUDA IPC peer memory: push, release/acquire flags, "
                                         "rank-order sum (NCCL for larger messages)")).items()},
+    "attention at head_dim 256 (gated attention of the hybrid models)": {p: (
+        Route("attention_prefill_d256", "the v3 prefill (mma.sync, cp.async) at head_dim 256: every arch (the wgmma "
+              "prefill stops at 128); compiled for a head_dim 256 model only"),
+        Route("attention_decode_d256", "v2 + combine at head_dim 256, groups 4, 6, 8, 16 (16 as two subgroups of 8), "
+              "bf16 and FP8 caches; compiled for a head_dim 256 model only")) for p in (PORTABLE, HOPPER)},
+    "attention_output_gate": {p: (r,) for p, r in _both(Route("attention_gate", "attn * sigmoid(gate)")).items()},
     "causal_conv1d_silu, gated_delta_rule, gated_rmsnorm_silu (Gated DeltaNet)": {p: (r,) for p, r in _both(Route(
         "gdn", "conv; recurrent delta rule (decode); chunked WY form on mma.sync (prefill); gated norm")).items()},
     "fill (benchmarks)": {p: (r,) for p, r in _both(Route("fill", "fill_f32")).items()},

@@ -105,12 +105,13 @@ def family_source(family: str) -> Path:
 SHAPE_KEYS = {"head_dim": ("d", "XSERV_HEAD_DIM"), "group": ("g", "XSERV_GROUP"), "rows": ("m", "XSERV_ROWS"),
               "part": ("p", "XSERV_PART"), "vec": ("v", "XSERV_VEC"), "moe": ("e", "XSERV_MOE"),
               "fp8": ("f", "XSERV_FP8"), "moe_fp8": ("x", "XSERV_MOE_FP8"),
-              "kvfp8": ("k", "XSERV_KV_FP8")}
+              "kvfp8": ("k", "XSERV_KV_FP8"), "gdn": ("l", "XSERV_GDN")}
 # moe=1: a mixture-of-experts model (the moe family's pieces: moe_fp8=1 the FP8 experts' GEMMs, moe_fp8=0 the bf16
 # ones, what a model without moe_fp8 takes); fp8=1: an FP8-quantized model (the gemv_fp8 and fp8 families' one piece
 # each: the FP8 GEMV, the activation quantization and the weight dequantization); kvfp8=1:
-# an engine with an FP8 KV cache (EngineConfig.kv_cache_dtype "fp8_e4m3": the attention_decode_fp8 piece of the shape)
-MODEL_KEYS = ("head_dim", "group", "moe", "fp8", "moe_fp8", "kvfp8")
+# an engine with an FP8 KV cache (EngineConfig.kv_cache_dtype "fp8_e4m3": the attention_decode_fp8 piece of the shape);
+# gdn=1: a hybrid model with Gated DeltaNet (linear attention) layers (the gdn family)
+MODEL_KEYS = ("head_dim", "group", "moe", "fp8", "moe_fp8", "kvfp8", "gdn")
 PIECE_SEP = ":"
 _SHAPES_LINE = re.compile(r"^//\s*xserv-shapes:((?:[ \t]+\w+=\S+)+)(.*)$", re.MULTILINE)  # then a why
 _STARTUP_LINE = re.compile(r"^//\s*xserv-startup:((?:[ \t]+[a-z]\d+(?:_[a-z]\d+)*)+)(.*)$", re.MULTILINE)  # a why
