@@ -72,7 +72,7 @@ __device__ void prefill_simple(const __nv_bfloat16* __restrict__ q, long long q_
 }
 
 // ------------------------------------------------------------------------------------------------------------
-// v3: FlashAttention-2 on mma.sync, tuned for latency (docs/kernels/attention.md, "v3 prefill"); the prefill of
+// v3: FlashAttention-2 on mma.sync, tuned for latency (docs/kernels/history/attention.md, "v3 prefill"); the prefill of
 // every architecture but sm_90a. (v2, the plain FlashAttention-2 it was tuned from, is in cuda_src/dev/.)
 //
 // What differs from v2:

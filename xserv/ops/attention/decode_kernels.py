@@ -34,7 +34,7 @@ V2_CTAS_PER_SM = 4  # v2's split-KV grid aims at this many CTAs per SM
 # at most 4 heads, R CTAs that read the same K/V (DecodeKernel.subgroups). Each subgroup loads and converts every key
 # again (from L2), so this pays only where a CTA's keys are few and its latency dominates: splits of at most
 # SUBGROUP_MAX_CHUNK keys. At most MAX_SUBGROUPS (groups of 5, 6 and 8; 7 stays whole): the _w8_r{R} kernels.
-# Measured on an H200 (docs/kernels/attention.md, "Query-head subgroups"): G = 8, 1 x 512 9.3 -> 6.4 us, 1 x 8192
+# Measured on an H200 (docs/kernels/history/attention.md, "Query-head subgroups for groups of 5, 6 and 8"): G = 8, 1 x 512 9.3 -> 6.4 us, 1 x 8192
 # 22.8 -> 20.7 us; 1 x 32768 (2048-key splits) 59.3 -> 62.9 us, a loss; G = 5, 1 x 512 7.5 -> 5.3 us.
 MAX_SUBGROUPS = 5
 SUBGROUP_MAX_CHUNK = 512
@@ -128,7 +128,7 @@ DEFAULT_DECODE = "v4"
 # On an FP8 (e4m3) cache, the 4-warp v4 kernel's scores and values on tensor cores (attention_decode_fp8.cu's _mma
 # entries: head_dim 128, groups of at most 8). The CUDA-core loop read K/V at ~55% of copy bandwidth at large batches;
 # this form took the 8B-FP8 + FP8-KV offline workload from 9,573 to 10,593 output tok/s on an H100
-# (docs/kernels/attention.md, "FP8 KV cache on tensor cores"). The other FP8 kernels keep the CUDA-core loop.
+# (docs/kernels/history/attention.md, "FP8 KV cache on tensor cores"). The other FP8 kernels keep the CUDA-core loop.
 # The families whose bodies attention_decode_fp8.cu instantiates for an e4m3 cache (KvChunksE4m3), and that piece's
 # family: every production kernel (v4, v4w8 and its subgroups and lean entries; v2), none of the dev ones.
 _FP8_BODIES = frozenset({"attention_decode", "attention_decode_v2"})

@@ -89,7 +89,7 @@ def plan_decode(variant: str | DecodeKernel, num_seqs: int, num_kv_heads: int, m
     this shape, with the fallbacks applied: v4 (and the dev v4 experiments) plan with v4_plan and run v2 where a
     split would overflow the shared page table; v4 itself runs
     its 8-warp CTAs (v4w8) where the planned grid is one wave of them (at most 2 per SM) and the group is at most 4
-    (few sequences: each CTA's keys go out in half the stages; docs/kernels/attention.md, "Wide CTAs"), a larger
+    (few sequences: each CTA's keys go out in half the stages; docs/kernels/history/attention.md, "Wide CTAs for short contexts"), a larger
     group split into query-head subgroups of at most 4 where that makes such a grid of short splits
     (DecodeKernel.subgroups; groups of 5, 6 and 8, MAX_SUBGROUPS, SUBGROUP_MAX_CHUNK); the dev v3 needs
     block_size % 16 == 0, else v2. smem_per_block / smem_per_sm: the device's shared memory (sm_90's by default;

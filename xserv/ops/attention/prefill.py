@@ -136,7 +136,7 @@ def default_prefill_variant(head_dim: int | None = None) -> str:
 
 
 # The shipped v3 kernels by their measured speed (H200, d128 causal: m2w8_b3 229 TFLOP/s, m2w8_b3_k32 201;
-# docs/kernels/attention.md, "v3 prefill"): fit_v3 prefers the faster one among those that keep as many warps
+# docs/kernels/history/attention.md, "v3 prefill"): fit_v3 prefers the faster one among those that keep as many warps
 # resident per SM where the shipped v3 does not fit a device's shared memory (d128 m2w8_b3 asks 131,072 bytes;
 # sm_86 / sm_89 / sm_120 allow 101,376 per CTA).
 V3_BY_SPEED = {128: ("v3", "v3_m2w8_b3_k32"), 64: ("v3",)}
