@@ -27,7 +27,7 @@ V2_CTAS_PER_SM = 4  # v2's split-KV grid aims at this many CTAs per SM
 # its CTAs start, and do their pre-wait work, while the GEMV still runs; the SMs free up one by one, and the block
 # scheduler would stack the early CTAs 2-4 deep on the first free SMs (the GEMV holds nearly all registers of an
 # SM), unbalancing a plan that spreads the keys over the SMs. So each CTA asks for enough dynamic shared memory that
-# an SM holds at most ceil(CTAs / SMs) of them (spread_smem). Both measured in docs/kernels/attention.md ("QK-norm +
+# an SM holds at most ceil(CTAs / SMs) of them (spread_smem). Both measured in docs/kernels/history/attention.md ("QK-norm +
 # RoPE + KV write folded into decode v4").
 # Query-head subgroups: a group of more than 4 query heads per kv head (Qwen3-14B: 40/8, 32B: 64/8) does not fit the
 # 8-warp CTAs' registers, so in the grids where those run (few sequences) the plan may split it into R subgroups of
