@@ -23,8 +23,8 @@ HAS_GPU = cuda_available()
 # module's fixtures (a server process, a loaded model) to one worker.
 HEAVY_FIRST = ("test_llm_threads.py", "test_engine.py", "test_server_limits.py", "test_server.py", "test_server_edges.py",
                "test_server_structured.py", "test_fp8_kv_model.py", "test_cli.py", "test_smem_limits.py",
-               "test_tp_engine.py", "test_structured.py", "test_server_tools.py", "test_moe_model.py",
-               "test_sampling_op.py", "test_sampling.py")
+               "test_tp_engine.py", "test_structured.py", "test_server_tools.py", "test_server_hybrid.py",
+               "test_moe_model.py", "test_sampling_op.py", "test_sampling.py")
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: without the plugin (the GPU machine) it is never called
