@@ -176,3 +176,26 @@ def test_make_test_model_writes_the_release_layout(tmp_path):
     m = load(out)
     ids = [248045, 872, 198, 9419, 0]
     assert_as_close_as_bf16(run(m, caches(m), [SeqChunk(ids, 0, [0, 1], "all", 0)]), out, ids)
+
+
+def test_limit_logits_cuts_the_padding_rows(folder):
+    """The head keeps the tokenizer's rows only; a tied head stays the embedding table (counted once)."""
+    m = load(folder)
+    before, params = m.weight_bytes(), m.num_parameters()
+    ids = [3, 1, 4, 1, 5]
+    full = run(m, caches(m), [SeqChunk(ids, 0, [0, 1], "all", 0)])
+    assert m.limit_logits(500) == 500 and m.logits_width == 500
+    cut = run(m, caches(m), [SeqChunk(ids, 0, [0, 1], "all", 0)])
+    # the same sums over the hidden size; a BLAS may order them by the output width: float32 roundings apart
+    assert cut.shape == (5, 500) and np.allclose(cut, full[:, :500], rtol=1e-5, atol=1e-6)
+    assert m.weight_bytes() <= before and m.num_parameters() <= params
+    with pytest.raises(ValueError, match="num_tokens"):
+        m.limit_logits(0)
+
+
+def test_a_tied_head_is_counted_once(tmp_path):
+    m = load(write_random_folder(tmp_path / "tied", {**TEXT, "tie_word_embeddings": True}, layout="qwen3_5"))
+    assert m.lm_head is m.embed
+    bytes_before = m.weight_bytes()
+    m.limit_logits(500)
+    assert m.weight_bytes() == bytes_before

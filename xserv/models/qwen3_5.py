@@ -86,6 +86,7 @@ class HybridModel(DenseForward):
         self.device = device
         self.dtype = embed.dtype
         self.embed, self.layers, self.final_norm, self.lm_head = embed, layers, final_norm, lm_head
+        self.tied = lm_head is embed  # (limit_logits makes the head a view of the table's first rows)
         self.eps = float(config.rms_norm_eps)
         self.scale = float(config.head_dim) ** -0.5
         self.max_positions = int(max_positions or config.context_length)
@@ -160,7 +161,7 @@ class HybridModel(DenseForward):
         return model
 
     def weight_tensors(self) -> list[Tensor]:
-        tensors = [self.embed, self.final_norm] + ([] if self.lm_head is self.embed else [self.lm_head])
+        tensors = [self.embed, self.final_norm] + ([] if self.tied else [self.lm_head])
         for layer in self.layers:
             tensors += list(vars(layer).values())
         return tensors
