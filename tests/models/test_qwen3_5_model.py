@@ -121,6 +121,7 @@ def test_loads_and_skips_the_vision_tower(folder, monkeypatch):
     assert m.kv_layout == (1, c.num_key_value_heads, 256)
     assert m.layers[0].in_proj.shape == (c.gdn_proj_size, c.hidden_size)
     assert m.layers[3].qkvg.shape == (c.qkvg_size, c.hidden_size)
+    assert m.layers[0].A_log.dtype == np.float32 and m.layers[0].dt_bias.dtype == np.float32
 
 
 @pytest.mark.parametrize("layout", ["qwen3_5_text", "qwen3_next"])

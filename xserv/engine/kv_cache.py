@@ -41,6 +41,16 @@ def kv_cache_dtype(name: str, model_dtype) -> np.dtype:
     raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
 
 
+def usable_device_memory() -> int:
+    """Bytes a new allocation may take on the device: free memory plus the allocator's cached blocks (freed by a
+    closed LLM)."""
+    from ..runtime import get_runtime
+
+    runtime = get_runtime()
+    free, _total = runtime.device.memory_info()
+    return free + runtime.allocator.stats.bytes_cached
+
+
 @dataclass(frozen=True)
 class KVCacheSpec:
     num_layers: int
@@ -101,12 +111,8 @@ class KVCache:
         block). Tensor parallelism: every rank computes its own, rank 0 sizes every rank's pool by the smallest."""
         if not 0 < memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
-        from ..runtime import get_runtime
-
         per_token = spec.bytes_per_token(np.dtype(dtype)) + spec.scratch_bytes_per_token(dtype)
-        runtime = get_runtime()
-        free, _total = runtime.device.memory_info()
-        free += runtime.allocator.stats.bytes_cached  # blocks freed by a closed LLM: an allocation may take them
+        free = usable_device_memory()
         num_tokens = int(free * memory_fraction) // per_token
         if num_tokens < spec.block_size:
             raise ValueError(

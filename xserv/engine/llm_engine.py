@@ -30,8 +30,8 @@ import numpy as np
 
 from .block_manager import BlockManager
 from .config import CPU_KV_BYTES, EngineConfig
-from .kv_cache import KVCache, KVCacheSpec, kv_cache_dtype
-from .model_runner import ModelRunner
+from .kv_cache import KVCache, KVCacheSpec, kv_cache_dtype, usable_device_memory
+from .model_runner import ModelRunner, logits_width
 from .sampler import Sampler
 from .scheduler import Scheduler
 from .sequence import FINISHED, RUNNING, RequestOutput, Sequence  # noqa: F401 (RequestOutput: the library's)
@@ -430,11 +430,6 @@ class LLMEngine:
             self.blocks.free(table)
 
 
-def logits_width(model) -> int:
-    """The width of the model's logits: its vocabulary, or the tokenizer's part of it (limit_logits)."""
-    return getattr(model, "logits_width", model.config.vocab_size)
-
-
 # A model with per-sequence state: its slots take at most this share of the memory the caches may use (the rest
 # is the KV pool of its attention layers), so that long contexts keep room.
 STATE_MEMORY_SHARE = 0.5
@@ -450,11 +445,7 @@ def _fit_state_slots(config: EngineConfig, layout, device: str) -> EngineConfig:
         log.info("prefix caching is off for this model: its recurrent layers' state is not cached yet")
         changes["enable_prefix_caching"] = False
     if device == "cuda":
-        from ..runtime import get_runtime
-
-        runtime = get_runtime()
-        free, _total = runtime.device.memory_info()
-        free += runtime.allocator.stats.bytes_cached
+        free = usable_device_memory()
         per_slot = slot_bytes(layout)
         fit = int(free * config.gpu_memory_fraction * STATE_MEMORY_SHARE) // per_slot - 1  # one scratch slot
         if fit < 1:

@@ -46,6 +46,11 @@ PREFILL_GRAPH_START = 16
 _PF_CU, _PF_KV, _PF_LOGIT, _PF_STATE, _PF_IDS = 0, 2, 3, 4, 5
 
 
+def logits_width(model) -> int:
+    """The width of the model's logits: its vocabulary, or the tokenizer's part of it (a model's limit_logits)."""
+    return getattr(model, "logits_width", model.config.vocab_size)
+
+
 def prefill_token_buckets(max_tokens: int) -> list[int]:
     """Token-count buckets of the prefill graphs: 16, 32, 64, ... below max_tokens, then max_tokens ([] for 0)."""
     if max_tokens < 1:
@@ -169,7 +174,7 @@ class ModelRunner:
         """Logits at every position of one sequence, prefilled `chunk` tokens at a time through the paged cache
         into the blocks of `block_table` (lent by the caller)."""
         chunk = chunk or self.logits_chunk
-        out = np.empty((len(token_ids), getattr(self.model, "logits_width", self.model.config.vocab_size)), np.float32)
+        out = np.empty((len(token_ids), logits_width(self.model)), np.float32)
         for start in range(0, len(token_ids), chunk):
             piece = token_ids[start:start + chunk]
             scratch = -1 if self.state is None else self.state.scratch_slot

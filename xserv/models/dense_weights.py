@@ -111,8 +111,8 @@ def checkpoint_expectations(table: list[Weight]) -> tuple[dict[str, tuple[int, .
 
 
 def fill_fields(pieces, count: int, shapes: dict[str, tuple[int, ...]], num_layers: int, dtype, device: str,
-                progress: bool = False, model_fields: dict[str, Tensor] | None = None
-                ) -> tuple[dict[str, Tensor], list[dict[str, Tensor]]]:
+                progress: bool = False, model_fields: dict[str, Tensor] | None = None,
+                keep_dtype: tuple[str, ...] = ()) -> tuple[dict[str, Tensor], list[dict[str, Tensor]]]:
     """Fill a model's field tensors from `pieces`: (layer or None, field, rows [start, stop) of the field or None
     for all of it, host array) in load order, `count` of them (the progress bar's total). A field is allocated
     (`shapes[field]`, `dtype`, on `device`) when its first piece arrives, unless `model_fields` holds it already; a
@@ -120,7 +120,9 @@ def fill_fields(pieces, count: int, shapes: dict[str, tuple[int, ...]], num_laye
     128 x 128 block grid of the field's shape);
     each array is cast to `dtype` on the host if it differs and copied (on CUDA uploaded) into its rows, one at a
     time, so the host holds one piece beyond the memory-mapped files. Returns (model-level fields, per-layer fields)
-    after the uploads are complete. (DenseModel.from_checkpoint's loop; xserv/parallel/load.py's shard loader.)"""
+    after the uploads are complete. `keep_dtype`: fields whose pieces keep their own dtype (a hybrid model's float32
+    GDN decay inputs). (DenseModel.from_checkpoint's loop; xserv/parallel/load.py's shard loader; the hybrid
+    models' loader.)"""
     model_fields = {} if model_fields is None else model_fields
     layer_fields: list[dict[str, Tensor]] = [{} for _ in range(num_layers)]
 
@@ -131,7 +133,8 @@ def fill_fields(pieces, count: int, shapes: dict[str, tuple[int, ...]], num_laye
         for layer, field, rows, arr in pieces:
             fields = model_fields if layer is None else layer_fields[layer]
             # a kept FP8 field (xserv/models/fp8.py) keeps the file's e4m3 bytes, its "<field>.scale_inv" float32
-            want = arr.dtype if arr.dtype == E4M3 or field.endswith(SCALE_SUFFIX) else np.dtype(dtype)
+            want = (arr.dtype if arr.dtype == E4M3 or field.endswith(SCALE_SUFFIX) or field in keep_dtype
+                    else np.dtype(dtype))
             if field not in fields:
                 shape = (scale_shape(shapes[field[:-len(SCALE_SUFFIX)]], DEFAULT_BLOCK)
                          if field.endswith(SCALE_SUFFIX) else shapes[field])

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..tensor import Tensor, as_dtype, float32
-from .dense_weights import FLOAT_DTYPES, WEIGHT_DTYPE, Weight
+from ..tensor import Tensor, as_dtype
+from .dense_weights import FLOAT_DTYPES, WEIGHT_DTYPE, Weight, fill_fields
 from .qwen3_5_config import FULL_ATTENTION, HybridConfig
 
 # Fields whose checkpoint weight is zero-centred (the model multiplies by 1 + w): folded at load.
@@ -245,43 +245,35 @@ def _in_proj_pieces(c: HybridConfig, name: str, arr: np.ndarray):
 
 
 def _convert(field: str, arr: np.ndarray, dtype) -> np.ndarray:
+    """A piece in the dtype its field keeps: float32 for the GDN's decay inputs, `1 + w` rounded once to `dtype` for
+    a zero-centred norm, else as it is (fill_fields casts it)."""
     if field in FLOAT32_FIELDS:
-        return np.ascontiguousarray(arr, dtype=np.float32)
+        return arr.astype(np.float32)
     if field in ZERO_CENTRED:
-        return np.ascontiguousarray((1.0 + arr.astype(np.float32)).astype(dtype))
-    return np.ascontiguousarray(arr if arr.dtype == dtype else arr.astype(dtype))
+        return (1.0 + arr.astype(np.float32)).astype(dtype)
+    return arr
+
+
+# how many pieces a checkpoint tensor makes in its fused field (_placements), for the progress bar's total
+_PIECES = {"q_proj.weight": 2, "in_proj_qkvz.weight": 4, "in_proj_ba.weight": 2}
 
 
 def load_fields(config: HybridConfig, reader, device: str, dtype=None, progress: bool = False):
-    """(model-level fields, per-layer field dicts) of a checkpoint, each tensor read from the memory-mapped file,
-    converted and copied into its rows one at a time."""
-    from ..progress import progress_bar
-
+    """(model-level fields, per-layer field dicts) of a checkpoint: each tensor read from the memory-mapped file,
+    placed and converted, and copied into its rows one piece at a time (dense_weights.fill_fields)."""
     validate(config, reader)
     dtype = as_dtype(dtype) if dtype is not None else WEIGHT_DTYPE[device]
     table = weight_table(config)
-    model_fields: dict[str, Tensor] = {}
-    layers: list[dict[str, Tensor]] = [{} for _ in range(config.num_hidden_layers)]
-    shapes = [field_shapes(config, t) for t in config.layer_types]
-    model_shapes = {"embed": (config.vocab_size, config.hidden_size), "final_norm": (config.hidden_size,),
-                    "lm_head": (config.vocab_size, config.hidden_size)}
-    bar = progress_bar(len(table), "loading weights", enabled=progress, unit="tensor", leave=False)
-    try:
-        for w in table:
-            fields = model_fields if w.layer is None else layers[w.layer]
-            for field, row, piece in _placements(config, w.name, w.field, reader.get(w.name)):
-                if field not in fields:
-                    shape = model_shapes[field] if w.layer is None else shapes[w.layer][field]
-                    fields[field] = Tensor.empty(shape, float32 if field in FLOAT32_FIELDS else dtype, device)
-                piece = _convert(field, piece, fields[field].dtype if field not in ZERO_CENTRED else dtype)
-                fields[field][row:row + piece.shape[0]].copy_(piece)
-            if bar is not None:
-                bar.update(1)
-    finally:
-        if bar is not None:
-            bar.close()
-    if device == "cuda":
-        from ..runtime import synchronize
+    shapes = {"embed": (config.vocab_size, config.hidden_size), "final_norm": (config.hidden_size,),
+              "lm_head": (config.vocab_size, config.hidden_size)}
+    for kind in set(config.layer_types):  # the two kinds' fields: shared names have the same shape
+        shapes.update(field_shapes(config, kind))
 
-        synchronize()
-    return model_fields, layers
+    def pieces():
+        for w in table:
+            for field, row, piece in _placements(config, w.name, w.field, reader.get(w.name)):
+                yield w.layer, field, (row, row + piece.shape[0]), _convert(field, piece, dtype)
+
+    count = sum(next((n for suffix, n in _PIECES.items() if w.name.endswith(suffix)), 1) for w in table)
+    return fill_fields(pieces(), count, shapes, config.num_hidden_layers, dtype, device, progress,
+                       keep_dtype=FLOAT32_FIELDS)
